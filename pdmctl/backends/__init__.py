@@ -1,0 +1,1 @@
+"""Experiment backends: `toy` (the CPU RL testbed) and `verl` (the real engine)."""
