@@ -1,0 +1,44 @@
+"""What every backend shares: the tracker it logs through.
+
+A backend never talks to MLflow. It logs step-indexed metrics (and per-problem
+evaluation scores) through a `Tracker`; the job entry point plugs the ledger in,
+tests plug in `InMemoryTracker`.
+
+Metric names every backend uses (the report and `pdmctl status` read these):
+
+    train/reward  train/response_length  train/ppo_kl  train/mask_frac
+    train/out_of_region_frac  train/mean_divergence  train/disagreement_count
+    eval/<dataset>            avg@16 on a held-out set (toy24, toy25, aime24, aime25)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+
+class Tracker(Protocol):
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Record `metrics` at training step `step`."""
+
+    def log_per_problem(self, dataset: str, step: int, accuracies: Sequence[float]) -> None:
+        """Record the per-problem accuracies of one evaluation (for the two-level bootstrap)."""
+
+
+class InMemoryTracker:
+    """A tracker that keeps everything in memory: for tests and the direction analysis."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        self.per_problem: dict[str, list[tuple[int, list[float]]]] = defaultdict(list)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            self.metrics[name].append((step, float(value)))
+
+    def log_per_problem(self, dataset: str, step: int, accuracies: Sequence[float]) -> None:
+        self.per_problem[dataset].append((step, [float(a) for a in accuracies]))
+
+    def history(self, name: str) -> list[tuple[int, float]]:
+        return list(self.metrics.get(name, []))
