@@ -1,0 +1,129 @@
+"""The policy: a small pre-LN causal transformer, its presets, and the weight precisions.
+
+Precision is a property of weights only, as in the issue: the rollout engine
+keeps its own copy of the weights rounded to bfloat16 or quantized through
+float8 e4m3 (one scale per tensor); `fp8_e2e` also runs the training forward
+through the fp8 weights, with a straight-through gradient to the float32
+master weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from pdmctl.backends.toy.task import MAX_RESPONSE_LEN, PROMPT_LEN, VOCAB_SIZE
+
+SEQ_LEN = PROMPT_LEN + MAX_RESPONSE_LEN
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """Architecture and the supervised warm-up that makes the base model (all of it keys the cache)."""
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    warmup_steps: int
+    warmup_batch: int
+    warmup_lr: float
+    label_smoothing: float  # keeps a real tail beyond the top-K, as an LLM's distribution has
+    warmup_seed: int = 0
+    vocab_size: int = VOCAB_SIZE
+
+
+MODEL_PRESETS: dict[str, ModelPreset] = {
+    "toy-small": ModelPreset(
+        d_model=64, n_layers=2, n_heads=4, warmup_steps=150, warmup_batch=256, warmup_lr=3e-3,
+        label_smoothing=0.05,
+    ),  # fmt: skip
+}
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.up = nn.Linear(d_model, 4 * d_model)
+        self.down = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, preset: ModelPreset) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(preset.vocab_size, preset.d_model)
+        self.pos = nn.Embedding(SEQ_LEN, preset.d_model)
+        self.blocks = nn.ModuleList(Block(preset.d_model, preset.n_heads) for _ in range(preset.n_layers))
+        self.ln_f = nn.LayerNorm(preset.d_model)
+        self.head = nn.Linear(preset.d_model, preset.vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token logits, float [B, T, V], for tokens long [B, T]."""
+        x = self.tok(tokens) + self.pos.weight[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def build_model(preset: ModelPreset, seed: int) -> TinyTransformer:
+    """A freshly initialised model; the global RNG is left as it was."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return TinyTransformer(preset)
+
+
+# ---------------------------------------------------------------------------
+# Weight precision
+# ---------------------------------------------------------------------------
+
+WeightCast = Callable[[torch.Tensor], torch.Tensor]
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def to_bf16(w: torch.Tensor) -> torch.Tensor:
+    return w.to(torch.bfloat16).to(w.dtype)
+
+
+def to_fp8(w: torch.Tensor) -> torch.Tensor:
+    """float8 e4m3 with one scale per tensor for matrices; vectors (norms, biases) stay in bfloat16."""
+    if w.dim() < 2:
+        return to_bf16(w)
+    scale = w.abs().amax().clamp_min(1e-12) / FP8_MAX
+    return (w / scale).to(torch.float8_e4m3fn).to(w.dtype) * scale
+
+
+@dataclass(frozen=True)
+class Precision:
+    rollout: WeightCast  # the rollout engine's copy of the weights
+    train: WeightCast | None  # the training forward's weights (None: the float32 masters)
+
+
+PRECISIONS: dict[str, Precision] = {
+    "bf16": Precision(rollout=to_bf16, train=None),
+    "fp8_rollout": Precision(rollout=to_fp8, train=None),
+    "fp8_e2e": Precision(rollout=to_fp8, train=to_fp8),
+}
+
+
+def forward(model: TinyTransformer, tokens: torch.Tensor, cast: WeightCast | None) -> torch.Tensor:
+    """The training forward; with `cast`, through the cast weights, straight-through to the masters."""
+    if cast is None:
+        return model(tokens)
+    params = {name: p + (cast(p.detach()) - p).detach() for name, p in model.named_parameters()}
+    return functional_call(model, params, (tokens,))

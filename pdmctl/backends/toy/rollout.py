@@ -1,0 +1,74 @@
+"""The rollout engine: its own copy of the weights, in the run's precision.
+
+Like vLLM/SGLang it hands the trainer, per generated token, only the sampled
+id, its log-probability and the top-K ids and log-probabilities, never the
+full distribution: that is all the masks may know of μ.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from pdmctl.backends.toy.model import TinyTransformer, WeightCast
+from pdmctl.backends.toy.task import MAX_RESPONSE_LEN
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """What the engine returns for a batch of prompts."""
+
+    prompts: torch.Tensor  # long [B, P]
+    sampled_ids: torch.Tensor  # long [B, T]
+    sampled_logprobs: torch.Tensor  # float [B, T]: log μ_k
+    topk_ids: torch.Tensor  # long [B, T, K]
+    topk_logprobs: torch.Tensor  # float [B, T, K]: log μ_i on the top-K
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """long [B, P + T]: the full sequences, as the trainer feeds them back."""
+        return torch.cat([self.prompts, self.sampled_ids], dim=1)
+
+
+class RolloutEngine:
+    def __init__(self, policy: TinyTransformer, cast: WeightCast, k: int) -> None:
+        self.model = copy.deepcopy(policy).requires_grad_(False)
+        self.cast = cast
+        self.k = k
+
+    @torch.no_grad()
+    def sync(self, policy: TinyTransformer) -> None:
+        """Load the policy's current weights, cast to the rollout precision (a weight sync)."""
+        for mine, theirs in zip(self.model.parameters(), policy.parameters(), strict=True):
+            mine.copy_(self.cast(theirs.detach()))
+
+    def generate(self, prompts: torch.Tensor, generator: torch.Generator) -> Rollout:
+        """Sample MAX_RESPONSE_LEN tokens per prompt at temperature 1.0.
+
+        Every row runs the full length (rows past EOS keep sampling; the
+        response mask drops those tokens) so the batch stays one tensor. The
+        sequences are a dozen tokens long, so the forward is recomputed over
+        the whole prefix at each step: cheaper here than a KV cache's bookkeeping.
+        """
+        with torch.inference_mode():
+            tokens = prompts
+            sampled, sampled_lp, topk_ids, topk_lp = [], [], [], []
+            for _ in range(MAX_RESPONSE_LEN):
+                log_mu = torch.log_softmax(self.model(tokens)[:, -1].float(), dim=-1)
+                ids = torch.multinomial(log_mu.exp(), 1, generator=generator)
+                top = log_mu.topk(self.k, dim=-1)
+                sampled.append(ids.squeeze(1))
+                sampled_lp.append(log_mu.gather(1, ids).squeeze(1))
+                topk_ids.append(top.indices)
+                topk_lp.append(top.values)
+                tokens = torch.cat([tokens, ids], dim=1)
+        # clone out of inference mode: the trainer's autograd must be able to save these
+        return Rollout(
+            prompts=prompts.clone(),
+            sampled_ids=torch.stack(sampled, 1).clone(),
+            sampled_logprobs=torch.stack(sampled_lp, 1).clone(),
+            topk_ids=torch.stack(topk_ids, 1).clone(),
+            topk_logprobs=torch.stack(topk_lp, 1).clone(),
+        )

@@ -1,0 +1,571 @@
+"""Trust-region masks for LLM RL: GRPO clip-higher, DPPO and the predictive divergence mask.
+
+This module is `docs/MATH.md` in code, symbol for symbol (`mu_tail`, `pi_tail`,
+`q_tail`, `ddot`). It is pure torch: no I/O, no config objects, nothing about
+MLflow, SLURM, Hydra or VeRL. Both backends (the CPU testbed and VeRL) call it.
+
+Variants are registered by name: a divergence family (KL, TV) is a pair of
+functions `D` and `Ḋ`; a divergence is a family on a support (top-K or binary);
+an estimator gives `Q_tail`; a method turns the token quantities into a keep
+mask; an aggregation mode turns token losses into a scalar. Adding one is
+adding a function with its decorator.
+
+Numerics: the only [N, V] work is one log-softmax (in float32, whatever the
+logits' dtype), the gather at the support ids and, for the `exact` estimator,
+`Σ_j π_j²`, reduced in row chunks so no second [N, V] tensor exists. Everything
+on the support ([N, K+1]) is computed in float64, which is cheap there and
+keeps `1 − Σ_S π_i` meaningful.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+EPS = 1e-12  # clamp for tail masses (MATH.md: clamp both to >= ε)
+_MAX_LOG_RATIO = 80.0  # exp(80) < float32 max: the ratio stays finite for any valid input
+_LOGPROB_TOL = 1e-4  # engines round log-probabilities; a probability of 1 may come back as +1e-7
+_Q_CHUNK_ROWS = 4  # rows per chunk when reducing Σ π² over the vocabulary (a few MB of scratch)
+
+
+# ---------------------------------------------------------------------------
+# Token quantities on the support S = TopK(mu) ∪ {k}
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Support:
+    """Per-token quantities on the support, float64, shape [N, m_max] or [N]."""
+
+    valid: torch.Tensor  # bool [N, m]: slot i is a member of S
+    is_k: torch.Tensor  # bool [N, m]: slot i is the sampled token k
+    pi: torch.Tensor  # π_i on S (0 where not valid)
+    mu: torch.Tensor  # μ_i on S (0 where not valid)
+    log_pi: torch.Tensor  # log π_i (0 where not valid)
+    log_mu: torch.Tensor  # log μ_i (0 where not valid)
+    pi_k: torch.Tensor  # [N] π_k
+    mu_k: torch.Tensor  # [N] μ_k as it enters D (the support's own value)
+    pi_tail: torch.Tensor  # [N] clamp(1 − Σ_S π_i, ε)
+    mu_tail: torch.Tensor  # [N] clamp(1 − Σ_S μ_i, ε)
+    n_minus_m: torch.Tensor  # [N] unseen vocabulary size n − |S| (at least 1)
+
+
+@dataclass(frozen=True)
+class DivergenceFamily:
+    name: str
+    divergence: Callable[[Support], torch.Tensor]  # D, [N]
+    ddot: Callable[[Support, torch.Tensor, torch.Tensor], torch.Tensor]  # (support, q_tail, q) -> Ḋ, [N]
+
+
+@dataclass(frozen=True)
+class DivergenceSpec:
+    name: str
+    family: DivergenceFamily
+    support: str  # "topk": S = TopK ∪ {k};  "binary": S = {k}
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    name: str
+    q_tail: Callable[[Support, torch.Tensor | None], torch.Tensor]  # (support, Σ_j π_j² or None) -> Q_tail
+    needs_full_q: bool  # needs Σ_j π_j² over the whole vocabulary
+
+
+@dataclass(frozen=True)
+class MaskInputs:
+    """What a method decides on, per token ([N] each)."""
+
+    advantages: torch.Tensor
+    ratio: torch.Tensor
+    divergence: torch.Tensor | None
+    ddot: torch.Tensor | None
+    delta: torch.Tensor  # δ_high where A > 0, δ_low where A < 0
+    eps_low: float
+    eps_high: float
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    masked: Callable[[MaskInputs], torch.Tensor]  # bool [N]: True where the gradient is dropped
+    uses_divergence: bool
+    uses_ddot: bool
+
+
+FAMILIES: dict[str, DivergenceFamily] = {}
+DIVERGENCES: dict[str, DivergenceSpec] = {}
+ESTIMATORS: dict[str, EstimatorSpec] = {}
+METHODS: dict[str, MethodSpec] = {}
+AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+
+
+def register_family(name: str, ddot: Callable[[Support, torch.Tensor, torch.Tensor], torch.Tensor]):
+    def wrap(fn: Callable[[Support], torch.Tensor]) -> Callable[[Support], torch.Tensor]:
+        FAMILIES[name] = DivergenceFamily(name, fn, ddot)
+        return fn
+
+    return wrap
+
+
+def register_divergence(name: str, family: str, support: str) -> None:
+    if support not in ("topk", "binary"):
+        raise ValueError(f"support must be 'topk' or 'binary', got {support!r}")
+    DIVERGENCES[name] = DivergenceSpec(name, FAMILIES[family], support)
+
+
+def register_estimator(name: str, *, needs_full_q: bool = False):
+    def wrap(fn):
+        ESTIMATORS[name] = EstimatorSpec(name, fn, needs_full_q)
+        return fn
+
+    return wrap
+
+
+def register_method(name: str, *, uses_divergence: bool, uses_ddot: bool):
+    def wrap(fn):
+        METHODS[name] = MethodSpec(name, fn, uses_divergence, uses_ddot)
+        return fn
+
+    return wrap
+
+
+def register_aggregation(name: str):
+    def wrap(fn):
+        AGGREGATIONS[name] = fn
+        return fn
+
+    return wrap
+
+
+# ---------------------------------------------------------------------------
+# Ḋ: the directional derivative of D along v = e_k − π
+# ---------------------------------------------------------------------------
+
+
+def ddot_from_gradient(
+    s: Support, g: torch.Tensor, g_tail: torch.Tensor, q_tail: torch.Tensor, q: torch.Tensor
+) -> torch.Tensor:
+    """MATH.md, for any D that sees the unseen tokens only through π_tail:
+
+    Ḋ = g_k π_k − Σ_S g_i π_i² − g_tail Q_tail − (π_k − Q)(Σ_S g_i π_i + g_tail π_tail)
+    """
+    g = torch.where(s.valid, g, torch.zeros_like(g))
+    g_k = (g * s.is_k).sum(-1)
+    sum_g_pi2 = (g * s.pi * s.pi).sum(-1)
+    sum_g_pi = (g * s.pi).sum(-1) + g_tail * s.pi_tail
+    return g_k * s.pi_k - sum_g_pi2 - g_tail * q_tail - (s.pi_k - q) * sum_g_pi
+
+
+def _ddot_kl(s: Support, q_tail: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    # Ḋ_KL = (π_k − μ_k) + Σ_S π_i (μ_i − π_i) + Q_tail (μ_tail/π_tail − 1)
+    # (the general formula with g_i = −μ_i/π_i, simplified so that no π_i is divided by)
+    local = s.pi_k - s.mu_k
+    coupling = (s.pi * (s.mu - s.pi)).sum(-1)
+    tail = q_tail * (s.mu_tail / s.pi_tail - 1.0)
+    return local + coupling + tail
+
+
+def _ddot_tv(s: Support, q_tail: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    # g_i = ½ sign(π_i − μ_i), g_tail = ½ sign(π_tail − μ_tail)
+    g = 0.5 * torch.sign(s.pi - s.mu)
+    g_tail = 0.5 * torch.sign(s.pi_tail - s.mu_tail)
+    return ddot_from_gradient(s, g, g_tail, q_tail, q)
+
+
+@register_family("kl", ddot=_ddot_kl)
+def _kl(s: Support) -> torch.Tensor:
+    # D = Σ_S μ_i log(μ_i/π_i) + μ_tail log(μ_tail/π_tail);  0·log 0 = 0 on empty slots
+    on_support = torch.where(s.valid & (s.mu > 0), s.mu * (s.log_mu - s.log_pi), torch.zeros_like(s.mu))
+    return on_support.sum(-1) + s.mu_tail * (torch.log(s.mu_tail) - torch.log(s.pi_tail))
+
+
+@register_family("tv", ddot=_ddot_tv)
+def _tv(s: Support) -> torch.Tensor:
+    # D = ½ (Σ_S |μ_i − π_i| + |μ_tail − π_tail|)
+    return 0.5 * ((s.mu - s.pi).abs().sum(-1) + (s.mu_tail - s.pi_tail).abs())
+
+
+register_divergence("topk_kl", "kl", "topk")
+register_divergence("topk_tv", "tv", "topk")
+register_divergence("binary_kl", "kl", "binary")  # S = {k}: μ_k log(μ_k/π_k) + (1−μ_k) log((1−μ_k)/(1−π_k))
+register_divergence("binary_tv", "tv", "binary")  # S = {k}: |μ_k − π_k|
+
+
+@register_estimator("agg")
+def _q_tail_agg(s: Support, q_full: torch.Tensor | None) -> torch.Tensor:
+    return s.pi_tail**2  # the tail as one token (an upper bound)
+
+
+@register_estimator("uni")
+def _q_tail_uni(s: Support, q_full: torch.Tensor | None) -> torch.Tensor:
+    return s.pi_tail**2 / s.n_minus_m  # the tail spread evenly (a lower bound)
+
+
+@register_estimator("exact", needs_full_q=True)
+def _q_tail_exact(s: Support, q_full: torch.Tensor | None) -> torch.Tensor:
+    assert q_full is not None
+    return (q_full - (s.pi * s.pi).sum(-1)).clamp_min(0.0)  # Σ_j π_j² − Σ_S π_i²
+
+
+# ---------------------------------------------------------------------------
+# Methods: when is a token masked?
+# ---------------------------------------------------------------------------
+
+
+@register_method("grpo", uses_divergence=False, uses_ddot=False)
+def _grpo(t: MaskInputs) -> torch.Tensor:
+    # clipped surrogate (clip-higher): A>0 ∧ r>1+ε_high, or A<0 ∧ r<1−ε_low
+    a, r = t.advantages, t.ratio
+    return ((a > 0) & (r > 1 + t.eps_high)) | ((a < 0) & (r < 1 - t.eps_low))
+
+
+@register_method("dppo", uses_divergence=True, uses_ddot=False)
+def _dppo(t: MaskInputs) -> torch.Tensor:
+    # ratio direction: D > δ ∧ A (r − 1) > 0
+    assert t.divergence is not None
+    return (t.divergence > t.delta) & (t.advantages * (t.ratio - 1) > 0)
+
+
+@register_method("pdm", uses_divergence=True, uses_ddot=True)
+def _pdm(t: MaskInputs) -> torch.Tensor:
+    # predictive direction: D > δ ∧ A · Ḋ > 0
+    assert t.divergence is not None and t.ddot is not None
+    return (t.divergence > t.delta) & (t.advantages * t.ddot > 0)
+
+
+# ---------------------------------------------------------------------------
+# Aggregation of token losses [B, T] (the VeRL modes)
+# ---------------------------------------------------------------------------
+
+
+@register_aggregation("token-mean")
+def _token_mean(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (loss * mask).sum() / mask.sum().clamp_min(1)
+
+
+@register_aggregation("seq-mean-token-sum")
+def _seq_mean_token_sum(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (loss * mask).sum(-1).mean()
+
+
+@register_aggregation("seq-mean-token-mean")
+def _seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return ((loss * mask).sum(-1) / mask.sum(-1).clamp_min(1)).mean()
+
+
+@register_aggregation("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # Dr. GRPO: token sums normalised by the fixed horizon T, not by each length
+    return (loss * mask).sum(-1).mean() / mask.shape[-1]
+
+
+# ---------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MaskResult:
+    keep: torch.Tensor  # bool [N]: True where the token's gradient is kept
+    divergence: torch.Tensor | None  # float32 [N] (None for grpo)
+    ddot: torch.Tensor | None  # float32 [N] (pdm only)
+    ratio: torch.Tensor  # float32 [N] π_k / μ_k
+
+
+@dataclass(frozen=True)
+class Diagnostics:
+    """Every token quantity, whatever the method (for metrics and the direction analysis)."""
+
+    keep: torch.Tensor  # bool [N] the method's decision
+    divergence: torch.Tensor  # float32 [N] D
+    ddot: torch.Tensor  # float32 [N] Ḋ with the given estimator
+    ratio: torch.Tensor  # float32 [N]
+    log_ratio: torch.Tensor  # float32 [N] log π_k − log μ_k
+    out_of_region: torch.Tensor  # bool [N] D > δ
+    disagree: torch.Tensor  # bool [N] D > δ and the ratio and predictive directions differ
+
+
+def compute_mask(
+    logits: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    rollout_topk_ids: torch.Tensor,
+    rollout_topk_logprobs: torch.Tensor,
+    rollout_sampled_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    method: str = "pdm",
+    divergence: str = "topk_kl",
+    estimator: str = "agg",
+    delta: float = 0.15,
+    delta_low: float | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+) -> MaskResult:
+    """The keep mask of one method, with the token quantities it used (see MATH.md)."""
+    d = token_diagnostics(
+        logits, sampled_ids, rollout_topk_ids, rollout_topk_logprobs, rollout_sampled_logprobs, advantages,
+        method=method, divergence=divergence, estimator=estimator, delta=delta, delta_low=delta_low,
+        eps_low=eps_low, eps_high=eps_high,
+    )  # fmt: skip
+    spec = METHODS[method]
+    return MaskResult(
+        keep=d.keep,
+        divergence=d.divergence if spec.uses_divergence else None,
+        ddot=d.ddot if spec.uses_ddot else None,
+        ratio=d.ratio,
+    )
+
+
+def token_diagnostics(
+    logits: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    rollout_topk_ids: torch.Tensor,
+    rollout_topk_logprobs: torch.Tensor,
+    rollout_sampled_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    method: str = "pdm",
+    divergence: str = "topk_kl",
+    estimator: str = "agg",
+    delta: float = 0.15,
+    delta_low: float | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    log_probs: torch.Tensor | None = None,
+) -> Diagnostics:
+    """D, Ḋ, r and the keep mask for every token, computed whatever the method.
+
+    `log_probs` may carry an already computed `log_softmax(logits)` (float32,
+    detached) so that a caller who needs it for the loss does not pay twice.
+    """
+    _check_names(method, divergence, estimator)
+    _check_inputs(logits, sampled_ids, rollout_topk_ids, rollout_topk_logprobs, rollout_sampled_logprobs,
+                  advantages, delta, delta_low)  # fmt: skip
+    div = DIVERGENCES[divergence]
+    est = ESTIMATORS[estimator]
+    with torch.no_grad():
+        if log_probs is None:
+            log_probs = torch.log_softmax(logits, dim=-1, dtype=_work_dtype(logits))
+        log_pi_k = log_probs.gather(-1, sampled_ids.unsqueeze(-1)).squeeze(-1)
+        if torch.isnan(log_pi_k).any():  # a NaN anywhere in a row makes its whole log-softmax NaN
+            raise ValueError("logits: contains NaN or +inf")
+        s = _support(log_probs, log_pi_k, sampled_ids, rollout_topk_ids, rollout_topk_logprobs,
+                     rollout_sampled_logprobs, div.support)  # fmt: skip
+        q_full = _sum_sq_probs(log_probs) if est.needs_full_q else None
+        q_tail = est.q_tail(s, q_full)
+        q = (s.pi * s.pi).sum(-1) + q_tail  # Q = Σ_S π_i² + Q_tail
+        d_value = div.family.divergence(s)
+        ddot = div.family.ddot(s, q_tail, q)
+
+        log_ratio = (log_pi_k.double() - rollout_sampled_logprobs.double()).clamp(
+            -_MAX_LOG_RATIO, _MAX_LOG_RATIO
+        )
+        ratio = log_ratio.exp()
+        adv = advantages.double()
+        delta_high = float(delta)
+        delta_neg = float(delta if delta_low is None else delta_low)
+        delta_t = torch.where(adv < 0, torch.full_like(adv, delta_neg), torch.full_like(adv, delta_high))
+        inputs = MaskInputs(adv, ratio, d_value, ddot, delta_t, eps_low, eps_high)
+        masked = METHODS[method].masked(inputs)
+        out = d_value > delta_t
+        disagree = out & ((adv * (ratio - 1) > 0) != (adv * ddot > 0))
+        return Diagnostics(
+            keep=~masked,
+            divergence=d_value.float(),
+            ddot=ddot.float(),
+            ratio=ratio.float(),
+            log_ratio=log_ratio.float(),
+            out_of_region=out,
+            disagree=disagree,
+        )
+
+
+def policy_loss(
+    logits: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    rollout_topk_ids: torch.Tensor,
+    rollout_topk_logprobs: torch.Tensor,
+    rollout_sampled_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    method: str = "pdm",
+    divergence: str = "topk_kl",
+    estimator: str = "agg",
+    delta: float = 0.15,
+    delta_low: float | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    loss_agg_mode: str = "token-mean",
+    ratio_cap: float = 10.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """L = −A · sg(min(r, C)) · M · log π_k, aggregated; gradient through log π_k only.
+
+    Token tensors are [B, T] (sequence modes aggregate over T) or [N] (one
+    sequence); `logits` has one more trailing dimension, the vocabulary.
+    """
+    if loss_agg_mode not in AGGREGATIONS:
+        raise ValueError(f"loss_agg_mode: unknown {loss_agg_mode!r}; choose from {sorted(AGGREGATIONS)}")
+    if not ratio_cap > 0:
+        raise ValueError(f"ratio_cap: must be > 0, got {ratio_cap}")
+    shape = sampled_ids.shape
+    if response_mask.shape != shape:
+        raise ValueError(f"response_mask: shape {tuple(response_mask.shape)} != sampled_ids {tuple(shape)}")
+    vocab = logits.shape[-1]
+    k = rollout_topk_ids.shape[-1]
+    log_probs = torch.log_softmax(logits.reshape(-1, vocab), dim=-1, dtype=_work_dtype(logits))
+    flat_ids = sampled_ids.reshape(-1)
+    d = token_diagnostics(
+        logits.reshape(-1, vocab), flat_ids, rollout_topk_ids.reshape(-1, k),
+        rollout_topk_logprobs.reshape(-1, k), rollout_sampled_logprobs.reshape(-1), advantages.reshape(-1),
+        method=method, divergence=divergence, estimator=estimator, delta=delta, delta_low=delta_low,
+        eps_low=eps_low, eps_high=eps_high, log_probs=log_probs.detach(),
+    )  # fmt: skip
+    log_pi_k = log_probs.gather(-1, flat_ids.unsqueeze(-1)).squeeze(-1)
+    weight = (
+        advantages.reshape(-1).float() * d.ratio.clamp(max=ratio_cap) * d.keep.float()
+    )  # A·sg(min(r,C))·M
+    per_seq = shape if len(shape) > 1 else (1, -1)  # a flat batch aggregates as one sequence
+    token_loss = (-weight * log_pi_k).reshape(per_seq)
+    loss = AGGREGATIONS[loss_agg_mode](token_loss, response_mask.reshape(per_seq).to(token_loss.dtype))
+    return loss, update_metrics(d, response_mask.reshape(-1).bool())
+
+
+def update_metrics(d: Diagnostics, response_mask: torch.Tensor) -> dict[str, float]:
+    """The per-update metrics of MATH.md, over the response tokens."""
+    n = response_mask.sum().clamp_min(1).double()
+
+    def mean(x: torch.Tensor) -> float:
+        return float((x.double() * response_mask).sum() / n)
+
+    return {
+        "mask_frac": mean(~d.keep),
+        "out_of_region_frac": mean(d.out_of_region),
+        "mean_divergence": mean(d.divergence),
+        "ppo_kl": mean(-d.log_ratio),  # E[log μ_k − log π_k], as VeRL reports it
+        "disagreement_count": float((d.disagree & response_mask).sum()),
+    }
+
+
+# ---------------------------------------------------------------------------
+# Internals
+# ---------------------------------------------------------------------------
+
+
+def _support(
+    log_probs: torch.Tensor,
+    log_pi_k: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    sampled_logprobs: torch.Tensor,
+    kind: str,
+) -> Support:
+    vocab = log_probs.shape[-1]
+    k_col = sampled_ids.unsqueeze(-1)
+    if kind == "binary":  # S = {k}
+        ids, log_mu = k_col, sampled_logprobs.unsqueeze(-1).double()
+        valid = torch.ones_like(k_col, dtype=torch.bool)
+    else:  # S = TopK(μ) ∪ {k}: K slots, plus k in slot K+1 when it is not among them
+        valid_topk = torch.isfinite(topk_logprobs)  # -inf pads entries the engine did not return
+        k_in_topk = ((topk_ids == k_col) & valid_topk).any(-1, keepdim=True)
+        ids = torch.cat([torch.where(valid_topk, topk_ids, 0), k_col], dim=-1)
+        log_mu = torch.cat([topk_logprobs, sampled_logprobs.unsqueeze(-1)], dim=-1).double()
+        valid = torch.cat([valid_topk, ~k_in_topk], dim=-1)
+    is_k = valid & (ids == k_col)
+    zero = torch.zeros((), dtype=torch.float64, device=log_probs.device)
+    log_pi = torch.where(valid, log_probs.gather(-1, ids).double(), zero)
+    log_mu = torch.where(valid, log_mu, zero)
+    pi = torch.where(valid, log_pi.exp(), zero)
+    mu = torch.where(valid, log_mu.exp(), zero)
+    m = valid.sum(-1)
+    return Support(
+        valid=valid,
+        is_k=is_k,
+        pi=pi,
+        mu=mu,
+        log_pi=log_pi,
+        log_mu=log_mu,
+        pi_k=log_pi_k.double().exp(),
+        mu_k=(mu * is_k).sum(-1),
+        pi_tail=(1.0 - pi.sum(-1)).clamp_min(EPS),
+        mu_tail=(1.0 - mu.sum(-1)).clamp_min(EPS),
+        n_minus_m=(vocab - m).clamp_min(1).double(),
+    )
+
+
+def _work_dtype(logits: torch.Tensor) -> torch.dtype:
+    """float32 for float32/bfloat16/float16 logits; float64 logits (tests) stay float64."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _sum_sq_probs(log_probs: torch.Tensor) -> torch.Tensor:
+    """Q = Σ_j π_j² over the whole vocabulary, float64 [N], in row chunks (no [N, V] temporary)."""
+    out = torch.empty(log_probs.shape[0], dtype=torch.float64, device=log_probs.device)
+    for start in range(0, log_probs.shape[0], _Q_CHUNK_ROWS):
+        chunk = log_probs[start : start + _Q_CHUNK_ROWS].exp()
+        out[start : start + _Q_CHUNK_ROWS] = torch.linalg.vector_norm(chunk, dim=-1).double() ** 2
+    return out
+
+
+def _check_names(method: str, divergence: str, estimator: str) -> None:
+    for arg, value, registry in (
+        ("method", method, METHODS),
+        ("divergence", divergence, DIVERGENCES),
+        ("estimator", estimator, ESTIMATORS),
+    ):
+        if value not in registry:
+            raise ValueError(f"{arg}: unknown {value!r}; choose from {sorted(registry)}")
+
+
+def _check_inputs(
+    logits: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    sampled_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    delta: float,
+    delta_low: float | None,
+) -> None:
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits: expected a float tensor [N, V], got {tuple(logits.shape)} {logits.dtype}")
+    n, vocab = logits.shape
+    if sampled_ids.shape != (n,):
+        raise ValueError(f"sampled_ids: expected shape ({n},), got {tuple(sampled_ids.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != n or topk_ids.shape[1] < 1:
+        raise ValueError(
+            f"rollout_topk_ids: expected shape ({n}, K) with K >= 1, got {tuple(topk_ids.shape)}"
+        )
+    if topk_logprobs.shape != topk_ids.shape:
+        raise ValueError(
+            f"rollout_topk_logprobs: shape {tuple(topk_logprobs.shape)} != rollout_topk_ids {tuple(topk_ids.shape)}"
+        )
+    for name, t in (("rollout_sampled_logprobs", sampled_logprobs), ("advantages", advantages)):
+        if t.shape != (n,):
+            raise ValueError(f"{name}: expected shape ({n},), got {tuple(t.shape)}")
+    for name, t in (("sampled_ids", sampled_ids), ("rollout_topk_ids", topk_ids)):
+        if t.is_floating_point():
+            raise ValueError(f"{name}: expected integer token ids, got {t.dtype}")
+    if n and (sampled_ids.min() < 0 or sampled_ids.max() >= vocab):
+        raise ValueError(
+            f"sampled_ids: ids must lie in [0, {vocab}), got [{sampled_ids.min()}, {sampled_ids.max()}]"
+        )
+    real_topk = topk_ids[torch.isfinite(topk_logprobs)]
+    if real_topk.numel() and (real_topk.min() < 0 or real_topk.max() >= vocab):
+        raise ValueError(
+            f"rollout_topk_ids: ids must lie in [0, {vocab}), got [{real_topk.min()}, {real_topk.max()}]"
+        )
+    if torch.isnan(topk_logprobs).any() or (topk_logprobs > _LOGPROB_TOL).any():
+        raise ValueError(
+            "rollout_topk_logprobs: must be log-probabilities (<= 0, -inf for padding), got NaN or > 0"
+        )
+    if not torch.isfinite(sampled_logprobs).all() or (sampled_logprobs > _LOGPROB_TOL).any():
+        raise ValueError("rollout_sampled_logprobs: must be finite log-probabilities (<= 0)")
+    if torch.isnan(advantages).any() or torch.isinf(advantages).any():
+        raise ValueError("advantages: contains NaN or inf")
+    if not delta > 0:
+        raise ValueError(f"delta: must be > 0, got {delta}")
+    if delta_low is not None and not delta_low > 0:
+        raise ValueError(f"delta_low: must be > 0, got {delta_low}")

@@ -1,0 +1,446 @@
+"""pdmctl.masks against MATH.md: autograd, a plain per-token loop, the worked example."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdmctl.masks import (
+    AGGREGATIONS,
+    DIVERGENCES,
+    ESTIMATORS,
+    METHODS,
+    compute_mask,
+    policy_loss,
+    token_diagnostics,
+)
+
+# ---------------------------------------------------------------------------
+# helpers: a rollout distribution μ near π, its top-K, a sampled token
+# ---------------------------------------------------------------------------
+
+
+def make_batch(n=8, vocab=40, k=5, *, seed=0, dtype=torch.float64, spread=2.0, drift=0.5, k_outside=None):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, vocab, generator=g, dtype=torch.float64) * spread
+    log_mu = torch.log_softmax(z + drift * torch.randn(n, vocab, generator=g, dtype=torch.float64), -1)
+    top = log_mu.topk(min(k, vocab), dim=-1)
+    sampled = torch.multinomial(log_mu.exp(), 1, generator=g).squeeze(-1)
+    if k_outside is not None:  # force the sampled token outside (False: inside) the top-K
+        order = log_mu.argsort(-1, descending=True)
+        sampled = order[:, -1] if k_outside else order[:, 0]
+    sampled_lp = log_mu.gather(-1, sampled[:, None]).squeeze(-1)
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    return z.to(dtype), sampled, top.indices, top.values, sampled_lp, adv
+
+
+def reference_divergence(z, mu_full_lp, support_ids, family):
+    """D(z) written straight from MATH.md on the full logits (for autograd)."""
+    pi = torch.softmax(z, -1)
+    mu = mu_full_lp.exp()
+    pi_s, mu_s = pi[support_ids], mu[support_ids]
+    pi_tail, mu_tail = 1 - pi_s.sum(), 1 - mu_s.sum()
+    if family == "kl":
+        return (mu_s * (mu_s / pi_s).log()).sum() + mu_tail * (mu_tail / pi_tail).log()
+    return 0.5 * ((mu_s - pi_s).abs().sum() + (mu_tail - pi_tail).abs())
+
+
+# ---------------------------------------------------------------------------
+# Ḋ equals the directional derivative of D along v = e_k − π (torch.func.jvp)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("divergence", ["topk_kl", "topk_tv", "binary_kl", "binary_tv"])
+@pytest.mark.parametrize("k_outside", [False, True])
+def test_ddot_exact_equals_jvp(divergence, k_outside):
+    n, vocab, k = 6, 30, 4
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(n, vocab, generator=g, dtype=torch.float64) * 1.5
+    log_mu = torch.log_softmax(z + 0.7 * torch.randn(n, vocab, generator=g, dtype=torch.float64), -1)
+    top = log_mu.topk(k, dim=-1)
+    order = log_mu.argsort(-1, descending=True)
+    sampled = order[:, -3] if k_outside else order[:, 1]
+    sampled_lp = log_mu.gather(-1, sampled[:, None]).squeeze(-1)
+    d = token_diagnostics(
+        z, sampled, top.indices, top.values, sampled_lp, torch.ones(n, dtype=torch.float64),
+        divergence=divergence, estimator="exact", delta=0.1,
+    )  # fmt: skip
+    spec = DIVERGENCES[divergence]
+    for t in range(n):
+        kt = int(sampled[t])
+        if spec.support == "binary":
+            support_ids = torch.tensor([kt])
+        else:
+            ids = top.indices[t].tolist()
+            support_ids = torch.tensor(ids if kt in ids else [*ids, kt])
+        v = torch.nn.functional.one_hot(torch.tensor(kt), vocab).double() - torch.softmax(z[t], -1)
+        d_ref, ddot_ref = torch.func.jvp(
+            lambda zz, t=t, s=support_ids: reference_divergence(zz, log_mu[t], s, spec.family.name),
+            (z[t],),
+            (v,),
+        )
+        # float32 outputs: compare the float64 recomputation below for the 1e-8 bound
+        assert math.isclose(float(d.divergence[t]), float(d_ref), rel_tol=1e-6, abs_tol=1e-9)
+        assert (kt in top.indices[t].tolist()) != k_outside or spec.support == "binary"
+        ddot64 = _ddot64(z, sampled, top, sampled_lp, divergence, "exact")[t]
+        assert abs(ddot64 - float(ddot_ref)) <= 1e-8 * max(abs(float(ddot_ref)), 1e-12)
+
+
+def _ddot64(z, sampled, top, sampled_lp, divergence, estimator):
+    """Ḋ in float64 straight from the module internals (the public result is float32)."""
+    from pdmctl import masks
+
+    log_probs = torch.log_softmax(z, -1)
+    log_pi_k = log_probs.gather(-1, sampled[:, None]).squeeze(-1)
+    spec = DIVERGENCES[divergence]
+    s = masks._support(log_probs, log_pi_k, sampled, top.indices, top.values, sampled_lp, spec.support)
+    est = ESTIMATORS[estimator]
+    q_tail = est.q_tail(s, masks._sum_sq_probs(log_probs) if est.needs_full_q else None)
+    q = (s.pi * s.pi).sum(-1) + q_tail
+    return spec.family.ddot(s, q_tail, q).tolist()
+
+
+def test_kl_simplification_equals_general_formula():
+    from pdmctl import masks
+
+    z, sampled, ids, lps, slp, _ = make_batch(n=32, vocab=50, k=6, seed=3)
+    log_probs = torch.log_softmax(z, -1)
+    log_pi_k = log_probs.gather(-1, sampled[:, None]).squeeze(-1)
+    s = masks._support(log_probs, log_pi_k, sampled, ids, lps, slp, "topk")
+    q_tail = masks._sum_sq_probs(log_probs) - (s.pi**2).sum(-1)
+    q = (s.pi**2).sum(-1) + q_tail
+    general = masks.ddot_from_gradient(s, -s.mu / s.pi, -s.mu_tail / s.pi_tail, q_tail, q)
+    torch.testing.assert_close(masks._ddot_kl(s, q_tail, q), general, rtol=1e-10, atol=1e-13)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), k=st.integers(1, 12), spread=st.floats(0.1, 6.0))
+def test_kl_exact_lies_between_agg_and_uni(seed, k, spread):
+    batch = make_batch(n=16, vocab=24, k=k, seed=seed, spread=spread)
+    z, sampled, ids, lps, slp, _ = batch
+    top = torch.return_types.topk((lps, ids))
+    agg, uni, exact = (_ddot64(z, sampled, top, slp, "topk_kl", e) for e in ("agg", "uni", "exact"))
+    for a, u, x in zip(agg, uni, exact, strict=True):
+        assert min(a, u) - 1e-12 <= x <= max(a, u) + 1e-12
+
+
+def test_binary_kl_agg_closed_form():
+    z, sampled, ids, lps, slp, adv = make_batch(n=64, vocab=30, k=5, seed=11)
+    d = token_diagnostics(z, sampled, ids, lps, slp, adv, divergence="binary_kl", estimator="agg")
+    pi_k = torch.softmax(z, -1).gather(-1, sampled[:, None]).squeeze(-1)
+    mu_k = slp.exp()
+    torch.testing.assert_close(d.ddot.double(), 2 * (1 - pi_k) * (pi_k - mu_k), rtol=1e-5, atol=1e-7)
+    # with binary divergences the predictive direction is the ratio direction
+    assert torch.equal(torch.sign(d.ddot), torch.sign(d.ratio - 1))
+
+
+def test_worked_example_corrected():
+    # S = {k, 2}: π_k = 0.4, μ_k = 0.35, π_2 = 0.3, μ_2 = 0.25, π_tail = 0.3, μ_tail = 0.4, n − m = 3
+    pi = torch.tensor([[0.4, 0.3, 0.1, 0.1, 0.1]], dtype=torch.float64)
+    mu = torch.tensor([[0.35, 0.25, 0.4 / 3, 0.4 / 3, 0.4 / 3]], dtype=torch.float64)
+    ids = torch.tensor([[0, 1]])
+    args = (
+        pi.log(),
+        torch.tensor([0]),
+        ids,
+        mu.log()[:, :2],
+        mu.log()[:, 0],
+        torch.tensor([1.0], dtype=torch.float64),
+    )
+    agg = token_diagnostics(*args, estimator="agg", delta=1e-3)
+    uni = token_diagnostics(*args, estimator="uni", delta=1e-3)
+    assert float(agg.ddot[0]) == pytest.approx(0.045, abs=1e-7)
+    assert float(uni.ddot[0]) == pytest.approx(0.025, abs=1e-7)
+    res = compute_mask(*args, method="pdm", estimator="agg", delta=1e-3)
+    assert not bool(res.keep[0])  # A > 0, D > δ, Ḋ > 0: masked
+
+
+# ---------------------------------------------------------------------------
+# The masks equal a plain per-token loop written from MATH.md
+# ---------------------------------------------------------------------------
+
+
+def loop_reference(z, sampled, ids, lps, slp, adv, *, method, divergence, estimator, delta, delta_low, eps):
+    """One token at a time, python floats, the formulas of MATH.md as written (general Ḋ)."""
+    out = []
+    for t in range(z.shape[0]):
+        row = z[t].tolist()
+        mx = max(row)
+        ex = [math.exp(x - mx) for x in row]
+        tot = sum(ex)
+        pi = [e / tot for e in ex]
+        n = len(pi)
+        kt = int(sampled[t])
+        mu_k_sampled = math.exp(float(slp[t]))
+        if DIVERGENCES[divergence].support == "binary":
+            support = {kt: mu_k_sampled}
+        else:
+            support = {
+                int(i): math.exp(float(lp)) for i, lp in zip(ids[t], lps[t], strict=True) if lp > -math.inf
+            }
+            support.setdefault(kt, mu_k_sampled)
+        pi_tail = max(1 - sum(pi[i] for i in support), 1e-12)
+        mu_tail = max(1 - sum(support.values()), 1e-12)
+        family = DIVERGENCES[divergence].family.name
+        if family == "kl":
+            d = sum(m * math.log(m / pi[i]) for i, m in support.items() if m > 0)
+            d += mu_tail * math.log(mu_tail / pi_tail)
+            g = {i: -m / pi[i] for i, m in support.items()}
+            g_tail = -mu_tail / pi_tail
+        else:
+            d = 0.5 * (sum(abs(m - pi[i]) for i, m in support.items()) + abs(mu_tail - pi_tail))
+            sgn = lambda x: (x > 0) - (x < 0)  # noqa: E731
+            g = {i: 0.5 * sgn(pi[i] - m) for i, m in support.items()}
+            g_tail = 0.5 * sgn(pi_tail - mu_tail)
+        q_s = sum(pi[i] ** 2 for i in support)
+        q_tail = {
+            "agg": pi_tail**2,
+            "uni": pi_tail**2 / max(n - len(support), 1),
+            "exact": max(sum(p * p for p in pi) - q_s, 0.0),
+        }[estimator]
+        q = q_s + q_tail
+        ddot = (
+            g[kt] * pi[kt]
+            - sum(g[i] * pi[i] ** 2 for i in support)
+            - g_tail * q_tail
+            - (pi[kt] - q) * (sum(g[i] * pi[i] for i in support) + g_tail * pi_tail)
+        )
+        r = pi[kt] / mu_k_sampled
+        a = float(adv[t])
+        dl = delta if (a >= 0 or delta_low is None) else delta_low
+        if method == "grpo":
+            masked = (a > 0 and r > 1 + eps[1]) or (a < 0 and r < 1 - eps[0])
+        elif method == "dppo":
+            masked = d > dl and a * (r - 1) > 0
+        else:
+            masked = d > dl and a * ddot > 0
+        out.append((not masked, d, ddot, r, abs(d - dl) < 1e-9 or abs(a * ddot) < 1e-12))
+    return out
+
+
+def _pad_topk(ids, lps, n_pad):
+    """Append -inf padded slots (ids arbitrary) as an engine does when fewer than K came back."""
+    if n_pad == 0:
+        return ids, lps
+    pad_ids = torch.zeros(ids.shape[0], n_pad, dtype=ids.dtype)
+    pad_lps = torch.full((ids.shape[0], n_pad), -math.inf, dtype=lps.dtype)
+    return torch.cat([ids, pad_ids], -1), torch.cat([lps, pad_lps], -1)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(1, 12),
+    vocab=st.integers(2, 40),
+    k=st.integers(1, 45),
+    n_pad=st.integers(0, 3),
+    seed=st.integers(0, 100_000),
+    spread=st.floats(0.05, 8.0),
+    drift=st.floats(0.0, 2.0),
+    method=st.sampled_from(sorted(METHODS)),
+    divergence=st.sampled_from(sorted(DIVERGENCES)),
+    estimator=st.sampled_from(sorted(ESTIMATORS)),
+    delta=st.floats(1e-4, 0.5),
+    delta_low=st.one_of(st.none(), st.floats(1e-4, 0.5)),
+)
+def test_masks_equal_per_token_loop(
+    n, vocab, k, n_pad, seed, spread, drift, method, divergence, estimator, delta, delta_low
+):
+    z, sampled, ids, lps, slp, adv = make_batch(n=n, vocab=vocab, k=k, seed=seed, spread=spread, drift=drift)
+    ids, lps = _pad_topk(ids, lps, n_pad)
+    kw = dict(method=method, divergence=divergence, estimator=estimator, delta=delta, delta_low=delta_low)
+    res = compute_mask(z, sampled, ids, lps, slp, adv, **kw)
+    ref = loop_reference(z, sampled, ids, lps, slp, adv, **kw, eps=(0.2, 0.28))
+    for t, (keep, d, ddot, r, borderline) in enumerate(ref):
+        assert float(res.ratio[t]) == pytest.approx(r, rel=1e-5)
+        if METHODS[method].uses_divergence:
+            assert float(res.divergence[t]) == pytest.approx(d, rel=1e-4, abs=1e-7)
+        else:
+            assert res.divergence is None
+        if METHODS[method].uses_ddot:
+            assert float(res.ddot[t]) == pytest.approx(ddot, rel=1e-4, abs=1e-7)
+        else:
+            assert res.ddot is None
+        if not borderline:
+            assert bool(res.keep[t]) == keep, (t, d, ddot, r)
+
+
+def test_masks_reduce_to_each_other():
+    z, sampled, ids, lps, slp, adv = make_batch(n=256, vocab=60, k=8, seed=5, drift=1.5)
+    # binary divergences: predictive direction == ratio direction, so PDM == DPPO
+    for div in ("binary_kl", "binary_tv"):
+        pdm = compute_mask(z, sampled, ids, lps, slp, adv, method="pdm", divergence=div, delta=0.01)
+        dppo = compute_mask(z, sampled, ids, lps, slp, adv, method="dppo", divergence=div, delta=0.01)
+        assert torch.equal(pdm.keep, dppo.keep)
+    # a δ above every D keeps everything for both divergence masks
+    for method in ("pdm", "dppo"):
+        assert compute_mask(z, sampled, ids, lps, slp, adv, method=method, delta=1e6).keep.all()
+    # top-K: PDM and DPPO differ exactly on the disagreement tokens
+    d = token_diagnostics(z, sampled, ids, lps, slp, adv, method="pdm", delta=0.02)
+    dppo = compute_mask(z, sampled, ids, lps, slp, adv, method="dppo", delta=0.02)
+    assert d.disagree.any()
+    assert torch.equal(d.keep != dppo.keep, d.disagree & (adv != 0))
+
+
+# ---------------------------------------------------------------------------
+# Loss and gradient
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", sorted(AGGREGATIONS))
+@pytest.mark.parametrize("method", ["grpo", "dppo", "pdm"])
+def test_loss_gradient_is_weighted_score(mode, method):
+    b, t, vocab, k, cap = 3, 7, 25, 4, 1.3
+    z, sampled, ids, lps, slp, adv = make_batch(n=b * t, vocab=vocab, k=k, seed=2, drift=1.0)
+    mask = (torch.rand(b, t, generator=torch.Generator().manual_seed(1)) > 0.3).double()
+    mask[:, 0] = 1
+    logits = z.reshape(b, t, vocab).clone().requires_grad_(True)
+    loss, metrics = policy_loss(
+        logits, sampled.reshape(b, t), ids.reshape(b, t, k), lps.reshape(b, t, k), slp.reshape(b, t),
+        adv.reshape(b, t), mask, method=method, delta=0.02, loss_agg_mode=mode, ratio_cap=cap,
+    )  # fmt: skip
+    loss.backward()
+    res = compute_mask(z, sampled, ids, lps, slp, adv, method=method, delta=0.02)
+    # ∇ log π_k = e_k − π; the token weight is A·min(r, C)·M, then the aggregation's normaliser
+    weight = (adv * res.ratio.double().clamp(max=cap) * res.keep.double()).reshape(b, t) * mask
+    norm = {
+        "token-mean": torch.full((b, t), float(mask.sum())),
+        "seq-mean-token-sum": torch.full((b, t), float(b)),
+        "seq-mean-token-mean": mask.sum(-1, keepdim=True).expand(b, t) * b,
+        "seq-mean-token-sum-norm": torch.full((b, t), float(b * t)),
+    }[mode]
+    score = torch.nn.functional.one_hot(sampled, vocab).double() - torch.softmax(z, -1)
+    expected = -(weight / norm).reshape(-1, 1) * score
+    torch.testing.assert_close(logits.grad.reshape(-1, vocab), expected, rtol=1e-6, atol=1e-9)
+    assert set(metrics) == {
+        "mask_frac",
+        "out_of_region_frac",
+        "mean_divergence",
+        "ppo_kl",
+        "disagreement_count",
+    }
+    keep = res.keep.reshape(b, t)
+    assert metrics["mask_frac"] == pytest.approx(float(((~keep) * mask).sum() / mask.sum()))
+
+
+def test_gradient_flows_only_through_log_pi_k():
+    z, sampled, ids, lps, slp, adv = make_batch(n=10, vocab=20, k=3, seed=4)
+    logits = z.clone().requires_grad_(True)
+    loss, _ = policy_loss(logits, sampled, ids, lps, slp, adv, torch.ones(10), method="pdm", delta=1e6)
+    (grad,) = torch.autograd.grad(loss, logits)
+    res = compute_mask(z, sampled, ids, lps, slp, adv, delta=1e6)
+    score = torch.nn.functional.one_hot(sampled, 20).double() - torch.softmax(z, -1)
+    torch.testing.assert_close(grad, -(adv * res.ratio.double() / 10)[:, None] * score, rtol=1e-6, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------
+# Numerics
+# ---------------------------------------------------------------------------
+
+
+def _all_finite(res):
+    return all(x is None or bool(torch.isfinite(x).all()) for x in (res.divergence, res.ddot, res.ratio))
+
+
+@pytest.mark.parametrize("divergence", sorted(DIVERGENCES))
+@pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
+def test_extreme_inputs_stay_finite(divergence, estimator):
+    vocab = 12
+    # π nearly one-hot, μ nearly one-hot on another token; huge logit range
+    z = torch.full((4, vocab), -60.0)
+    z[:, 0] = 60.0
+    log_mu = torch.log_softmax(torch.where(torch.arange(vocab) == 3, 40.0, -40.0).expand(4, vocab), -1)
+    cases = {
+        "k_outside": (torch.tensor([5, 6, 7, 8]), 3),
+        "k_is_top": (torch.tensor([3, 3, 3, 3]), 3),
+        "K_ge_vocab": (torch.tensor([0, 1, 2, 3]), vocab + 4),
+    }
+    for sampled, k in cases.values():
+        top = log_mu.topk(min(k, vocab), -1)
+        ids, lps = _pad_topk(top.indices, top.values, max(k - vocab, 0))
+        slp = log_mu.gather(-1, sampled[:, None]).squeeze(-1)
+        for method in ("pdm", "dppo", "grpo"):
+            res = compute_mask(z, sampled, ids, lps, slp, torch.tensor([1.0, -1.0, 0.5, -2.0]),
+                               method=method, divergence=divergence, estimator=estimator)  # fmt: skip
+            assert _all_finite(res)
+
+
+def test_bfloat16_logits_match_float32():
+    z, sampled, ids, lps, slp, adv = make_batch(n=64, vocab=100, k=10, seed=9, dtype=torch.float32)
+    z16 = z.to(torch.bfloat16)
+    ref = token_diagnostics(z16.float(), sampled, ids, lps.float(), slp.float(), adv.float(), delta=0.05)
+    got = token_diagnostics(z16, sampled, ids, lps.float(), slp.float(), adv.float(), delta=0.05)
+    assert got.divergence.dtype == torch.float32
+    torch.testing.assert_close(got.divergence, ref.divergence)
+    torch.testing.assert_close(got.ddot, ref.ddot)
+    assert torch.equal(got.keep, ref.keep)
+
+
+def test_no_float64_or_second_vocab_sized_buffer():
+    """The [N, V] work is one float32 log-softmax; nothing float64 or [N, V]-sized besides it."""
+    n, vocab = 64, 4096
+    z, sampled, ids, lps, slp, adv = make_batch(n=n, vocab=vocab, k=20, seed=1, dtype=torch.float32)
+    lps, slp, adv = lps.float(), slp.float(), adv.float()
+    from torch.profiler import ProfilerActivity, profile
+
+    for estimator in ("agg", "exact"):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            compute_mask(z, sampled, ids, lps, slp, adv, estimator=estimator)
+        big = [
+            (e.name, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage >= n * vocab
+        ]
+        # exactly the float32 log-softmax output; chunked Σπ² and the float64 support math stay small
+        assert big == [("aten::_log_softmax", n * vocab * 4)], big
+
+
+# ---------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------
+
+
+def _good():
+    z, sampled, ids, lps, slp, adv = make_batch(n=4, vocab=10, k=3, seed=0)
+    return dict(
+        logits=z, sampled_ids=sampled, rollout_topk_ids=ids, rollout_topk_logprobs=lps,
+        rollout_sampled_logprobs=slp, advantages=adv,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "argument"),
+    [
+        (lambda a: a.update(sampled_ids=a["sampled_ids"][:3]), "sampled_ids"),
+        (
+            lambda a: a.update(rollout_topk_logprobs=a["rollout_topk_logprobs"][:, :2]),
+            "rollout_topk_logprobs",
+        ),
+        (lambda a: a.update(rollout_topk_ids=a["rollout_topk_ids"][:2]), "rollout_topk_ids"),
+        (lambda a: a.update(advantages=a["advantages"][:2]), "advantages"),
+        (lambda a: a["sampled_ids"].__setitem__(0, 10), "sampled_ids"),
+        (lambda a: a["rollout_topk_ids"].__setitem__((0, 0), -1), "rollout_topk_ids"),
+        (lambda a: a["logits"].__setitem__((1, 3), float("nan")), "logits"),
+        (lambda a: a["advantages"].__setitem__(2, float("nan")), "advantages"),
+        (lambda a: a.update(delta=0.0), "delta"),
+        (lambda a: a.update(delta=-0.1), "delta"),
+        (lambda a: a.update(delta_low=0.0), "delta_low"),
+        (lambda a: a.update(method="ppo"), "method"),
+        (lambda a: a.update(divergence="topk_js"), "divergence"),
+        (lambda a: a.update(estimator="mean"), "estimator"),
+    ],
+)
+def test_bad_input_names_the_argument(change, argument):
+    args = _good()
+    change(args)
+    with pytest.raises(ValueError, match=rf"^{argument}:"):
+        compute_mask(**args)
+
+
+def test_bad_loss_arguments():
+    args = _good()
+    with pytest.raises(ValueError, match=r"^loss_agg_mode:"):
+        policy_loss(**args, response_mask=torch.ones(4), loss_agg_mode="sum")
+    with pytest.raises(ValueError, match=r"^response_mask:"):
+        policy_loss(**args, response_mask=torch.ones(5))
