@@ -1,0 +1,312 @@
+"""pdmctl: the command line. Parses, prints, nothing else (the logic is in pdmctl.orchestrate)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+app = typer.Typer(
+    name="pdmctl",
+    help="Sweeps, jobs, tracking and reports for trust-region-mask RL experiments (PDM vs DPPO vs GRPO).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+
+EXIT_BAD_INPUT = 2
+
+ClusterOpt = Annotated[str, typer.Option("--cluster", "-c", help="Cluster profile under clusters/ (or a path).")]
+TrackingOpt = Annotated[
+    str | None,
+    typer.Option("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, the profile's, ./mlflow.db)."),
+]
+
+STATE_STYLE = {
+    "finished": "green", "running": "cyan", "queued": "blue", "not started": "dim", "new": "dim",
+    "failed": "red", "lost": "red", "cancelled": "yellow", "timeout": "magenta", "preempted": "magenta",
+}  # fmt: skip
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from pdmctl.executors.base import ExecutorError
+    from pdmctl.grid import GridError
+    from pdmctl.ledger import LedgerError
+    from pdmctl.orchestrate import RunNotFound
+    from pdmctl.spec import SpecError
+
+    return (GridError, SpecError, LedgerError, ExecutorError, RunNotFound)
+
+
+class _guard:
+    """Turn a user's mistake into one line and exit code 2, never a traceback."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is not None and isinstance(exc, _user_errors()):
+            fail(str(exc).strip().splitlines()[0] if str(exc).strip() else exc_type.__name__)
+        return False
+
+
+# ---------------------------------------------------------------------------
+# sweep
+# ---------------------------------------------------------------------------
+
+
+@app.command(context_settings={"ignore_unknown_options": True})
+def sweep(
+    overrides: Annotated[list[str] | None, typer.Argument(help="Grid overrides: delta=0.05,0.15 k=10,20 seeds=3")] = None,
+    file: Annotated[str | None, typer.Option("--file", "-f", help="A sweep file (sweeps/NAME.yaml or NAME).")] = None,
+    name: Annotated[str | None, typer.Option("--name", "-n", help="Sweep name (default: the file's, or 'default').")] = None,
+    cluster: ClusterOpt = "local",
+    tracking_uri: TrackingOpt = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the grid and what would launch; write nothing.")] = False,
+    wait: Annotated[bool, typer.Option("--wait", "-w", help="Block with a progress bar until every run ends.")] = False,
+) -> None:
+    """Expand a grid into runs, register them in MLflow and submit the ones not yet served."""
+    from pdmctl import grid, orchestrate
+
+    with _guard():
+        sweep_file = grid.load_sweep_file(file) if file else None
+        specs = grid.expand(overrides or [], sweep_file, name)
+        ctx = orchestrate.make_context(cluster, tracking_uri)
+        if dry_run:
+            executor = orchestrate.make_executor(ctx.profile)
+            executor.check()
+            plan = orchestrate.plan(specs, ctx, read_only=True)
+            _print_plan(plan, ctx, executor)
+            return
+        plan, job_ids = orchestrate.sweep(specs, ctx)
+    counts = plan.counts()
+    sweep_name = specs[0].sweep
+    console.print(
+        f"sweep [bold]{sweep_name}[/]: {len(specs)} run(s); submitted [bold]{len(job_ids)}[/]"
+        + "".join(f", {n} {state}" for state, n in sorted(counts.items()) if state not in ("new", "not started"))
+        + f"  (tracking: {ctx.tracking_uri})",
+        highlight=False,
+    )
+    if any(s in orchestrate.RESUMABLE - {orchestrate.RunState.UNSUBMITTED} for s in counts):
+        console.print("some runs ended badly: [bold]pdmctl resume[/] brings them back from their checkpoints")
+    if wait:
+        _wait(ctx, sweep_name)
+    else:
+        console.print(f"follow with [bold]pdmctl status {sweep_name}[/] (or --watch)", highlight=False)
+
+
+def _print_plan(plan, ctx, executor) -> None:
+    table = Table(title=f"sweep {plan.specs[0].sweep if plan.specs else ''}: {len(plan.specs)} run(s)")
+    for col in ("#", "key", "config", "state", "action"):
+        table.add_column(col)
+    submit = {s.key for s in plan.to_submit}
+    for i, s in enumerate(plan.specs, 1):
+        state = plan.states[s.key]
+        table.add_row(str(i), s.key, s.summary, f"[{STATE_STYLE.get(state, '')}]{state}[/]",
+                      "submit" if s.key in submit else "skip")  # fmt: skip
+    console.print(table)
+    counts = plan.counts()
+    console.print(
+        "counts: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+        + f"; would submit {len(submit)}: {executor.describe([None] * len(submit))}",
+        highlight=False,
+    )
+    console.print(f"tracking: {ctx.tracking_uri}  (dry run: nothing written)", highlight=False)
+
+
+def _wait(ctx, sweep_name: str | None, poll: float = 2.0) -> None:
+    from pdmctl import orchestrate
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:  # fmt: skip
+        task = progress.add_task("runs", total=None)
+        while True:
+            views = orchestrate.status(ctx, sweep_name)
+            counts = Counter(v.state for v in views)
+            done = sum(n for s, n in counts.items() if s not in orchestrate.ACTIVE)
+            desc = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+            progress.update(task, total=len(views), completed=done, description=desc)
+            if views and done == len(views):
+                break
+            time.sleep(poll)
+    bad = [v for v in views if v.state != orchestrate.RunState.FINISHED]
+    if bad:
+        console.print(f"{len(bad)} run(s) did not finish: see [bold]pdmctl status[/], then [bold]pdmctl resume[/]")
+        raise typer.Exit(1)
+
+
+# ---------------------------------------------------------------------------
+# status / resume / cancel / logs
+# ---------------------------------------------------------------------------
+
+
+def _status_table(views, title: str) -> Table:
+    table = Table(title=title)
+    for col, justify in (("sweep", "left"), ("key", "left"), ("config", "left"), ("state", "left"),
+                         ("step", "right"), ("avg@16", "right"), ("attempts", "right"), ("job", "left")):  # fmt: skip
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for v in sorted(views, key=lambda v: (v.sweep, v.summary)):
+        r = v.record
+        step = r.step if r else None
+        avg = r.avg16 if r else None
+        state = f"[{STATE_STYLE.get(v.state, '')}]{v.state}[/]"
+        if r and r.reason and v.state != "finished":
+            state += f" [dim]({r.reason[:40]})[/]"
+        table.add_row(v.sweep, v.key, v.summary, state, "" if step is None else str(step),
+                      "" if avg is None else f"{avg:.3f}", str(r.attempt if r else 0), (r.job_id or "") if r else "")  # fmt: skip
+    counts = Counter(v.state for v in views)
+    table.caption = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no runs"
+    return table
+
+
+@app.command()
+def status(
+    sweep_name: Annotated[str | None, typer.Argument(metavar="[SWEEP]", help="Sweep name (default: all).")] = None,
+    cluster: ClusterOpt = "local",
+    tracking_uri: TrackingOpt = None,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh every few seconds until every run ends.")] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between refreshes with --watch.")] = 3.0,
+) -> None:
+    """Where each run stands: state, step, latest avg@16, attempts, job id."""
+    from pdmctl import orchestrate
+
+    with _guard():
+        ctx = orchestrate.make_context(cluster, tracking_uri)
+        views = orchestrate.status(ctx, sweep_name)
+        if sweep_name and not views:
+            fail(f"sweep {sweep_name!r}: no runs in {ctx.tracking_uri}")
+        title = f"pdmctl status — {sweep_name or 'all sweeps'}"
+        if not watch:
+            console.print(_status_table(views, title))
+            return
+        with Live(_status_table(views, title), console=console, refresh_per_second=2) as live:
+            while any(v.state in orchestrate.ACTIVE for v in views):
+                time.sleep(interval)
+                views = orchestrate.status(ctx, sweep_name)
+                live.update(_status_table(views, title))
+
+
+@app.command()
+def resume(
+    sweep_name: Annotated[str | None, typer.Argument(metavar="[SWEEP]", help="Sweep name (default: all).")] = None,
+    cluster: ClusterOpt = "local",
+    tracking_uri: TrackingOpt = None,
+    max_attempts: Annotated[int | None, typer.Option(help="Leave runs that already had this many attempts.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be resubmitted.")] = False,
+    wait: Annotated[bool, typer.Option("--wait", "-w", help="Block until every run ends.")] = False,
+) -> None:
+    """Resubmit the runs that failed, were cancelled, timed out, were lost or never started; each continues
+    from its latest checkpoint in the same MLflow run."""
+    from pdmctl import orchestrate
+
+    with _guard():
+        if max_attempts is not None and max_attempts < 1:
+            fail(f"--max-attempts: must be >= 1, got {max_attempts}")
+        ctx = orchestrate.make_context(cluster, tracking_uri)
+        chosen, job_ids = orchestrate.resume(ctx, sweep_name, max_attempts=max_attempts, dry_run=dry_run)
+    for v in chosen:
+        console.print(f"{'would resume' if dry_run else 'resumed'} {v.key} ({v.summary}) — was {v.state}, "
+                      f"attempt {(v.record.attempt if v.record else 0) + 1}", highlight=False)  # fmt: skip
+    console.print(f"{len(chosen)} run(s) {'to resume' if dry_run else 'resubmitted'}", highlight=False)
+    if wait and job_ids:
+        _wait(ctx, sweep_name)
+
+
+@app.command()
+def cancel(
+    target: Annotated[str | None, typer.Argument(metavar="[SWEEP|RUN]", help="A sweep, or a run key / run id.")] = None,
+    cluster: ClusterOpt = "local",
+    tracking_uri: TrackingOpt = None,
+) -> None:
+    """Cancel the queued and running runs of a sweep (or one run)."""
+    from pdmctl import orchestrate
+
+    with _guard():
+        ctx = orchestrate.make_context(cluster, tracking_uri)
+        cancelled = orchestrate.cancel(ctx, target)
+    for v in cancelled:
+        console.print(f"cancelled {v.key} ({v.summary})", highlight=False)
+    console.print(f"{len(cancelled)} run(s) cancelled", highlight=False)
+
+
+@app.command()
+def logs(
+    run: Annotated[str, typer.Argument(metavar="RUN", help="Run key (or a prefix) or MLflow run id.")],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing as the log grows.")] = False,
+    attempt: Annotated[int | None, typer.Option(help="Which attempt (default: the latest).")] = None,
+    cluster: ClusterOpt = "local",
+    tracking_uri: TrackingOpt = None,
+) -> None:
+    """Print a run's job output."""
+    from pdmctl import orchestrate
+
+    with _guard():
+        ctx = orchestrate.make_context(cluster, tracking_uri)
+        view = orchestrate.find_run(orchestrate.status(ctx, None), run)
+        assert view.record is not None
+        path = orchestrate.log_file(view.record, ctx, attempt)
+        if not path.exists() and not follow:
+            fail(f"run {view.key}: no log yet at {path} (state: {view.state})")
+    _tail(path, follow, lambda: orchestrate.find_run(orchestrate.status(ctx, None), run).state in orchestrate.ACTIVE)
+
+
+def _tail(path: Path, follow: bool, still_running) -> None:
+    pos = 0
+    while True:
+        if path.exists():
+            with open(path, "rb") as fh:
+                fh.seek(pos)
+                chunk = fh.read()
+                pos += len(chunk)
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+        if not follow:
+            return
+        if not still_running():
+            return
+        time.sleep(1.0)
+
+
+def _mount_optional() -> None:
+    """Subcommands owned by other parts of the package (report, analyze, data)."""
+    import importlib
+
+    # module -> the command group it provides (None: the module registers its own commands)
+    for module, group in (("pdmctl.report.cli", None), ("pdmctl.backends.toy.cli", None),
+                          ("pdmctl.backends.verl.cli", "data")):  # fmt: skip
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name and module.startswith(exc.name):
+                continue
+            raise
+        if group is None:
+            mod.register(app)
+        else:
+            app.add_typer(mod.app, name=group)
+
+
+_mount_optional()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The executor interface, cluster profiles, and the factory.
+
+An executor turns job requests into jobs and reports their state; nothing in
+the core knows which one it talks to (submitit's shape: one small interface,
+one module per backend).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CLUSTER_DIR = Path(os.environ.get("PDMCTL_CLUSTER_DIR", Path(__file__).resolve().parents[2] / "clusters"))
+
+
+class ExecutorError(RuntimeError):
+    """A profile or a scheduler that refuses the work; the message is one line."""
+
+
+class JobState(StrEnum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    TIMEOUT = "TIMEOUT"
+    PREEMPTED = "PREEMPTED"
+    NODE_FAIL = "NODE_FAIL"
+    OUT_OF_MEMORY = "OUT_OF_MEMORY"
+    REQUEUED = "REQUEUED"
+    LOST = "LOST"  # the executor has no record of a job it ran (its process vanished)
+    UNKNOWN = "UNKNOWN"
+
+    @property
+    def alive(self) -> bool:
+        return self in (JobState.PENDING, JobState.RUNNING, JobState.REQUEUED)
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    run_id: str
+    key: str
+    job_file: Path  # JSON the job entry point reads (see pdmctl.job)
+    log_file: Path
+    attempt: int
+
+
+@dataclass(frozen=True)
+class ClusterProfile:
+    name: str
+    executor: str = "local"
+    tracking_uri: str | None = None
+    workdir: str | None = None
+    max_concurrent: int | None = None  # local: None = CPU cores; slurm: the array's %-limit
+    options: dict[str, Any] = field(default_factory=dict)  # executor-specific (slurm: partition, gres, ...)
+
+    @property
+    def run_root(self) -> Path:
+        return Path(self.workdir or "pdmctl-runs").expanduser().resolve()
+
+
+def load_profile(name_or_path: str) -> ClusterProfile:
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = CLUSTER_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml")))
+        raise ExecutorError(f"cluster: unknown profile {name_or_path!r} (known: {known})")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ExecutorError(f"cluster: {path} is not valid YAML: {str(exc).splitlines()[0]}") from exc
+    top = {"name", "executor", "tracking_uri", "workdir", "max_concurrent"}
+    profile = ClusterProfile(
+        name=str(data.get("name") or path.stem),
+        executor=str(data.get("executor", "local")),
+        tracking_uri=data.get("tracking_uri"),
+        workdir=data.get("workdir"),
+        max_concurrent=data.get("max_concurrent"),
+        options={k: v for k, v in data.items() if k not in top},
+    )
+    if profile.executor not in EXECUTORS:
+        raise ExecutorError(f"cluster {profile.name}: executor: unknown {profile.executor!r}; choose from "
+                            f"{', '.join(sorted(EXECUTORS))}")  # fmt: skip
+    mc = profile.max_concurrent
+    if mc is not None and (not isinstance(mc, int) or isinstance(mc, bool) or mc < 1):
+        raise ExecutorError(f"cluster {profile.name}: max_concurrent: must be an integer >= 1, got {mc!r}")
+    return profile
+
+
+class Executor(ABC):
+    name: str
+
+    def __init__(self, profile: ClusterProfile) -> None:
+        self.profile = profile
+
+    def check(self) -> None:
+        """Refuse a profile that cannot work, before anything is submitted (raise ExecutorError)."""
+        return None
+
+    @abstractmethod
+    def submit(self, requests: Sequence[JobRequest]) -> list[str]:
+        """Submit every request; return their job ids, in order."""
+
+    @abstractmethod
+    def states(self, job_ids: Sequence[str]) -> Mapping[str, JobState]:
+        """The executor's view of each job (one scheduler call for all where it can)."""
+
+    @abstractmethod
+    def cancel(self, job_ids: Sequence[str]) -> None:
+        """Stop the jobs; pending ones never start."""
+
+    def describe(self, requests: Sequence[JobRequest]) -> str:
+        """What `--dry-run` prints about the submission."""
+        return f"{len(requests)} job(s) on the {self.name} executor"
+
+
+EXECUTORS = {"local": "pdmctl.executors.local:LocalExecutor", "slurm": "pdmctl.executors.slurm:SlurmExecutor"}
+
+
+def make_executor(profile: ClusterProfile) -> Executor:
+    module, _, cls = EXECUTORS[profile.executor].partition(":")
+    try:
+        executor_cls = getattr(importlib.import_module(module), cls)
+    except ImportError as exc:
+        raise ExecutorError(f"cluster {profile.name}: executor {profile.executor} is not available ({exc})") from exc
+    return executor_cls(profile)

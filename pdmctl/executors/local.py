@@ -1,0 +1,271 @@
+"""The local executor: each job its own process, at most `max_concurrent` at a time.
+
+Why not submitit's LocalExecutor: it starts every job at once (no concurrency
+cap across submissions) and its jobs belong to the submitting Python process.
+Here `pdmctl sweep` writes job files into a queue directory and makes sure a
+detached worker process is draining it; the worker outlives the CLI, starts
+jobs as slots free up, records how each ended, and exits when the queue is
+empty. Any later `pdmctl` call restarts a worker if jobs wait without one.
+
+    <run root>/.local/queue/<job>.json     submitted, not started
+    <run root>/.local/running/<job>.json   started: pid and process start time
+    <run root>/.local/done/<job>.json      ended: state and exit code
+    <run root>/.local/cancel/<job>         asked to cancel
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+import uuid
+from pathlib import Path
+
+from pdmctl.executors.base import ClusterProfile, Executor, JobRequest, JobState
+
+_POLL_S = 0.25
+
+
+class LocalExecutor(Executor):
+    name = "local"
+
+    def __init__(self, profile: ClusterProfile) -> None:
+        super().__init__(profile)
+        self.root = profile.run_root / ".local"
+        self.cap = profile.max_concurrent or os.cpu_count() or 1
+
+    def _dirs(self) -> tuple[Path, Path, Path, Path]:
+        dirs = tuple(self.root / d for d in ("queue", "running", "done", "cancel"))
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        return dirs  # type: ignore[return-value]
+
+    def submit(self, requests: Sequence[JobRequest]) -> list[str]:
+        queue, *_ = self._dirs()
+        job_ids = []
+        for req in requests:
+            job_id = f"local-{uuid.uuid4().hex[:10]}"
+            _write_json(queue / f"{job_id}.json", {
+                "job_file": str(req.job_file), "log_file": str(req.log_file), "run_id": req.run_id,
+                "submitted": time.time(),
+            })  # fmt: skip
+            job_ids.append(job_id)
+        if job_ids:
+            ensure_worker(self.root, self.cap)
+        return job_ids
+
+    def states(self, job_ids: Sequence[str]) -> dict[str, JobState]:
+        queue, running, done, _ = self._dirs()
+        out: dict[str, JobState] = {}
+        pending = False
+        for job_id in job_ids:
+            if (f := done / f"{job_id}.json").exists():
+                out[job_id] = JobState(_read_json(f)["state"])
+            elif (f := running / f"{job_id}.json").exists():
+                info = _read_json(f)
+                alive = _alive(info["pid"], info["start"])
+                if not alive and (done / f"{job_id}.json").exists():  # ended between the two looks
+                    out[job_id] = JobState(_read_json(done / f"{job_id}.json")["state"])
+                else:
+                    out[job_id] = JobState.RUNNING if alive else JobState.LOST
+            elif (queue / f"{job_id}.json").exists():
+                out[job_id] = JobState.PENDING
+                pending = True
+            else:
+                out[job_id] = JobState.LOST
+        if pending:  # a worker that died leaves its queue behind: start another
+            ensure_worker(self.root, self.cap)
+        return out
+
+    def cancel(self, job_ids: Sequence[str]) -> None:
+        queue, running, done, cancel = self._dirs()
+        for job_id in job_ids:
+            (cancel / job_id).touch()
+            queued = queue / f"{job_id}.json"
+            try:
+                queued.rename(self.root / "cancel" / f"{job_id}.queued")
+                _write_json(done / f"{job_id}.json", {"state": JobState.CANCELLED.value, "returncode": None})
+                continue
+            except FileNotFoundError:
+                pass
+            info_file = running / f"{job_id}.json"
+            if info_file.exists():
+                info = _read_json(info_file)
+                _terminate(info["pid"], info["start"])
+                if not _worker_alive(self.root) and not (done / f"{job_id}.json").exists():
+                    _write_json(done / f"{job_id}.json", {"state": JobState.CANCELLED.value, "returncode": None})
+
+    def describe(self, requests: Sequence[JobRequest]) -> str:
+        return (f"{len(requests)} local process(es), at most {self.cap} at a time, "
+                f"queued under {self.root}")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------
+# The worker
+# ---------------------------------------------------------------------------
+
+
+def ensure_worker(root: Path, cap: int) -> None:
+    """Start a detached worker unless one holds the lock."""
+    if _worker_alive(root):
+        return
+    log = open(root / "worker.log", "ab")  # noqa: SIM115 (the child keeps the descriptor)
+    subprocess.Popen(
+        [sys.executable, "-m", "pdmctl.executors.local", "--root", str(root), "--cap", str(cap)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True,
+    )  # fmt: skip
+    log.close()
+
+
+def _worker_alive(root: Path) -> bool:
+    lock = root / "worker.lock"
+    if not lock.exists():
+        return False
+    with open(lock, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        return False
+
+
+def run_worker(root: Path, cap: int) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    lock = open(root / "worker.lock", "a+")  # noqa: SIM115 (held for the worker's lifetime)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # another worker drains this queue
+    queue, running, done, cancel = (root / d for d in ("queue", "running", "done", "cancel"))
+    for d in (queue, running, done, cancel):
+        d.mkdir(parents=True, exist_ok=True)
+    children: dict[str, subprocess.Popen] = {}
+    threads = max(1, (os.cpu_count() or 1) // cap)
+    idle_rounds = 0
+    while True:
+        for job_id, proc in list(children.items()):
+            rc = proc.poll()
+            if rc is not None:
+                _record_end(job_id, rc, running, done, cancel)
+                del children[job_id]
+        foreign = 0  # jobs started by a worker that died, still running
+        for f in running.glob("*.json"):
+            job_id = f.stem
+            if job_id in children:
+                continue
+            info = _read_json(f)
+            if _alive(info["pid"], info["start"]):
+                foreign += 1
+            elif not (done / f.name).exists():
+                _write_json(done / f.name, {"state": JobState.LOST.value, "returncode": None})
+                f.unlink(missing_ok=True)
+        free = cap - len(children) - foreign
+        for f in sorted(queue.glob("*.json"), key=lambda p: p.stat().st_mtime_ns)[: max(free, 0)]:
+            job_id = f.stem
+            try:
+                req = _read_json(f)
+            except (FileNotFoundError, json.JSONDecodeError):
+                continue  # cancelled or half-written; the next round decides
+            proc = _start(job_id, req, threads)
+            _write_json(running / f.name, {"pid": proc.pid, "start": _start_time(proc.pid), **req})
+            f.unlink(missing_ok=True)
+            children[job_id] = proc
+        busy = children or foreign or any(queue.glob("*.json"))
+        idle_rounds = 0 if busy else idle_rounds + 1
+        if idle_rounds > 8:  # two seconds with nothing to do
+            return
+        time.sleep(_POLL_S)
+
+
+def _start(job_id: str, req: dict, threads: int) -> subprocess.Popen:
+    log_file = Path(req["log_file"])
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PDMCTL_JOB_ID=job_id, PDMCTL_EXECUTOR="local", OMP_NUM_THREADS=str(threads),
+               PDMCTL_NUM_THREADS=str(threads))  # fmt: skip
+    with open(log_file, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "pdmctl.job", req["job_file"]],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+        )  # fmt: skip
+
+
+def _record_end(job_id: str, rc: int, running: Path, done: Path, cancel: Path) -> None:
+    if (cancel / job_id).exists():
+        state = JobState.CANCELLED
+    elif rc == 0:
+        state = JobState.COMPLETED
+    else:
+        state = JobState.FAILED
+    _write_json(done / f"{job_id}.json", {"state": state.value, "returncode": rc})
+    (running / f"{job_id}.json").unlink(missing_ok=True)
+
+
+def _terminate(pid: int, start: float | None, grace: float = 10.0) -> None:
+    """SIGTERM the job's process group (the job marks its run KILLED), SIGKILL after a grace period."""
+    if not _alive(pid, start):
+        return
+    with _quiet():
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.time() + grace
+    while time.time() < deadline and _alive(pid, start):
+        time.sleep(0.1)
+    if _alive(pid, start):
+        with _quiet():
+            os.killpg(pid, signal.SIGKILL)
+
+
+class _quiet:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        return exc_type is not None and issubclass(exc_type, ProcessLookupError | PermissionError)
+
+
+def _start_time(pid: int) -> float | None:
+    """The process's start time in clock ticks since boot (tells a reused pid apart)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return float(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _alive(pid: int, start: float | None) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):  # exited, not yet reaped
+        return False
+    return start is None or float(fields[19]) == start
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="pdmctl's local job worker (started by pdmctl itself)")
+    ap.add_argument("--root", type=Path, required=True)
+    ap.add_argument("--cap", type=int, required=True)
+    args = ap.parse_args(argv)
+    run_worker(args.root, args.cap)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""Sweeps: Hydra overrides and sweep files -> RunSpecs.
+
+A grid is Hydra's multirun grammar (`delta=0.05,0.15`, `k=range(10,60,20)`,
+`seed=choice(0,1)`, `+key=v`, `~key`, quoting) over the config tree in
+`configs/`, crossed with an optional list of fixed settings from a sweep file.
+Composition is cached by the job's config-group choices: a 1,000-run grid
+composes a handful of trees and applies the value overrides to copies.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdmctl.spec import RunSpec, SpecError, validate
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+CONFIG_DIR = Path(os.environ.get("PDMCTL_CONFIG_DIR", PROJECT_DIR / "configs"))
+SWEEP_DIR = Path(os.environ.get("PDMCTL_SWEEP_DIR", PROJECT_DIR / "sweeps"))
+_SWEEP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+class GridError(ValueError):
+    """A grid that cannot be expanded; the message is one line."""
+
+
+@dataclass(frozen=True)
+class SweepFile:
+    name: str
+    description: str = ""
+    grid: dict[str, str] = field(default_factory=dict)  # key -> Hydra value (may sweep)
+    settings: list[dict[str, str]] = field(default_factory=list)  # fixed combinations, zipped not crossed
+
+
+def load_sweep_file(path_or_name: str) -> SweepFile:
+    """`sweeps/NAME.yaml`, a bare NAME found there, or any path."""
+    path = Path(path_or_name)
+    if not path.exists():
+        candidates = [SWEEP_DIR / path_or_name, SWEEP_DIR / f"{path_or_name}.yaml"]
+        path = next((c for c in candidates if c.is_file()), path)
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in SWEEP_DIR.glob("*.yaml")))
+        raise GridError(f"sweep file: {path_or_name!r} not found (known: {known})")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise GridError(f"sweep file: {path} is not valid YAML: {str(exc).splitlines()[0]}") from exc
+    if not isinstance(data, dict):
+        raise GridError(f"sweep file: {path} must be a mapping")
+    unknown = set(data) - {"name", "description", "grid", "settings"}
+    if unknown:
+        raise GridError(f"sweep file: {path}: unknown field(s) {', '.join(sorted(unknown))}")
+    grid = {str(k): _hydra_value(v) for k, v in (data.get("grid") or {}).items()}
+    settings = [{str(k): _hydra_value(v) for k, v in s.items()} for s in (data.get("settings") or [])]
+    return SweepFile(name=str(data.get("name") or path.stem), description=str(data.get("description") or ""),
+                     grid=grid, settings=settings)  # fmt: skip
+
+
+def _hydra_value(value: Any) -> str:
+    if isinstance(value, list):  # a YAML list in a sweep file is a sweep over its items
+        return ",".join(_hydra_value(v) for v in value)
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def check_sweep_name(name: str) -> str:
+    if not _SWEEP_NAME.match(name):
+        raise GridError(f"sweep name: {name!r} must be letters, digits, '.', '_' or '-'")
+    return name
+
+
+# ---------------------------------------------------------------------------
+# Expansion
+# ---------------------------------------------------------------------------
+
+
+def expand(overrides: Sequence[str], sweep_file: SweepFile | None = None, sweep: str | None = None) -> list[RunSpec]:
+    """Every run of the grid, deduplicated by key, in grid order. Raises GridError/SpecError."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    name = check_sweep_name(sweep or (sweep_file.name if sweep_file else "default"))
+    cli = [_expand_seeds(o) for o in overrides]
+    grid = dict(sweep_file.grid) if sweep_file else {}
+    settings = [dict(s) for s in (sweep_file.settings if sweep_file else [])] or [{}]
+    cli_keys = {_override_key(o) for o in cli}
+    for key in cli_keys:  # the command line wins over the file
+        grid.pop(key, None)
+        for s in settings:
+            s.pop(key, None)
+    base = [_expand_seeds(f"{k}={v}") for k, v in grid.items()] + cli
+    jobs: list[list[str]] = []
+    for setting in _unique(settings):
+        parsed = _parse([*(f"{k}={v}" for k, v in setting.items()), *base])
+        for batch in BasicSweeper.split_arguments(parsed, None):
+            jobs.extend(batch)
+    specs: dict[str, RunSpec] = {}
+    with _hydra():
+        for job in jobs:
+            spec = RunSpec.from_config(name, compose(job))
+            specs.setdefault(spec.key, spec)
+    return list(specs.values())
+
+
+def compose(overrides: Sequence[str]) -> dict[str, Any]:
+    """The resolved, validated run config for one job's overrides (inside `_hydra()`)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    groups, values = [], []
+    for o in overrides:
+        (groups if _override_key(o).split(".")[0] in _config_groups() else values).append(o)
+    cfg = copy.deepcopy(_compose_groups(tuple(groups)))
+    try:
+        ConfigLoaderImpl._apply_overrides_to_config(_parse(values), cfg)
+        config = OmegaConf.to_container(cfg, resolve=True)
+    except (OmegaConfBaseException, Exception) as exc:  # hydra wraps OmegaConf errors in its own
+        raise GridError(_one_line(exc, values)) from exc
+    assert isinstance(config, dict)
+    validate(config)
+    _validate_backend(config)
+    return config
+
+
+def _validate_backend(config: dict[str, Any]) -> None:
+    from pdmctl.backends.registry import flat_config, get_backend
+
+    try:
+        get_backend(config["backend"]["name"]).validate(flat_config(config))
+    except SpecError:
+        raise
+    except ValueError as exc:
+        raise SpecError(str(exc).splitlines()[0]) from exc
+
+
+@lru_cache(maxsize=256)
+def _compose_groups(groups: tuple[str, ...]):
+    from hydra import compose as hydra_compose
+
+    try:
+        return hydra_compose(config_name="run", overrides=list(groups))
+    except Exception as exc:  # MissingConfigException, ConfigCompositionException, ...
+        raise GridError(_one_line(exc, groups)) from exc
+
+
+class _hydra:
+    """Hydra's global state for the config tree, with the backends' own groups registered."""
+
+    def __enter__(self):
+        from hydra import initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
+
+        _register_backend_groups()
+        GlobalHydra.instance().clear()
+        _compose_groups.cache_clear()
+        self._ctx = initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="pdmctl")
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        _compose_groups.cache_clear()
+
+
+@lru_cache(maxsize=1)
+def _register_backend_groups() -> None:
+    """Backends without a yaml file under configs/backend/ get their group from their config class."""
+    from hydra.core.config_store import ConfigStore
+
+    from pdmctl.backends.registry import BACKENDS
+
+    store = ConfigStore.instance()
+    for name, backend in BACKENDS.items():
+        if not (CONFIG_DIR / "backend" / f"{name}.yaml").exists():
+            store.store(group="backend", name=name, node={"name": name, **backend.defaults()})
+
+
+@lru_cache(maxsize=1)
+def _config_groups() -> frozenset[str]:
+    return frozenset(p.name for p in CONFIG_DIR.iterdir() if p.is_dir()) | {"backend"}
+
+
+@lru_cache(maxsize=4096)
+def _parse_one(override: str):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        return OverridesParser.create().parse_override(override)
+    except OverrideParseException as exc:
+        raise GridError(f"override {override!r}: malformed ({str(exc).splitlines()[0]})") from exc
+
+
+def _parse(overrides: Iterable[str]) -> list:
+    return [_parse_one(o) for o in overrides]
+
+
+def _override_key(override: str) -> str:
+    head = override.split("=", 1)[0]
+    if "=" not in override and not head.startswith("~"):
+        raise GridError(f"override {override!r}: malformed (expected key=value)")
+    return head.lstrip("+~")
+
+
+def _expand_seeds(override: str) -> str:
+    """`seeds=N` is N seeds 0..N-1; `seeds=a,b` or `seeds=[a,b]` are those seeds."""
+    key, _, value = override.partition("=")
+    if key.lstrip("+") != "seeds":
+        return override
+    value = value.strip().strip("[]")
+    if re.fullmatch(r"\d+", value):
+        if int(value) < 1:
+            raise GridError(f"seeds: must be >= 1, got {value}")
+        return f"seed=range(0,{int(value)})"
+    if re.fullmatch(r"\d+(\s*,\s*\d+)*", value):
+        return f"seed={value.replace(' ', '')}"
+    raise GridError(f"seeds: expected a count or a list of integers, got {value!r}")
+
+
+def _unique(settings: list[dict[str, str]]) -> list[dict[str, str]]:
+    seen, out = set(), []
+    for s in settings:
+        key = tuple(sorted(s.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
+
+
+def _one_line(exc: BaseException, overrides: Iterable[str]) -> str:
+    """Hydra's messages are long and nested; keep the first line that says what is wrong."""
+    text = str(exc).strip()
+    match = re.search(r"Could not override '([^']+)'", text) or re.search(r"Key '([^']+)' is not in struct", text)
+    if match:
+        key = match.group(1)
+        return f"{key}: unknown key (no such field in the run config; '+{key}=...' adds one)"
+    match = re.search(r"Could not find '([^']+)/([^']+)'", text)
+    if match:
+        group, option = match.groups()
+        options = sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+        if group == "backend":
+            from pdmctl.backends.registry import BACKENDS
+
+            options = sorted(set(options) | set(BACKENDS))
+        return f"{group}: unknown option {option!r}; choose from {', '.join(options)}"
+    first = next((line for line in text.splitlines() if line.strip()), text)
+    return f"overrides {' '.join(overrides)}: {first}"

@@ -1,0 +1,101 @@
+"""What runs inside a job: job file -> RunSpec -> backend -> ledger.
+
+    python -m pdmctl.job JOB_FILE
+
+The job file (written by the orchestrator next to the run's checkpoints) names
+the MLflow run, the tracking URI, the run directory and the attempt. The job
+attaches to that run, hands the backend a tracker that logs into it, and sets
+the run's final status. A SIGTERM (cancel, or the scheduler ending the job)
+marks the run KILLED; a crash marks it FAILED with the error as its reason; a
+SIGKILL leaves it RUNNING, and `pdmctl status` finds it lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdmctl.backends.registry import flat_config, get_backend
+from pdmctl.ledger import FAILED, FINISHED, KILLED, RunLogger
+from pdmctl.spec import RunSpec
+
+
+@dataclass(frozen=True)
+class JobFile:
+    run_id: str
+    tracking_uri: str
+    spec_json: str
+    run_dir: str
+    attempt: int
+    executor: str
+
+    def write(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self.__dict__, indent=1))
+        os.replace(tmp, path)
+
+    @classmethod
+    def read(cls, path: Path) -> JobFile:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+class Cancelled(BaseException):
+    """Raised in the job when it receives SIGTERM."""
+
+
+def _on_sigterm(signum, frame):
+    raise Cancelled(f"signal {signum}")
+
+
+def job_id_from_env() -> str:
+    if "PDMCTL_JOB_ID" in os.environ:
+        return os.environ["PDMCTL_JOB_ID"]
+    if "SLURM_ARRAY_JOB_ID" in os.environ:
+        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID', '0')}"
+    return os.environ.get("SLURM_JOB_ID", f"pid-{os.getpid()}")
+
+
+def run(job_file: Path) -> int:
+    job = JobFile.read(job_file)
+    spec = RunSpec.from_json(job.spec_json)
+    threads = int(os.environ.get("PDMCTL_NUM_THREADS", "0"))
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+    attempt = job.attempt + int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    logger = RunLogger(job.tracking_uri, job.run_id)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    logger.start(attempt=attempt, job_id=job_id_from_env(), executor=job.executor)
+    print(f"pdmctl job: run {spec.key} ({spec.summary}) attempt {attempt} in {job.run_dir}", flush=True)
+    try:
+        backend = get_backend(spec.backend)
+        final = backend.run(flat_config(spec.config), Path(job.run_dir), logger)
+    except Cancelled as exc:
+        logger.finish(KILLED, reason=f"cancelled ({exc})")
+        print(f"pdmctl job: cancelled ({exc})", flush=True)
+        return 143
+    except Exception as exc:
+        traceback.print_exc()
+        logger.finish(FAILED, reason=f"{type(exc).__name__}: {exc}".splitlines()[0])
+        return 1
+    logger.finish(FINISHED)
+    print(f"pdmctl job: finished {json.dumps(dict(final), default=float)}", flush=True)
+    return 0
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        print("usage: python -m pdmctl.job JOB_FILE", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(run(Path(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()

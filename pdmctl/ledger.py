@@ -1,0 +1,718 @@
+"""The ledger: MLflow as the single source of truth for what runs exist and where they stand.
+
+One MLflow experiment per sweep, one MLflow run per RunSpec key in it. Tags
+carry the identity (`pdmctl.key`, `pdmctl.sweep`), the executor's job id, the
+attempt count and the spec itself; params carry the flattened config; the
+MLflow status is the run's own word on how it ended.
+
+Two implementations behind one interface:
+
+* `SqlLedger` for database stores (the embedded SQLite default, PostgreSQL,
+  MySQL). MLflow creates and migrates the schema; bulk work (registering a
+  1,000-run grid, reading a sweep's state, metric histories for a report) goes
+  through SQLAlchemy on MLflow's own tables in a few statements instead of one
+  REST-shaped call per run.
+* `ClientLedger` for tracking servers (`http://`, `https://`), through
+  `MlflowClient`, with a thread pool where MLflow has no bulk call.
+
+Only this module talks to MLflow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import getpass
+import hashlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from pdmctl.spec import RunSpec
+
+log = logging.getLogger(__name__)
+
+TAG = "pdmctl."
+TAG_SWEEP, TAG_KEY, TAG_BACKEND = "pdmctl.sweep", "pdmctl.key", "pdmctl.backend"
+TAG_JOB, TAG_EXECUTOR, TAG_ATTEMPT = "pdmctl.job_id", "pdmctl.executor", "pdmctl.attempt"
+TAG_SPEC, TAG_SUMMARY, TAG_RUN_DIR, TAG_REASON = "pdmctl.spec", "pdmctl.summary", "pdmctl.run_dir", "pdmctl.reason"
+RUN_NAME_TAG = "mlflow.runName"
+USER_TAG = "mlflow.user"
+
+# MLflow run statuses
+SCHEDULED, RUNNING, FINISHED, FAILED, KILLED = "SCHEDULED", "RUNNING", "FINISHED", "FAILED", "KILLED"
+TERMINAL = frozenset({FINISHED, FAILED, KILLED})
+
+# latest values read for `status` (step and avg@16)
+STATUS_METRICS = ("train/reward", "eval/toy24", "eval/toy25", "eval/aime24", "eval/aime25")
+_PARAM_VALUE_MAX = 6000  # MLflow's limit on a param value
+_TAG_VALUE_MAX = 8000
+
+
+class LedgerError(RuntimeError):
+    """The tracking store cannot be reached or used; the message is one line."""
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    run_id: str
+    sweep: str
+    key: str
+    status: str  # MLflow's
+    attempt: int
+    job_id: str | None
+    executor: str | None
+    spec_json: str | None
+    summary: str
+    run_dir: str | None
+    reason: str | None
+    start_time: int | None
+    end_time: int | None
+    latest: dict[str, tuple[int, float]] = field(default_factory=dict)  # metric -> (step, value)
+
+    @property
+    def spec(self) -> RunSpec | None:
+        return RunSpec.from_json(self.spec_json) if self.spec_json else None
+
+    @property
+    def step(self) -> int | None:
+        steps = [s for s, _ in self.latest.values()]
+        return max(steps) if steps else None
+
+    @property
+    def avg16(self) -> float | None:
+        """Latest held-out avg@16, averaged over the eval sets present."""
+        values = [v for k, (_, v) in self.latest.items() if k.startswith("eval/")]
+        return sum(values) / len(values) if values else None
+
+
+@dataclass(frozen=True)
+class Submission:
+    run_id: str
+    job_id: str
+    executor: str
+    attempt: int
+
+
+def default_tracking_uri(cwd: Path | None = None) -> str:
+    return f"sqlite:///{(cwd or Path.cwd()).resolve() / 'mlflow.db'}"
+
+
+def resolve_tracking_uri(cli_uri: str | None, profile_uri: str | None) -> str:
+    """--tracking-uri, then MLFLOW_TRACKING_URI, then the cluster profile, then ./mlflow.db."""
+    uri = cli_uri or os.environ.get("MLFLOW_TRACKING_URI") or profile_uri or default_tracking_uri()
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):  # make relative paths absolute
+        uri = f"sqlite:///{Path(uri.removeprefix('sqlite:///')).resolve()}"
+    return uri
+
+
+def is_database_uri(uri: str) -> bool:
+    return urlparse(uri).scheme.split("+")[0] in ("sqlite", "postgresql", "mysql", "mssql")
+
+
+def sqlite_path(uri: str) -> Path | None:
+    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+
+
+def check_reachable(uri: str, *, timeout: float = 5.0) -> None:
+    """Raise LedgerError (one line) unless the store can be used; writes nothing."""
+    scheme = urlparse(uri).scheme
+    path = sqlite_path(uri)
+    if path is not None:
+        if not path.parent.is_dir():
+            raise LedgerError(f"tracking URI {uri}: directory {path.parent} does not exist")
+        if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise LedgerError(f"tracking URI {uri}: {path} is not writable")
+        return
+    if is_database_uri(uri):
+        import sqlalchemy
+
+        try:
+            engine = sqlalchemy.create_engine(uri, connect_args=_connect_args(uri, timeout))
+            with engine.connect() as conn:
+                conn.execute(sqlalchemy.text("SELECT 1"))
+        except Exception as exc:
+            raise LedgerError(f"tracking URI {_redact(uri)}: cannot connect ({_first_line(exc)})") from exc
+        return
+    if scheme in ("http", "https"):
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise LedgerError(f"tracking URI {uri}: /health answered {resp.status}")
+        except LedgerError:
+            raise
+        except Exception as exc:
+            raise LedgerError(f"tracking URI {uri}: not reachable ({_first_line(exc)})") from exc
+        return
+    raise LedgerError(f"tracking URI {uri}: unsupported scheme {scheme!r} (use sqlite:///, postgresql://, http://)")
+
+
+def open_ledger(uri: str) -> Ledger:
+    return SqlLedger(uri) if is_database_uri(uri) else ClientLedger(uri)
+
+
+def ledger_exists(uri: str) -> bool:
+    """Whether reading the ledger would find anything (an absent SQLite file has no runs)."""
+    path = sqlite_path(uri)
+    return path is None or path.exists()
+
+
+# ---------------------------------------------------------------------------
+# The interface
+# ---------------------------------------------------------------------------
+
+
+class Ledger:
+    uri: str
+
+    def runs(self, sweep: str | None = None) -> list[RunRecord]:
+        raise NotImplementedError
+
+    def register(self, specs: Sequence[RunSpec], run_dir: Mapping[str, str]) -> dict[str, str]:
+        """Create a SCHEDULED run for every spec whose key the sweep lacks; return key -> run id for all."""
+        raise NotImplementedError
+
+    def mark_submitted(self, submissions: Sequence[Submission]) -> None:
+        raise NotImplementedError
+
+    def set_status(self, run_ids: Sequence[str], status: str, reason: str | None = None) -> None:
+        raise NotImplementedError
+
+    def metric_histories(
+        self, run_ids: Sequence[str], keys: Sequence[str] | None = None
+    ) -> dict[str, dict[str, list[tuple[int, float]]]]:
+        """run id -> metric -> [(step, value)] sorted by step."""
+        raise NotImplementedError
+
+    def sweeps(self) -> list[str]:
+        return sorted({r.sweep for r in self.runs()})
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Serialise sweep/resume submissions so that concurrent invocations submit each run once."""
+        path = _lock_path(self.uri)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a+") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _lock_path(uri: str) -> Path:
+    path = sqlite_path(uri)
+    if path is not None:
+        return path.with_name(path.name + ".pdmctl.lock")
+    digest = hashlib.sha256(uri.encode()).hexdigest()[:16]
+    return Path(os.environ.get("PDMCTL_CACHE", Path.home() / ".cache" / "pdmctl")) / "locks" / f"{digest}.lock"
+
+
+def _tags_for(spec: RunSpec, run_dir: str) -> dict[str, str]:
+    return {
+        RUN_NAME_TAG: spec.run_name,
+        USER_TAG: getpass.getuser(),
+        TAG_SWEEP: spec.sweep,
+        TAG_KEY: spec.key,
+        TAG_BACKEND: spec.backend,
+        TAG_ATTEMPT: "0",
+        TAG_SPEC: spec.to_json()[:_TAG_VALUE_MAX],
+        TAG_SUMMARY: spec.summary,
+        TAG_RUN_DIR: run_dir,
+    }
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Params: the config flattened to dotted keys (`mask.method`, `delta`, ...)."""
+    out: dict[str, str] = {}
+    for k, v in config.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, f"{name}."))
+        else:
+            out[name] = (json.dumps(v) if isinstance(v, list) else str(v))[:_PARAM_VALUE_MAX]
+    return out
+
+
+def _record(run_id: str, status: str, start: int | None, end: int | None, tags: Mapping[str, str],
+            latest: dict[str, tuple[int, float]]) -> RunRecord:  # fmt: skip
+    return RunRecord(
+        run_id=run_id,
+        sweep=tags.get(TAG_SWEEP, ""),
+        key=tags.get(TAG_KEY, ""),
+        status=status,
+        attempt=int(tags.get(TAG_ATTEMPT) or 0),
+        job_id=tags.get(TAG_JOB) or None,
+        executor=tags.get(TAG_EXECUTOR) or None,
+        spec_json=tags.get(TAG_SPEC),
+        summary=tags.get(TAG_SUMMARY, ""),
+        run_dir=tags.get(TAG_RUN_DIR),
+        reason=tags.get(TAG_REASON) or None,
+        start_time=start,
+        end_time=end,
+        latest=latest,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Database stores
+# ---------------------------------------------------------------------------
+
+
+class SqlLedger(Ledger):
+    def __init__(self, uri: str) -> None:
+        import sqlalchemy
+
+        self.uri = uri
+        self._sa = sqlalchemy
+        self.engine = sqlalchemy.create_engine(uri, connect_args=_connect_args(uri, 60.0))
+        if uri.startswith("sqlite"):
+            sqlalchemy.event.listen(self.engine, "connect", _sqlite_pragmas)
+        self._ensure_schema()
+        self.meta = sqlalchemy.MetaData()
+        self.meta.reflect(self.engine, only=["experiments", "runs", "tags", "params", "latest_metrics", "metrics"])
+        self.t = self.meta.tables
+        self.queries = 0  # statements issued (the report benchmark prints it)
+
+    def _ensure_schema(self) -> None:
+        insp = self._sa.inspect(self.engine)
+        if not insp.has_table("runs"):
+            _mlflow_store(self.uri)  # MLflow creates its tables and stamps its migration version
+
+    # -- reading --------------------------------------------------------------------------
+
+    def runs(self, sweep: str | None = None) -> list[RunRecord]:
+        sa, t = self._sa, self.t
+        runs, tags, latest = t["runs"], t["tags"], t["latest_metrics"]
+        ids = sa.select(tags.c.run_uuid).where(tags.c.key == TAG_SWEEP)
+        if sweep is not None:
+            ids = ids.where(tags.c.value == sweep)
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(runs.c.run_uuid, runs.c.status, runs.c.start_time, runs.c.end_time).where(
+                    runs.c.run_uuid.in_(ids), runs.c.lifecycle_stage == "active"
+                )
+            ).all()
+            tag_rows = conn.execute(
+                sa.select(tags.c.run_uuid, tags.c.key, tags.c.value).where(
+                    tags.c.run_uuid.in_(ids), tags.c.key.like(f"{TAG}%")
+                )
+            ).all()
+            metric_rows = conn.execute(
+                sa.select(latest.c.run_uuid, latest.c.key, latest.c.step, latest.c.value).where(
+                    latest.c.run_uuid.in_(ids), latest.c.key.in_(STATUS_METRICS)
+                )
+            ).all()
+        self.queries += 3
+        run_tags: dict[str, dict[str, str]] = defaultdict(dict)
+        for run_id, key, value in tag_rows:
+            run_tags[run_id][key] = value
+        run_latest: dict[str, dict[str, tuple[int, float]]] = defaultdict(dict)
+        for run_id, key, step, value in metric_rows:
+            run_latest[run_id][key] = (int(step), float(value))
+        return [_record(r[0], r[1], r[2], r[3], run_tags[r[0]], run_latest[r[0]]) for r in rows]
+
+    def metric_histories(self, run_ids, keys=None):
+        sa, metrics = self._sa, self.t["metrics"]
+        out: dict[str, dict[str, list[tuple[int, float]]]] = {rid: defaultdict(list) for rid in run_ids}
+        with self.engine.connect() as conn:
+            for chunk in _chunks(list(run_ids), 500):
+                query = sa.select(metrics.c.run_uuid, metrics.c.key, metrics.c.step, metrics.c.value).where(
+                    metrics.c.run_uuid.in_(chunk)
+                )
+                if keys is not None:
+                    query = query.where(metrics.c.key.in_(list(keys)))
+                for run_id, key, step, value in conn.execute(query):
+                    out[run_id][key].append((int(step), float(value)))
+                self.queries += 1
+        for per_run in out.values():
+            for series in per_run.values():
+                series.sort()
+        return {rid: dict(v) for rid, v in out.items()}
+
+    # -- writing --------------------------------------------------------------------------
+
+    def register(self, specs, run_dir):
+        if not specs:
+            return {}
+        sweep = specs[0].sweep
+        existing = {r.key: r.run_id for r in self.runs(sweep)}
+        new = [s for s in specs if s.key not in existing]
+        if not new:
+            return existing
+        exp_id, artifact_root = self._experiment(sweep)
+        now = _now_ms()
+        user = getpass.getuser()
+        run_rows, tag_rows, param_rows = [], [], []
+        for spec in new:
+            run_id = uuid.uuid4().hex
+            existing[spec.key] = run_id
+            run_rows.append(dict(
+                run_uuid=run_id, name=spec.run_name, source_type="UNKNOWN", source_name="", entry_point_name="",
+                user_id=user, status=SCHEDULED, start_time=now, end_time=None, source_version="",
+                lifecycle_stage="active", artifact_uri=f"{artifact_root.rstrip('/')}/{run_id}/artifacts",
+                experiment_id=exp_id, deleted_time=None,
+            ))  # fmt: skip
+            tag_rows += [dict(key=k, value=v, run_uuid=run_id) for k, v in _tags_for(spec, run_dir[spec.key]).items()]
+            param_rows += [dict(key=k, value=v, run_uuid=run_id) for k, v in flatten(spec.config).items()]
+        run_cols = set(self.t["runs"].c.keys())
+        with self.engine.begin() as conn:
+            conn.execute(self.t["runs"].insert(), [{k: v for k, v in r.items() if k in run_cols} for r in run_rows])
+            conn.execute(self.t["tags"].insert(), tag_rows)
+            conn.execute(self.t["params"].insert(), param_rows)
+        self.queries += 3
+        return existing
+
+    def mark_submitted(self, submissions):
+        if not submissions:
+            return
+        tags = self.t["tags"]
+        rows = []
+        for s in submissions:
+            rows += [dict(key=TAG_JOB, value=s.job_id, run_uuid=s.run_id),
+                     dict(key=TAG_EXECUTOR, value=s.executor, run_uuid=s.run_id),
+                     dict(key=TAG_ATTEMPT, value=str(s.attempt), run_uuid=s.run_id),
+                     dict(key=TAG_REASON, value="", run_uuid=s.run_id)]  # fmt: skip
+        ids = [s.run_id for s in submissions]
+        with self.engine.begin() as conn:
+            for chunk in _chunks(ids, 500):
+                conn.execute(
+                    tags.delete().where(
+                        tags.c.run_uuid.in_(chunk), tags.c.key.in_([TAG_JOB, TAG_EXECUTOR, TAG_ATTEMPT, TAG_REASON])
+                    )
+                )
+            conn.execute(tags.insert(), rows)
+            self._update_status(conn, ids, SCHEDULED, end_time=None)
+
+    def set_status(self, run_ids, status, reason=None):
+        if not run_ids:
+            return
+        tags = self.t["tags"]
+        with self.engine.begin() as conn:
+            self._update_status(conn, list(run_ids), status, end_time=_now_ms() if status in TERMINAL else None)
+            if reason is not None:
+                for chunk in _chunks(list(run_ids), 500):
+                    conn.execute(tags.delete().where(tags.c.run_uuid.in_(chunk), tags.c.key == TAG_REASON))
+                conn.execute(tags.insert(), [dict(key=TAG_REASON, value=reason, run_uuid=r) for r in run_ids])
+
+    def _update_status(self, conn, run_ids: list[str], status: str, end_time: int | None) -> None:
+        runs = self.t["runs"]
+        for chunk in _chunks(run_ids, 500):
+            conn.execute(runs.update().where(runs.c.run_uuid.in_(chunk)).values(status=status, end_time=end_time))
+        self.queries += 1
+
+    def _experiment(self, sweep: str) -> tuple[int, str]:
+        sa, exps = self._sa, self.t["experiments"]
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                sa.select(exps.c.experiment_id, exps.c.artifact_location, exps.c.lifecycle_stage).where(
+                    exps.c.name == sweep
+                )
+            ).first()
+        if row is None:
+            client = _mlflow_client(self.uri)
+            path = sqlite_path(self.uri)
+            location = (path.parent / "mlartifacts" / sweep).as_uri() if path else None
+            try:
+                client.create_experiment(sweep, artifact_location=location, tags={"pdmctl": "sweep"})
+            except Exception as exc:  # another process created it first
+                if "already exists" not in str(exc).lower() and "unique" not in str(exc).lower():
+                    raise
+            return self._experiment(sweep)
+        if row[2] != "active":
+            raise LedgerError(f"sweep {sweep!r}: its MLflow experiment is deleted; restore or purge it first")
+        return int(row[0]), str(row[1])
+
+
+# ---------------------------------------------------------------------------
+# Tracking servers
+# ---------------------------------------------------------------------------
+
+
+class ClientLedger(Ledger):
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        self.client = _mlflow_client(uri)
+        self.queries = 0
+
+    def _experiment_ids(self, sweep: str | None) -> list[str]:
+        if sweep is not None:
+            exp = self.client.get_experiment_by_name(sweep)
+            return [exp.experiment_id] if exp else []
+        return [e.experiment_id for e in self.client.search_experiments(filter_string="tags.pdmctl = 'sweep'")]
+
+    def _search(self, sweep: str | None):
+        ids = self._experiment_ids(sweep)
+        if not ids:
+            return []
+        filt = f"tags.`{TAG_SWEEP}` = '{sweep}'" if sweep else f"tags.`{TAG_SWEEP}` LIKE '%'"
+        runs, token = [], None
+        while True:
+            page = self.client.search_runs(ids, filt, max_results=5000, page_token=token)
+            self.queries += 1
+            runs += list(page)
+            token = page.token
+            if not token:
+                return runs
+
+    def runs(self, sweep=None):
+        out = []
+        for run in self._search(sweep):
+            tags = {k: v for k, v in run.data.tags.items() if k.startswith(TAG)}
+            latest = {}
+            for key in STATUS_METRICS:
+                if key in run.data.metrics:
+                    latest[key] = (self._latest_step(run, key), float(run.data.metrics[key]))
+            out.append(_record(run.info.run_id, run.info.status, run.info.start_time, run.info.end_time, tags, latest))
+        return out
+
+    def _latest_step(self, run, key: str) -> int:
+        hist = self.client.get_metric_history(run.info.run_id, key)
+        self.queries += 1
+        return max((m.step for m in hist), default=0)
+
+    def register(self, specs, run_dir):
+        from mlflow.entities import Param, RunTag
+
+        if not specs:
+            return {}
+        sweep = specs[0].sweep
+        existing = {r.key: r.run_id for r in self.runs(sweep)}
+        new = [s for s in specs if s.key not in existing]
+        if not new:
+            return existing
+        exp_id = self._ensure_experiment(sweep)
+
+        def create(spec: RunSpec) -> tuple[str, str]:
+            tags = _tags_for(spec, run_dir[spec.key])
+            run = self.client.create_run(exp_id, run_name=spec.run_name, tags=tags)
+            params = [Param(k, v) for k, v in flatten(spec.config).items()]
+            for chunk in _chunks(params, 100):
+                self.client.log_batch(run.info.run_id, params=chunk, tags=[RunTag(TAG_KEY, spec.key)])
+            self.client.update_run(run.info.run_id, status=SCHEDULED)
+            return spec.key, run.info.run_id
+
+        with ThreadPoolExecutor(16) as pool:
+            existing.update(dict(pool.map(create, new)))
+        return existing
+
+    def _ensure_experiment(self, sweep: str) -> str:
+        exp = self.client.get_experiment_by_name(sweep)
+        if exp is not None:
+            if exp.lifecycle_stage != "active":
+                raise LedgerError(f"sweep {sweep!r}: its MLflow experiment is deleted; restore or purge it first")
+            return exp.experiment_id
+        try:
+            return self.client.create_experiment(sweep, tags={"pdmctl": "sweep"})
+        except Exception:
+            exp = self.client.get_experiment_by_name(sweep)
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+    def mark_submitted(self, submissions):
+        from mlflow.entities import RunTag
+
+        def mark(s: Submission) -> None:
+            self.client.log_batch(s.run_id, tags=[RunTag(TAG_JOB, s.job_id), RunTag(TAG_EXECUTOR, s.executor),
+                                                  RunTag(TAG_ATTEMPT, str(s.attempt)), RunTag(TAG_REASON, "")])  # fmt: skip
+            self.client.update_run(s.run_id, status=SCHEDULED)
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(mark, submissions))
+
+    def set_status(self, run_ids, status, reason=None):
+        def update(run_id: str) -> None:
+            if reason is not None:
+                self.client.set_tag(run_id, TAG_REASON, reason)
+            if status in TERMINAL:
+                self.client.set_terminated(run_id, status=status)
+            else:
+                self.client.update_run(run_id, status=status)
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(update, run_ids))
+
+    def metric_histories(self, run_ids, keys=None):
+        def one(run_id: str) -> tuple[str, dict[str, list[tuple[int, float]]]]:
+            names = keys if keys is not None else list(self.client.get_run(run_id).data.metrics)
+            return run_id, {
+                k: sorted((m.step, m.value) for m in self.client.get_metric_history(run_id, k)) for k in names
+            }
+
+        with ThreadPoolExecutor(16) as pool:
+            result = dict(pool.map(one, run_ids))
+        self.queries += len(run_ids) * (len(keys) if keys else 1)
+        return {rid: {k: v for k, v in per.items() if v} for rid, per in result.items()}
+
+
+# ---------------------------------------------------------------------------
+# What a job uses: log into one run
+# ---------------------------------------------------------------------------
+
+
+class RunLogger:
+    """The Tracker a job hands its backend: MLflow metrics into the ledger's run.
+
+    On a resumed attempt the backend replays the steps after its checkpoint;
+    points already in the run (same metric, step <= the last logged step) are
+    skipped, so every step appears once.
+    """
+
+    def __init__(self, uri: str, run_id: str) -> None:
+        self.client = _mlflow_client(uri)
+        self.run_id = run_id
+        self.last_logged: dict[str, int] = {}  # metric -> last step already in the run
+
+    def start(self, attempt: int, job_id: str, executor: str) -> None:
+        from mlflow.entities import RunTag
+
+        tags = [RunTag(TAG_ATTEMPT, str(attempt)), RunTag(TAG_JOB, job_id), RunTag(TAG_EXECUTOR, executor),
+                RunTag(TAG_REASON, "")]  # fmt: skip
+        _retry(lambda: self.client.log_batch(self.run_id, tags=tags))
+        _retry(lambda: self.client.update_run(self.run_id, status=RUNNING))
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        for name in metrics:
+            if name not in self.last_logged:
+                hist = _retry(lambda n=name: self.client.get_metric_history(self.run_id, n))
+                self.last_logged[name] = max((m.step for m in hist), default=-1)
+        now = _now_ms()
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if step > self.last_logged[k]]
+        for chunk in _chunks(batch, 500):
+            _retry(lambda c=chunk: self.client.log_batch(self.run_id, metrics=c))
+        for m in batch:
+            self.last_logged[m.key] = step
+
+    def log_per_problem(self, dataset: str, step: int, accuracies: Sequence[float]) -> None:
+        _retry(lambda: self.client.log_dict(self.run_id, {"step": step, "dataset": dataset,
+                                                          "accuracies": [float(a) for a in accuracies]},
+                                            f"per_problem/{dataset}/step_{step:07d}.json"))  # fmt: skip
+
+    def finish(self, status: str, reason: str | None = None) -> None:
+        if reason is not None:
+            _retry(lambda: self.client.set_tag(self.run_id, TAG_REASON, reason[:_TAG_VALUE_MAX]))
+        _retry(lambda: self.client.set_terminated(self.run_id, status=status))
+
+
+def load_per_problem(uri: str, run_id: str, dataset: str) -> dict[int, list[float]]:
+    """step -> per-problem accuracies of one run's evaluations (for the two-level bootstrap)."""
+    client = _mlflow_client(uri)
+    out: dict[int, list[float]] = {}
+    try:
+        files = client.list_artifacts(run_id, f"per_problem/{dataset}")
+    except Exception:
+        return out
+    for f in files:
+        data = client.load_dict(run_id, f.path) if hasattr(client, "load_dict") else None
+        if data is None:
+            import mlflow.artifacts
+
+            data = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=f.path,
+                                                                      tracking_uri=uri)).read_text())  # fmt: skip
+        out[int(data["step"])] = [float(a) for a in data["accuracies"]]
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+
+def _mlflow_client(uri: str):
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _mlflow_store(uri: str) -> None:
+    """Let MLflow create (or migrate) the schema of a new database store."""
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    path = sqlite_path(uri)
+    root = (path.parent / "mlartifacts").as_uri() if path else "./mlartifacts"
+    with _init_lock(uri):
+        SqlAlchemyStore(uri, root)
+
+
+@contextlib.contextmanager
+def _init_lock(uri: str) -> Iterator[None]:
+    path = _lock_path(uri).with_suffix(".init")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _connect_args(uri: str, timeout: float) -> dict[str, Any]:
+    if uri.startswith("sqlite"):
+        return {"timeout": timeout}
+    if uri.startswith("postgresql"):
+        return {"connect_timeout": int(timeout)}
+    return {}
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")  # readers (status) never block the jobs' writers
+    cur.execute("PRAGMA busy_timeout=60000")
+    cur.close()
+
+
+def _retry(fn, *, attempts: int = 12, first_wait: float = 0.1):
+    """SQLite allows one writer at a time; a busy store is waited out, not lost."""
+    wait = first_wait
+    for i in range(attempts):
+        try:
+            return fn()
+        except Exception as exc:
+            text = str(exc).lower()
+            transient = "locked" in text or "busy" in text or "timeout" in text or "connection" in text
+            if not transient or i == attempts - 1:
+                raise
+            log.warning("tracking store busy (%s); retrying in %.1fs", _first_line(exc), wait)
+            time.sleep(wait)
+            wait = min(wait * 2, 5.0)
+    return None
+
+
+def _chunks(items: list, size: int) -> Iterator[list]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _redact(uri: str) -> str:
+    parsed = urlparse(uri)
+    if parsed.password:
+        return uri.replace(f":{parsed.password}@", ":***@")
+    return uri

@@ -1,0 +1,328 @@
+"""sweep, status, resume, cancel: the ledger and the executors, without a terminal.
+
+Every operation is safe to repeat. Submissions happen under the ledger's lock:
+the ledger is read, missing runs are registered, and only runs that no job is
+serving are submitted, so two `pdmctl sweep` started together submit each run
+once, and `resume` twice starts nothing twice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from pdmctl.executors import ClusterProfile, Executor, JobRequest, JobState, load_profile, make_executor
+from pdmctl.executors.base import ExecutorError
+from pdmctl.job import JobFile
+from pdmctl.ledger import (
+    FAILED,
+    FINISHED,
+    KILLED,
+    TERMINAL,
+    Ledger,
+    RunRecord,
+    Submission,
+    check_reachable,
+    ledger_exists,
+    open_ledger,
+)
+from pdmctl.spec import RunSpec
+
+
+class RunState(StrEnum):
+    NEW = "new"  # in the grid, not in the ledger
+    UNSUBMITTED = "not started"  # registered, no job ever took it
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+    PREEMPTED = "preempted"
+    LOST = "lost"  # its process ended without telling the ledger
+
+
+RESUMABLE = frozenset({RunState.UNSUBMITTED, RunState.FAILED, RunState.CANCELLED, RunState.TIMEOUT,
+                       RunState.PREEMPTED, RunState.LOST})  # fmt: skip
+ACTIVE = frozenset({RunState.QUEUED, RunState.RUNNING})
+
+# the executor's last word on a job whose run never told the ledger how it ended
+_ENDED = {
+    JobState.COMPLETED: (FAILED, "lost: the job exited without reporting to the ledger"),
+    JobState.FAILED: (FAILED, "lost: the job process died"),
+    JobState.CANCELLED: (KILLED, "cancelled"),
+    JobState.TIMEOUT: (FAILED, "timeout"),
+    JobState.PREEMPTED: (FAILED, "preempted"),
+    JobState.NODE_FAIL: (FAILED, "lost: node failure"),
+    JobState.OUT_OF_MEMORY: (FAILED, "out of memory"),
+    JobState.LOST: (FAILED, "lost: the executor has no live process for it"),
+    JobState.UNKNOWN: (FAILED, "lost: the executor does not know the job"),
+}
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where runs live and are tracked: the cluster profile and the tracking URI."""
+
+    profile: ClusterProfile
+    tracking_uri: str
+
+    @property
+    def run_root(self) -> Path:
+        return self.profile.run_root
+
+    def run_dir(self, spec_or_record: RunSpec | RunRecord) -> Path:
+        if isinstance(spec_or_record, RunRecord) and spec_or_record.run_dir:
+            return Path(spec_or_record.run_dir)
+        return self.run_root / spec_or_record.sweep / spec_or_record.key
+
+    def executor_tag(self) -> str:
+        return json.dumps({"executor": self.profile.executor, "profile": self.profile.name,
+                           "run_root": str(self.run_root)})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RunView:
+    """A run as `status` shows it: the ledger's record, the executor's word, the state derived from both."""
+
+    key: str
+    sweep: str
+    summary: str
+    state: RunState
+    record: RunRecord | None
+    job_state: JobState | None = None
+
+
+def run_state(record: RunRecord, job: JobState | None) -> RunState:
+    if record.status == FINISHED:
+        return RunState.FINISHED
+    if record.status in (FAILED, KILLED):
+        reason = (record.reason or "").lower()
+        for prefix, state in (("timeout", RunState.TIMEOUT), ("preempted", RunState.PREEMPTED),
+                              ("lost", RunState.LOST), ("cancelled", RunState.CANCELLED)):  # fmt: skip
+            if reason.startswith(prefix):
+                return state
+        return RunState.CANCELLED if record.status == KILLED else RunState.FAILED
+    if not record.job_id:
+        return RunState.UNSUBMITTED
+    if job in (JobState.PENDING, JobState.REQUEUED):
+        return RunState.QUEUED
+    if job == JobState.RUNNING:
+        return RunState.RUNNING
+    if job is None:
+        return RunState.RUNNING if record.status == "RUNNING" else RunState.QUEUED
+    return RunState.LOST
+
+
+# ---------------------------------------------------------------------------
+# Context
+# ---------------------------------------------------------------------------
+
+
+def make_context(cluster: str = "local", tracking_uri: str | None = None) -> Context:
+    from pdmctl.ledger import resolve_tracking_uri
+
+    profile = load_profile(cluster)
+    return Context(profile=profile, tracking_uri=resolve_tracking_uri(tracking_uri, profile.tracking_uri))
+
+
+def _executor_for(record: RunRecord, ctx: Context, cache: dict[str, Executor]) -> Executor | None:
+    tag = record.executor or ""
+    if tag in cache:
+        return cache[tag]
+    try:
+        info = json.loads(tag)
+        try:
+            profile = load_profile(info["profile"])
+        except ExecutorError:
+            profile = ClusterProfile(name=info["profile"], executor=info["executor"])
+        profile = ClusterProfile(name=profile.name, executor=info["executor"], tracking_uri=profile.tracking_uri,
+                                 workdir=info["run_root"], max_concurrent=profile.max_concurrent,
+                                 options=profile.options)  # fmt: skip
+        executor = make_executor(profile)
+    except (ValueError, KeyError, TypeError, ExecutorError):
+        executor = None
+    cache[tag] = executor  # type: ignore[assignment]
+    return executor
+
+
+def job_states(records: Sequence[RunRecord], ctx: Context) -> dict[str, JobState]:
+    """run id -> the executor's state, for runs the ledger does not call ended (one call per executor)."""
+    cache: dict[str, Executor] = {}
+    by_executor: dict[int, tuple[Executor, list[RunRecord]]] = {}
+    for r in records:
+        if r.status in TERMINAL or not r.job_id:
+            continue
+        executor = _executor_for(r, ctx, cache)
+        if executor is not None:
+            by_executor.setdefault(id(executor), (executor, []))[1].append(r)
+    out: dict[str, JobState] = {}
+    for executor, recs in by_executor.values():
+        states = executor.states([r.job_id for r in recs if r.job_id])
+        for r in recs:
+            out[r.run_id] = states.get(r.job_id or "", JobState.UNKNOWN)
+    return out
+
+
+def reconcile(ledger: Ledger, records: list[RunRecord], ctx: Context) -> list[tuple[RunRecord, JobState | None]]:
+    """Write the executor's word into the ledger for jobs that ended without telling it."""
+    states = job_states(records, ctx)
+    updates: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for r in records:
+        job = states.get(r.run_id)
+        if job is not None and job in _ENDED:
+            status, reason = _ENDED[job]
+            updates[(status, reason)].append(r.run_id)
+    for (status, reason), ids in updates.items():
+        ledger.set_status(ids, status, reason=reason)
+    if updates:
+        fresh = {r.run_id: r for r in ledger.runs(records[0].sweep if _one_sweep(records) else None)}
+        records = [fresh.get(r.run_id, r) for r in records]
+    return [(r, states.get(r.run_id)) for r in records]
+
+
+def _one_sweep(records: Sequence[RunRecord]) -> bool:
+    return len({r.sweep for r in records}) == 1
+
+
+# ---------------------------------------------------------------------------
+# Operations
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    specs: list[RunSpec]
+    states: dict[str, RunState]  # key -> state before submission
+
+    @property
+    def to_submit(self) -> list[RunSpec]:
+        return [s for s in self.specs if self.states[s.key] in (RunState.NEW, RunState.UNSUBMITTED)]
+
+    def counts(self) -> Counter:
+        return Counter(self.states[s.key] for s in self.specs)
+
+
+def plan(specs: list[RunSpec], ctx: Context, *, read_only: bool = True) -> SweepPlan:
+    """What a sweep would do: each spec's state in the ledger (nothing is written when read_only)."""
+    states = {s.key: RunState.NEW for s in specs}
+    if specs and ledger_exists(ctx.tracking_uri):
+        ledger = open_ledger(ctx.tracking_uri)
+        records = ledger.runs(specs[0].sweep)
+        pairs = [(r, None) for r in records] if read_only else reconcile(ledger, records, ctx)
+        job = job_states(records, ctx) if read_only else {}
+        for r, js in pairs:
+            if r.key in states:
+                states[r.key] = run_state(r, js or job.get(r.run_id))
+    return SweepPlan(specs, states)
+
+
+def check_before_submit(ctx: Context) -> Executor:
+    """Everything that can refuse the work, before anything is written."""
+    check_reachable(ctx.tracking_uri)
+    executor = make_executor(ctx.profile)
+    executor.check()
+    return executor
+
+
+def sweep(specs: list[RunSpec], ctx: Context) -> tuple[SweepPlan, list[str]]:
+    """Register the grid in the ledger and submit the runs no job serves. Returns the plan and the job ids."""
+    executor = check_before_submit(ctx)
+    ledger = open_ledger(ctx.tracking_uri)
+    with ledger.lock():
+        ledger.register(specs, {s.key: str(ctx.run_dir(s)) for s in specs})
+        current = plan(specs, ctx, read_only=False)
+        by_key = {r.key: r for r in ledger.runs(specs[0].sweep)} if specs else {}
+        records = [by_key[s.key] for s in current.to_submit]
+        job_ids = _submit(records, ledger, executor, ctx)
+    return current, job_ids
+
+
+def status(ctx: Context, sweep_name: str | None = None) -> list[RunView]:
+    if not ledger_exists(ctx.tracking_uri):
+        return []
+    ledger = open_ledger(ctx.tracking_uri)
+    records = ledger.runs(sweep_name)
+    if not records:
+        return []
+    return [RunView(r.key, r.sweep, r.summary, run_state(r, js), r, js) for r, js in reconcile(ledger, records, ctx)]
+
+
+def resume(ctx: Context, sweep_name: str | None = None, *, max_attempts: int | None = None,
+           dry_run: bool = False) -> tuple[list[RunView], list[str]]:  # fmt: skip
+    """Resubmit exactly the runs that failed, were cancelled, timed out, were lost or never started."""
+    executor = check_before_submit(ctx)
+    ledger = open_ledger(ctx.tracking_uri) if ledger_exists(ctx.tracking_uri) else None
+    if ledger is None:
+        return [], []
+    with ledger.lock():
+        views = status(ctx, sweep_name)
+        chosen = [v for v in views if v.state in RESUMABLE and v.record is not None
+                  and (max_attempts is None or v.record.attempt < max_attempts)]  # fmt: skip
+        if dry_run:
+            return chosen, []
+        job_ids = _submit([v.record for v in chosen if v.record], ledger, executor, ctx)
+    return chosen, job_ids
+
+
+def cancel(ctx: Context, target: str | None) -> list[RunView]:
+    """Cancel a sweep's live runs, or one run (by key, key prefix or MLflow run id)."""
+    if not ledger_exists(ctx.tracking_uri):
+        return []
+    ledger = open_ledger(ctx.tracking_uri)
+    views = status(ctx, None)
+    sweeps = {v.sweep for v in views}
+    if target is None or target in sweeps:
+        chosen = [v for v in views if target is None or v.sweep == target]
+    else:
+        chosen = [find_run(views, target)]
+    live = [v for v in chosen if v.state in ACTIVE or v.state == RunState.UNSUBMITTED]
+    cache: dict[str, Executor] = {}
+    by_executor: dict[int, tuple[Executor, list[str]]] = {}
+    for v in live:
+        assert v.record is not None
+        executor = _executor_for(v.record, ctx, cache)
+        if executor is not None and v.record.job_id:
+            by_executor.setdefault(id(executor), (executor, []))[1].append(v.record.job_id)
+    for executor, job_ids in by_executor.values():
+        executor.cancel(job_ids)
+    ledger.set_status([v.record.run_id for v in live if v.record], KILLED, reason="cancelled by pdmctl cancel")
+    return live
+
+
+class RunNotFound(LookupError):
+    pass
+
+
+def find_run(views: Sequence[RunView], target: str) -> RunView:
+    matches = [v for v in views if v.key.startswith(target) or (v.record and v.record.run_id.startswith(target))]
+    if not matches:
+        raise RunNotFound(f"run {target!r}: no run with that key or run id")
+    if len({v.key for v in matches}) > 1:
+        raise RunNotFound(f"run {target!r}: ambiguous, matches {', '.join(sorted({v.key for v in matches}))}")
+    return matches[0]
+
+
+def log_file(record: RunRecord, ctx: Context, attempt: int | None = None) -> Path:
+    return ctx.run_dir(record) / "logs" / f"attempt-{attempt if attempt is not None else record.attempt}.log"
+
+
+def _submit(records: Sequence[RunRecord], ledger: Ledger, executor: Executor, ctx: Context) -> list[str]:
+    if not records:
+        return []
+    requests = []
+    for r in records:
+        run_dir = ctx.run_dir(r)
+        attempt = r.attempt + 1
+        job_file = run_dir / "job.json"
+        JobFile(run_id=r.run_id, tracking_uri=ctx.tracking_uri, spec_json=r.spec_json or "", run_dir=str(run_dir),
+                attempt=attempt, executor=ctx.executor_tag()).write(job_file)  # fmt: skip
+        requests.append(JobRequest(r.run_id, r.key, job_file, log_file(r, ctx, attempt), attempt))
+    job_ids = executor.submit(requests)
+    ledger.mark_submitted([Submission(req.run_id, jid, ctx.executor_tag(), req.attempt)
+                           for req, jid in zip(requests, job_ids, strict=True)])  # fmt: skip
+    return job_ids

@@ -1,0 +1,135 @@
+"""RunSpec: the resolved config of one run, and its key.
+
+The key is a stable hash of what changes the result. Paths, the cluster, the
+attempt and output directories are not in the run config at all; fields that a
+method ignores (δ for GRPO, ε for the divergence masks, the estimator outside
+PDM) are dropped before hashing, so that a grid never trains the same thing
+twice under two names.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+KEY_LENGTH = 12
+MASK_FIELDS = ("method", "divergence", "estimator", "eps_low", "eps_high", "ratio_cap", "loss_agg_mode")
+
+
+class SpecError(ValueError):
+    """A run config that cannot run; the message is one line naming the field."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    sweep: str
+    config_json: str  # canonical JSON of the resolved run config (a frozen value)
+
+    @classmethod
+    def from_config(cls, sweep: str, config: Mapping[str, Any]) -> RunSpec:
+        return cls(sweep=sweep, config_json=json.dumps(config, sort_keys=True, separators=(",", ":")))
+
+    @cached_property
+    def config(self) -> dict[str, Any]:
+        return json.loads(self.config_json)
+
+    @cached_property
+    def key(self) -> str:
+        return run_key(self.config)
+
+    @property
+    def backend(self) -> str:
+        return self.config["backend"]["name"]
+
+    @property
+    def seed(self) -> int:
+        return int(self.config["seed"])
+
+    @property
+    def summary(self) -> str:
+        """One line a person reads in a table: mask, δ, K, precision, model, seed."""
+        c = self.config
+        parts = [c["mask"]["name"]]
+        if c["mask"]["method"] != "grpo":
+            parts.append(f"δ={c['delta']:g}" + (f"/{c['delta_low']:g}" if c.get("delta_low") is not None else ""))
+        parts += [f"K={c['k']}", c["precision"]["name"], c["model"]["name"], f"seed={c['seed']}"]
+        return " ".join(parts)
+
+    @property
+    def run_name(self) -> str:
+        c = self.config
+        return f"{c['mask']['name']}-d{c['delta']:g}-k{c['k']}-{c['precision']['name']}-{c['model']['name']}-s{c['seed']}"
+
+    def to_json(self) -> str:
+        return json.dumps({"sweep": self.sweep, "config": self.config}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunSpec:
+        data = json.loads(text)
+        return cls.from_config(data["sweep"], data["config"])
+
+
+def result_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a run config that changes the result."""
+    from pdmctl.masks import METHODS  # torch is imported only where a key is computed
+
+    cfg = copy.deepcopy(dict(config))
+    mask = dict(cfg["mask"])
+    mask.pop("name", None)  # two presets with the same fields train the same thing
+    method = mask["method"]
+    if method == "grpo":
+        cfg.pop("delta", None)
+        cfg.pop("delta_low", None)
+        mask.pop("divergence", None)
+    else:
+        mask.pop("eps_low", None)
+        mask.pop("eps_high", None)
+    if not METHODS[method].uses_ddot:
+        mask.pop("estimator", None)
+    cfg["mask"] = mask
+    return cfg
+
+
+def run_key(config: Mapping[str, Any]) -> str:
+    canonical = json.dumps(result_config(config), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:KEY_LENGTH]
+
+
+def validate(config: Mapping[str, Any]) -> None:
+    """Values every backend needs; backends check their own fields on top (see backends.registry)."""
+    from pdmctl.masks import DIVERGENCES, ESTIMATORS, METHODS
+
+    mask = config.get("mask") or {}
+    for field, registry in (("method", METHODS), ("divergence", DIVERGENCES), ("estimator", ESTIMATORS)):
+        value = mask.get(field)
+        if value not in registry:
+            raise SpecError(f"mask.{field}: unknown {value!r}; choose from {', '.join(sorted(registry))}")
+    _positive(config, "delta")
+    if config.get("delta_low") is not None:
+        _positive(config, "delta_low")
+    k = config.get("k")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise SpecError(f"k: must be an integer >= 1, got {k!r}")
+    seed = config.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise SpecError(f"seed: must be an integer >= 0, got {seed!r}")
+    for field in ("eps_low", "eps_high", "ratio_cap"):
+        if field in mask:
+            _positive(mask, field, prefix="mask.")
+    model_backend = (config.get("model") or {}).get("backend")
+    backend = (config.get("backend") or {}).get("name")
+    if model_backend and model_backend != backend:
+        raise SpecError(
+            f"model: {config['model']['name']!r} runs on backend={model_backend}, not backend={backend}"
+        )
+
+
+def _positive(cfg: Mapping[str, Any], field: str, prefix: str = "") -> None:
+    value = cfg.get(field)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise SpecError(f"{prefix}{field}: must be a number > 0, got {value!r}")
