@@ -103,7 +103,7 @@ def expand(overrides: Sequence[str], sweep_file: SweepFile | None = None, sweep:
     for setting in _unique(settings):
         parsed = _parse([*(f"{k}={v}" for k, v in setting.items()), *base])
         for batch in BasicSweeper.split_arguments(parsed, None):
-            jobs.extend(batch)
+            jobs.extend([_bare_deletes(o) for o in job] for job in batch)
     specs: dict[str, RunSpec] = {}
     with _hydra():
         for job in jobs:
@@ -194,11 +194,11 @@ def _config_groups() -> frozenset[str]:
 @lru_cache(maxsize=4096)
 def _parse_one(override: str):
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
+    from hydra.errors import HydraException
 
     try:
         return OverridesParser.create().parse_override(override)
-    except OverrideParseException as exc:
+    except HydraException as exc:
         raise GridError(f"override {override!r}: malformed ({str(exc).splitlines()[0]})") from exc
 
 
@@ -226,6 +226,11 @@ def _expand_seeds(override: str) -> str:
     if re.fullmatch(r"\d+(\s*,\s*\d+)*", value):
         return f"seed={value.replace(' ', '')}"
     raise GridError(f"seeds: expected a count or a list of integers, got {value!r}")
+
+
+def _bare_deletes(override: str) -> str:
+    """The sweeper writes `~key` as `~key=null`, which would delete only a null value."""
+    return override.removesuffix("=null") if override.startswith("~") else override
 
 
 def _unique(settings: list[dict[str, str]]) -> list[dict[str, str]]:

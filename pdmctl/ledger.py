@@ -572,6 +572,7 @@ class RunLogger:
 
     def __init__(self, uri: str, run_id: str) -> None:
         self.client = _mlflow_client(uri)
+        self.uri = uri
         self.run_id = run_id
         self.last_logged: dict[str, int] = {}  # metric -> last step already in the run
 
@@ -601,6 +602,23 @@ class RunLogger:
         _retry(lambda: self.client.log_dict(self.run_id, {"step": step, "dataset": dataset,
                                                           "accuracies": [float(a) for a in accuracies]},
                                             f"per_problem/{dataset}/step_{step:07d}.json"))  # fmt: skip
+
+    def copy_metrics(self, rename) -> dict[str, float]:
+        """Log every metric another writer put into this run under `rename(name)` (skipping None).
+
+        VeRL logs into the run with its own names; the report reads pdmctl's.
+        Returns the last value of each renamed metric.
+        """
+        run = _retry(lambda: self.client.get_run(self.run_id))
+        final: dict[str, float] = {}
+        for name in run.data.metrics:
+            new = rename(name)
+            if new is None or new == name:
+                continue
+            for m in sorted(_retry(lambda n=name: self.client.get_metric_history(self.run_id, n)), key=lambda m: m.step):
+                self.log_metrics({new: m.value}, m.step)
+                final[new] = m.value
+        return final
 
     def finish(self, status: str, reason: str | None = None) -> None:
         if reason is not None:

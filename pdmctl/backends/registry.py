@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,15 +79,30 @@ def _verl_module():
 
 
 def _verl_defaults() -> dict[str, Any]:
-    return dict(getattr(_verl_module(), "BACKEND_DEFAULTS", {}))
+    run_identity = {"experiment", "run_name"}  # set by the job from the ledger, not by the user
+    launch = _verl_module()
+    fields = {k: v for k, v in launch.DEFAULTS.items() if k not in SHARED_FIELDS and k not in run_identity}
+    return {**fields, "data_dir": None}  # None: ./data/verl, where `pdmctl data prepare` writes
+
+
+def _verl_job_config(flat: Mapping[str, Any], run_dir: Path) -> dict[str, Any]:
+    data_dir = flat.get("data_dir") or Path("data/verl").resolve()
+    return {**flat, "data_dir": str(data_dir), "checkpoint_dir": str(run_dir.resolve() / "checkpoints")}
 
 
 def _verl_validate(flat: Mapping[str, Any]) -> None:
-    _verl_module().validate(flat)
+    _verl_module().verl_overrides(_verl_job_config(flat, Path("/pdmctl-validate")))
 
 
 def _verl_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mapping[str, float]:
-    return _verl_module().run(flat, run_dir, tracker)
+    """Run VeRL inside the job (Ray across the SLURM allocation), logging into the ledger's MLflow run."""
+    launch = _verl_module()
+    uri, run_id = getattr(tracker, "uri", None), getattr(tracker, "run_id", None)
+    if uri is None or run_id is None:
+        raise ValueError("backend: verl logs through MLflow itself and needs the job's ledger tracker")
+    cfg = {**_verl_job_config(flat, run_dir), "tracking_uri": uri, "mlflow_run_id": run_id}
+    subprocess.run(launch.build_job_command(cfg, python=sys.executable), check=True)
+    return tracker.copy_metrics(launch.pdmctl_metric_name)  # VeRL's names -> eval/aime24, train/reward, ...
 
 
 BACKENDS: dict[str, Backend] = {

@@ -1,0 +1,435 @@
+"""A pdmctl run as a VeRL job: Hydra overrides, the multi-node SLURM job body, metric names.
+
+`verl_overrides(run_config)` turns one run (a flat mapping, the resolved RunSpec)
+into `main_ppo` overrides; `compose(overrides)` checks them against VeRL's own
+Hydra config; `build_job_command(run_config)` is the command a SLURM job runs
+(`bash -c <job body>`): Ray head on the first node of the allocation, workers on
+the rest, wait for all GPUs, then the trainer (or, with `PDMCTL_VERL_PROBE=1`, a
+probe task that proves the cluster works).
+
+Training defaults and where each comes from (DPPO = arXiv 2602.04879 and VeRL's
+`examples/dppo_trainer`; paper = the PDM paper in shared/papers):
+
+    lr 1e-6 ............................ DPPO appendix, VeRL dppo example
+    temperature 1.0 (rollout) .......... DPPO appendix (the masks divide logits by it)
+    group size n: 8 dense, 16 MoE ...... DPPO appendix (Qwen3-4B/8B dense, 30B-A3B MoE)
+    batch 128 prompts, mini-batch 32 ... DPPO appendix, dense (4 updates per batch)
+    batch 256 prompts, mini-batch 32 ... DPPO appendix, MoE (8 updates per batch)
+    response length 8192 dense, 16384 MoE   DPPO appendix
+    prompt length 2048 ................. VeRL DAPO recipe (DAPO-Math prompts are short)
+    K = 20 ............................. DPPO (vLLM's default max_logprobs)
+    clip_ratio_c (ratio cap C) 10 ...... pdmctl default; DPPO uses a large C (truncation off) or 5
+    ε_low 0.2 / ε_high 0.28 (GRPO) ..... DAPO clip-higher, as in the paper's GRPO baseline
+    validation: AIME24 + AIME25, n=16, temperature 1.0, top_p 1.0   the paper's avg@16
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PROBE_ENV = "PDMCTL_VERL_PROBE"
+PLUGIN_MODULE = "pdmctl.backends.verl.plugin"
+PDM_CONFIG_TARGET = "pdmctl.backends.verl.plugin.PdmPolicyLossConfig"
+TOPK_ENV = "PDMCTL_VERL_TOPK"  # same name as topk.TOPK_ENV (topk imports verl; this module must not)
+TRAIN_FILE = "dapo_math_17k.parquet"
+VAL_FILES = ("aime24.parquet", "aime25.parquet")
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    hf_path: str
+    moe: bool
+    group_size: int  # rollout.n
+    train_batch_size: int  # prompts per step
+    ppo_mini_batch_size: int
+    max_response_length: int
+    nnodes: int
+    tensor_parallel: int  # rollout TP (and Megatron TP)
+    expert_parallel: int
+
+
+MODEL_PRESETS: dict[str, ModelPreset] = {
+    "qwen3-4b-base": ModelPreset("Qwen/Qwen3-4B-Base", False, 8, 128, 32, 8192, 1, 1, 1),
+    "qwen3-8b-base": ModelPreset("Qwen/Qwen3-8B-Base", False, 8, 128, 32, 8192, 1, 2, 1),
+    "qwen3-30b-a3b-base": ModelPreset("Qwen/Qwen3-30B-A3B-Base", True, 16, 256, 32, 16384, 4, 4, 8),
+}
+PRECISIONS = ("bf16", "fp8_rollout", "fp8_e2e")
+STRATEGIES = ("fsdp2", "megatron")
+GPUS_PER_NODE = 8  # H20 nodes
+
+# Run-config keys with their defaults (see the module docstring for sources).
+DEFAULTS: dict[str, Any] = {
+    "precision": "bf16",
+    "strategy": None,  # None: fsdp2, or megatron where the precision needs it (fp8_e2e)
+    "method": "pdm",
+    "divergence": "topk_kl",
+    "estimator": "agg",
+    "delta": 0.15,
+    "delta_low": None,
+    "k": 20,
+    "eps_low": 0.2,
+    "eps_high": 0.28,
+    "ratio_cap": 10.0,
+    "loss_agg_mode": "token-mean",
+    "seed": 0,
+    "lr": 1e-6,
+    "temperature": 1.0,
+    "val_n": 16,
+    "save_freq": 10,
+    "test_freq": 10,
+    "total_epochs": 1,
+    "max_prompt_length": 2048,
+    "experiment": "pdmctl",
+    "run_name": None,
+}
+
+
+class LaunchConfigError(ValueError):
+    """A run config that cannot become a VeRL job."""
+
+
+def _resolved(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    cfg = {**DEFAULTS, **{k: v for k, v in run_config.items() if v is not None or k not in DEFAULTS}}
+    for key in ("model", "checkpoint_dir", "data_dir"):
+        if not cfg.get(key):
+            raise LaunchConfigError(f"{key}: required")
+    if cfg["model"] not in MODEL_PRESETS:
+        raise LaunchConfigError(f"model: unknown {cfg['model']!r}; choose from {sorted(MODEL_PRESETS)}")
+    if cfg["precision"] not in PRECISIONS:
+        raise LaunchConfigError(f"precision: unknown {cfg['precision']!r}; choose from {list(PRECISIONS)}")
+    if cfg["strategy"] is None:
+        cfg["strategy"] = "megatron" if cfg["precision"] == "fp8_e2e" else "fsdp2"
+    if cfg["strategy"] not in STRATEGIES:
+        raise LaunchConfigError(f"strategy: unknown {cfg['strategy']!r}; choose from {list(STRATEGIES)}")
+    if cfg["precision"] == "fp8_e2e" and cfg["strategy"] != "megatron":
+        raise LaunchConfigError("precision=fp8_e2e needs strategy=megatron (Transformer Engine fp8)")
+    for key in ("checkpoint_dir", "data_dir"):
+        if not Path(str(cfg[key])).is_absolute():
+            raise LaunchConfigError(
+                f"{key}: must be an absolute path (resume reads it on every node), got {cfg[key]!r}"
+            )
+    if int(cfg["k"]) < 1:
+        raise LaunchConfigError(f"k: must be >= 1, got {cfg['k']}")
+    return cfg
+
+
+def verl_overrides(run_config: Mapping[str, Any]) -> list[str]:
+    """The `main_ppo` Hydra overrides of one run."""
+    cfg = _resolved(run_config)
+    preset = MODEL_PRESETS[cfg["model"]]
+    megatron = cfg["strategy"] == "megatron"
+    actor = "actor_rollout_ref.actor"
+    rollout = "actor_rollout_ref.rollout"
+    run_name = cfg["run_name"] or cfg.get("mlflow_run_id") or f"{cfg['model']}-{cfg['method']}-s{cfg['seed']}"
+    data_dir = Path(str(cfg["data_dir"]))
+    out = [
+        # engine: model_engine picks the actor/ref/critic config groups (dp = fsdp/fsdp2)
+        f"model_engine={'megatron' if megatron else 'dp'}",
+        "trainer.use_v1=false",  # the top-K carry is wired for the V0 (DataProto) trainer
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=false",
+        # data
+        f"data.train_files={data_dir / TRAIN_FILE}",
+        f"data.val_files=[{','.join(str(data_dir / f) for f in VAL_FILES)}]",
+        f"data.train_batch_size={preset.train_batch_size}",
+        f"data.max_prompt_length={cfg['max_prompt_length']}",
+        f"data.max_response_length={preset.max_response_length}",
+        "data.filter_overlong_prompts=true",
+        f"data.seed={cfg['seed']}",
+        # model
+        f"actor_rollout_ref.model.path={preset.hf_path}",
+        "actor_rollout_ref.model.use_remove_padding=true",
+        "actor_rollout_ref.model.use_fused_kernels=false",  # the masks need the full logits
+        f"actor_rollout_ref.model.external_lib={PLUGIN_MODULE}",  # import (and fail loudly) in every worker
+        # actor and the mask
+        f"{actor}.optim.lr={cfg['lr']}",
+        f"{actor}.ppo_mini_batch_size={preset.ppo_mini_batch_size}",
+        f"{actor}.use_dynamic_bsz=true",
+        f"{actor}.ppo_max_token_len_per_gpu={cfg['max_prompt_length'] + preset.max_response_length}",
+        f"{rollout}.log_prob_max_token_len_per_gpu={cfg['max_prompt_length'] + preset.max_response_length}",
+        f"{actor}.use_kl_loss=false",
+        f"{actor}.entropy_coeff=0",
+        f"{actor}.loss_agg_mode={cfg['loss_agg_mode']}",
+        f"{actor}.clip_ratio_low={cfg['eps_low']}",
+        f"{actor}.clip_ratio_high={cfg['eps_high']}",
+        f"{actor}.clip_ratio_c={cfg['ratio_cap']}",
+        f"{actor}.policy_loss._target_={PDM_CONFIG_TARGET}",
+        f"{actor}.policy_loss.loss_mode=pdmctl_{cfg['method']}",
+        f"+{actor}.policy_loss.topk={cfg['k']}",
+        f"+{actor}.policy_loss.delta={cfg['delta']}",
+        f"+{actor}.policy_loss.delta_low={'null' if cfg['delta_low'] is None else cfg['delta_low']}",
+        f"+{actor}.policy_loss.divergence={cfg['divergence']}",
+        f"+{actor}.policy_loss.estimator={cfg['estimator']}",
+        # rollout
+        f"{rollout}.name=vllm",
+        f"{rollout}.n={preset.group_size}",
+        f"{rollout}.temperature={cfg['temperature']}",
+        f"{rollout}.tensor_model_parallel_size={preset.tensor_parallel}",
+        f"{rollout}.calculate_log_probs=true",
+        f"+{rollout}.engine_kwargs.vllm.max_logprobs={max(int(cfg['k']), 20)}",
+        f"{rollout}.val_kwargs.n={cfg['val_n']}",
+        f"{rollout}.val_kwargs.temperature={cfg['temperature']}",
+        f"{rollout}.val_kwargs.top_p=1.0",
+        f"{rollout}.val_kwargs.do_sample=true",
+        # trainer: tracking, checkpoints, cluster shape
+        "trainer.logger=[console,mlflow]",
+        f"trainer.project_name={cfg['experiment']}",
+        f"trainer.experiment_name={run_name}",
+        f"trainer.default_local_dir={cfg['checkpoint_dir']}",
+        f"trainer.save_freq={cfg['save_freq']}",
+        "trainer.resume_mode=auto",
+        f"trainer.test_freq={cfg['test_freq']}",
+        "trainer.val_before_train=true",
+        f"trainer.total_epochs={cfg['total_epochs']}",
+        f"trainer.nnodes={preset.nnodes}",
+        f"trainer.n_gpus_per_node={GPUS_PER_NODE}",
+        "trainer.critic_warmup=0",
+    ]
+    out += _precision_overrides(cfg["precision"], megatron)
+    if megatron:
+        out += [
+            f"{actor}.megatron.tensor_model_parallel_size={preset.tensor_parallel}",
+            f"{actor}.megatron.expert_model_parallel_size={preset.expert_parallel}",
+            f"actor_rollout_ref.ref.megatron.tensor_model_parallel_size={preset.tensor_parallel}",
+        ]
+    else:
+        out += [f"{actor}.strategy=fsdp2", "actor_rollout_ref.ref.strategy=fsdp2"]
+    return out
+
+
+def _precision_overrides(precision: str, megatron: bool) -> list[str]:
+    if precision == "bf16":
+        return []
+    rollout_fp8 = ["actor_rollout_ref.rollout.quantization=fp8"]  # vLLM blockwise e4m3 rollout
+    if precision == "fp8_rollout":
+        return rollout_fp8
+    tf = "+actor_rollout_ref.actor.megatron.override_transformer_config"
+    return [
+        *rollout_fp8,
+        f"{tf}.fp8=e4m3",
+        f"{tf}.fp8_recipe=blockwise",
+        "+actor_rollout_ref.actor.optim.override_optimizer_config.fp8_recipe=blockwise",
+    ]
+
+
+def job_env(run_config: Mapping[str, Any]) -> dict[str, str]:
+    """Environment of the job: what VeRL's MLflow logger and every Ray worker must see."""
+    cfg = _resolved(run_config)
+    env = {
+        # every pdmctl loss runs through the logits processor, so the rollout always carries top-K
+        TOPK_ENV: str(int(cfg["k"])),
+        "VERL_USE_EXTERNAL_MODULES": PLUGIN_MODULE,
+        "MLFLOW_ALLOW_FILE_STORE": "true",
+    }
+    if cfg.get("tracking_uri"):
+        env["MLFLOW_TRACKING_URI"] = str(cfg["tracking_uri"])
+    if cfg.get("mlflow_run_id"):
+        env["MLFLOW_RUN_ID"] = str(
+            cfg["mlflow_run_id"]
+        )  # VeRL attaches to the ledger's run; resume continues it
+    if cfg["precision"] == "fp8_e2e":
+        env["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] = "1"
+    return env
+
+
+def ray_env_overrides(env: Mapping[str, str]) -> list[str]:
+    """Forward `env` to every Ray actor (the TaskRunner holds the MLflow logger)."""
+    return [
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.{key}='{value}'" for key, value in sorted(env.items())
+    ]
+
+
+def compose(overrides: list[str]) -> Any:
+    """Compose `overrides` against VeRL's own `ppo_trainer` config (raises on any error)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        return hydra_compose(config_name="ppo_trainer", overrides=overrides)
+
+
+# ---------------------------------------------------------------------------
+# The job body: Ray on the SLURM allocation, then the trainer
+# ---------------------------------------------------------------------------
+
+JOB_BODY = r"""
+set -euo pipefail
+# One node name per element; quoting "$(...)" here would make one element of all names.
+mapfile -t NODES < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?not inside a SLURM allocation}")
+HEAD="${NODES[0]}"
+HEAD_IP="$(srun --nodes=1 --ntasks=1 -w "$HEAD" hostname --ip-address | awk '{print $1}')"
+PORT="${PDMCTL_RAY_PORT:-6379}"
+GPUS="${PDMCTL_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}"
+CPUS="${SLURM_CPUS_ON_NODE:-1}"
+RAY_TMP="${PDMCTL_RAY_TMP:-/tmp/ray-$SLURM_JOB_ID}"
+export RAY_ADDRESS="$HEAD_IP:$PORT"
+# The package must import on every node before any Ray worker starts.
+srun --nodes="${#NODES[@]}" --ntasks="${#NODES[@]}" --ntasks-per-node=1 \
+  "$PDMCTL_PYTHON" -c "import pdmctl.backends.verl.launch"
+srun --nodes=1 --ntasks=1 -w "$HEAD" --overlap \
+  ray start --head --node-ip-address="$HEAD_IP" --port="$PORT" --num-cpus="$CPUS" --num-gpus="$GPUS" \
+  --temp-dir="$RAY_TMP" --disable-usage-stats --block &
+sleep "${PDMCTL_RAY_HEAD_WAIT:-5}"
+for node in "${NODES[@]:1}"; do
+  srun --nodes=1 --ntasks=1 -w "$node" --overlap \
+    ray start --address="$RAY_ADDRESS" --num-cpus="$CPUS" --num-gpus="$GPUS" --disable-usage-stats --block &
+done
+"$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch wait-ray --nodes "${#NODES[@]}" --timeout "${PDMCTL_RAY_WAIT_S:-300}"
+status=0
+if [ "${PDMCTL_VERL_PROBE:-0}" = "1" ]; then
+  "$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch probe || status=$?
+else
+  "$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch train "$@" || status=$?
+fi
+ray stop --force >/dev/null 2>&1 || true
+exit $status
+"""
+
+
+def build_job_command(run_config: Mapping[str, Any], python: str | None = None) -> list[str]:
+    """`[env, K=V..., bash, -c, JOB_BODY, pdmctl-verl, override...]`: what the SLURM executor runs.
+
+    The overrides travel as positional arguments (`"$@"`), so no value is ever
+    re-parsed by a shell; the environment goes through `env` for the same reason.
+    """
+    env = {**job_env(run_config), "PDMCTL_PYTHON": python or "python3"}
+    overrides = verl_overrides(run_config) + ray_env_overrides(job_env(run_config))
+    return [
+        "env",
+        *(f"{k}={v}" for k, v in sorted(env.items())),
+        "bash",
+        "-c",
+        JOB_BODY,
+        "pdmctl-verl",
+        *overrides,
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Metrics: VeRL/MLflow names -> pdmctl's (backends/base.py)
+# ---------------------------------------------------------------------------
+
+VAL_DATA_SOURCES = {"aime24": "aime24", "aime25": "aime25"}  # data_source in the parquet -> report name
+TRAIN_METRICS = {
+    "critic/score/mean": "train/reward",
+    "response_length/mean": "train/response_length",
+    "actor/pdmctl/ppo_kl": "train/ppo_kl",
+    "actor/pdmctl/mask_frac": "train/mask_frac",
+    "actor/pdmctl/out_of_region_frac": "train/out_of_region_frac",
+    "actor/pdmctl/mean_divergence": "train/mean_divergence",
+    "actor/pdmctl/disagreement_count": "train/disagreement_count",
+}
+
+
+def pdmctl_metric_name(verl_name: str) -> str | None:
+    """`val-core/aime24/acc/mean@16` (or MLflow's `..._at_16`) -> `eval/aime24`; None if not reported."""
+    name = verl_name.replace("_at_", "@")
+    for source, report in VAL_DATA_SOURCES.items():
+        if name == f"val-core/{source}/acc/mean@16":
+            return f"eval/{report}"
+    return TRAIN_METRICS.get(name)
+
+
+def map_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    return {new: value for name, value in metrics.items() if (new := pdmctl_metric_name(name)) is not None}
+
+
+# ---------------------------------------------------------------------------
+# `python -m pdmctl.backends.verl.launch {wait-ray,probe,train}`: the job body's steps
+# ---------------------------------------------------------------------------
+
+
+def wait_for_ray(nodes: int, timeout_s: float) -> None:
+    """Block until `nodes` Ray nodes are alive (the workers start asynchronously)."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
+    try:
+        while True:
+            alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+            if alive >= nodes:
+                print(f"pdmctl: {alive} Ray node(s) up", flush=True)
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {alive} of {nodes} Ray nodes came up within {timeout_s:.0f}s")
+            time.sleep(1.0)
+    finally:
+        ray.shutdown()
+
+
+def probe() -> None:
+    """A task on the cluster in place of the trainer: the cluster starts, schedules, and sees the plugin env."""
+    import socket
+
+    import ray
+
+    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
+
+    @ray.remote(num_cpus=1)
+    def where() -> dict[str, str]:
+        import pdmctl.backends.verl.launch  # noqa: F401  (the package imports on the worker)
+
+        return {"host": socket.gethostname(), TOPK_ENV: os.environ.get(TOPK_ENV, "")}
+
+    try:
+        result = ray.get(where.remote(), timeout=120)
+        nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+        print(f"PDMCTL_PROBE_OK host={result['host']} nodes={nodes}", flush=True)
+    finally:
+        ray.shutdown()
+
+
+def train(overrides: list[str]) -> None:
+    """VeRL's `main_ppo`, with pdmctl's fail-fast check before Ray starts the first rollout."""
+    from verl.trainer.main_ppo import (
+        auto_set_device,
+        need_critic,
+        need_reference_policy,
+        run_ppo,
+        validate_config,
+    )
+    from verl.trainer.main_ppo_v0 import TaskRunner
+
+    from pdmctl.backends.verl.plugin import check_run_config
+
+    config = compose(overrides)
+    check_run_config(config)
+    auto_set_device(config)
+    validate_config(
+        config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config)
+    )
+    run_ppo(config, task_runner_class=TaskRunner)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m pdmctl.backends.verl.launch")
+    sub = parser.add_subparsers(dest="step", required=True)
+    wait = sub.add_parser("wait-ray")
+    wait.add_argument("--nodes", type=int, required=True)
+    wait.add_argument("--timeout", type=float, default=300.0)
+    sub.add_parser("probe")
+    train_parser = sub.add_parser("train")
+    train_parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.step == "wait-ray":
+        wait_for_ray(args.nodes, args.timeout)
+    elif args.step == "probe":
+        probe()
+    else:
+        train(args.overrides)
+
+
+if __name__ == "__main__":
+    main()

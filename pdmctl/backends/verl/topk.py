@@ -1,0 +1,458 @@
+"""Rollout top-K log-probs through VeRL 0.9.1, and the actor-side call into `pdmctl.masks`.
+
+VeRL 0.9.1 keeps only the sampled token's rollout log-prob. The top-K masks need,
+per generated token, the rollout's `TopK(μ) ∪ {k}` (ids and log-probs) and the
+training logits over the whole vocabulary. This module is the one place that
+knows how VeRL 0.9.1 is built inside; it refuses any other version
+(`check_verl_version`), because every function it wraps is private API.
+
+Three layers, from pure to invasive:
+
+1. `extract_topk` / `pad_topk`: vLLM's per-position logprob dicts (values with
+   vLLM's `rank` and `logprob` fields) -> fixed-width `[T, K+1]` ids and
+   log-probs. Pure; tested on CPU with vLLM-shaped objects.
+2. `pdm_ppo_loss`: the actor's loss function, used twice per micro-batch the way
+   VeRL's own top-K distillation loss is (`verl/trainer/distillation/losses.py`):
+   called with `student_logits` it is the engine's logits processor and runs
+   `pdmctl.masks.token_diagnostics` on the full (temperature-scaled) logits; called
+   with `model_output` it hands those diagnostics to VeRL's unmodified `ppo_loss`,
+   which finds the registered `pdmctl_<method>` loss. Tested on CPU through
+   VeRL's own `ppo_loss` and `logprobs_from_logits`.
+3. `install`: monkeypatches of VeRL's vLLM server (request `logprobs=K`, keep
+   `TopK ∪ {k}` in `TokenOutput.extra_fields`), the agent loop (extra fields ->
+   padded batch tensors) and the actor worker (use `pdm_ppo_loss`, switch the
+   logits-processor hook on). NOT exercised here: it needs vLLM and a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from pdmctl import masks
+
+SUPPORTED_VERL_VERSION = "0.9.1"
+TOPK_ENV = "PDMCTL_VERL_TOPK"  # K for the rollout; set by the job body, read by every Ray worker
+_MASK_CHUNK_ROWS = 1024  # response tokens per token_diagnostics call: bounds the [rows, V] scratch
+
+# Batch keys this module adds ([bsz, response_length, K+1]); model_output keys it adds ([bsz, seq] nested).
+TOPK_IDS_KEY = "rollout_topk_ids"
+TOPK_LOGPROBS_KEY = "rollout_topk_logprobs"
+DIAGNOSTIC_KEYS = ("keep", "divergence", "ddot", "ratio", "log_ratio", "out_of_region", "disagree")
+_OUTPUT_PREFIX = "pdmctl_"
+
+
+class VerlVersionError(RuntimeError):
+    """The installed verl is not the version this patch was written against."""
+
+
+def check_verl_version(installed: str | None = None) -> None:
+    """Raise unless verl == SUPPORTED_VERL_VERSION (every patched function is private API)."""
+    if installed is None:
+        import verl
+
+        installed = verl.__version__
+    if installed != SUPPORTED_VERL_VERSION:
+        raise VerlVersionError(
+            f"pdmctl's VeRL top-K patch is written for verl=={SUPPORTED_VERL_VERSION}, found verl=={installed}; "
+            f"install the pinned version (pip install 'pdmctl[verl]') or port pdmctl/backends/verl/topk.py"
+        )
+
+
+# ---------------------------------------------------------------------------
+# 1. vLLM output -> padded tensors
+# ---------------------------------------------------------------------------
+
+
+class VllmLogprob(Protocol):
+    """The fields of `vllm.sequence.Logprob` this module reads."""
+
+    logprob: float
+    rank: int | None
+
+
+@dataclass(frozen=True)
+class RolloutTopK:
+    """One response's support per generated token: `[T, K+1]` ids (int64) and log-probs (float32).
+
+    Slots 0..K-1 hold the rollout's top-K by rank (-inf log-prob, id 0 where vLLM
+    returned fewer); slot K holds the sampled token when it is not among them
+    (MATH.md's `S = TopK(μ, K) ∪ {k}`), else -inf padding.
+    """
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+
+
+def extract_topk(
+    token_ids: Sequence[int], position_logprobs: Sequence[Mapping[int, VllmLogprob]], k: int
+) -> RolloutTopK:
+    """vLLM's `CompletionOutput.logprobs` (one {token_id: Logprob} per generated token) -> `RolloutTopK`.
+
+    vLLM returns the top-`logprobs` entries by rank plus the sampled token (rank > K
+    when it was not among them); dict order is not rank order, so entries are sorted
+    by `rank` (ties and missing ranks fall back to the log-prob).
+    """
+    if k < 1:
+        raise ValueError(f"k: must be >= 1, got {k}")
+    if len(token_ids) != len(position_logprobs):
+        raise ValueError(
+            f"token_ids ({len(token_ids)}) and logprobs ({len(position_logprobs)}) differ in length"
+        )
+    n = len(token_ids)
+    ids = torch.zeros((n, k + 1), dtype=torch.int64)
+    logprobs = torch.full((n, k + 1), -math.inf, dtype=torch.float32)
+    for t, (sampled, entries) in enumerate(zip(token_ids, position_logprobs, strict=True)):
+        ranked = sorted(entries.items(), key=lambda item: _rank_key(item[1]))
+        top = [(tid, lp) for tid, lp in ranked if lp.rank is None or lp.rank <= k][:k]
+        for slot, (tid, lp) in enumerate(top):
+            ids[t, slot] = tid
+            logprobs[t, slot] = lp.logprob
+        if all(tid != sampled for tid, _ in top):
+            if sampled not in entries:
+                raise ValueError(f"position {t}: vLLM returned no log-prob for the sampled token {sampled}")
+            ids[t, k] = sampled
+            logprobs[t, k] = entries[sampled].logprob
+    return RolloutTopK(ids, logprobs)
+
+
+def _rank_key(lp: VllmLogprob) -> tuple[float, float]:
+    return (math.inf if lp.rank is None else float(lp.rank), -float(lp.logprob))
+
+
+def pad_topk(responses: Sequence[RolloutTopK], response_length: int, k: int) -> RolloutTopK:
+    """Stack per-response supports into `[bsz, response_length, K+1]`, right-padded like VeRL's responses."""
+    ids = torch.zeros((len(responses), response_length, k + 1), dtype=torch.int64)
+    logprobs = torch.full((len(responses), response_length, k + 1), -math.inf, dtype=torch.float32)
+    for i, r in enumerate(responses):
+        if r.ids.shape[-1] != k + 1:
+            raise ValueError(f"response {i}: width {r.ids.shape[-1]} != K+1 = {k + 1}")
+        t = min(r.ids.shape[0], response_length)
+        ids[i, :t] = r.ids[:t]
+        logprobs[i, :t] = r.logprobs[:t]
+    return RolloutTopK(ids, logprobs)
+
+
+# ---------------------------------------------------------------------------
+# 2. The actor side: logits processor + VeRL's ppo_loss
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MaskSettings:
+    """What `token_diagnostics` needs besides tensors, read off VeRL's ActorConfig."""
+
+    method: str
+    divergence: str
+    estimator: str
+    delta: float
+    delta_low: float | None
+    eps_low: float
+    eps_high: float
+    ratio_cap: float
+
+    @classmethod
+    def from_actor_config(cls, config: Any) -> MaskSettings:
+        from pdmctl.backends.verl.plugin import method_of_loss
+
+        policy_loss = config.policy_loss
+        return cls(
+            method=method_of_loss(policy_loss.loss_mode),
+            divergence=policy_loss.get("divergence", "topk_kl"),
+            estimator=policy_loss.get("estimator", "agg"),
+            delta=float(policy_loss.get("delta", 0.15)),
+            delta_low=policy_loss.get("delta_low", None),
+            eps_low=float(config.clip_ratio_low),
+            eps_high=float(config.clip_ratio_high),
+            ratio_cap=float(config.clip_ratio_c),
+        )
+
+
+# The padded [bsz, response_length] diagnostics of the micro-batch whose loss VeRL is computing.
+_CURRENT: contextvars.ContextVar[masks.Diagnostics | None] = contextvars.ContextVar(
+    "pdmctl_diagnostics", default=None
+)
+
+
+def current_diagnostics() -> masks.Diagnostics:
+    """The diagnostics `pdm_ppo_loss` computed for this micro-batch (called by the registered losses)."""
+    diagnostics = _CURRENT.get()
+    if diagnostics is None:
+        raise RuntimeError(
+            "a pdmctl_* policy loss was called outside pdmctl's actor loss: the VeRL top-K patch is not "
+            f"installed in this worker (set {TOPK_ENV} and load pdmctl.backends.verl.plugin in every Ray worker)"
+        )
+    return diagnostics
+
+
+@contextlib.contextmanager
+def diagnostics_scope(diagnostics: masks.Diagnostics) -> Iterator[None]:
+    token = _CURRENT.set(diagnostics)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def response_rows(data: Any, total_rows: int) -> torch.Tensor:
+    """[bsz, response_length] row index into the packed logits of each response token's logits.
+
+    Built with VeRL's own `no_padding_2_padding` on an arange, so it is exactly the
+    alignment VeRL uses to slice `log_probs` (logits at row p predict token p+1).
+    """
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    return no_padding_2_padding(torch.arange(total_rows), data).long()
+
+
+def _dense(data: Any, key: str) -> torch.Tensor:
+    value = data[key]
+    return value.to_padded_tensor(0.0) if value.is_nested else value
+
+
+def mask_outputs_from_logits(config: Any, data: Any, student_logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The logits-processor half: `pdmctl.masks.token_diagnostics` on the response tokens.
+
+    `student_logits` is `(1, total_rows, V)`, already divided by the temperature (the
+    engine does that before it calls a logits processor). Returns one `(1, total_rows)`
+    float tensor per diagnostic, zero on prompt rows, as VeRL's hook requires.
+    """
+    settings = MaskSettings.from_actor_config(config)
+    logits = student_logits.squeeze(0)
+    total_rows = logits.shape[0]
+    if "rollout_log_probs" not in data.keys():  # noqa: SIM118  (TensorDict has no `in`)
+        raise RuntimeError(
+            "pdmctl losses need the rollout's sampled log-probs: set actor_rollout_ref.rollout.calculate_log_probs=true"
+        )
+    if TOPK_IDS_KEY not in data.keys():  # noqa: SIM118
+        raise RuntimeError(
+            f"pdmctl losses need {TOPK_IDS_KEY}/{TOPK_LOGPROBS_KEY} in the batch: the rollout top-K patch is not active"
+        )
+    rows = response_rows(data, total_rows).to(logits.device)
+    valid = _dense(data, "response_mask").bool().to(logits.device)
+    flat_rows = rows[valid]
+    sampled_ids = _dense(data, "responses").to(logits.device)[valid].long()
+    topk_ids = _dense(data, TOPK_IDS_KEY).to(logits.device)[valid].long()
+    topk_logprobs = _dense(data, TOPK_LOGPROBS_KEY).to(logits.device)[valid].float()
+    sampled_logprobs = _dense(data, "rollout_log_probs").to(logits.device)[valid].float()
+    advantages = _dense(data, "advantages").to(logits.device)[valid].float()
+
+    outputs = {
+        name: torch.zeros(total_rows, dtype=torch.float32, device=logits.device) for name in DIAGNOSTIC_KEYS
+    }
+    with torch.no_grad():
+        for start in range(0, flat_rows.numel(), _MASK_CHUNK_ROWS):
+            chunk = slice(start, start + _MASK_CHUNK_ROWS)
+            d = masks.token_diagnostics(
+                logits[flat_rows[chunk]].detach(), sampled_ids[chunk], topk_ids[chunk], topk_logprobs[chunk],
+                sampled_logprobs[chunk], advantages[chunk], method=settings.method,
+                divergence=settings.divergence, estimator=settings.estimator, delta=settings.delta,
+                delta_low=settings.delta_low, eps_low=settings.eps_low, eps_high=settings.eps_high,
+            )  # fmt: skip
+            for name in DIAGNOSTIC_KEYS:
+                outputs[name][flat_rows[chunk]] = getattr(d, name).float()
+    return {_OUTPUT_PREFIX + name: value.unsqueeze(0) for name, value in outputs.items()}
+
+
+def diagnostics_from_model_output(model_output: Mapping[str, torch.Tensor], data: Any) -> masks.Diagnostics:
+    """The logits processor's per-row outputs -> `[bsz, response_length]` Diagnostics."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    padded = {
+        name: no_padding_2_padding(model_output[_OUTPUT_PREFIX + name], data) for name in DIAGNOSTIC_KEYS
+    }
+    as_bool = ("keep", "out_of_region", "disagree")
+    return masks.Diagnostics(**{name: (v > 0.5) if name in as_bool else v for name, v in padded.items()})
+
+
+def pdm_ppo_loss(
+    config: Any,
+    model_output: Mapping[str, torch.Tensor] | None = None,
+    data: Any = None,
+    dp_group: Any = None,
+    student_logits: torch.Tensor | None = None,
+    data_format: str = "thd",
+) -> Any:
+    """The actor loss for `pdmctl_*` loss modes; same two-call contract as VeRL's `distillation_ppo_loss`."""
+    if student_logits is not None:
+        if data_format != "thd" or _sequence_parallel_size() > 1:
+            raise NotImplementedError(
+                "pdmctl's logits processor maps packed rows without sequence/context parallelism only "
+                "(FSDP with ulysses_sequence_parallel_size=1, Megatron with context_parallel_size=1 and TP=1)"
+            )
+        return mask_outputs_from_logits(config, data, student_logits)
+    from verl.workers.utils.losses import ppo_loss
+
+    with diagnostics_scope(diagnostics_from_model_output(model_output, data)):
+        return ppo_loss(config, model_output, data, dp_group)
+
+
+def _sequence_parallel_size() -> int:
+    with contextlib.suppress(Exception):
+        from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size
+
+        return int(get_ulysses_sequence_parallel_world_size())
+    return 1
+
+
+# ---------------------------------------------------------------------------
+# 3. The monkeypatches (need vLLM + GPU workers; not exercised on CPU)
+# ---------------------------------------------------------------------------
+
+
+def configured_topk() -> int:
+    """K from the environment the job body exports to every Ray worker; 0 = the patch is off."""
+    raw = os.environ.get(TOPK_ENV, "0")
+    try:
+        return int(raw)
+    except ValueError as err:
+        raise ValueError(f"{TOPK_ENV}: expected an integer K, got {raw!r}") from err
+
+
+_INSTALLED: set[str] = set()
+
+
+def install(k: int | None = None) -> None:
+    """Patch VeRL 0.9.1 to carry rollout top-K and to call pdmctl's actor loss. Idempotent.
+
+    Each part is installed only where its module imports: the vLLM server exists
+    only where vLLM is installed, the actor worker only where its engines import.
+    """
+    check_verl_version()
+    k = configured_topk() if k is None else k
+    if k < 1:
+        return
+    _patch_actor_worker()
+    _patch_agent_loop(k)
+    _patch_vllm_server(k)
+
+
+def _patch_actor_worker() -> None:
+    """Use `pdm_ppo_loss` when the loss mode is pdmctl's, and switch VeRL's logits-processor hook on."""
+    if "actor" in _INSTALLED:
+        return
+    from verl.workers import engine_workers
+
+    from pdmctl.backends.verl.plugin import is_pdmctl_loss
+
+    original_init_model = engine_workers.ActorRolloutRefWorker.init_model
+    original_train_batch = engine_workers.TrainingWorker.train_batch
+
+    @functools.wraps(original_init_model)
+    def init_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original_init_model(self, *args, **kwargs)
+        if getattr(self, "actor", None) is not None and is_pdmctl_loss(
+            self.config.actor.policy_loss.loss_mode
+        ):
+            self.loss_fn = functools.partial(pdm_ppo_loss, config=self.loss_fn.keywords["config"])
+            self.actor.set_loss_fn(self.loss_fn)
+        return result
+
+    @functools.wraps(original_train_batch)
+    def train_batch(self: Any, data: Any) -> Any:
+        # The engines call a loss function as logits processor only under this flag (its
+        # only user in 0.9.1 is top-K distillation, which pdmctl runs never enable).
+        if getattr(self.loss_fn, "func", None) is pdm_ppo_loss:
+            from verl.utils import tensordict_utils as tu
+
+            tu.assign_non_tensor(data, distillation_use_topk=True)
+        return original_train_batch(self, data)
+
+    engine_workers.ActorRolloutRefWorker.init_model = init_model
+    engine_workers.TrainingWorker.train_batch = train_batch
+    _INSTALLED.add("actor")
+
+
+def _patch_agent_loop(k: int) -> None:
+    """Turn the per-response top-K lists in `extra_fields` into padded batch tensors."""
+    if "agent_loop" in _INSTALLED:
+        return
+    from verl.experimental.agent_loop import agent_loop
+
+    original = agent_loop.AgentLoopWorker._postprocess
+
+    @functools.wraps(original)
+    def _postprocess(self: Any, inputs: list[Any], *args: Any, **kwargs: Any) -> Any:
+        supports = [_support_from_extra_fields(item.extra_fields, k) for item in inputs]
+        output = original(self, inputs, *args, **kwargs)
+        response_length = output.batch["responses"].shape[1]
+        padded = pad_topk(supports, response_length, k)
+        output.batch[TOPK_IDS_KEY] = padded.ids
+        output.batch[TOPK_LOGPROBS_KEY] = padded.logprobs
+        for key in (TOPK_IDS_KEY, TOPK_LOGPROBS_KEY):
+            output.non_tensor_batch.pop(key, None)
+        return output
+
+    agent_loop.AgentLoopWorker._postprocess = _postprocess
+    _INSTALLED.add("agent_loop")
+
+
+def _support_from_extra_fields(extra_fields: Mapping[str, Any], k: int) -> RolloutTopK:
+    ids = extra_fields.get(TOPK_IDS_KEY)
+    if ids is None:
+        raise RuntimeError("a rollout came back without top-K log-probs: the vLLM server patch is not active")
+    return RolloutTopK(
+        torch.as_tensor(ids, dtype=torch.int64), torch.as_tensor(extra_fields[TOPK_LOGPROBS_KEY])
+    )
+
+
+def _patch_vllm_server(k: int) -> None:
+    """Request `logprobs=K` from vLLM and keep `TopK ∪ {k}` per generated token."""
+    if "vllm" in _INSTALLED:
+        return
+    try:
+        from verl.workers.rollout.vllm_rollout import vllm_async_server as server
+    except (ImportError, ValueError):  # no vLLM on this node (the driver, CPU tests): verl raises either
+        return
+
+    original_sampling_params = server.SamplingParams
+    original_generate = server.vLLMHttpServer.generate
+
+    def sampling_params(*args: Any, **kwargs: Any) -> Any:
+        # VeRL asks for `logprobs=0` (the sampled token only) when calculate_log_probs is on.
+        if kwargs.get("logprobs") == 0:
+            kwargs["logprobs"] = k
+        return original_sampling_params(*args, **kwargs)
+
+    @functools.wraps(original_generate)
+    async def generate(
+        self: Any, prompt_ids: Any, sampling_params: Any, request_id: str, **kwargs: Any
+    ) -> Any:
+        captured = _capture_final_outputs(self)
+        output = await original_generate(self, prompt_ids, sampling_params, request_id, **kwargs)
+        final = captured.pop(request_id, None)
+        if final is not None and final.outputs and final.outputs[0].logprobs is not None:
+            support = extract_topk(final.outputs[0].token_ids, final.outputs[0].logprobs, k)
+            output.extra_fields[TOPK_IDS_KEY] = support.ids.tolist()
+            output.extra_fields[TOPK_LOGPROBS_KEY] = support.logprobs.tolist()
+        return output
+
+    server.SamplingParams = sampling_params
+    server.vLLMHttpServer.generate = generate
+    _INSTALLED.add("vllm")
+
+
+def _capture_final_outputs(server_instance: Any) -> dict[str, Any]:
+    """Wrap this server's engine.generate once so the last RequestOutput per request is kept."""
+    captured: dict[str, Any] | None = getattr(server_instance, "_pdmctl_final_outputs", None)
+    if captured is not None:
+        return captured
+    captured = {}
+    engine_generate = server_instance.engine.generate
+
+    async def generate(*args: Any, request_id: str, **kwargs: Any) -> Any:
+        async for item in engine_generate(*args, request_id=request_id, **kwargs):
+            captured[request_id] = item
+            yield item
+
+    server_instance.engine.generate = generate
+    server_instance._pdmctl_final_outputs = captured
+    return captured

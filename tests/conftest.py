@@ -1,0 +1,43 @@
+"""Shared fixtures: a fresh working directory per test, pdmctl run as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# short toy runs for orchestration tests: the training itself is tested in test_toy_*
+FAST = ["backend.steps=6", "backend.eval_every=3", "backend.checkpoint_every=3", "backend.prompts_per_step=16"]
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return tmp_path
+
+
+def pdmctl(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None) -> Result:
+    """Run the CLI in a subprocess, as a user would."""
+    full_env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    full_env.update({"COLUMNS": "200", **(env or {})})
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdmctl.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        env=full_env,
+    )  # fmt: skip
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def sqlite_uri(path: Path) -> str:
+    return f"sqlite:///{path / 'mlflow.db'}"

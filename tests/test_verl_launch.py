@@ -1,0 +1,143 @@
+"""Run configs -> VeRL Hydra overrides that compose, the job command, metric names, the fail-fast check."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+
+import pytest
+
+pytest.importorskip("verl")
+
+from omegaconf import OmegaConf
+from verl.utils.config import omega_conf_to_dataclass
+
+from pdmctl import masks
+from pdmctl.backends.verl import launch, plugin, topk
+
+pytestmark = pytest.mark.verl
+
+BASE = {
+    "checkpoint_dir": "/ckpt/run-1", "data_dir": "/data/verl", "tracking_uri": "sqlite:////tmp/ledger.db",
+    "mlflow_run_id": "0123abcd", "experiment": "pdm-sweep", "seed": 3,
+}  # fmt: skip
+
+
+def test_every_model_precision_and_mask_composes() -> None:
+    for model, precision, method in itertools.product(launch.MODEL_PRESETS, launch.PRECISIONS, masks.METHODS):
+        run = {**BASE, "model": model, "precision": precision, "method": method}
+        config = launch.compose(launch.verl_overrides(run) + launch.ray_env_overrides(launch.job_env(run)))
+        actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+        assert isinstance(actor.policy_loss, plugin.PdmPolicyLossConfig), (model, precision, method)
+        assert actor.policy_loss.loss_mode == f"pdmctl_{method}"
+        assert config.actor_rollout_ref.rollout.val_kwargs.n == 16
+        assert config.trainer.default_local_dir == "/ckpt/run-1"
+        assert config.trainer.resume_mode == "auto"
+        if precision != "bf16":
+            assert config.actor_rollout_ref.rollout.quantization == "fp8"
+        if precision == "fp8_e2e":
+            assert config.actor_rollout_ref.actor.strategy == "megatron"
+            tf = config.actor_rollout_ref.actor.megatron.override_transformer_config
+            assert tf.fp8_recipe == "blockwise"
+
+
+def test_mask_values_reach_the_config() -> None:
+    run = {**BASE, "model": "qwen3-8b-base", "method": "pdm", "divergence": "topk_tv", "estimator": "exact",
+           "delta": 0.2, "delta_low": 0.1, "k": 50, "eps_low": 0.2, "eps_high": 0.28, "ratio_cap": 5.0}  # fmt: skip
+    config = launch.compose(launch.verl_overrides(run))
+    loss = config.actor_rollout_ref.actor.policy_loss
+    assert (loss.divergence, loss.estimator, loss.delta, loss.delta_low, loss.topk) == (
+        "topk_tv",
+        "exact",
+        0.2,
+        0.1,
+        50,
+    )
+    assert config.actor_rollout_ref.actor.clip_ratio_c == 5.0
+    assert config.actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs == 50  # K > 20 raises vLLM's cap
+    assert config.actor_rollout_ref.actor.optim.lr == 1e-6
+    assert config.actor_rollout_ref.model.use_fused_kernels is False
+
+
+def test_mlflow_run_identity_reaches_ray_workers() -> None:
+    run = {**BASE, "model": "qwen3-4b-base"}
+    config = launch.compose(launch.verl_overrides(run) + launch.ray_env_overrides(launch.job_env(run)))
+    env = config.ray_kwargs.ray_init.runtime_env.env_vars
+    assert env.MLFLOW_RUN_ID == "0123abcd" and env.MLFLOW_TRACKING_URI == "sqlite:////tmp/ledger.db"
+    assert env.PDMCTL_VERL_TOPK == "20" and env.VERL_USE_EXTERNAL_MODULES == launch.PLUGIN_MODULE
+    assert "mlflow" in config.trainer.logger
+
+
+def test_bad_run_configs_fail_with_one_clear_line() -> None:
+    with pytest.raises(launch.LaunchConfigError, match="model"):
+        launch.verl_overrides({**BASE, "model": "llama"})
+    with pytest.raises(launch.LaunchConfigError, match="absolute"):
+        launch.verl_overrides({**BASE, "model": "qwen3-4b-base", "checkpoint_dir": "ckpt"})
+    with pytest.raises(launch.LaunchConfigError, match="megatron"):
+        launch.verl_overrides({**BASE, "model": "qwen3-4b-base", "precision": "fp8_e2e", "strategy": "fsdp2"})
+
+
+def test_job_command_is_valid_bash_and_carries_the_overrides() -> None:
+    cmd = launch.build_job_command({**BASE, "model": "qwen3-30b-a3b-base"}, python="/venv/bin/python")
+    assert cmd[0] == "env" and "PDMCTL_PYTHON=/venv/bin/python" in cmd and "MLFLOW_RUN_ID=0123abcd" in cmd
+    body = cmd[cmd.index("-c") + 1]
+    subprocess.run(["bash", "-n", "-c", body], check=True)
+    assert "mapfile -t NODES" in body and 'NODES=("$nodes")' not in body
+    assert "trainer.nnodes=4" in cmd
+
+
+def test_metric_mapping() -> None:
+    assert launch.pdmctl_metric_name("val-core/aime24/acc/mean@16") == "eval/aime24"
+    assert launch.pdmctl_metric_name("val-core/aime25/acc/mean_at_16") == "eval/aime25"
+    assert launch.pdmctl_metric_name("val-core/aime25/reward/mean@16") is None
+    assert launch.map_metrics({"actor/pdmctl/mask_frac": 0.1, "timing/gen": 3.0}) == {"train/mask_frac": 0.1}
+
+
+def _config(**changes: object):
+    run = {**BASE, "model": "qwen3-4b-base"}
+    config = launch.compose(launch.verl_overrides(run))
+    for key, value in changes.items():
+        OmegaConf.update(config, key, value, force_add=True)
+    return config
+
+
+def test_fail_fast_accepts_a_generated_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(topk.TOPK_ENV, "20")
+    plugin.check_run_config(_config())
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"actor_rollout_ref.actor.policy_loss.loss_mode": "pdmctl_nope"}, "not registered"),
+        (
+            {"actor_rollout_ref.actor.policy_loss._target_": "verl.workers.config.PolicyLossConfig"},
+            "_target_",
+        ),
+        ({"actor_rollout_ref.actor.policy_loss.divergence": "nope"}, "divergence"),
+        ({"actor_rollout_ref.model.use_fused_kernels": True}, "fused"),
+        ({"actor_rollout_ref.rollout.calculate_log_probs": False}, "calculate_log_probs"),
+        ({"actor_rollout_ref.actor.strategy": "megatron"}, "Megatron"),
+    ],
+)
+def test_fail_fast_rejects(monkeypatch: pytest.MonkeyPatch, changes: dict, message: str) -> None:
+    monkeypatch.setenv(topk.TOPK_ENV, "20")
+    with pytest.raises((plugin.PluginCheckError, ValueError), match=message):
+        plugin.check_run_config(_config(**changes))
+
+
+def test_fail_fast_rejects_a_worker_env_without_top_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(topk.TOPK_ENV, raising=False)
+    with pytest.raises(plugin.PluginCheckError, match=topk.TOPK_ENV):
+        plugin.check_run_config(_config())
+
+
+def test_plugin_loads_through_the_entry_point_in_a_fresh_interpreter() -> None:
+    code = (
+        "import verl\nfrom verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R\n"
+        "print(sorted(k for k in R if k.startswith('pdmctl_')))"
+    )
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == str(sorted(f"pdmctl_{m}" for m in masks.METHODS))

@@ -1,0 +1,34 @@
+"""The multi-node job body on a real (1-node) SLURM: Ray starts inside the allocation, a probe task reaches it."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verl")
+
+from pdmctl.backends.verl import launch
+
+pytestmark = [pytest.mark.verl, pytest.mark.slurm]
+
+
+@pytest.mark.skipif(shutil.which("sinfo") is None, reason="no SLURM here (sinfo absent)")
+def test_job_body_starts_ray_and_the_probe_reaches_it(tmp_path: Path) -> None:
+    run = {"model": "qwen3-4b-base", "checkpoint_dir": str(tmp_path / "ckpt"), "data_dir": str(tmp_path)}
+    cmd = launch.build_job_command(run, python=sys.executable)
+    cmd[1:1] = [f"{launch.PROBE_ENV}=1", "PDMCTL_GPUS_PER_NODE=0", f"PDMCTL_RAY_TMP={tmp_path / 'ray'}"]
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n" + shlex.join(cmd) + "\n")
+    log = tmp_path / "job.log"
+    subprocess.run(
+        ["sbatch", "--wait", "--nodes=1", "--ntasks=1", "--cpus-per-task=2", f"--output={log}", str(script)],
+        check=False,
+        timeout=600,
+    )
+    text = log.read_text() if log.exists() else ""
+    assert "PDMCTL_PROBE_OK" in text and "nodes=1" in text, text[-4000:]
