@@ -23,8 +23,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from pdmctl.executors.base import ClusterProfile, Executor, JobRequest, JobState
