@@ -282,13 +282,41 @@ def _tail(path: Path, follow: bool, still_running) -> None:
         time.sleep(1.0)
 
 
+@app.command(context_settings={"ignore_unknown_options": True})
+def analyze(
+    overrides: Annotated[list[str] | None, typer.Argument(help="Run-config overrides: precision=fp8_rollout k=50")] = None,
+    seeds: Annotated[int, typer.Option(help="Fresh seeds to analyse.")] = 20,
+    first_seed: Annotated[int, typer.Option(help="The first of the seeds.")] = 1000,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the result as JSON here.")] = None,
+) -> None:
+    """The token-level direction analysis (MATH.md): ratio vs predictive direction, on the CPU testbed."""
+    from pdmctl import grid
+    from pdmctl.backends.registry import flat_config
+
+    with _guard():
+        if seeds < 1:
+            fail(f"--seeds: must be >= 1, got {seeds}")
+        (spec,) = grid.expand(overrides or [], sweep="analysis")[:1]
+        if spec.backend != "toy":
+            fail("analyze: runs on the CPU testbed (backend=toy)")
+        from pdmctl.backends.toy import ToyConfig
+        from pdmctl.backends.toy.analysis import render_analysis_table, run_analysis
+
+        cfg = ToyConfig.from_mapping(flat_config(spec.config))
+    with console.status(f"analysing {seeds} seed(s) ..."):
+        result = run_analysis(cfg, list(range(first_seed, first_seed + seeds)))
+    console.print(render_analysis_table(result))
+    if json_out is not None:
+        json_out.write_text(result.to_json())
+        console.print(f"wrote {json_out}", highlight=False)
+
+
 def _mount_optional() -> None:
     """Subcommands owned by other parts of the package (report, analyze, data)."""
     import importlib
 
     # module -> the command group it provides (None: the module registers its own commands)
-    for module, group in (("pdmctl.report.cli", None), ("pdmctl.backends.toy.cli", None),
-                          ("pdmctl.backends.verl.cli", "data")):  # fmt: skip
+    for module, group in (("pdmctl.report.cli", None), ("pdmctl.backends.verl.cli", "data")):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:

@@ -9,7 +9,7 @@ composes a handful of trees and applies the value overrides to copies.
 
 from __future__ import annotations
 
-import copy
+import json
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -113,24 +113,50 @@ def expand(overrides: Sequence[str], sweep_file: SweepFile | None = None, sweep:
 
 
 def compose(overrides: Sequence[str]) -> dict[str, Any]:
-    """The resolved, validated run config for one job's overrides (inside `_hydra()`)."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
+    """The resolved, validated run config for one job's overrides (inside `_hydra()`).
 
+    Config-group choices go through Hydra's composition (cached per choice);
+    value overrides are applied to a plain copy with Hydra's semantics (a plain
+    `key=v` must name an existing key, `+key` adds a new one, `++key` sets
+    either way, `~key` deletes) — the same result as composing every job, at a
+    fraction of the cost for a 1,000-run grid.
+    """
     groups, values = [], []
     for o in overrides:
         (groups if _override_key(o).split(".")[0] in _config_groups() else values).append(o)
-    cfg = copy.deepcopy(_compose_groups(tuple(groups)))
-    try:
-        ConfigLoaderImpl._apply_overrides_to_config(_parse(values), cfg)
-        config = OmegaConf.to_container(cfg, resolve=True)
-    except (OmegaConfBaseException, Exception) as exc:  # hydra wraps OmegaConf errors in its own
-        raise GridError(_one_line(exc, values)) from exc
-    assert isinstance(config, dict)
+    config = _copy(_compose_groups(tuple(groups)))
+    for override in _parse(values):
+        _apply(config, override)
     validate(config)
     _validate_backend(config)
     return config
+
+
+def _apply(config: dict[str, Any], override) -> None:
+    key = override.key_or_group
+    *parents, leaf = key.split(".")
+    node = config
+    for i, part in enumerate(parents):
+        child = node.get(part)
+        if child is None and (override.is_add() or override.is_force_add()):
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise GridError(f"{'.'.join(parents[: i + 1])}: unknown key (no such field in the run config)")
+        node = child
+    if override.is_delete():
+        if leaf not in node:
+            raise GridError(f"{key}: cannot delete, no such key")
+        del node[leaf]
+    elif override.is_force_add():
+        node[leaf] = override.value()
+    elif override.is_add():
+        if leaf in node:
+            raise GridError(f"{key}: already set; use {key}=... to change it (or ++{key}=...)")
+        node[leaf] = override.value()
+    else:
+        if leaf not in node:
+            raise GridError(f"{key}: unknown key (no such field in the run config; '+{key}=...' adds one)")
+        node[leaf] = override.value()
 
 
 def _validate_backend(config: dict[str, Any]) -> None:
@@ -145,13 +171,63 @@ def _validate_backend(config: dict[str, Any]) -> None:
 
 
 @lru_cache(maxsize=256)
-def _compose_groups(groups: tuple[str, ...]):
+def _compose_groups(groups: tuple[str, ...]) -> dict[str, Any]:
+    """The run config for a set of config-group choices.
+
+    Hydra composes the defaults once; a choice whose option file is a plain
+    mapping (no defaults list, no package directive: every file in configs/ so
+    far) then just replaces its group's node. Anything fancier goes through
+    Hydra's full composition.
+    """
+    config = _copy(_hydra_compose(()))
+    for override in _parse(groups):
+        option = override.value() if not override.is_delete() else None
+        node = _plain_option(override.key_or_group, option) if isinstance(option, str) else None
+        if node is None:
+            return _hydra_compose(groups)
+        config[override.key_or_group] = node
+    return config
+
+
+@lru_cache(maxsize=256)
+def _hydra_compose(groups: tuple[str, ...]) -> dict[str, Any]:
     from hydra import compose as hydra_compose
+    from omegaconf import OmegaConf
 
     try:
-        return hydra_compose(config_name="run", overrides=list(groups))
+        cfg = hydra_compose(config_name="run", overrides=list(groups))
+        container = OmegaConf.to_container(cfg, resolve=True)
     except Exception as exc:  # MissingConfigException, ConfigCompositionException, ...
         raise GridError(_one_line(exc, groups)) from exc
+    assert isinstance(container, dict)
+    return container
+
+
+@lru_cache(maxsize=256)
+def _plain_option(group: str, option: str) -> dict[str, Any] | None:
+    """A group option's node when it is a plain mapping, else None (Hydra composes it)."""
+    path = CONFIG_DIR / group / f"{option}.yaml"
+    if path.is_file():
+        text = path.read_text()
+        if "@package" in text:
+            return None
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict) or "defaults" in data or any("${" in str(v) for v in data.values()):
+            return None
+        return data
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    try:
+        stored = ConfigStore.instance().load(f"{group}/{option}.yaml")
+    except Exception:
+        return None  # unknown option: Hydra's composition reports it
+    container = OmegaConf.to_container(OmegaConf.create(stored.node), resolve=True)
+    return container if isinstance(container, dict) else None
+
+
+def _copy(config: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(config))  # plain JSON data; several times faster than deepcopy
 
 
 class _hydra:
@@ -164,6 +240,7 @@ class _hydra:
         _register_backend_groups()
         GlobalHydra.instance().clear()
         _compose_groups.cache_clear()
+        _hydra_compose.cache_clear()
         self._ctx = initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="pdmctl")
         self._ctx.__enter__()
         return self
@@ -171,6 +248,7 @@ class _hydra:
     def __exit__(self, *exc):
         self._ctx.__exit__(*exc)
         _compose_groups.cache_clear()
+        _hydra_compose.cache_clear()
 
 
 @lru_cache(maxsize=1)

@@ -9,7 +9,6 @@ twice under two names.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from collections.abc import Mapping
@@ -78,7 +77,7 @@ def result_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The part of a run config that changes the result."""
     from pdmctl.masks import METHODS  # torch is imported only where a key is computed
 
-    cfg = copy.deepcopy(dict(config))
+    cfg = json.loads(json.dumps(config))  # a plain copy (faster than deepcopy on JSON data)
     mask = dict(cfg["mask"])
     mask.pop("name", None)  # two presets with the same fields train the same thing
     method = mask["method"]
