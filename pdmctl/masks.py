@@ -11,10 +11,11 @@ mask; an aggregation mode turns token losses into a scalar. Adding one is
 adding a function with its decorator.
 
 Numerics: the only [N, V] work is one log-softmax (in float32, whatever the
-logits' dtype), the gather at the support ids and, for the `exact` estimator,
-`Σ_j π_j²`, reduced in row chunks so no second [N, V] tensor exists. Everything
-on the support ([N, K+1]) is computed in float64, which is cheap there and
-keeps `1 − Σ_S π_i` meaningful.
+logits' dtype; `policy_loss` shares its own with the mask), the gather at the
+support ids and, for the `exact` estimator, `Σ_j π_j²`, reduced through one
+bounded scratch buffer, so no second [N, V] tensor exists. Everything on the
+support ([N, K+1]) is computed in float64, which is cheap there and keeps
+`1 − Σ_S π_i` meaningful.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 EPS = 1e-12  # clamp for tail masses (MATH.md: clamp both to >= ε)
 _MAX_LOG_RATIO = 80.0  # exp(80) < float32 max: the ratio stays finite for any valid input
 _LOGPROB_TOL = 1e-4  # engines round log-probabilities; a probability of 1 may come back as +1e-7
-_Q_CHUNK_ROWS = 4  # rows per chunk when reducing Σ π² over the vocabulary (a few MB of scratch)
+_CHUNK_ELEMENTS = 1 << 24  # scratch for Σ π² (64 MB of float32), whatever N
 
 
 # ---------------------------------------------------------------------------
@@ -347,12 +348,12 @@ def token_diagnostics(
     with torch.no_grad():
         if log_probs is None:
             log_probs = torch.log_softmax(logits, dim=-1, dtype=_work_dtype(logits))
+        q_full = _sum_sq_probs(log_probs) if est.needs_full_q else None
         log_pi_k = log_probs.gather(-1, sampled_ids.unsqueeze(-1)).squeeze(-1)
         if torch.isnan(log_pi_k).any():  # a NaN anywhere in a row makes its whole log-softmax NaN
             raise ValueError("logits: contains NaN or +inf")
         s = _support(log_probs, log_pi_k, sampled_ids, rollout_topk_ids, rollout_topk_logprobs,
                      rollout_sampled_logprobs, div.support)  # fmt: skip
-        q_full = _sum_sq_probs(log_probs) if est.needs_full_q else None
         q_tail = est.q_tail(s, q_full)
         q = (s.pi * s.pi).sum(-1) + q_tail  # Q = Σ_S π_i² + Q_tail
         d_value = div.family.divergence(s)
@@ -501,11 +502,20 @@ def _work_dtype(logits: torch.Tensor) -> torch.dtype:
 
 
 def _sum_sq_probs(log_probs: torch.Tensor) -> torch.Tensor:
-    """Q = Σ_j π_j² over the whole vocabulary, float64 [N], in row chunks (no [N, V] temporary)."""
-    out = torch.empty(log_probs.shape[0], dtype=torch.float64, device=log_probs.device)
-    for start in range(0, log_probs.shape[0], _Q_CHUNK_ROWS):
-        chunk = log_probs[start : start + _Q_CHUNK_ROWS].exp()
-        out[start : start + _Q_CHUNK_ROWS] = torch.linalg.vector_norm(chunk, dim=-1).double() ** 2
+    """Q = Σ_j π_j² over the whole vocabulary, float64 [N].
+
+    Reduced in blocks of rows through one reused scratch buffer of at most
+    `_CHUNK_ELEMENTS` (64 MB of float32), never a second [N, V] tensor; blocks
+    are large because each torch call has a fixed cost.
+    """
+    n, vocab = log_probs.shape
+    rows = max(1, min(n, _CHUNK_ELEMENTS // max(vocab, 1)))
+    out = torch.empty(n, dtype=torch.float64, device=log_probs.device)
+    scratch = torch.empty(rows, vocab, dtype=log_probs.dtype, device=log_probs.device)
+    for start in range(0, n, rows):
+        block = log_probs[start : start + rows]
+        probs = torch.exp(block, out=scratch[: block.shape[0]])
+        out[start : start + rows] = torch.linalg.vector_norm(probs, dim=-1).double() ** 2
     return out
 
 

@@ -218,7 +218,10 @@ def loop_reference(z, sampled, ids, lps, slp, adv, *, method, divergence, estima
             masked = d > dl and a * (r - 1) > 0
         else:
             masked = d > dl and a * ddot > 0
-        out.append((not masked, d, ddot, r, abs(d - dl) < 1e-9 or abs(a * ddot) < 1e-12))
+        # TV's sign(π_i − μ_i) is arbitrary where the two agree to rounding: no reference value there
+        tied = family == "tv" and (any(abs(pi[i] - m) < 1e-9 for i, m in support.items())
+                                   or abs(pi_tail - mu_tail) < 1e-9)  # fmt: skip
+        out.append((not masked, d, ddot, r, tied or abs(d - dl) < 1e-9 or abs(a * ddot) < 1e-12))
     return out
 
 
@@ -260,10 +263,10 @@ def test_masks_equal_per_token_loop(
             assert float(res.divergence[t]) == pytest.approx(d, rel=1e-4, abs=1e-7)
         else:
             assert res.divergence is None
-        if METHODS[method].uses_ddot:
-            assert float(res.ddot[t]) == pytest.approx(ddot, rel=1e-4, abs=1e-7)
-        else:
+        if not METHODS[method].uses_ddot:
             assert res.ddot is None
+        elif not borderline:
+            assert float(res.ddot[t]) == pytest.approx(ddot, rel=1e-4, abs=1e-7)
         if not borderline:
             assert bool(res.keep[t]) == keep, (t, d, ddot, r)
 
@@ -379,21 +382,21 @@ def test_bfloat16_logits_match_float32():
     assert torch.equal(got.keep, ref.keep)
 
 
-def test_no_float64_or_second_vocab_sized_buffer():
-    """The [N, V] work is one float32 log-softmax; nothing float64 or [N, V]-sized besides it."""
-    n, vocab = 64, 4096
-    z, sampled, ids, lps, slp, adv = make_batch(n=n, vocab=vocab, k=20, seed=1, dtype=torch.float32)
-    lps, slp, adv = lps.float(), slp.float(), adv.float()
+def test_one_vocab_sized_buffer():
+    """The [N, V] work is one float32 log-softmax; Σπ² uses a bounded scratch; nothing float64 at [N, V]."""
     from torch.profiler import ProfilerActivity, profile
 
+    from pdmctl import masks
+
+    n, vocab = 512, 65536  # 128 MB of float32 logits: twice the Σπ² scratch bound
+    z, sampled, ids, lps, slp, adv = make_batch(n=n, vocab=vocab, k=20, seed=1, dtype=torch.float32)
+    lps, slp, adv = lps.float(), slp.float(), adv.float()
     for estimator in ("agg", "exact"):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             compute_mask(z, sampled, ids, lps, slp, adv, estimator=estimator)
-        big = [
-            (e.name, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage >= n * vocab
-        ]
-        # exactly the float32 log-softmax output; chunked Σπ² and the float64 support math stay small
-        assert big == [("aten::_log_softmax", n * vocab * 4)], big
+        sizes = sorted((e.self_cpu_memory_usage, e.name) for e in prof.events() if e.self_cpu_memory_usage > 1 << 20)
+        assert sizes[-1] == (n * vocab * 4, "aten::_log_softmax"), sizes
+        assert all(size <= masks._CHUNK_ELEMENTS * 4 for size, _ in sizes[:-1]), sizes
 
 
 # ---------------------------------------------------------------------------

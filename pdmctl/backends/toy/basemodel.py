@@ -17,13 +17,14 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from pdmctl.backends.toy.model import MODEL_PRESETS, TinyTransformer, build_model
-from pdmctl.backends.toy.task import PROMPT_LEN, sample_train
+from pdmctl.backends.toy.task import sample_train
 
 _FORMAT = 1  # bump when the task or the warm-up changes what a preset produces
 
@@ -46,36 +47,52 @@ def load_base_model(preset_name: str) -> TinyTransformer:
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
             if not path.exists():  # another process may have built it while we waited
-                _save_atomically(warm_up(preset_name).state_dict(), path)
+                save_atomically(warm_up(preset_name).state_dict(), path)
     model = TinyTransformer(MODEL_PRESETS[preset_name])
     model.load_state_dict(torch.load(path, weights_only=True))
     return model
 
 
-def warm_up(preset_name: str) -> TinyTransformer:
-    """Supervised training on answers (digits and EOS) of training problems."""
+def warm_up(
+    preset_name: str, on_step: Callable[[int, TinyTransformer], None] | None = None
+) -> TinyTransformer:
+    """Supervised training on noisy demonstrations: answers whose digits are sometimes wrong.
+
+    Each answer digit is replaced by a random digit with probability
+    `label_noise`, so the model learns the right answer as its mode but puts
+    real mass on other digits: its samples at temperature 1.0 are often
+    wrong, its greedy answers often right, and RL gains by sharpening, as it
+    does for an LLM.
+    """
     preset = MODEL_PRESETS[preset_name]
     model = build_model(preset, preset.warmup_seed)
     generator = torch.Generator().manual_seed(preset.warmup_seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=preset.warmup_lr)
-    for _ in range(preset.warmup_steps):
+    for step in range(preset.warmup_steps):
         problems = sample_train(preset.warmup_batch, generator)
-        tokens = torch.cat([problems.prompts, problems.answers], dim=1)
-        logits = model(tokens[:, :-1])[:, PROMPT_LEN - 1 :]  # the positions that predict the answer
-        targets = tokens[:, PROMPT_LEN:]
+        is_digit = problems.answers < 10
+        noisy = is_digit & (torch.rand(is_digit.shape, generator=generator) < preset.label_noise)
+        random_digits = torch.randint(10, is_digit.shape, generator=generator)
+        targets = torch.where(noisy, random_digits, problems.answers)
+        tokens = torch.cat([problems.prompts, targets], dim=1)
+        logits = model(tokens[:, :-1], last=targets.shape[1])  # the positions that predict the answer
         in_answer = torch.arange(targets.shape[1]) < problems.answer_lens.unsqueeze(1)
         token_loss = F.cross_entropy(
-            logits.reshape(-1, preset.vocab_size), targets.reshape(-1),
-            label_smoothing=preset.label_smoothing, reduction="none",
-        )  # fmt: skip
+            logits.reshape(-1, preset.vocab_size),
+            targets.reshape(-1),
+            label_smoothing=preset.label_smoothing,
+            reduction="none",
+        )
         loss = (token_loss * in_answer.reshape(-1)).sum() / in_answer.sum()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if on_step is not None:
+            on_step(step + 1, model)
     return model
 
 
-def _save_atomically(obj: object, path: Path) -> None:
+def save_atomically(obj: object, path: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

@@ -33,15 +33,22 @@ class ModelPreset:
     warmup_batch: int
     warmup_lr: float
     label_smoothing: float  # keeps a real tail beyond the top-K, as an LLM's distribution has
+    label_noise: float  # share of demonstration digits replaced at random (see basemodel.warm_up)
     warmup_seed: int = 0
     vocab_size: int = VOCAB_SIZE
 
 
 MODEL_PRESETS: dict[str, ModelPreset] = {
     "toy-small": ModelPreset(
-        d_model=64, n_layers=2, n_heads=4, warmup_steps=150, warmup_batch=256, warmup_lr=3e-3,
-        label_smoothing=0.05,
-    ),  # fmt: skip
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        warmup_steps=500,
+        warmup_batch=256,
+        warmup_lr=1e-2,
+        label_smoothing=0.03,
+        label_noise=0.3,
+    ),
 }
 
 
@@ -73,12 +80,16 @@ class TinyTransformer(nn.Module):
         self.ln_f = nn.LayerNorm(preset.d_model)
         self.head = nn.Linear(preset.d_model, preset.vocab_size)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Next-token logits, float [B, T, V], for tokens long [B, T]."""
+    def forward(self, tokens: torch.Tensor, last: int = 1) -> torch.Tensor:
+        """Next-token logits at the `last` positions, float [B, last, V], for tokens long [B, T].
+
+        Only the positions that predict response tokens need the vocabulary
+        head, the widest matrix of a model this size.
+        """
         x = self.tok(tokens) + self.pos.weight[: tokens.shape[1]]
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return self.head(self.ln_f(x[:, -last:]))
 
 
 def build_model(preset: ModelPreset, seed: int) -> TinyTransformer:
@@ -121,9 +132,9 @@ PRECISIONS: dict[str, Precision] = {
 }
 
 
-def forward(model: TinyTransformer, tokens: torch.Tensor, cast: WeightCast | None) -> torch.Tensor:
+def forward(model: TinyTransformer, tokens: torch.Tensor, last: int, cast: WeightCast | None) -> torch.Tensor:
     """The training forward; with `cast`, through the cast weights, straight-through to the masters."""
     if cast is None:
-        return model(tokens)
+        return model(tokens, last)
     params = {name: p + (cast(p.detach()) - p).detach() for name, p in model.named_parameters()}
-    return functional_call(model, params, (tokens,))
+    return functional_call(model, params, (tokens, last))

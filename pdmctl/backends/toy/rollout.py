@@ -8,6 +8,7 @@ full distribution: that is all the masks may know of μ.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,10 @@ class Rollout:
     sampled_logprobs: torch.Tensor  # float [B, T]: log μ_k
     topk_ids: torch.Tensor  # long [B, T, K]
     topk_logprobs: torch.Tensor  # float [B, T, K]: log μ_i on the top-K
+
+    def select(self, rows: torch.Tensor) -> Rollout:
+        """The rollout of the given rows (a mini-batch)."""
+        return Rollout(*(getattr(self, f.name)[rows] for f in dataclasses.fields(self)))
 
     @property
     def tokens(self) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The task: two-digit addition with an exact-match reward.
 
-A prompt is `BOS a₁ a₀ + b₁ b₀ =` (operands zero-padded, so every prompt has the
+A prompt is `a₁ a₀ + b₁ b₀ =` (operands zero-padded, so every prompt has the
 same length and a batch needs no padding); the answer is the digits of `a + b`
-followed by EOS. Everything that is not a digit, `+`, `=`, EOS or BOS is a
+followed by EOS. Everything that is not a digit, `+`, `=` or EOS is a
 distractor token: the vocabulary is 256 wide, as an LLM's is wide, so that the
 policy's tail beyond the top-K is made of real tokens.
 
@@ -19,8 +19,8 @@ from functools import cache
 import torch
 
 VOCAB_SIZE = 256
-PLUS, EQUALS, EOS, BOS = 10, 11, 12, 13  # 0-9 are the digits themselves
-PROMPT_LEN = 7  # BOS a₁ a₀ + b₁ b₀ =
+PLUS, EQUALS, EOS = 10, 11, 12  # 0-9 are the digits themselves
+PROMPT_LEN = 6  # a₁ a₀ + b₁ b₀ =
 MAX_RESPONSE_LEN = 4  # up to three answer digits (99 + 99 = 198) and EOS
 MAX_OPERAND = 99
 HELDOUT_SIZE = 40
@@ -52,9 +52,9 @@ def encode(pairs: torch.Tensor) -> Problems:
     a, b = pairs[:, 0], pairs[:, 1]
     n = pairs.shape[0]
     prompts = torch.stack(
-        [torch.full((n,), BOS), a // 10, a % 10, torch.full((n,), PLUS), b // 10, b % 10,
-         torch.full((n,), EQUALS)], dim=1,
-    )  # fmt: skip
+        [a // 10, a % 10, torch.full((n,), PLUS), b // 10, b % 10, torch.full((n,), EQUALS)],
+        dim=1,
+    )
     total = a + b
     n_digits = 1 + (total >= 10).long() + (total >= 100).long()
     answers = torch.full((n, MAX_RESPONSE_LEN), EOS, dtype=torch.long)

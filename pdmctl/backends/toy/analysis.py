@@ -1,0 +1,258 @@
+"""The token-level direction analysis (MATH.md, "The token-level direction analysis"; paper §4.2).
+
+Per seed: a fresh rollout batch from the base model, made stale as in
+training (all mini-batch updates of the step but the last), then, at those
+weights, every response token's D, Ḋ and r against the rollout's μ. For the
+tokens outside the region (D > δ) the ratio criterion keeps a token when
+A(r − 1) ≤ 0, the predictive one when A·Ḋ ≤ 0; they disagree on a few. Each
+criterion then takes one real update on the whole batch from the same weights
+and optimizer state, and D is recomputed on the same tokens: ΔD > 0 on a kept
+disagreement token is an unsafe keep, ΔD < 0 a corrective one.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+from rich.table import Table
+
+from pdmctl import masks
+from pdmctl.backends.toy import task
+from pdmctl.backends.toy.config import ToyConfig
+from pdmctl.backends.toy.model import PRECISIONS, forward
+from pdmctl.backends.toy.rollout import Rollout
+from pdmctl.backends.toy.trainer import Learner, grpo_advantages
+
+ESTIMATORS = ("agg", "uni", "exact")
+
+
+@dataclass(frozen=True)
+class CriterionStats:
+    """One direction criterion on one estimator's disagreement tokens."""
+
+    unsafe_keep_per_seed: list[float | None]  # None where the criterion kept no disagreement token
+    unsafe_keep_mean: float | None  # None where no seed has a rate (and the s.e. where fewer than two)
+    unsafe_keep_se: float | None
+    corrective_pooled: float | None  # ΔD < 0 among the kept disagreement tokens of all seeds together
+    kept_pooled: int
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Ratio direction vs the predictive direction with one tail estimator, on their disagreement set."""
+
+    estimator: str
+    disagreement_per_seed: list[int]
+    ratio: CriterionStats
+    predictive: CriterionStats
+    predictive_wins: int  # seeds where the predictive unsafe-keep rate is lower
+    ratio_wins: int
+    seeds_compared: int  # seeds where both rates exist
+
+
+@dataclass(frozen=True)
+class AnalysisResult:
+    seeds: list[int]
+    delta: float
+    k: int
+    divergence: str
+    precision: str
+    tokens_per_seed: list[int]  # response tokens
+    out_of_region_per_seed: list[int]
+    comparisons: list[Comparison]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, allow_nan=False)
+
+
+@dataclass(frozen=True)
+class _SeedTokens:
+    """One seed's disagreement tokens for one estimator: who keeps them and ΔD under each update."""
+
+    ratio_kept_delta_d: torch.Tensor
+    predictive_kept_delta_d: torch.Tensor
+    disagreements: int
+
+
+def run_analysis(cfg: ToyConfig, seeds: list[int]) -> AnalysisResult:
+    """The direction analysis on `seeds` (each a fresh rollout batch) with the config's mask settings."""
+    per_seed: list[dict[str, _SeedTokens]] = []
+    tokens, outside = [], []
+    for seed in seeds:
+        n_tokens, n_out, by_estimator = _analyse_seed(dataclasses.replace(cfg, seed=seed))
+        tokens.append(n_tokens)
+        outside.append(n_out)
+        per_seed.append(by_estimator)
+    return AnalysisResult(
+        seeds=list(seeds),
+        delta=cfg.delta,
+        k=cfg.k,
+        divergence=cfg.divergence,
+        precision=cfg.precision,
+        tokens_per_seed=tokens,
+        out_of_region_per_seed=outside,
+        comparisons=[_compare(e, [s[e] for s in per_seed]) for e in ESTIMATORS],
+    )
+
+
+def _analyse_seed(cfg: ToyConfig) -> tuple[int, int, dict[str, _SeedTokens]]:
+    learner = Learner.from_base(cfg)
+    problems = task.sample_train(cfg.prompts_per_step, learner.generator).repeat(cfg.group_size)
+    batch = learner.rollout(problems)
+    advantages = grpo_advantages(task.score(problems, batch.sampled_ids), cfg.group_size)
+    order = torch.randperm(len(problems), generator=learner.generator)
+    for rows in order.tensor_split(cfg.minibatches)[:-1]:  # the staleness of the last mini-batch
+        learner.update(batch.select(rows), advantages[rows], cfg)
+
+    response = task.response_mask(batch.sampled_ids).bool()
+    pre = {e: _diagnostics(learner, batch, advantages, cfg, e) for e in ESTIMATORS}
+    d_pre = pre["agg"].divergence  # D does not depend on the estimator
+    outside = pre["agg"].out_of_region & response
+    ratio_keep = advantages.unsqueeze(1) * (pre["agg"].ratio - 1) <= 0
+
+    start = (copy.deepcopy(learner.policy.state_dict()), copy.deepcopy(learner.optimizer.state_dict()))
+
+    def delta_d_after(criterion: ToyConfig) -> torch.Tensor:
+        learner.policy.load_state_dict(start[0])
+        learner.optimizer.load_state_dict(start[1])
+        learner.update(batch, advantages, criterion)
+        return _diagnostics(learner, batch, advantages, cfg, "agg").divergence - d_pre
+
+    delta_ratio = delta_d_after(dataclasses.replace(cfg, method="dppo"))
+    found: dict[str, _SeedTokens] = {}
+    for e in ESTIMATORS:
+        predictive_keep = advantages.unsqueeze(1) * pre[e].ddot <= 0
+        disagree = outside & (ratio_keep != predictive_keep)
+        delta_pred = delta_d_after(dataclasses.replace(cfg, method="pdm", estimator=e))
+        found[e] = _SeedTokens(
+            ratio_kept_delta_d=delta_ratio[disagree & ratio_keep],
+            predictive_kept_delta_d=delta_pred[disagree & predictive_keep],
+            disagreements=int(disagree.sum()),
+        )
+    return int(response.sum()), int(outside.sum()), found
+
+
+def _diagnostics(
+    learner: Learner, batch: Rollout, advantages: torch.Tensor, cfg: ToyConfig, estimator: str
+) -> masks.Diagnostics:
+    """D, Ḋ and r of every generated token ([B, T] each) at the learner's current weights."""
+    with torch.no_grad():
+        logits = forward(
+            learner.policy, batch.tokens[:, :-1], task.MAX_RESPONSE_LEN, PRECISIONS[cfg.precision].train
+        )
+    shape = batch.sampled_ids.shape
+    d = masks.token_diagnostics(
+        logits.reshape(-1, logits.shape[-1]),
+        batch.sampled_ids.reshape(-1),
+        batch.topk_ids.reshape(-1, cfg.k),
+        batch.topk_logprobs.reshape(-1, cfg.k),
+        batch.sampled_logprobs.reshape(-1),
+        advantages.unsqueeze(1).expand(shape).reshape(-1),
+        method="pdm",
+        divergence=cfg.divergence,
+        estimator=estimator,
+        delta=cfg.delta,
+        delta_low=cfg.delta_low,
+        eps_low=cfg.eps_low,
+        eps_high=cfg.eps_high,
+    )
+    return dataclasses.replace(d, **{f.name: getattr(d, f.name).view(shape) for f in dataclasses.fields(d)})
+
+
+def _criterion(kept_delta_d: list[torch.Tensor]) -> CriterionStats:
+    rates = [float((dd > 0).float().mean()) if dd.numel() else None for dd in kept_delta_d]
+    defined = [r for r in rates if r is not None]
+    mean = sum(defined) / len(defined) if defined else None
+    se = (
+        math.sqrt(sum((r - mean) ** 2 for r in defined) / (len(defined) - 1) / len(defined))
+        if mean is not None and len(defined) > 1
+        else None
+    )
+    pooled = torch.cat(kept_delta_d)
+    return CriterionStats(
+        unsafe_keep_per_seed=rates,
+        unsafe_keep_mean=mean,
+        unsafe_keep_se=se,
+        corrective_pooled=float((pooled < 0).float().mean()) if pooled.numel() else None,
+        kept_pooled=int(pooled.numel()),
+    )
+
+
+def _compare(estimator: str, seeds: list[_SeedTokens]) -> Comparison:
+    ratio = _criterion([s.ratio_kept_delta_d for s in seeds])
+    predictive = _criterion([s.predictive_kept_delta_d for s in seeds])
+    both = [
+        (r, p)
+        for r, p in zip(ratio.unsafe_keep_per_seed, predictive.unsafe_keep_per_seed, strict=True)
+        if r is not None and p is not None
+    ]
+    return Comparison(
+        estimator=estimator,
+        disagreement_per_seed=[s.disagreements for s in seeds],
+        ratio=ratio,
+        predictive=predictive,
+        predictive_wins=sum(p < r for r, p in both),
+        ratio_wins=sum(r < p for r, p in both),
+        seeds_compared=len(both),
+    )
+
+
+def _pct(mean: float | None, se: float | None = None) -> str:
+    if mean is None:
+        return "—"
+    return f"{100 * mean:.1f}%" if se is None else f"{100 * mean:.1f} ± {100 * se:.1f}%"
+
+
+ANALYSIS_COLUMNS = (
+    "criterion",
+    "estimator",
+    "disagreement tokens / seed",
+    "unsafe-keep (mean ± s.e.)",
+    "corrective (pooled)",
+    "kept (pooled)",
+    "wins (seeds)",
+)
+
+
+def analysis_rows(result: AnalysisResult) -> list[tuple[str, ...]]:
+    """The table's rows: for each estimator, the ratio criterion and the predictive one on the same tokens."""
+    rows: list[tuple[str, ...]] = []
+    for c in result.comparisons:
+        per_seed = f"{sum(c.disagreement_per_seed) / max(len(c.disagreement_per_seed), 1):.1f}"
+        for name, stats, wins in (
+            ("ratio", c.ratio, c.ratio_wins),
+            ("predictive", c.predictive, c.predictive_wins),
+        ):
+            rows.append(
+                (
+                    name,
+                    c.estimator,
+                    per_seed,
+                    _pct(stats.unsafe_keep_mean, stats.unsafe_keep_se),
+                    _pct(stats.corrective_pooled),
+                    str(stats.kept_pooled),
+                    f"{wins}/{c.seeds_compared}",
+                )
+            )
+    return rows
+
+
+def render_analysis_table(result: AnalysisResult) -> Table:
+    n = max(len(result.seeds), 1)
+    table = Table(
+        title=(
+            f"Direction analysis: {len(result.seeds)} seeds, {result.divergence} δ={result.delta} K={result.k} "
+            f"{result.precision}; {sum(result.out_of_region_per_seed) / n:.0f} of "
+            f"{sum(result.tokens_per_seed) / n:.0f} tokens per seed outside the region"
+        )
+    )
+    for column in ANALYSIS_COLUMNS:
+        table.add_column(column, justify="left" if column in ("criterion", "estimator") else "right")
+    for row in analysis_rows(result):
+        table.add_row(*row)
+    return table

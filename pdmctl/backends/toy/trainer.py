@@ -1,0 +1,203 @@
+"""The RL loop: rollout, GRPO advantages, mini-batch updates through pdmctl.masks, eval, checkpoints.
+
+Resumption is exact on CPU: a checkpoint holds the weights, Adam's state, the
+training RNG and the step; evaluation draws from its own generator seeded by
+(seed, step), so neither evaluating nor resuming changes what training samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdmctl import masks
+from pdmctl.backends.base import Tracker
+from pdmctl.backends.toy import task
+from pdmctl.backends.toy.basemodel import load_base_model, save_atomically
+from pdmctl.backends.toy.config import ToyConfig
+from pdmctl.backends.toy.model import PRECISIONS, TinyTransformer, forward
+from pdmctl.backends.toy.rollout import Rollout, RolloutEngine
+
+EVAL_SETS = ("toy24", "toy25")
+_UPDATE_METRICS = ("mask_frac", "out_of_region_frac", "mean_divergence", "ppo_kl")  # token-weighted means
+
+
+@dataclass
+class Learner:
+    """The trained state and everything that moves it (what a checkpoint must restore)."""
+
+    policy: TinyTransformer
+    optimizer: torch.optim.Adam
+    engine: RolloutEngine
+    generator: torch.Generator  # training randomness: problems, sampling, mini-batch order
+
+    @classmethod
+    def from_base(cls, cfg: ToyConfig) -> Learner:
+        policy = load_base_model(cfg.model)
+        return cls(
+            policy=policy,
+            optimizer=torch.optim.Adam(policy.parameters(), lr=cfg.lr),
+            engine=RolloutEngine(policy, PRECISIONS[cfg.precision].rollout, cfg.k),
+            generator=torch.Generator().manual_seed(cfg.seed),
+        )
+
+    def rollout(self, problems: task.Problems) -> Rollout:
+        self.engine.sync(self.policy)
+        return self.engine.generate(problems.prompts, self.generator)
+
+    def update(self, batch: Rollout, advantages: torch.Tensor, cfg: ToyConfig) -> dict[str, float]:
+        """One optimizer step on the rows of `batch`; the mask's metrics over its response tokens."""
+        resp_mask = task.response_mask(batch.sampled_ids)
+        logits = forward(
+            self.policy, batch.tokens[:, :-1], task.MAX_RESPONSE_LEN, PRECISIONS[cfg.precision].train
+        )
+        loss, metrics = masks.policy_loss(
+            logits,
+            batch.sampled_ids,
+            batch.topk_ids,
+            batch.topk_logprobs,
+            batch.sampled_logprobs,
+            advantages.unsqueeze(1).expand_as(resp_mask),
+            resp_mask,
+            method=cfg.method,
+            divergence=cfg.divergence,
+            estimator=cfg.estimator,
+            delta=cfg.delta,
+            delta_low=cfg.delta_low,
+            eps_low=cfg.eps_low,
+            eps_high=cfg.eps_high,
+            loss_agg_mode=cfg.loss_agg_mode,
+            ratio_cap=cfg.ratio_cap,
+        )
+        self.optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        return metrics
+
+    def state_dict(self, step: int, cfg: ToyConfig) -> dict[str, object]:
+        return {
+            "step": step,
+            "config": dataclasses.asdict(cfg),
+            "policy": self.policy.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "generator": self.generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> int:
+        self.policy.load_state_dict(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        return int(state["step"])
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """A = (R − mean of the group) / (std of the group + ε); a group is group_size consecutive rows."""
+    grouped = rewards.view(-1, group_size)
+    centered = grouped - grouped.mean(1, keepdim=True)
+    return (centered / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
+
+
+def train_step(learner: Learner, cfg: ToyConfig) -> dict[str, float]:
+    """Rollout one batch, then `minibatches` updates on it in a random order; the step's metrics."""
+    problems = task.sample_train(cfg.prompts_per_step, learner.generator).repeat(cfg.group_size)
+    batch = learner.rollout(problems)
+    rewards = task.score(problems, batch.sampled_ids)
+    advantages = grpo_advantages(rewards, cfg.group_size)
+    order = torch.randperm(len(problems), generator=learner.generator)
+    totals = dict.fromkeys(_UPDATE_METRICS, 0.0)
+    disagreements, tokens = 0.0, 0.0
+    for rows in order.tensor_split(cfg.minibatches):
+        mini = batch.select(rows)
+        n_tokens = float(task.response_mask(mini.sampled_ids).sum())
+        metrics = learner.update(mini, advantages[rows], cfg)
+        for name in _UPDATE_METRICS:
+            totals[name] += metrics[name] * n_tokens
+        disagreements += metrics["disagreement_count"]
+        tokens += n_tokens
+    return {
+        "train/reward": float(rewards.mean()),
+        "train/response_length": float(task.response_lengths(batch.sampled_ids).float().mean()),
+        **{f"train/{name}": total / tokens for name, total in totals.items()},
+        "train/disagreement_count": disagreements,
+    }
+
+
+def evaluate(learner: Learner, cfg: ToyConfig, step: int, tracker: Tracker) -> dict[str, float]:
+    """avg@`eval_samples` on each held-out set at temperature 1.0, from the rollout engine."""
+    learner.engine.sync(learner.policy)
+    generator = torch.Generator().manual_seed(_eval_seed(cfg.seed, step))
+    scores: dict[str, float] = {}
+    for name in EVAL_SETS:
+        problems = task.heldout(name).repeat(cfg.eval_samples)
+        rollout = learner.engine.generate(problems.prompts, generator)
+        per_problem = task.score(problems, rollout.sampled_ids).view(-1, cfg.eval_samples).mean(1)
+        tracker.log_per_problem(name, step, per_problem.tolist())
+        scores[f"eval/{name}"] = float(per_problem.mean())
+    tracker.log_metrics(scores, step)
+    return scores
+
+
+def train(
+    cfg: ToyConfig, workdir: Path, tracker: Tracker, *, stop_after: int | None = None
+) -> dict[str, float]:
+    """Train (resuming from workdir/checkpoints when a checkpoint is there); the final metrics."""
+    checkpoints = Path(workdir) / "checkpoints"
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    learner = Learner.from_base(cfg)
+    start = 0
+    latest = latest_checkpoint(checkpoints)
+    if latest is not None:
+        state = torch.load(latest, weights_only=False)
+        _check_same_run(cfg, state["config"], latest)
+        start = learner.load_state_dict(state)
+    final: dict[str, float] = {}
+    if start == 0:
+        final.update(evaluate(learner, cfg, 0, tracker))
+    for step in range(start + 1, cfg.steps + 1):
+        metrics = train_step(learner, cfg)
+        tracker.log_metrics(metrics, step)
+        final.update(metrics)
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            final.update(evaluate(learner, cfg, step, tracker))
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            save_checkpoint(checkpoints, learner.state_dict(step, cfg), step)
+        if stop_after is not None and step >= stop_after:
+            break
+    return final
+
+
+def _eval_seed(seed: int, step: int) -> int:
+    digest = hashlib.sha256(f"eval/{seed}/{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # manual_seed takes 63 bits
+
+
+def save_checkpoint(directory: Path, state: Mapping[str, object], step: int) -> None:
+    """Write atomically, then drop the older checkpoints: the latest is the only one kept."""
+    path = directory / f"step_{step:08d}.pt"
+    save_atomically(state, path)
+    for old in directory.glob("step_*.pt"):
+        if old != path:
+            old.unlink(missing_ok=True)
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    found = sorted(directory.glob("step_*.pt"))
+    return found[-1] if found else None
+
+
+def _check_same_run(cfg: ToyConfig, saved: Mapping[str, object], path: Path) -> None:
+    """A checkpoint resumes only the run that wrote it; `steps` may grow (a longer run continues)."""
+    current = dataclasses.asdict(cfg)
+    changed = sorted(name for name in current if name != "steps" and saved.get(name) != current[name])
+    if changed:
+        raise ValueError(
+            f"{path}: written by a run with a different {changed[0]} ({saved.get(changed[0])!r})"
+        )

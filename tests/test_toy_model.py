@@ -1,0 +1,144 @@
+"""The task, the base model and the rollout engine of the CPU testbed."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from pdmctl.backends.toy import MODEL_PRESETS, basemodel, task
+from pdmctl.backends.toy.model import PRECISIONS, forward, to_fp8
+from pdmctl.backends.toy.rollout import RolloutEngine
+
+
+def test_answers_and_scoring() -> None:
+    problems = task.encode(torch.tensor([[7, 5], [99, 99], [0, 0]]))
+    assert problems.prompts[0].tolist() == [0, 7, task.PLUS, 0, 5, task.EQUALS]
+    assert problems.answers.tolist() == [
+        [1, 2, task.EOS, task.EOS],
+        [1, 9, 8, task.EOS],
+        [0, task.EOS, task.EOS, task.EOS],
+    ]
+    filler = 200  # tokens sampled past EOS do not count
+    responses = torch.tensor([[1, 2, task.EOS, filler], [1, 9, 8, 7], [0, 0, task.EOS, task.EOS]])
+    assert task.score(problems, responses).tolist() == [1.0, 0.0, 0.0]
+    assert task.response_lengths(responses).tolist() == [3, 4, 3]
+    assert task.response_mask(responses)[0].tolist() == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_heldout_sets_are_fixed_disjoint_and_never_trained_on() -> None:
+    sets = task.heldout_pairs()
+    assert set(sets) == {"toy24", "toy25"}
+    held = {tuple(p) for pairs in sets.values() for p in pairs.tolist()}
+    assert all(30 <= len(pairs) <= 60 for pairs in sets.values())
+    assert len(held) == sum(len(p) for p in sets.values())
+    train_pairs = task.sample_train(5000, torch.Generator().manual_seed(0))
+    seen = {
+        tuple(p)
+        for p in torch.stack(
+            [
+                train_pairs.prompts[:, 0] * 10 + train_pairs.prompts[:, 1],
+                train_pairs.prompts[:, 3] * 10 + train_pairs.prompts[:, 4],
+            ],
+            1,
+        ).tolist()
+    }
+    assert not seen & held
+
+
+@pytest.fixture(scope="module")
+def base_model() -> torch.nn.Module:
+    return basemodel.load_base_model("toy-small")
+
+
+def _sample(model: torch.nn.Module, precision: str, k: int, n_samples: int = 16):
+    engine = RolloutEngine(model, PRECISIONS[precision].rollout, k)
+    engine.sync(model)
+    problems = task.heldout("toy24").repeat(n_samples)
+    return problems, engine.generate(problems.prompts, torch.Generator().manual_seed(0))
+
+
+def test_base_model_has_a_real_tail_and_a_low_but_nonzero_score(base_model) -> None:
+    problems, rollout = _sample(base_model, "bf16", k=10)
+    response = task.response_mask(rollout.sampled_ids).bool()
+    top10_mass = rollout.topk_logprobs.exp().sum(-1)[response]
+    assert 0.95 <= float(top10_mass.median()) <= 0.995
+    assert 0.05 <= float(task.score(problems, rollout.sampled_ids).mean()) <= 0.3
+
+
+@pytest.mark.parametrize("k", [1, 10, 50])
+def test_rollout_hands_over_only_the_top_k(base_model, k: int) -> None:
+    problems, rollout = _sample(base_model, "bf16", k=k, n_samples=2)
+    n, t = len(problems), task.MAX_RESPONSE_LEN
+    assert {f.name for f in dataclasses.fields(rollout)} == {
+        "prompts",
+        "sampled_ids",
+        "sampled_logprobs",
+        "topk_ids",
+        "topk_logprobs",
+    }
+    assert rollout.topk_ids.shape == rollout.topk_logprobs.shape == (n, t, k)
+    assert rollout.sampled_ids.shape == rollout.sampled_logprobs.shape == (n, t)
+    assert (rollout.topk_logprobs.diff(dim=-1) <= 0).all()  # sorted, most likely first
+    # the sampled token's log-prob is the engine's own: where it is the top-1, the two agree
+    top1 = rollout.topk_ids[..., 0] == rollout.sampled_ids
+    assert torch.equal(rollout.sampled_logprobs[top1], rollout.topk_logprobs[..., 0][top1])
+
+
+def test_precisions_change_the_rollout_weights_not_the_masters(base_model) -> None:
+    masters = {name: p.detach().clone() for name, p in base_model.named_parameters()}
+    engines = {}
+    for precision in PRECISIONS:
+        engine = RolloutEngine(base_model, PRECISIONS[precision].rollout, k=10)
+        engine.sync(base_model)
+        engines[precision] = dict(engine.model.named_parameters())
+    head = masters["head.weight"]
+    bf16, fp8 = engines["bf16"]["head.weight"], engines["fp8_rollout"]["head.weight"]
+    assert not torch.equal(bf16, head) and not torch.equal(fp8, head) and not torch.equal(bf16, fp8)
+    assert torch.equal(bf16, head.to(torch.bfloat16).float())
+    assert len(torch.unique(fp8 / (head.abs().max() / 448))) <= 256  # one per-tensor scale, 8-bit codes
+    assert all(torch.equal(p, masters[name]) for name, p in base_model.named_parameters())
+
+
+def test_fp8_e2e_trains_through_fp8_weights_straight_through(base_model) -> None:
+    tokens = task.heldout("toy24").prompts
+    plain = forward(base_model, tokens, 1, None)
+    e2e = forward(base_model, tokens, 1, PRECISIONS["fp8_e2e"].train)
+    assert not torch.allclose(plain, e2e)
+    masters = dict(base_model.named_parameters())
+    through_masters = torch.autograd.grad(e2e.sum(), list(masters.values()))
+    # straight-through: the masters get the gradient taken at the fp8 weights
+    quantized = {name: to_fp8(p.detach()).requires_grad_() for name, p in masters.items()}
+    at_fp8 = torch.func.functional_call(base_model, quantized, (tokens, 1))
+    assert torch.equal(at_fp8, e2e.detach())
+    through_fp8 = torch.autograd.grad(at_fp8.sum(), list(quantized.values()))
+    assert all(torch.allclose(a, b) for a, b in zip(through_masters, through_fp8, strict=True))
+
+
+def test_base_model_cache_is_built_once_under_concurrency(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PDMCTL_CACHE", str(tmp_path))
+    monkeypatch.setitem(
+        MODEL_PRESETS, "toy-small", dataclasses.replace(MODEL_PRESETS["toy-small"], warmup_steps=3)
+    )
+    builds = []
+    real_warm_up = basemodel.warm_up
+    monkeypatch.setattr(basemodel, "warm_up", lambda name: builds.append(name) or real_warm_up(name))
+    models: list[torch.nn.Module] = []
+    threads = [
+        threading.Thread(target=lambda: models.append(basemodel.load_base_model("toy-small")))
+        for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert builds == ["toy-small"]
+    assert [p.name for p in tmp_path.glob("*.pt")] == [basemodel.base_model_path("toy-small").name]
+    assert not list(tmp_path.glob("*.tmp"))
+    first = models[0].state_dict()
+    assert all(all(torch.equal(first[k], m.state_dict()[k]) for k in first) for m in models)
+    # deterministic: a second build from scratch gives the same weights
+    again = real_warm_up("toy-small").state_dict()
+    assert all(torch.equal(first[k], again[k]) for k in first)

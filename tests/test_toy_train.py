@@ -1,0 +1,71 @@
+"""The RL loop of the CPU testbed: determinism, exact resumption, checkpoints, and that it learns."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from pdmctl.backends.base import InMemoryTracker
+from pdmctl.backends.toy import ToyConfig, train
+
+TINY = ToyConfig(prompts_per_step=16, group_size=4, minibatches=2, steps=6, eval_every=2, checkpoint_every=2,
+                 eval_samples=2)  # fmt: skip
+
+
+def _run(cfg: ToyConfig, workdir: Path, stop_after: int | None = None) -> InMemoryTracker:
+    tracker = InMemoryTracker()
+    train(cfg, workdir, tracker, stop_after=stop_after)
+    return tracker
+
+
+def test_logs_every_metric_of_the_tracker_interface(tmp_path: Path) -> None:
+    tracker = _run(TINY, tmp_path)
+    for name in ("reward", "response_length", "ppo_kl", "mask_frac", "out_of_region_frac", "mean_divergence",
+                 "disagreement_count"):  # fmt: skip
+        assert [step for step, _ in tracker.history(f"train/{name}")] == list(range(1, 7))
+    for dataset in ("toy24", "toy25"):
+        assert [step for step, _ in tracker.history(f"eval/{dataset}")] == [0, 2, 4, 6]
+        steps = [step for step, _ in tracker.per_problem[dataset]]
+        assert steps == [0, 2, 4, 6]
+        assert all(len(accs) == 40 for _, accs in tracker.per_problem[dataset])
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000006.pt"]  # only the latest
+
+
+def test_same_seed_same_metrics_other_seed_other_metrics(tmp_path: Path) -> None:
+    first = _run(TINY, tmp_path / "a").metrics
+    assert _run(TINY, tmp_path / "b").metrics == first
+    assert _run(dataclasses.replace(TINY, seed=1), tmp_path / "c").metrics != first
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8_e2e"])
+def test_resume_gives_exactly_the_uninterrupted_metrics(tmp_path: Path, precision: str) -> None:
+    cfg = dataclasses.replace(TINY, precision=precision)
+    whole = _run(cfg, tmp_path / "whole").metrics
+    interrupted = _run(cfg, tmp_path / "resumed", stop_after=3)  # dies after step 3, last checkpoint at 2
+    assert [p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()] == ["step_00000002.pt"]
+    resumed = _run(cfg, tmp_path / "resumed").metrics
+    assert min(step for step, _ in resumed["train/reward"]) == 3  # picked up after the checkpoint
+    for name, history in whole.items():
+        assert [(s, v) for s, v in history if s > 2] == resumed[name], name
+        assert [(s, v) for s, v in history if s <= 3] == interrupted.metrics[name], name
+
+
+def test_resume_refuses_another_runs_checkpoint(tmp_path: Path) -> None:
+    _run(TINY, tmp_path, stop_after=2)
+    with pytest.raises(ValueError, match="different lr"):
+        _run(dataclasses.replace(TINY, lr=0.5), tmp_path)
+    longer = _run(dataclasses.replace(TINY, steps=8), tmp_path)  # more steps continue the same run
+    assert [step for step, _ in longer.history("train/reward")] == [3, 4, 5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("method", ["grpo", "pdm"])
+def test_a_short_run_raises_held_out_accuracy(tmp_path: Path, method: str) -> None:
+    cfg = ToyConfig(method=method, steps=10, eval_every=10, prompts_per_step=64)
+    tracker = _run(cfg, tmp_path)
+    for dataset in ("toy24", "toy25"):
+        (_, before), (_, after) = tracker.history(f"eval/{dataset}")
+        assert after >= before + 0.15, (dataset, before, after)
+    rewards = [r for _, r in tracker.history("train/reward")]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3
