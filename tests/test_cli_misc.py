@@ -1,0 +1,33 @@
+"""CLI commands beyond the sweep life cycle: analyze, help, bad input on status/logs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.conftest import pdmctl
+
+
+def test_analyze_prints_table_and_json(workdir: Path):
+    res = pdmctl("analyze", "--seeds", "2", "--json", "analysis.json", cwd=workdir)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "unsafe" in res.stdout.lower()
+    data = json.loads((workdir / "analysis.json").read_text())
+    assert data  # the same result as the table, machine-readable
+
+
+def test_analyze_bad_input(workdir: Path):
+    res = pdmctl("analyze", "--seeds", "0", cwd=workdir)
+    assert res.returncode == 2 and "--seeds" in res.stderr
+    res = pdmctl("analyze", "k=0", cwd=workdir)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "k:" in res.stderr
+
+
+def test_status_and_logs_on_an_empty_store(workdir: Path):
+    res = pdmctl("status", cwd=workdir)
+    assert res.returncode == 0 and "no runs" in res.stdout
+    assert not (workdir / "mlflow.db").exists()  # reading never creates a store
+    res = pdmctl("status", "nope", cwd=workdir)
+    assert res.returncode == 2 and "sweep 'nope': no runs" in res.stderr
+    res = pdmctl("logs", "abc", cwd=workdir)
+    assert res.returncode == 2 and "run 'abc'" in res.stderr
