@@ -26,6 +26,7 @@ import getpass
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -312,7 +313,7 @@ class SqlLedger(Ledger):
                 )
             ).all()
             metric_rows = conn.execute(
-                sa.select(latest.c.run_uuid, latest.c.key, latest.c.step, latest.c.value).where(
+                sa.select(latest.c.run_uuid, latest.c.key, latest.c.step, latest.c.value, latest.c.is_nan).where(
                     latest.c.run_uuid.in_(ids), latest.c.key.in_(STATUS_METRICS)
                 )
             ).all()
@@ -321,8 +322,8 @@ class SqlLedger(Ledger):
         for run_id, key, value in tag_rows:
             run_tags[run_id][key] = value
         run_latest: dict[str, dict[str, tuple[int, float]]] = defaultdict(dict)
-        for run_id, key, step, value in metric_rows:
-            run_latest[run_id][key] = (int(step), float(value))
+        for run_id, key, step, value, is_nan in metric_rows:  # MLflow stores NaN as 0 with is_nan set
+            run_latest[run_id][key] = (int(step), math.nan if is_nan else float(value))
         return [_record(r[0], r[1], r[2], r[3], run_tags[r[0]], run_latest[r[0]]) for r in rows]
 
     def metric_histories(self, run_ids, keys=None):
@@ -330,13 +331,13 @@ class SqlLedger(Ledger):
         out: dict[str, dict[str, list[tuple[int, float]]]] = {rid: defaultdict(list) for rid in run_ids}
         with self.engine.connect() as conn:
             for chunk in _chunks(list(run_ids), 500):
-                query = sa.select(metrics.c.run_uuid, metrics.c.key, metrics.c.step, metrics.c.value).where(
-                    metrics.c.run_uuid.in_(chunk)
-                )
+                query = sa.select(
+                    metrics.c.run_uuid, metrics.c.key, metrics.c.step, metrics.c.value, metrics.c.is_nan
+                ).where(metrics.c.run_uuid.in_(chunk))
                 if keys is not None:
                     query = query.where(metrics.c.key.in_(list(keys)))
-                for run_id, key, step, value in conn.execute(query):
-                    out[run_id][key].append((int(step), float(value)))
+                for run_id, key, step, value, is_nan in conn.execute(query):
+                    out[run_id][key].append((int(step), math.nan if is_nan else float(value)))
                 self.queries += 1
         for per_run in out.values():
             for series in per_run.values():

@@ -1,0 +1,74 @@
+"""The `report` command. Imports nothing heavy at import time: the CLI mounts this module on every start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="report")(report)
+
+
+def report(
+    sweeps: Annotated[list[str] | None, typer.Argument(metavar="SWEEP", help="Sweeps to report on (default: the ledger's only sweep).")] = None,
+    at: Annotated[str | None, typer.Option("--at", help="Which evaluation: final, best or last-N (default: the definition's).")] = None,
+    baseline: Annotated[str | None, typer.Option("--baseline", help="Mask to compare against (default: the definition's, dppo_topk_kl).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output directory (default: reports/<sweep>/).")] = None,
+    two_level: Annotated[bool, typer.Option("--two-level", help="Bootstrap over seeds and problems where per-problem scores exist.")] = False,
+    definition: Annotated[str, typer.Option("--definition", "-d", help="Report definition: reports/NAME.yaml or a path.")] = "default",
+    analysis: Annotated[Path | None, typer.Option("--analysis", help="A direction analysis to include (the JSON of `pdmctl analyze --json`).")] = None,
+    cluster: Annotated[str, typer.Option("--cluster", "-c", help="Cluster profile under clusters/ (or a path).")] = "local",
+    tracking_uri: Annotated[str | None, typer.Option("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, the profile's, ./mlflow.db).")] = None,
+) -> None:
+    """Tables of avg@16 with seed confidence intervals, comparisons with the baseline, learning curves."""
+    from pdmctl.cli import _guard, console, fail
+    from pdmctl.ledger import ledger_exists, open_ledger
+    from pdmctl.orchestrate import make_context
+    from pdmctl.report.build import build_report
+    from pdmctl.report.definition import ReportError, load_definition
+    from pdmctl.report.tables import comparison_table, excluded_table, results_table, to_rich
+    from pdmctl.report.write import write_report
+
+    with _guard():
+        try:
+            spec = load_definition(definition).with_options(at=at, baseline=baseline)
+        except ReportError as exc:
+            fail(str(exc))
+        ctx = make_context(cluster, tracking_uri)
+        if not ledger_exists(ctx.tracking_uri):
+            fail(f"no ledger at {ctx.tracking_uri}: run a sweep first, or pass --tracking-uri")
+        ledger = open_ledger(ctx.tracking_uri)
+        known = ledger.sweeps()
+        chosen = _choose_sweeps(sweeps or [], known, ctx.tracking_uri)
+        if isinstance(chosen, str):
+            fail(chosen)
+        try:
+            result = build_report(ledger, chosen, spec, two_level=two_level, analysis=analysis)
+        except ReportError as exc:
+            fail(str(exc))
+    if baseline is not None and not result.baseline_present:
+        fail(f"--baseline: mask {baseline!r} has no runs in {', '.join(chosen)}")
+    out_dir = out or Path("reports") / "+".join(chosen)
+    written = write_report(result, out_dir)
+    console.print(to_rich(results_table(result)))
+    console.print(to_rich(comparison_table(result)))
+    if result.excluded:
+        console.print(to_rich(excluded_table(result)))
+    console.print(f"wrote {len(written)} files to {out_dir}/ — open {written[-1]}", highlight=False)
+
+
+def _choose_sweeps(asked: list[str], known: list[str], uri: str) -> list[str] | str:
+    """The sweeps to report on, or the one-line reason there are none."""
+    if not known:
+        return f"no sweeps in {uri}"
+    if not asked:
+        if len(known) > 1:
+            return f"{len(known)} sweeps in {uri}: name one or more ({', '.join(known)})"
+        return known
+    unknown = [s for s in asked if s not in known]
+    if unknown:
+        return f"sweep {unknown[0]!r}: no runs in {uri} (known: {', '.join(known)})"
+    return list(dict.fromkeys(asked))

@@ -1,0 +1,118 @@
+"""The report's statistics as small pure functions: no resampling (see `resample`), no I/O, no plotting.
+
+Values are avg@16 fractions in [0, 1]; the tables print them as percentages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdmctl.report.definition import At
+
+Series = Sequence[tuple[int, float]]  # (step, value), sorted by step
+
+
+@dataclass(frozen=True)
+class Interval:
+    low: float
+    high: float
+
+    @property
+    def width(self) -> float:
+        return self.high - self.low
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A mean over seeds with its confidence interval; `interval` is None (n/a) below two values."""
+
+    mean: float
+    n: int
+    interval: Interval | None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A mask against the baseline on one column: the difference of means, its interval, P(improvement)."""
+
+    difference: Estimate
+    probability_of_improvement: float
+    paired: bool  # matched by seed (otherwise: all pairs of runs)
+    n_baseline: int
+
+
+def mean(values: Sequence[float]) -> float:
+    """Plain Python: the report takes hundreds of thousands of means of a few numbers each."""
+    return sum(values) / len(values) if len(values) else math.nan
+
+
+def common_steps(series: Mapping[str, Series]) -> list[int]:
+    """The evaluation steps at which every column has a value."""
+    steps = [{s for s, _ in points} for points in series.values()]
+    return sorted(set.intersection(*steps)) if steps else []
+
+
+def select_steps(scores: Mapping[int, float], at: At) -> list[int]:
+    """The evaluation steps a run's table value is read at, given its per-step score (the columns' mean).
+
+    `best` never picks a step whose score is NaN; a run whose every score is NaN gets its final step.
+    """
+    steps = sorted(scores)
+    if not steps:
+        return []
+    if at.kind == "final":
+        return steps[-1:]
+    if at.kind == "last":
+        return steps[-at.n :]
+    finite = [s for s in steps if math.isfinite(scores[s])]
+    return [max(finite, key=lambda s: (scores[s], s))] if finite else steps[-1:]
+
+
+def values_at(series: Mapping[str, Series], at: At) -> tuple[dict[str, float], list[int]]:
+    """A run's value per column (mean over the selected steps) and those steps."""
+    steps = common_steps(series)
+    by_step = {label: dict(points) for label, points in series.items()}
+    if at.kind == "best":
+        scores = {s: mean([by_step[label][s] for label in series]) for s in steps}
+    else:  # only the order of the steps matters
+        scores = dict.fromkeys(steps, 0.0)
+    chosen = select_steps(scores, at)
+    return {label: mean([by_step[label][s] for s in chosen]) for label in series}, chosen
+
+
+def probability_of_improvement_paired(differences: Sequence[float]) -> float:
+    """Share of matched seeds on which the mask beats the baseline; a tie counts half."""
+    d = np.asarray(differences, dtype=float)
+    return float(np.mean((d > 0) + 0.5 * (d == 0))) if d.size else math.nan
+
+
+def probability_of_improvement(x: Sequence[float], y: Sequence[float]) -> float:
+    """P(X > Y) over all pairs of runs (Mann-Whitney's U / (n m), rliable's definition); a tie counts half."""
+    a, b = np.asarray(x, dtype=float)[:, None], np.asarray(y, dtype=float)[None, :]
+    return float(np.mean((a > b) + 0.5 * (a == b))) if a.size and b.size else math.nan
+
+
+def pct(value: float, digits: int = 1) -> str:
+    return "n/a" if not math.isfinite(value) else f"{100 * value:.{digits}f}"
+
+
+def signed_pct(value: float, digits: int = 1) -> str:
+    return "n/a" if not math.isfinite(value) else f"{100 * value:+.{digits}f}"
+
+
+def format_interval(interval: Interval | None, signed: bool = False) -> str:
+    fmt = signed_pct if signed else pct
+    return "n/a" if interval is None else f"[{fmt(interval.low)}, {fmt(interval.high)}]"
+
+
+def format_estimate(estimate: Estimate, signed: bool = False) -> str:
+    """`34.2 [31.0, 37.5]` in percentage points; `34.2 [n/a]` with one seed; `n/a` with none."""
+    if estimate.n == 0:
+        return "n/a"
+    fmt = signed_pct if signed else pct
+    interval = "[n/a]" if estimate.interval is None else format_interval(estimate.interval, signed)
+    return f"{fmt(estimate.mean)} {interval}"

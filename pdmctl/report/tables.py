@@ -1,0 +1,235 @@
+"""The report's tables as plain text grids, and their renderings: rich, Markdown, LaTeX (booktabs), HTML, CSV."""
+
+from __future__ import annotations
+
+import csv
+import html
+import io
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdmctl.report.build import Report
+from pdmctl.report.collect import RowKey
+from pdmctl.report.stats import Comparison, Estimate, format_estimate
+
+TWO_LEVEL_MARK = "‡"
+
+
+@dataclass(frozen=True)
+class TextTable:
+    key: str  # html id and file stem: results, comparison, excluded, direction
+    title: str
+    headers: tuple[str, ...]
+    rows: list[tuple[str, ...]]
+    note: str
+    numeric_from: int  # columns from here on are right-aligned
+
+
+def _row_cells(row: RowKey, dims: Sequence[str], previous: RowKey | None) -> tuple[str, ...]:
+    setting = "" if previous is not None and previous.setting == row.setting else row.setting
+    return (setting, row.mask, *(row.dim(d) for d in dims))
+
+
+def results_note(report: Report) -> str:
+    d, c = report.definition, report.definition.confidence
+    columns = " and ".join(col.label for col in d.columns)
+    parts = [
+        f"avg@16 in %, mean over seeds {d.at.describe()}. "
+        f"Interval: {100 * c.level:g}% {c.method} bootstrap over seeds (scipy.stats.bootstrap, {c.resamples} "
+        f"resamples, seed {c.seed}): resamples whole runs (seeds) with replacement. "
+        f"[n/a]: fewer than 2 seeds, no interval. n: seeds that count; runs left out are listed separately."
+    ]
+    if d.average:
+        parts.append(f"{d.average}: each seed's mean of {columns}, then the same bootstrap.")
+    if report.two_level:
+        parts.append(
+            f"{TWO_LEVEL_MARK}: two-level percentile bootstrap — seeds with replacement, then problems with "
+            f"replacement within each drawn seed ({c.resamples} resamples, seed {c.seed}); cells without "
+            f"{TWO_LEVEL_MARK} lack per-problem scores and use the seed bootstrap."
+        )
+    return " ".join(parts)
+
+
+def results_table(report: Report) -> TextTable:
+    rows, previous = [], None
+    for r in report.rows:
+        cells = [format_estimate(r.cells[label]) + (TWO_LEVEL_MARK if r.two_level.get(label) else "")
+                 for label in report.labels]  # fmt: skip
+        rows.append((*_row_cells(r.row, report.dims, previous), *cells, str(len(r.seeds))))
+        previous = r.row
+    headers = ("setting", "mask", *report.dims, *report.labels, "n")
+    return TextTable("results", f"avg@16 ({', '.join(report.sweeps)})", headers, rows, results_note(report),
+                     2 + len(report.dims))  # fmt: skip
+
+
+def comparison_note(report: Report) -> str:
+    d, c = report.definition, report.definition.confidence
+    if not report.baseline_present:
+        return f"The baseline mask {d.baseline} has no runs in {', '.join(report.sweeps)}: nothing to compare with."
+    return (
+        f"Mask minus {d.baseline} (the row's own setting, and its δ, K wherever the baseline has them), in "
+        f"percentage points. Paired rows (seeds listed): {100 * c.level:g}% {c.method} bootstrap over the "
+        f"matched seeds, each pair kept together; P = share of matched seeds on which the mask scores higher "
+        f"(a tie counts half). Unpaired rows (no seed in common): each side's runs resampled on their own; "
+        f"P = P(X > Y) over all pairs of runs. [n/a]: fewer than 2 (matched) seeds."
+    )
+
+
+def _comparison_cell(c: Comparison) -> str:
+    p = "n/a" if math.isnan(c.probability_of_improvement) else f"{c.probability_of_improvement:.2f}"
+    return f"{format_estimate(c.difference, signed=True)} P={p}"
+
+
+def comparison_table(report: Report) -> TextTable:
+    rows, previous = [], None
+    for comp in report.comparisons:
+        first = next(iter(comp.cells.values()))
+        pairing = (f"paired: seeds {','.join(map(str, comp.seeds))}" if comp.seeds
+                   else f"unpaired: {first.difference.n} vs {first.n_baseline} runs")  # fmt: skip
+        rows.append((*_row_cells(comp.row, report.dims, previous), comp.baseline.label,
+                     *(_comparison_cell(comp.cells[label]) for label in report.labels), pairing))  # fmt: skip
+        previous = comp.row
+    headers = ("setting", "mask", *report.dims, "baseline", *(f"Δ {label}" for label in report.labels), "seeds")
+    return TextTable("comparison", f"vs {report.definition.baseline}", headers, rows, comparison_note(report),
+                     3 + len(report.dims))  # fmt: skip
+
+
+def excluded_table(report: Report) -> TextTable:
+    rows = []
+    for e in sorted(report.excluded, key=lambda e: (e.row or RowKey("", ""), e.seed if e.seed is not None else -1)):
+        row = e.row or RowKey("?", "?", tuple((d, "") for d in report.dims))
+        rows.append((row.setting, row.mask, *(row.dim(d) for d in report.dims),
+                     "" if e.seed is None else str(e.seed), e.status.lower(), e.reason, (e.run_id or "")[:12]))  # fmt: skip
+    note = ("Runs (and seeds) left out of every average above: not finished, partial, missing a metric, "
+            "a non-finite value, or never registered." if rows else "Every run of the sweeps counts.")  # fmt: skip
+    headers = ("setting", "mask", *report.dims, "seed", "status", "reason", "run")
+    return TextTable("excluded", "Left out", headers, rows, note, len(headers))
+
+
+def direction_table(analysis: dict) -> TextTable:
+    """The direction analysis, through the toy backend's own row builder (imports torch: only when asked)."""
+    from pdmctl.backends.toy.analysis import ANALYSIS_COLUMNS, analysis_rows
+
+    result = _analysis_result(analysis)
+    n = max(len(result.seeds), 1)
+    note = (f"{len(result.seeds)} seeds, {result.divergence} δ={result.delta} K={result.k} {result.precision}; "
+            f"{sum(result.out_of_region_per_seed) / n:.0f} of {sum(result.tokens_per_seed) / n:.0f} response tokens "
+            "per seed outside the region. Unsafe keep: a kept disagreement token whose divergence grew (ΔD > 0) "
+            "after the criterion's update; mean ± s.e. over seeds.")  # fmt: skip
+    return TextTable("direction", "Direction analysis", tuple(ANALYSIS_COLUMNS), analysis_rows(result), note, 2)
+
+
+def _analysis_result(data: dict):
+    from pdmctl.backends.toy.analysis import AnalysisResult, Comparison, CriterionStats
+
+    comparisons = [Comparison(**{**c, "ratio": CriterionStats(**c["ratio"]),
+                                 "predictive": CriterionStats(**c["predictive"])}) for c in data["comparisons"]]  # fmt: skip
+    return AnalysisResult(**{**data, "comparisons": comparisons})
+
+
+# ---------------------------------------------------------------------------
+# Renderings
+# ---------------------------------------------------------------------------
+
+
+def to_rich(table: TextTable):
+    from rich.table import Table
+    from rich.text import Text
+
+    # Text, not markup: "[n/a]" and "[31.0, 37.5]" would otherwise read as rich tags
+    out = Table(title=Text(table.title), caption=Text(table.note), caption_justify="left")
+    for i, header in enumerate(table.headers):
+        numeric = i >= table.numeric_from  # never wrapped: a number broken over two lines misreads
+        out.add_column(Text(header), justify="right" if numeric else "left", no_wrap=numeric)
+    for row in table.rows:
+        out.add_row(*map(Text, row))
+    return out
+
+
+def to_markdown(table: TextTable) -> str:
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = [f"### {table.title}", "", "| " + " | ".join(map(cell, table.headers)) + " |",
+             "|" + "|".join("---:" if i >= table.numeric_from else "---" for i in range(len(table.headers))) + "|"]  # fmt: skip
+    lines += ["| " + " | ".join(map(cell, row)) + " |" for row in table.rows]
+    return "\n".join([*lines, "", f"*{table.note}*", ""])
+
+
+_TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
+        "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "δ": r"$\delta$", "Δ": r"$\Delta$",
+        "·": r"$\cdot$", "—": "--", "−": "-", "±": r"$\pm$", "‡": r"$^\ddagger$", "≤": r"$\le$", ">": r"$>$"}  # fmt: skip
+
+
+def tex(text: str) -> str:
+    return "".join(_TEX.get(ch, ch) for ch in text)
+
+
+def to_latex(table: TextTable) -> str:
+    spec = "".join("r" if i >= table.numeric_from else "l" for i in range(len(table.headers)))
+    body = [" & ".join(tex(c) for c in row) + r" \\" for row in table.rows]
+    return "\n".join([
+        r"\begin{table}[t]", r"\centering", rf"\caption{{{tex(table.title)}}}", rf"\label{{tab:{table.key}}}",
+        r"\small", rf"\begin{{tabular}}{{{spec}}}", r"\toprule",
+        " & ".join(tex(h) for h in table.headers) + r" \\", r"\midrule", *body, r"\bottomrule", r"\end{tabular}",
+        rf"\par\smallskip\parbox{{\linewidth}}{{\footnotesize {tex(table.note)}}}", r"\end{table}", "",
+    ])  # fmt: skip
+
+
+def to_html(table: TextTable) -> str:
+    def cells(row: Sequence[str], tag: str) -> str:
+        return "".join(f'<{tag}{" class=num" if i >= table.numeric_from else ""}>{html.escape(c)}</{tag}>'
+                       for i, c in enumerate(row))  # fmt: skip
+
+    rows = "\n".join(f"<tr>{cells(r, 'td')}</tr>" for r in table.rows)
+    return (f'<table id="{table.key}"><caption>{html.escape(table.title)}</caption>\n'
+            f"<thead><tr>{cells(table.headers, 'th')}</tr></thead>\n<tbody>\n{rows}\n</tbody></table>\n"
+            f'<p class="note">{html.escape(table.note)}</p>')  # fmt: skip
+
+
+# ---------------------------------------------------------------------------
+# CSV: numbers, not text (percentages, empty where there is none)
+# ---------------------------------------------------------------------------
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None or not math.isfinite(value) else f"{100 * value:.4f}"
+
+
+def _estimate_fields(e: Estimate) -> list[str]:
+    iv = e.interval
+    return [_num(e.mean), _num(iv.low if iv else None), _num(iv.high if iv else None)]
+
+
+def results_csv(report: Report) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["setting", "mask", *report.dims,
+                     *(f"{label} {part} (%)" for label in report.labels for part in ("mean", "low", "high")),
+                     "n", "seeds", "interval"])  # fmt: skip
+    c = report.definition.confidence
+    for r in report.rows:
+        method = f"{c.method} over seeds" + (" and problems" if any(r.two_level.values()) else "")
+        writer.writerow([r.row.setting, r.row.mask, *(r.row.dim(d) for d in report.dims),
+                         *(f for label in report.labels for f in _estimate_fields(r.cells[label])),
+                         len(r.seeds), " ".join(map(str, r.seeds)), method])  # fmt: skip
+    return buf.getvalue()
+
+
+def comparison_csv(report: Report) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["setting", "mask", *report.dims, "baseline",
+                     *(f"{label} {part}" for label in report.labels
+                       for part in ("diff (pp)", "low (pp)", "high (pp)", "P(improve)")),
+                     "paired", "seeds"])  # fmt: skip
+    for comp in report.comparisons:
+        fields = []
+        for label in report.labels:
+            c = comp.cells[label]
+            p = c.probability_of_improvement
+            fields += [*_estimate_fields(c.difference), "" if math.isnan(p) else f"{p:.4f}"]
+        writer.writerow([comp.row.setting, comp.row.mask, *(comp.row.dim(d) for d in report.dims),
+                         comp.baseline.label, *fields, bool(comp.seeds), " ".join(map(str, comp.seeds))])  # fmt: skip
+    return buf.getvalue()

@@ -1,0 +1,399 @@
+"""pdmctl report: its statistics against scipy and by hand, and whole reports on real SQLite MLflow stores."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+from typer.testing import CliRunner
+
+from pdmctl.ledger import FAILED, KILLED, RunLogger
+from pdmctl.report import resample
+from pdmctl.report.build import baseline_row, build_report
+from pdmctl.report.collect import RowKey
+from pdmctl.report.definition import At, Confidence, ReportError, load_definition, parse_definition
+from pdmctl.report.stats import (
+    Estimate,
+    Interval,
+    format_estimate,
+    probability_of_improvement,
+    probability_of_improvement_paired,
+    select_steps,
+    values_at,
+)
+from pdmctl.report.tables import comparison_csv, excluded_table, results_csv, results_table
+from pdmctl.report.write import write_report
+
+sys.path.insert(0, str(Path(__file__).parent))  # the synthetic-sweep helpers beside this file
+from test_report_synthetic import SyntheticSweep, finish, make_sweep, write_points
+
+CONF = Confidence(level=0.95, method="percentile", resamples=2000, seed=7)
+EVAL_STEPS = (0, 2, 4)
+
+
+def definition(**changes):
+    return load_definition("default").with_options(**changes)
+
+
+def uri_in(directory: Path) -> str:
+    return f"sqlite:///{directory / 'mlflow.db'}"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One SQLite MLflow store for the module (MLflow's schema takes seconds to create); a sweep per test."""
+    return uri_in(tmp_path_factory.mktemp("store"))
+
+
+def log_evals(sweep: SyntheticSweep, run_id: str, final: tuple[float, float], steps=EVAL_STEPS) -> None:
+    """eval/toy24 and eval/toy25 rising linearly to `final` at the last step; a little training dynamics."""
+    points = []
+    for i, step in enumerate(steps):
+        frac = (i + 1) / len(steps)
+        points += [(run_id, "eval/toy24", step, final[0] * frac), (run_id, "eval/toy25", step, final[1] * frac),
+                   (run_id, "train/reward", step, 0.2 + 0.1 * frac), (run_id, "train/response_length", step, 3.0),
+                   (run_id, "train/ppo_kl", step, 0.01 / (1 + i)), (run_id, "train/mask_frac", step, 0.05)]  # fmt: skip
+    write_points(sweep.ledger, points)
+
+
+# ---------------------------------------------------------------------------
+# Statistics: against scipy, and by hand
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["percentile", "bca"])
+def test_seed_intervals_equal_scipy_bootstrap_on_the_same_data_and_seed(method: str) -> None:
+    rng = np.random.default_rng(3)
+    samples = [list(rng.random(5)), list(rng.random(3)), list(rng.random(5)), [0.4], []]
+    conf = Confidence(method=method, resamples=3000, seed=11)
+    estimates = resample.seed_intervals(samples, conf)
+    for sample, estimate in zip(samples, estimates, strict=True):
+        assert estimate.n == len(sample)
+        if len(sample) < 2:
+            assert estimate.interval is None  # n/a, never a zero-width interval
+            continue
+        ref = sps.bootstrap((np.array(sample),), np.mean, n_resamples=3000, confidence_level=0.95,
+                            method="BCa" if method == "bca" else "percentile",
+                            rng=np.random.default_rng(11)).confidence_interval  # fmt: skip
+        assert estimate.interval == Interval(ref.low, ref.high)
+        assert estimate.mean == pytest.approx(np.mean(sample))
+
+
+def test_paired_difference_interval_equals_scipy_paired_bootstrap() -> None:
+    rng = np.random.default_rng(5)
+    x, y = rng.random(6), rng.random(6)
+    ours = resample.seed_interval(list(x - y), CONF).interval
+    ref = sps.bootstrap((x, y), lambda a, b, axis=-1: np.mean(a, axis=axis) - np.mean(b, axis=axis), paired=True,
+                        n_resamples=CONF.resamples, method="percentile", rng=np.random.default_rng(CONF.seed),
+                        vectorized=True).confidence_interval  # fmt: skip
+    assert ours is not None
+    assert ours.low == pytest.approx(ref.low, abs=1e-12) and ours.high == pytest.approx(ref.high, abs=1e-12)
+
+
+def test_hand_computed_interval_two_seeds() -> None:
+    # resampling two seeds [0.2, 0.4]: means 0.2 (p=1/4), 0.3 (1/2), 0.4 (1/4); the 2.5% and 97.5% quantiles
+    # of that distribution are its ends, so the 95% percentile interval is [0.2, 0.4] around the mean 0.3
+    estimate = resample.seed_interval([0.2, 0.4], Confidence(resamples=10000, seed=0))
+    assert estimate.mean == pytest.approx(0.3)
+    assert estimate.interval == Interval(pytest.approx(0.2), pytest.approx(0.4))
+    # constant data: BCa is undefined there, the fallback gives the value itself, not NaN
+    constant = resample.seed_interval([0.5, 0.5, 0.5], Confidence(method="bca", resamples=500))
+    assert constant.interval == Interval(pytest.approx(0.5), pytest.approx(0.5))
+
+
+def test_hand_computed_probability_of_improvement_and_formatting() -> None:
+    assert probability_of_improvement_paired([0.1, -0.1, 0.0, 0.2]) == pytest.approx(0.625)
+    assert probability_of_improvement([1.0, 2.0], [1.5]) == pytest.approx(0.5)
+    assert probability_of_improvement([1.0, 2.0], [1.0, 2.0]) == pytest.approx(0.5)  # (½ + 0 + 1 + ½) / 4
+    assert math.isnan(probability_of_improvement_paired([]))
+    assert format_estimate(Estimate(0.3421, 3, Interval(0.31, 0.375))) == "34.2 [31.0, 37.5]"
+    assert format_estimate(Estimate(0.3421, 1, None)) == "34.2 [n/a]"
+    assert format_estimate(Estimate(math.nan, 0, None)) == "n/a"
+    assert format_estimate(Estimate(0.021, 4, Interval(-0.005, 0.04)), signed=True) == "+2.1 [-0.5, +4.0]"
+
+
+def test_two_level_bootstrap_by_hand() -> None:
+    # one problem per seed: resampling problems changes nothing, so it is the seed bootstrap's [0.2, 0.4]
+    est = resample.two_level_interval([np.array([[0.2], [0.4]])], Confidence(resamples=10000))
+    assert est.mean == pytest.approx(0.3) and est.interval == Interval(pytest.approx(0.2), pytest.approx(0.4))
+    # one seed: n/a, however many problems
+    assert resample.two_level_interval([np.array([[0.0, 1.0, 0.5]])], CONF).interval is None
+    # identical seeds: the interval is the problems' own spread, wider than the (zero) spread over seeds
+    same = np.tile([0.0, 0.25, 0.5, 0.75, 1.0], (3, 1))
+    iv = resample.two_level_interval([same], CONF).interval
+    assert iv is not None and iv.low < 0.5 < iv.high and iv.width > 0.2
+
+
+def test_selecting_the_evaluation() -> None:
+    scores = {0: 0.1, 2: 0.5, 4: 0.3, 6: math.nan}
+    assert select_steps(scores, At.parse("final")) == [6]
+    assert select_steps(scores, At.parse("best")) == [2]  # never a NaN step
+    assert select_steps(scores, At.parse("last-2")) == [4, 6]
+    assert select_steps({}, At.parse("best")) == []
+    values, steps = values_at({"A": [(0, 0.1), (2, 0.3)], "B": [(0, 0.5), (2, 0.1), (4, 0.9)]}, At.parse("best"))
+    assert steps == [0] and values == {"A": 0.1, "B": 0.5}  # the columns' mean picks the step, both read there
+    for bad in ("worst", "last-0", "last-x"):
+        with pytest.raises(ReportError):
+            At.parse(bad)
+
+
+def test_definition_errors_are_one_line() -> None:
+    with pytest.raises(ReportError, match=r"confidence\.method"):
+        parse_definition({"columns": [{"label": "A", "metrics": ["eval/a"]}], "confidence": {"method": "basic"}})
+    with pytest.raises(ReportError, match="unknown field"):
+        parse_definition({"columns": [{"label": "A", "metrics": ["eval/a"]}], "colour": "red"})
+    with pytest.raises(ReportError, match="not found"):
+        load_definition("no-such-report")
+    d = load_definition("default")
+    assert [c.label for c in d.columns] == ["AIME24", "AIME25"] and d.baseline == "dppo_topk_kl"
+    assert d.columns[0].metrics == ("eval/aime24", "eval/toy24")
+
+
+def test_baseline_row_matching() -> None:
+    dppo = [RowKey("s", "dppo_topk_kl", (("δ", "0.1"), ("K", "20"))),
+            RowKey("s", "dppo_topk_kl", (("δ", "0.2"), ("K", "20")))]  # fmt: skip
+    assert baseline_row(RowKey("s", "pdm_agg", (("δ", "0.2"), ("K", "20"))), dppo, "dppo_topk_kl") == dppo[1]
+    # GRPO has no δ: two baseline rows remain, neither is the one to compare with
+    assert baseline_row(RowKey("s", "grpo_clip_higher", (("δ", "—"), ("K", "20"))), dppo, "dppo_topk_kl") is None
+    assert baseline_row(RowKey("other", "pdm_agg", (("δ", "0.2"), ("K", "20"))), dppo, "dppo_topk_kl") is None
+
+
+# ---------------------------------------------------------------------------
+# Whole reports on a real store
+# ---------------------------------------------------------------------------
+
+
+def test_known_paired_difference_is_recovered(store: str) -> None:
+    sweep = make_sweep(store, "paired", ["mask=pdm_agg,dppo_topk_kl", "seed=0,1,2,3,4,5,6,7"])
+    rng = np.random.default_rng(0)
+    truth = 0.05  # PDM is 5 points better on both sets, on top of a seed effect shared by both masks
+    baseline_values = {}
+    for seed in range(8):
+        seed_effect = rng.uniform(0.25, 0.45)
+        base = (seed_effect, seed_effect - 0.03)
+        baseline_values[seed] = base
+        noise = rng.normal(0, 0.01, 2)
+        log_evals(sweep, sweep.run_id("dppo_topk_kl", seed), base)
+        log_evals(sweep, sweep.run_id("pdm_agg", seed), (base[0] + truth + noise[0], base[1] + truth + noise[1]))
+    finish(sweep.ledger, list(sweep.specs))
+    report = build_report(sweep.ledger, ["paired"], definition())
+
+    assert report.excluded == [] and len(report.rows) == 2 and report.dims == ()
+    (comp,) = report.comparisons
+    assert comp.row.mask == "pdm_agg" and comp.baseline.mask == "dppo_topk_kl" and comp.seeds == tuple(range(8))
+    for label in ("AIME24", "AIME25", "Average"):
+        cell = comp.cells[label]
+        assert cell.paired and cell.probability_of_improvement == 1.0
+        assert cell.difference.interval is not None
+        assert cell.difference.interval.low < truth < cell.difference.interval.high
+        assert cell.difference.interval.low > 0  # the seed effect cancels in the pairs
+    # the baseline's table cell is exactly scipy's interval on its eight final values
+    dppo = next(r for r in report.rows if r.row.mask == "dppo_topk_kl")
+    values = np.array([baseline_values[s][0] for s in range(8)])
+    ref = sps.bootstrap((values,), np.mean, n_resamples=10000, method="percentile",
+                        rng=np.random.default_rng(0)).confidence_interval  # fmt: skip
+    assert dppo.cells["AIME24"].mean == pytest.approx(values.mean())
+    assert dppo.cells["AIME24"].interval == Interval(pytest.approx(ref.low), pytest.approx(ref.high))
+    assert report.queries <= 6  # a few bulk statements, not one per run
+
+
+def test_partial_sweep_one_seed_rows_and_nan_metrics(store: str, tmp_path: Path) -> None:
+    """The documented output: every run that does not count is listed with its reason; rows with one seed
+    show [n/a] intervals; nothing crashes and nothing bad is averaged in."""
+    sweep = make_sweep(store, "partial", ["mask=pdm_agg,dppo_topk_kl,pdm_uni", "seed=0,1,2"])
+    ids = {(s.config["mask"]["name"], s.seed): rid for rid, s in sweep.specs.items()}
+    for seed in (0, 1, 2):
+        log_evals(sweep, ids["dppo_topk_kl", seed], (0.3 + 0.01 * seed, 0.25))
+    log_evals(sweep, ids["pdm_agg", 0], (0.35, 0.3))
+    log_evals(sweep, ids["pdm_agg", 1], (0.36, 0.31))
+    log_evals(sweep, ids["pdm_agg", 2], (0.9, 0.9), steps=(0, 2))  # died after step 2
+    log_evals(sweep, ids["pdm_uni", 0], (0.33, 0.28), steps=(0, 2))  # finished, but stopped early: partial
+    log_evals(sweep, ids["pdm_uni", 1], (0.34, 0.29))
+    write_points(sweep.ledger, [(ids["pdm_uni", 2], "eval/toy24", 4, math.nan),  # NaN, as MLflow stores it
+                                (ids["pdm_uni", 2], "eval/toy25", 4, 0.3)])  # fmt: skip
+    finish(sweep.ledger, [rid for key, rid in ids.items() if key != ("pdm_agg", 2)])
+    finish(sweep.ledger, [ids["pdm_agg", 2]], FAILED, "out of memory")
+    report = build_report(sweep.ledger, ["partial"], definition())
+
+    by_mask = {r.row.mask: r for r in report.rows}
+    assert by_mask["dppo_topk_kl"].seeds == (0, 1, 2)
+    assert by_mask["pdm_agg"].seeds == (0, 1)
+    assert by_mask["pdm_uni"].seeds == (1,)
+    assert by_mask["pdm_uni"].cells["AIME24"].interval is None
+    assert by_mask["pdm_agg"].cells["AIME24"].mean == pytest.approx(0.355)  # the failed run is not in it
+    reasons = {(e.row.mask, e.seed): (e.status, e.reason) for e in report.excluded if e.row}
+    assert reasons["pdm_agg", 2][0] == FAILED and "not finished" in reasons["pdm_agg", 2][1]
+    assert "partial: last evaluation at step 2" in reasons["pdm_uni", 0][1]
+    assert "AIME24 not finite" in reasons["pdm_uni", 2][1]
+    assert len(report.excluded) == 3
+
+    table = results_table(report)
+    uni = next(row for row in table.rows if row[1] == "pdm_uni")
+    assert uni[2].endswith("[n/a]") and uni[-1] == "1"
+    rows = list(csv.DictReader(io.StringIO(results_csv(report))))
+    uni_csv = next(r for r in rows if r["mask"] == "pdm_uni")
+    assert uni_csv["AIME24 mean (%)"] == "34.0000" and uni_csv["AIME24 low (%)"] == ""
+    comps = {c.row.mask: c for c in report.comparisons}
+    assert comps["pdm_uni"].seeds == (1,) and comps["pdm_uni"].cells["Average"].difference.interval is None
+    assert "n/a" not in comparison_csv(report).splitlines()[0]
+    excluded = excluded_table(report)
+    assert {r[-3] for r in excluded.rows} == {"failed", "finished"}
+    written = write_report(report, tmp_path / "out")
+    assert {p.name for p in written} >= {"index.html", "results.md", "results.csv", "results.tex", "comparison.csv"}
+    assert "[n/a]" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_rows_split_by_varying_delta_k_and_other_fields(store: str) -> None:
+    sweep = make_sweep(store, "grid", ["mask=pdm_agg,dppo_topk_kl,grpo_clip_higher",
+                                                   "delta=0.1,0.2", "seed=0,1"])  # fmt: skip
+    other = make_sweep(store, "lr", ["mask=pdm_agg", "delta=0.1", "seed=0,1", "backend.lr=0.01"])
+    for s in (sweep, other):
+        for rid, spec in s.specs.items():
+            log_evals(s, rid, (0.3 + spec.config["delta"], 0.2))
+        finish(s.ledger, list(s.specs))
+    report = build_report(sweep.ledger, ["grid", "lr"], definition())
+    # δ varies (GRPO has none: its run key ignores δ, so the grid made it once); the other sweep's lr
+    # differs from the grid's at the same setting, mask, δ: it becomes a column instead of being averaged in
+    assert report.dims == ("δ", "backend.lr")
+    labels = [r.row.label for r in report.rows]
+    assert labels[:2] == ["dppo_topk_kl δ=0.1 backend.lr=0.001", "dppo_topk_kl δ=0.2 backend.lr=0.001"]
+    assert "grpo_clip_higher backend.lr=0.001" in labels
+    assert "pdm_agg δ=0.1 backend.lr=0.01" in labels and len(labels) == 6
+    comps = {c.row.label: c.baseline.label for c in report.comparisons}
+    assert comps["pdm_agg δ=0.2 backend.lr=0.001"] == "dppo_topk_kl δ=0.2 backend.lr=0.001"
+    assert comps["pdm_agg δ=0.1 backend.lr=0.01"] == "dppo_topk_kl δ=0.1 backend.lr=0.001"
+    assert "grpo_clip_higher backend.lr=0.001" not in comps  # two baseline rows fit: none is chosen
+
+
+def test_best_and_last_n_read_the_histories(store: str) -> None:
+    sweep = make_sweep(store, "at", ["mask=dppo_topk_kl", "seed=0,1"])
+    for rid in sweep.specs:
+        write_points(sweep.ledger, [(rid, "eval/toy24", 0, 0.1), (rid, "eval/toy24", 2, 0.6), (rid, "eval/toy24", 4, 0.2),
+                                    (rid, "eval/toy25", 0, 0.1), (rid, "eval/toy25", 2, 0.4), (rid, "eval/toy25", 4, 0.4)])  # fmt: skip
+    finish(sweep.ledger, list(sweep.specs))
+    cell = {str(at): build_report(sweep.ledger, ["at"], definition(at=at)).rows[0].cells
+            for at in ("final", "best", "last-2")}  # fmt: skip
+    assert cell["final"]["AIME24"].mean == pytest.approx(0.2)
+    assert cell["best"]["AIME24"].mean == pytest.approx(0.6) and cell["best"]["AIME25"].mean == pytest.approx(0.4)
+    assert cell["last-2"]["AIME24"].mean == pytest.approx(0.4)
+    assert cell["final"]["AIME24"].interval == Interval(pytest.approx(0.2), pytest.approx(0.2))  # two equal seeds
+
+
+def test_two_level_bootstrap_from_logged_per_problem_scores(store: str) -> None:
+    uri = store
+    sweep = make_sweep(uri, "two", ["mask=dppo_topk_kl,pdm_agg", "seed=0,1,2"])
+    rng = np.random.default_rng(1)
+    scores = {}
+    for rid, spec in sweep.specs.items():
+        logger = RunLogger(uri, rid)
+        for dataset in ("toy24", "toy25"):
+            per_problem = rng.integers(0, 17, 12) / 16
+            scores[rid, dataset] = per_problem
+            if spec.config["mask"]["name"] == "dppo_topk_kl":  # pdm_agg logs no per-problem scores
+                logger.log_per_problem(dataset, 4, per_problem.tolist())
+        write_points(sweep.ledger, [(rid, "eval/toy24", 4, float(scores[rid, "toy24"].mean())),
+                                    (rid, "eval/toy25", 4, float(scores[rid, "toy25"].mean()))])  # fmt: skip
+    finish(sweep.ledger, list(sweep.specs))
+    seed_level = build_report(sweep.ledger, ["two"], definition())
+    report = build_report(sweep.ledger, ["two"], definition(), two_level=True)
+    dppo, pdm = (next(r for r in report.rows if r.row.mask == m) for m in ("dppo_topk_kl", "pdm_agg"))
+    assert dppo.two_level == {"AIME24": True, "AIME25": True, "Average": True}
+    assert pdm.two_level == {} and pdm.cells == next(r for r in seed_level.rows if r.row.mask == "pdm_agg").cells
+    ids = [sweep.run_id("dppo_topk_kl", s) for s in (0, 1, 2)]
+    matrix = np.array([scores[rid, "toy24"] for rid in ids])
+    expected = resample.two_level_interval([matrix], load_definition("default").confidence)
+    assert dppo.cells["AIME24"].interval == expected.interval
+    assert dppo.cells["AIME24"].mean == pytest.approx(matrix.mean())
+    assert "‡" in results_table(report).rows[0][2] and "two-level" in results_table(report).note
+
+
+def test_direction_analysis_table(store: str, tmp_path: Path) -> None:
+    sweep = make_sweep(store, "dir", ["mask=dppo_topk_kl", "seed=0"])
+    finish(sweep.ledger, list(sweep.specs), KILLED)
+    stats = {"unsafe_keep_per_seed": [0.5, 0.25], "unsafe_keep_mean": 0.375, "unsafe_keep_se": 0.125,
+             "corrective_pooled": 0.6, "kept_pooled": 12}  # fmt: skip
+    analysis = {"seeds": [0, 1], "delta": 0.15, "k": 20, "divergence": "topk_kl", "precision": "bf16",
+                "tokens_per_seed": [1000, 1000], "out_of_region_per_seed": [40, 60],
+                "comparisons": [{"estimator": "agg", "disagreement_per_seed": [3, 5], "ratio": stats,
+                                 "predictive": {**stats, "unsafe_keep_mean": 0.1}, "predictive_wins": 2,
+                                 "ratio_wins": 0, "seeds_compared": 2}]}  # fmt: skip
+    path = tmp_path / "analysis.json"
+    path.write_text(json.dumps(analysis))
+    report = build_report(sweep.ledger, ["dir"], definition(), analysis=path)
+    out = tmp_path / "out"
+    write_report(report, out)
+    page = (out / "index.html").read_text()
+    assert 'id="direction"' in page and "predictive" in page and "2/2" in page
+    # a sweep whose only run was killed: an empty table, the run listed, no figures, no crash
+    assert report.rows[0].seeds == () and report.curves == [] and "killed" in page
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ReportError, match="not a direction analysis"):
+        build_report(sweep.ledger, ["dir"], definition(), analysis=tmp_path / "bad.json")
+
+
+# ---------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------
+
+
+def _small_sweep(store: str) -> str:
+    make_sweep(store, "cli-other", ["mask=pdm_agg", "seed=0"])  # a second sweep: a bare `report` must ask
+    sweep = make_sweep(store, "cli", ["mask=pdm_agg,dppo_topk_kl", "seed=0,1"])
+    for rid, spec in sweep.specs.items():
+        log_evals(sweep, rid, (0.3 + 0.02 * spec.seed, 0.25))
+    finish(sweep.ledger, list(sweep.specs))
+    return store
+
+
+def test_report_command_writes_every_output_and_rejects_mistakes_in_one_line(store: str, tmp_path: Path, monkeypatch) -> None:
+    from pdmctl.cli import app
+
+    uri = _small_sweep(store)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    runner = CliRunner()
+    result = runner.invoke(app, ["report", "cli", "--tracking-uri", uri, "--at", "last-2"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "reports" / "cli"
+    assert "avg@16 (cli)" in result.output and "vs dppo_topk_kl" in result.output
+    names = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    assert names == {"index.html", "results.md", "results.csv", "results.tex", "comparison.csv",
+                     "figures/curves_toy-small_bf16.png", "figures/dynamics_toy-small_bf16.png"}  # fmt: skip
+    tex = (out / "results.tex").read_text()
+    assert r"\toprule" in tex and r"\midrule" in tex and r"\bottomrule" in tex and "dppo\\_topk\\_kl" in tex
+    for args, message in ((["nope"], "sweep 'nope': no runs"), (["cli", "--at", "worst"], "--at: 'worst'"),
+                          (["cli", "--baseline", "nope"], "--baseline: mask 'nope'"),
+                          (["cli", "-d", "nope"], "report definition: 'nope' not found"),
+                          ([], "sweeps in")):  # fmt: skip
+        bad = runner.invoke(app, ["report", "--tracking-uri", uri, "--out", str(tmp_path / "x"), *args])
+        assert bad.exit_code == 2, (args, bad.output)
+        assert message in bad.output and "Traceback" not in bad.output
+    (tmp_path / "empty").mkdir()
+    missing = runner.invoke(app, ["report", "--tracking-uri", uri_in(tmp_path / "empty")])
+    assert missing.exit_code == 2 and "no ledger" in missing.output
+
+
+def test_report_needs_a_sweep_name_when_the_ledger_has_several(tmp_path, monkeypatch) -> None:
+    from pdmctl.report.cli import _choose_sweeps
+
+    assert _choose_sweeps([], ["a"], "u") == ["a"]
+    assert "name one or more (a, b)" in _choose_sweeps([], ["a", "b"], "u")
+    assert _choose_sweeps(["b", "a", "b"], ["a", "b"], "u") == ["b", "a"]
+    assert "no sweeps" in _choose_sweeps([], [], "u")
+
+
+def test_report_type_is_importable_without_heavy_modules() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, pdmctl.report.cli; "
+            "print(sorted(m for m in ('matplotlib', 'scipy', 'torch') if m in sys.modules))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
