@@ -10,12 +10,13 @@ an estimator gives `Q_tail`; a method turns the token quantities into a keep
 mask; an aggregation mode turns token losses into a scalar. Adding one is
 adding a function with its decorator.
 
-Numerics: the only [N, V] work is one log-softmax (in float32, whatever the
-logits' dtype; `policy_loss` shares its own with the mask), the gather at the
-support ids and, for the `exact` estimator, `Σ_j π_j²`, reduced through one
-bounded scratch buffer, so no second [N, V] tensor exists. Everything on the
-support ([N, K+1]) is computed in float64, which is cheap there and keeps
-`1 − Σ_S π_i` meaningful.
+Numerics: `compute_mask` reads the logits in one blocked pass that yields
+`log Σ exp z` and, for the `exact` estimator, `Σ_j π_j²` from the same
+exponentials; `log π` is then gathered at the support ids only, so it never
+allocates anything of size [N, V] (bfloat16 logits are widened to float32 a
+block at a time). `policy_loss` needs the full log-softmax for its gradient
+and shares it with the mask. Everything on the support ([N, K+1]) is computed
+in float64, which is cheap there and keeps `1 − Σ_S π_i` meaningful.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 EPS = 1e-12  # clamp for tail masses (MATH.md: clamp both to >= ε)
 _MAX_LOG_RATIO = 80.0  # exp(80) < float32 max: the ratio stays finite for any valid input
 _LOGPROB_TOL = 1e-4  # engines round log-probabilities; a probability of 1 may come back as +1e-7
-_CHUNK_ELEMENTS = 1 << 24  # scratch for Σ π² (64 MB of float32), whatever N
+_CHUNK_ELEMENTS = 1 << 22  # one block of scratch (16 MB of float32) for passes over the vocabulary
 
 
 # ---------------------------------------------------------------------------
@@ -346,9 +347,11 @@ def token_diagnostics(
     div = DIVERGENCES[divergence]
     est = ESTIMATORS[estimator]
     with torch.no_grad():
-        if log_probs is None:
-            log_probs = torch.log_softmax(logits, dim=-1, dtype=_work_dtype(logits))
-        q_full = _sum_sq_probs(log_probs) if est.needs_full_q else None
+        if log_probs is None:  # one chunked pass over the logits: log Σ exp z and, if needed, Σ π²
+            log_z, q_full = _row_stats(logits, need_q=est.needs_full_q)
+            log_probs = _LogProbsAt(logits, log_z)
+        else:
+            q_full = _sum_sq_probs(log_probs) if est.needs_full_q else None
         log_pi_k = log_probs.gather(-1, sampled_ids.unsqueeze(-1)).squeeze(-1)
         if torch.isnan(log_pi_k).any():  # a NaN anywhere in a row makes its whole log-softmax NaN
             raise ValueError("logits: contains NaN or +inf")
@@ -499,6 +502,42 @@ def _support(
 def _work_dtype(logits: torch.Tensor) -> torch.dtype:
     """float32 for float32/bfloat16/float16 logits; float64 logits (tests) stay float64."""
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+class _LogProbsAt:
+    """log π at chosen ids from the logits and log Σ exp z: a log-softmax without its [N, V] output."""
+
+    def __init__(self, logits: torch.Tensor, log_z: torch.Tensor) -> None:
+        self.logits, self.log_z = logits, log_z
+        self.shape = logits.shape
+        self.device = logits.device
+
+    def gather(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        return self.logits.gather(dim, index).to(self.log_z.dtype) - self.log_z.unsqueeze(-1)
+
+
+def _row_stats(logits: torch.Tensor, *, need_q: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log Σ_j exp z_j and Q = Σ_j π_j² per row, through one reused block of scratch.
+
+    One exp per logit serves both: with e = exp(z − max z), log Σ exp z = max z + log Σ e and
+    Q = Σ e² / (Σ e)². Blocks of `_CHUNK_ELEMENTS` keep the scratch bounded (and mostly in
+    cache) while each torch call still does enough work to amortise its fixed cost.
+    """
+    n, vocab = logits.shape
+    dtype = _work_dtype(logits)
+    rows = max(1, min(n, _CHUNK_ELEMENTS // max(vocab, 1)))
+    log_z = torch.empty(n, dtype=dtype, device=logits.device)
+    q = torch.empty(n, dtype=torch.float64, device=logits.device) if need_q else None
+    scratch = torch.empty(rows, vocab, dtype=dtype, device=logits.device)
+    for start in range(0, n, rows):
+        z = logits[start : start + rows]
+        top = z.amax(-1, keepdim=True).to(dtype)
+        e = torch.sub(z, top, out=scratch[: z.shape[0]]).exp_()  # widens bfloat16 into the float32 block
+        total = e.sum(-1)
+        log_z[start : start + rows] = top.squeeze(-1) + total.log()
+        if q is not None:
+            q[start : start + rows] = (torch.linalg.vector_norm(e, dim=-1).double() / total.double()) ** 2
+    return log_z, q
 
 
 def _sum_sq_probs(log_probs: torch.Tensor) -> torch.Tensor:

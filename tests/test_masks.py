@@ -382,21 +382,27 @@ def test_bfloat16_logits_match_float32():
     assert torch.equal(got.keep, ref.keep)
 
 
-def test_one_vocab_sized_buffer():
-    """The [N, V] work is one float32 log-softmax; Σπ² uses a bounded scratch; nothing float64 at [N, V]."""
+def test_no_vocab_sized_buffer():
+    """compute_mask reads the logits in bounded blocks: no [N, V] allocation, no float64 copy.
+    policy_loss allocates exactly one: the float32 log-softmax its gradient needs."""
     from torch.profiler import ProfilerActivity, profile
 
     from pdmctl import masks
 
-    n, vocab = 512, 65536  # 128 MB of float32 logits: twice the Σπ² scratch bound
+    n, vocab = 512, 65536  # 128 MB of float32 logits: eight blocks of scratch
     z, sampled, ids, lps, slp, adv = make_batch(n=n, vocab=vocab, k=20, seed=1, dtype=torch.float32)
     lps, slp, adv = lps.float(), slp.float(), adv.float()
-    for estimator in ("agg", "exact"):
+
+    def big_allocations(fn) -> list[tuple[int, str]]:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            compute_mask(z, sampled, ids, lps, slp, adv, estimator=estimator)
-        sizes = sorted((e.self_cpu_memory_usage, e.name) for e in prof.events() if e.self_cpu_memory_usage > 1 << 20)
-        assert sizes[-1] == (n * vocab * 4, "aten::_log_softmax"), sizes
-        assert all(size <= masks._CHUNK_ELEMENTS * 4 for size, _ in sizes[:-1]), sizes
+            fn()
+        return sorted((e.self_cpu_memory_usage, e.name) for e in prof.events() if e.self_cpu_memory_usage > 1 << 20)
+
+    for estimator in ("agg", "exact"):
+        sizes = big_allocations(lambda e=estimator: compute_mask(z, sampled, ids, lps, slp, adv, estimator=e))
+        assert sizes and all(size <= masks._CHUNK_ELEMENTS * 4 for size, _ in sizes), sizes
+    sizes = big_allocations(lambda: policy_loss(z, sampled, ids, lps, slp, adv, torch.ones(n), estimator="exact"))
+    assert [s for s in sizes if s[0] > masks._CHUNK_ELEMENTS * 4] == [(n * vocab * 4, "aten::_log_softmax")], sizes
 
 
 # ---------------------------------------------------------------------------
