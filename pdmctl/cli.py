@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 app = typer.Typer(
     name="pdmctl",
@@ -155,23 +156,55 @@ def _wait(ctx, sweep_name: str | None, poll: float = 2.0) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _status_table(views, title: str) -> Table:
-    table = Table(title=title)
-    for col, justify in (("sweep", "left"), ("key", "left"), ("config", "left"), ("state", "left"),
-                         ("step", "right"), ("avg@16", "right"), ("attempts", "right"), ("job", "left")):  # fmt: skip
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+STATUS_COLUMNS = (("sweep", "left"), ("key", "left"), ("config", "left"), ("state", "left"), ("step", "right"),
+                  ("avg@16", "right"), ("attempts", "right"), ("job", "left"))  # fmt: skip
+RICH_TABLE_MAX_ROWS = 200  # rich lays out every cell; beyond this, aligned plain rows render 10x faster
+
+
+def _status_rows(views) -> list[tuple[list[str], str]]:
+    rows = []
     for v in sorted(views, key=lambda v: (v.sweep, v.summary)):
         r = v.record
-        step = r.step if r else None
-        avg = r.avg16 if r else None
-        state = f"[{STATE_STYLE.get(v.state, '')}]{v.state}[/]"
+        state = str(v.state)
         if r and r.reason and v.state != "finished":
-            state += f" [dim]({r.reason[:40]})[/]"
-        table.add_row(v.sweep, v.key, v.summary, state, "" if step is None else str(step),
-                      "" if avg is None else f"{avg:.3f}", str(r.attempt if r else 0), (r.job_id or "") if r else "")  # fmt: skip
+            state += f" ({r.reason[:40]})"
+        step, avg = (r.step, r.avg16) if r else (None, None)
+        cells = [v.sweep, v.key, v.summary, state, "" if step is None else str(step),
+                 "" if avg is None else f"{avg:.3f}", str(r.attempt if r else 0), (r.job_id or "") if r else ""]  # fmt: skip
+        rows.append((cells, STATE_STYLE.get(str(v.state), "")))
+    return rows
+
+
+def _status_table(views, title: str):
     counts = Counter(v.state for v in views)
-    table.caption = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no runs"
+    caption = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no runs"
+    rows = _status_rows(views)
+    if len(rows) > RICH_TABLE_MAX_ROWS:
+        return _plain_table(rows, title, caption)
+    table = Table(title=title, caption=caption)
+    for col, justify in STATUS_COLUMNS:
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for cells, style in rows:
+        table.add_row(*cells[:3], Text(cells[3], style=style), *cells[4:])
     return table
+
+
+def _plain_table(rows: list[tuple[list[str], str]], title: str, caption: str) -> Text:
+    widths = [max(len(h), *(len(c[i]) for c, _ in rows)) for i, (h, _) in enumerate(STATUS_COLUMNS)]
+
+    def line(cells: list[str]) -> list[str]:
+        return [c.rjust(w) if j == "right" else c.ljust(w) for c, w, (_, j) in zip(cells, widths, STATUS_COLUMNS,
+                                                                                    strict=True)]  # fmt: skip
+
+    out = Text(f"{title}\n", style="bold")
+    out.append("  ".join(line([h for h, _ in STATUS_COLUMNS])).rstrip() + "\n", style="bold")
+    for cells, style in rows:
+        parts = line(cells)
+        out.append("  ".join(parts[:3]) + "  ")
+        out.append(parts[3], style=style)
+        out.append(("  " + "  ".join(parts[4:])).rstrip() + "\n")
+    out.append(caption)
+    return out
 
 
 @app.command()
