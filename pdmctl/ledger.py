@@ -187,7 +187,10 @@ class Ledger:
     def mark_submitted(self, submissions: Sequence[Submission]) -> None:
         raise NotImplementedError
 
-    def set_status(self, run_ids: Sequence[str], status: str, reason: str | None = None) -> None:
+    def set_status(
+        self, run_ids: Sequence[str], status: str, reason: str | None = None, *, only_unfinished: bool = False
+    ) -> None:
+        """Set the MLflow status (and the reason tag); `only_unfinished` leaves runs that already ended."""
         raise NotImplementedError
 
     def metric_histories(
@@ -398,11 +401,17 @@ class SqlLedger(Ledger):
             conn.execute(tags.insert(), rows)
             self._update_status(conn, ids, SCHEDULED, end_time=None)
 
-    def set_status(self, run_ids, status, reason=None):
+    def set_status(self, run_ids, status, reason=None, *, only_unfinished=False):
         if not run_ids:
             return
-        tags = self.t["tags"]
+        tags, runs = self.t["tags"], self.t["runs"]
         with self.engine.begin() as conn:
+            if only_unfinished:  # a job may have reported its end since the caller looked
+                ended = {r for (r,) in conn.execute(self._sa.select(runs.c.run_uuid).where(
+                    runs.c.run_uuid.in_(list(run_ids)), runs.c.status.in_(list(TERMINAL))))}  # fmt: skip
+                run_ids = [r for r in run_ids if r not in ended]
+                if not run_ids:
+                    return
             self._update_status(conn, list(run_ids), status, end_time=_now_ms() if status in TERMINAL else None)
             if reason is not None:
                 for chunk in _chunks(list(run_ids), 500):
@@ -549,8 +558,10 @@ class ClientLedger(Ledger):
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(mark, submissions))
 
-    def set_status(self, run_ids, status, reason=None):
+    def set_status(self, run_ids, status, reason=None, *, only_unfinished=False):
         def update(run_id: str) -> None:
+            if only_unfinished and self.client.get_run(run_id).info.status in TERMINAL:
+                return
             if reason is not None:
                 self.client.set_tag(run_id, TAG_REASON, reason)
             if status in TERMINAL:
@@ -669,21 +680,21 @@ def load_per_problem(uri: str, run_id: str, dataset: str) -> dict[int, list[floa
 
 def _mlflow_client(uri: str):
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    logging.getLogger("mlflow").setLevel(logging.WARNING)
-    logging.getLogger("alembic").setLevel(logging.WARNING)
     from mlflow import MlflowClient
 
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # importing mlflow resets it to INFO
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     return MlflowClient(tracking_uri=uri)
 
 
 def _mlflow_store(uri: str) -> None:
     """Let MLflow create (or migrate) the schema of a new database store."""
-    logging.getLogger("alembic").setLevel(logging.WARNING)
-    logging.getLogger("mlflow").setLevel(logging.WARNING)
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
     path = sqlite_path(uri)
     root = (path.parent / "mlartifacts").as_uri() if path else "./mlartifacts"
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # importing mlflow resets it to INFO
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     with _init_lock(uri):
         SqlAlchemyStore(uri, root)
 

@@ -178,7 +178,7 @@ def reconcile(ledger: Ledger, records: list[RunRecord], ctx: Context) -> list[tu
             status, reason = _ENDED[job]
             updates[(status, reason)].append(r.run_id)
     for (status, reason), ids in updates.items():
-        ledger.set_status(ids, status, reason=reason)
+        ledger.set_status(ids, status, reason=reason, only_unfinished=True)
     if updates:
         fresh = {r.run_id: r for r in ledger.runs(records[0].sweep if _one_sweep(records) else None)}
         records = [fresh.get(r.run_id, r) for r in records]

@@ -1,0 +1,539 @@
+"""The SLURM executor: one job array per submission through submitit, state from one `sacct` call.
+
+Profile options (clusters/<name>.yaml, beside `executor: slurm`; all optional):
+
+    partition, account, qos      where the jobs go (checked against `sinfo` where it can be)
+    time                         limit per attempt: minutes, or SLURM's "D-HH:MM:SS" / "HH:MM:SS"
+    nodes, gpus_per_node         per job; GPUs go in as --gres=gpu[:gpu_type]:N
+    gpu_type                     e.g. h20 (only where the cluster names GPU types in its gres)
+    cpus_per_task, mem_gb        per job (one task per job: the job itself srun's onto its nodes)
+    sbatch                       extra lines: ["--constraint=h20", "--exclusive", ...]
+    setup                        shell lines run before the job (module load, env activation)
+    python                       the interpreter on the compute nodes (default: this one)
+    signal_delay_s               USR2 this long before the time limit: checkpoint and requeue
+    max_timeouts                 how many times a job may be requeued after hitting its time limit
+    job_name                     the jobs' name in squeue (default: pdmctl)
+
+How a job ends and what the ledger learns:
+* Finished, failed: the job writes it into its MLflow run itself (`pdmctl.job`), and its exit code
+  gives SLURM the same word.
+* Time limit: SLURM sends USR2 `signal_delay_s` before it; submitit's handler asks the callable
+  for a checkpoint (the same job again: the run resumes from run_dir/checkpoints by itself),
+  requeues the job and exits; the next start is the next attempt (SLURM_RESTART_COUNT).
+* Preemption, `scontrol requeue`, `scancel`: SLURM sends SIGTERM, then SIGKILL after KillWait.
+  The job cannot tell these apart, so it blocks SIGTERM and leaves its run RUNNING; the scheduler
+  knows, and `states` reports it (CANCELLED becomes KILLED in the ledger at the next `status`, a
+  requeued job is PENDING and starts its next attempt from the checkpoint).
+
+Where this goes around submitit, and why:
+* State: submitit's watcher calls `sacct` for registered Job objects and turns its failures into
+  UNKNOWN ("Bypassing sacct error"); `pdmctl status` runs in a new process with no Job objects,
+  needs one call for a whole sweep and a `squeue` fallback where accounting is off. `states` runs
+  one `sacct -X -j ARRAY,...` itself and parses pending ranges (`123_[4-999%8]`).
+* Batch step, not srun: submitit would start the job through `srun` on every task of the
+  allocation; a multi-node job (VeRL: Ray head + workers) must run once and srun itself. So
+  `use_srun=False`, the interpreter is `exec`'d to become the batch shell, and the USR2 goes to
+  the batch shell (`--signal=B:USR2@...`).
+* Array size: submitit submits whatever it is given as one array; arrays are cut at the cluster's
+  MaxArraySize here, the `%` limit shared out between the pieces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from pdmctl.executors.base import ClusterProfile, Executor, ExecutorError, JobRequest, JobState
+
+COMMANDS = ("sbatch", "squeue", "scancel", "sinfo", "scontrol")
+DEFAULT_MAX_ARRAY_SIZE = 1001  # SLURM's default MaxArraySize
+_TIMEOUT_S = 60  # for any one scheduler command
+
+# sacct / squeue state -> ours. The first word only: sacct writes "CANCELLED by 0".
+SLURM_STATES: dict[str, JobState] = {
+    "PENDING": JobState.PENDING, "REQUEUED": JobState.REQUEUED, "REQUEUE_HOLD": JobState.REQUEUED,
+    "REQUEUE_FED": JobState.REQUEUED, "RESV_DEL_HOLD": JobState.PENDING, "CONFIGURING": JobState.RUNNING,
+    "RUNNING": JobState.RUNNING, "COMPLETING": JobState.RUNNING, "SUSPENDED": JobState.RUNNING,
+    "STOPPED": JobState.RUNNING, "SIGNALING": JobState.RUNNING, "STAGE_OUT": JobState.RUNNING,
+    "RESIZING": JobState.RUNNING, "COMPLETED": JobState.COMPLETED, "FAILED": JobState.FAILED,
+    "SPECIAL_EXIT": JobState.FAILED, "CANCELLED": JobState.CANCELLED, "REVOKED": JobState.CANCELLED,
+    "TIMEOUT": JobState.TIMEOUT, "DEADLINE": JobState.TIMEOUT, "PREEMPTED": JobState.PREEMPTED,
+    "NODE_FAIL": JobState.NODE_FAIL, "BOOT_FAIL": JobState.NODE_FAIL, "OUT_OF_MEMORY": JobState.OUT_OF_MEMORY,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """The executor-specific part of a cluster profile, validated."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: int = 60  # minutes per attempt
+    nodes: int = 1
+    gpus_per_node: int = 0
+    gpu_type: str | None = None
+    cpus_per_task: int = 1
+    mem_gb: float | None = None
+    sbatch: tuple[str, ...] = ()
+    setup: tuple[str, ...] = ()
+    python: str | None = None
+    signal_delay_s: int = 90
+    max_timeouts: int = 3
+    job_name: str = "pdmctl"
+
+    @classmethod
+    def from_profile(cls, profile: ClusterProfile) -> SlurmOptions:
+        where = f"cluster {profile.name}"
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(profile.options) - known)
+        if unknown:
+            raise ExecutorError(f"{where}: unknown option {unknown[0]!r} for the slurm executor "
+                                f"(known: {', '.join(sorted(known))})")  # fmt: skip
+        values: dict[str, Any] = {}
+        for name, value in profile.options.items():
+            if value is None:
+                continue
+            if name == "time":
+                values[name] = parse_time(value, where)
+            elif name in ("nodes", "gpus_per_node", "cpus_per_task", "signal_delay_s", "max_timeouts"):
+                low = 1 if name in ("nodes", "cpus_per_task") else 0
+                if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                    raise ExecutorError(f"{where}: {name}: must be an integer >= {low}, got {value!r}")
+                values[name] = value
+            elif name == "mem_gb":
+                if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                    raise ExecutorError(f"{where}: mem_gb: must be a positive number, got {value!r}")
+                values[name] = float(value)
+            elif name in ("sbatch", "setup"):
+                if (
+                    isinstance(value, str)
+                    or not isinstance(value, list)
+                    or not all(isinstance(v, str) for v in value)
+                ):
+                    raise ExecutorError(f"{where}: {name}: must be a list of strings, got {value!r}")
+                values[name] = tuple(value)
+            else:
+                if not isinstance(value, str | int) or isinstance(value, bool) or not str(value).strip():
+                    raise ExecutorError(f"{where}: {name}: must be a non-empty string, got {value!r}")
+                values[name] = str(value)
+        options = cls(**values)
+        options.extra_sbatch(where)  # refuse malformed lines now, not at submission
+        return options
+
+    def extra_sbatch(self, where: str = "cluster") -> dict[str, str | bool]:
+        """The `sbatch` lines as flags: "--constraint=h20" -> {"constraint": "h20"}, "--exclusive" -> True."""
+        out: dict[str, str | bool] = {}
+        for line in self.sbatch:
+            text = line.strip().removeprefix("#SBATCH").strip()
+            match = re.fullmatch(r"--([A-Za-z][\w-]*)(?:[= ]\s*(.+))?", text)
+            if match is None:
+                raise ExecutorError(f"{where}: sbatch: {line!r} is not a long option like '--constraint=h20'")
+            out[match[1]] = True if match[2] is None else match[2].strip()
+        return out
+
+    @property
+    def gres(self) -> str | None:
+        if not self.gpus_per_node:
+            return None
+        return f"gpu:{self.gpu_type}:{self.gpus_per_node}" if self.gpu_type else f"gpu:{self.gpus_per_node}"
+
+
+def parse_time(value: Any, where: str = "cluster") -> int:
+    """SLURM's time formats (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) -> whole minutes."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    text = str(value).strip()
+    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text)
+    if match is None or isinstance(value, bool):
+        raise ExecutorError(f"{where}: time: {value!r} is not minutes or D-HH:MM:SS")
+    days, a, b, c = (int(g) if g else None for g in match.groups())
+    if days is not None:  # D-HH[:MM[:SS]]
+        seconds = days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
+    elif c is not None:  # HH:MM:SS
+        seconds = a * 3600 + b * 60 + c
+    elif b is not None:  # MM:SS
+        seconds = a * 60 + b
+    else:
+        seconds = a * 60
+    if seconds <= 0:
+        raise ExecutorError(f"{where}: time: must be positive, got {value!r}")
+    return -(-seconds // 60)
+
+
+class SlurmExecutor(Executor):
+    name = "slurm"
+
+    def __init__(self, profile: ClusterProfile) -> None:
+        super().__init__(profile)
+        self.options = SlurmOptions.from_profile(profile)
+        self.folder = profile.run_root / ".slurm"  # submitit's pickles, sbatch scripts, scheduler logs
+        self._config: dict[str, str] | None = None
+
+    # --- before submission ---------------------------------------------------------------
+
+    def check(self) -> None:
+        """Refuse what `sinfo` shows cannot run: no SLURM, unknown partition, more nodes, GPUs,
+        CPUs, memory or time than the partition has. What only the scheduler knows (accounts,
+        QOS, constraints) is refused by sbatch, and `submit` reports its reason."""
+        where = f"cluster {self.profile.name}"
+        missing = [c for c in COMMANDS if shutil.which(c) is None]
+        if missing:
+            raise ExecutorError(f"{where}: SLURM commands not found here ({', '.join(missing)}); "
+                                "submit from a login node of the cluster")  # fmt: skip
+        partitions = self._partitions()
+        opts = self.options
+        if not partitions:
+            raise ExecutorError(f"{where}: sinfo shows no partitions")
+        if opts.partition is None:
+            name = next((p.name for p in partitions.values() if p.default), None)
+            if name is None:
+                raise ExecutorError(f"{where}: the cluster has no default partition; set `partition`")
+        else:
+            name = opts.partition
+        part = partitions.get(name)
+        if part is None:
+            raise ExecutorError(f"{where}: partition {name!r} does not exist (partitions: "
+                                f"{', '.join(sorted(partitions))})")  # fmt: skip
+        label = f"{where}: partition {name}"
+        if not part.up:
+            raise ExecutorError(f"{label} is not up (sinfo: {part.availability})")
+        if opts.nodes > part.nodes:
+            raise ExecutorError(f"{label} has {part.nodes} node(s); the profile asks for nodes: {opts.nodes}")
+        if opts.gpus_per_node > part.max_gpus(opts.gpu_type):
+            kind = f"{opts.gpu_type} GPUs" if opts.gpu_type else "GPUs"
+            raise ExecutorError(f"{label}: no node has {opts.gpus_per_node} {kind} (the most is "
+                                f"{part.max_gpus(opts.gpu_type)}; gres: {', '.join(sorted(part.gres)) or 'none'}); "
+                                f"the profile asks for gpus_per_node: {opts.gpus_per_node}")  # fmt: skip
+        if opts.cpus_per_task > part.max_cpus:
+            raise ExecutorError(f"{label}: no node has {opts.cpus_per_task} CPUs (the most is {part.max_cpus}); "
+                                f"the profile asks for cpus_per_task: {opts.cpus_per_task}")  # fmt: skip
+        if opts.mem_gb is not None and opts.mem_gb * 1024 > part.max_mem_mb:
+            raise ExecutorError(f"{label}: no node has {opts.mem_gb:g} GB of memory (the most is "
+                                f"{part.max_mem_mb / 1024:g} GB); the profile asks for mem_gb: {opts.mem_gb:g}")  # fmt: skip
+        if part.time_limit_min is not None and opts.time > part.time_limit_min:
+            raise ExecutorError(f"{label} allows {part.time_limit_min} min per job; the profile asks for "
+                                f"time: {opts.time} min")  # fmt: skip
+        if opts.signal_delay_s >= opts.time * 60:
+            raise ExecutorError(f"{where}: signal_delay_s ({opts.signal_delay_s} s) must be shorter than "
+                                f"the time limit ({opts.time} min)")  # fmt: skip
+
+    def _partitions(self) -> dict[str, _Partition]:
+        out = _run(["sinfo", "-h", "-o", "%P|%a|%l|%D|%c|%m|%G"], what="sinfo")
+        partitions: dict[str, _Partition] = {}
+        for line in out.splitlines():
+            cols = line.strip().split("|")
+            if len(cols) != 7:
+                continue
+            raw, avail, limit, nodes, cpus, mem, gres = cols
+            name = raw.rstrip("*")
+            part = partitions.setdefault(name, _Partition(name, raw.endswith("*"), avail, _limit_min(limit)))
+            part.nodes += int(nodes or 0)
+            part.max_cpus = max(part.max_cpus, _int_prefix(cpus))
+            part.max_mem_mb = max(part.max_mem_mb, _int_prefix(mem))
+            part.gres.update(g for g in gres.split(",") if g and g != "(null)")
+        return partitions
+
+    def max_array_size(self) -> int:
+        """Tasks per array: the cluster's MaxArraySize (indices 0 .. MaxArraySize-1)."""
+        try:
+            value = self._scheduler_config().get("MaxArraySize", "")
+        except ExecutorError:
+            return DEFAULT_MAX_ARRAY_SIZE
+        return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_MAX_ARRAY_SIZE
+
+    def _scheduler_config(self) -> dict[str, str]:
+        if self._config is None:
+            out = _run(["scontrol", "show", "config"], what="scontrol show config")
+            self._config = {
+                k.strip(): v.strip() for k, _, v in (ln.partition("=") for ln in out.splitlines()) if v
+            }
+        return self._config
+
+    # --- submission -----------------------------------------------------------------------
+
+    def submit(self, requests: Sequence[JobRequest]) -> list[str]:
+        if not requests:
+            return []
+        job_ids: list[str] = []
+        try:
+            for part, parallelism in self._arrays(len(requests)):
+                chunk = requests[part]
+                executor = self._submitit_executor(parallelism)
+                # sbatch's own complaint goes into the ExecutorError, not onto the terminal twice
+                with contextlib.redirect_stderr(io.StringIO()):
+                    jobs = executor.map_array(PdmctlJob(), [str(r.job_file) for r in chunk],
+                                              [str(r.log_file) for r in chunk])  # fmt: skip
+                job_ids += [job.job_id for job in jobs]
+        except Exception as exc:
+            if job_ids:  # never leave half a grid running unrecorded
+                self.cancel(job_ids)
+            raise ExecutorError(
+                f"cluster {self.profile.name}: sbatch refused the job array: {_reason(exc)}"
+            ) from exc
+        return job_ids
+
+    def _arrays(self, n: int) -> list[tuple[slice, int]]:
+        """Cut n tasks into arrays of at most MaxArraySize; share the profile's %-limit between them."""
+        size = self.max_array_size()
+        parts = [slice(i, min(i + size, n)) for i in range(0, n, size)]
+        cap = self.profile.max_concurrent
+        out = []
+        for i, part in enumerate(parts):
+            count = part.stop - part.start
+            share = count if cap is None else max(1, cap // len(parts) + (i < cap % len(parts)))
+            out.append((part, min(share, count)))
+        return out
+
+    def sbatch_parameters(self, parallelism: int) -> dict[str, Any]:
+        """submitit's parameters for one array (its own names; see submitit.slurm.slurm._make_sbatch_string)."""
+        opts = self.options
+        extra: dict[str, str | bool] = {
+            "requeue": True,  # sites may default to JobRequeue=0; preempted jobs must come back
+            # the job runs as the batch shell (exec, no srun): the checkpoint signal must go to it
+            "signal": f"B:{submitit.JobEnvironment.USR_SIG}@{opts.signal_delay_s}",
+            **opts.extra_sbatch(),
+        }
+        setup = [
+            f"export PDMCTL_EXECUTOR=slurm PDMCTL_NUM_THREADS=${{SLURM_CPUS_PER_TASK:-{opts.cpus_per_task}}}",
+            "export OMP_NUM_THREADS=$PDMCTL_NUM_THREADS",
+            *opts.setup,
+        ]
+        params: dict[str, Any] = {
+            "job_name": opts.job_name, "time": opts.time, "nodes": opts.nodes, "ntasks_per_node": 1,
+            "cpus_per_task": opts.cpus_per_task, "signal_delay_s": opts.signal_delay_s, "setup": setup,
+            "array_parallelism": parallelism, "stderr_to_stdout": True, "use_srun": False,
+            "additional_parameters": extra,
+        }  # fmt: skip
+        for key, value in (("partition", opts.partition), ("account", opts.account), ("qos", opts.qos),
+                           ("gres", opts.gres), ("mem", _mem(opts.mem_gb))):  # fmt: skip
+            if value is not None:
+                params[key] = value
+        return params
+
+    @property
+    def python(self) -> str:
+        # exec: the interpreter replaces the batch shell, so the batch step's signals reach it
+        return f"exec {shlex.quote(self.options.python or sys.executable)}"
+
+    def _submitit_executor(self, parallelism: int) -> submitit.SlurmExecutor:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        executor = submitit.SlurmExecutor(folder=self.folder, max_num_timeout=self.options.max_timeouts,
+                                          python=self.python)  # fmt: skip
+        executor.update_parameters(**self.sbatch_parameters(parallelism))
+        return executor
+
+    def describe(self, requests: Sequence[JobRequest | None]) -> str:
+        n = len(requests)
+        if n == 0:
+            return "nothing to submit"
+        arrays = self._arrays(n)
+        lines = [f"{n} job(s) as {len(arrays)} SLURM job array(s) (MaxArraySize {self.max_array_size()}):"]
+        for part, parallelism in arrays:
+            lines.append(f"  sbatch --array=0-{part.stop - part.start - 1}%{parallelism}  "
+                         f"(runs {part.start + 1}-{part.stop})")  # fmt: skip
+        from submitit.slurm.slurm import _make_sbatch_string  # the exact text submitit writes
+
+        params = self.sbatch_parameters(arrays[0][1])
+        command = f"{self.python} -u -m submitit.core._submit {shlex.quote(str(self.folder))}"
+        script = _make_sbatch_string(command=command, folder=self.folder,
+                                     map_count=arrays[0][0].stop - arrays[0][0].start, **params)  # fmt: skip
+        lines += ["sbatch script of the first array:", *("  " + ln for ln in script.splitlines())]
+        return "\n".join(lines)
+
+    # --- state and cancel -----------------------------------------------------------------
+
+    def states(self, job_ids: Sequence[str]) -> dict[str, JobState]:
+        """One `sacct` call for all the jobs' arrays; `squeue` for what sacct does not know (accounting
+        off, or a job submitted a moment ago that slurmdbd has not recorded yet)."""
+        wanted = list(dict.fromkeys(job_ids))
+        if not wanted:
+            return {}
+        bases = sorted({_base(j) for j in wanted})
+        found: dict[str, JobState] = {}
+        try:
+            out = _run(["sacct", "-n", "-P", "-X", "-o", "JobID,State", "-j", ",".join(bases)], what="sacct")
+            found.update(parse_job_states(out))
+        except ExecutorError:
+            pass  # accounting is off (or slurmdbd is down): squeue knows the jobs slurmctld still holds
+        missing = [j for j in wanted if j not in found]
+        if missing:
+            found.update(self._squeue_states(missing))
+        return {j: found.get(j, JobState.UNKNOWN) for j in wanted}
+
+    def _squeue_states(self, job_ids: Sequence[str]) -> dict[str, JobState]:
+        bases = sorted({_base(j) for j in job_ids})
+        try:
+            out = _run(
+                ["squeue", "-h", "-r", "-t", "all", "-j", ",".join(bases), "-o", "%i|%T"], what="squeue"
+            )
+        except ExecutorError:
+            return {}  # "Invalid job id": slurmctld forgot them all (MinJobAge passed)
+        return parse_job_states(out)
+
+    def cancel(self, job_ids: Sequence[str]) -> None:
+        ids = list(dict.fromkeys(job_ids))
+        for i in range(0, len(ids), 500):
+            _run(["scancel", *ids[i : i + 500]], what="scancel", check=False)
+
+
+# ---------------------------------------------------------------------------
+# What each array task runs
+# ---------------------------------------------------------------------------
+
+
+class PdmctlJob(submitit.helpers.Checkpointable):
+    """The callable submitit pickles for every task: the job entry point, with its output in the run's
+    log and SIGTERM left to the scheduler.
+
+    Checkpointable's `checkpoint` resubmits this same call: the backend resumes from
+    run_dir/checkpoints on its own, so the requeued attempt needs nothing else.
+    """
+
+    def __call__(self, job_file: str, log_file: str) -> int:
+        # Under SLURM a SIGTERM means cancel, preemption or requeue alike, and SIGKILL follows;
+        # blocked (children inherit the mask), the run stays RUNNING and `sacct` tells which it was.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        from pdmctl.job import JobFile, run
+
+        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+        log = Path(log_file)
+        if restarts:  # a requeued start is the next attempt; `pdmctl logs` reads attempt-<n>.log
+            log = log.with_name(f"attempt-{JobFile.read(Path(job_file)).attempt + restarts}.log")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab", buffering=0) as fh:
+            os.dup2(fh.fileno(), 1)
+            os.dup2(fh.fileno(), 2)
+        print(f"pdmctl slurm: job {os.environ.get('SLURM_JOB_ID')} on {os.uname().nodename}, "
+              f"restart {restarts}", flush=True)  # fmt: skip
+        code = run(Path(job_file))
+        if code:
+            raise SystemExit(code)  # SLURM's FAILED matches the run's own word
+        return code
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Partition:
+    name: str
+    default: bool
+    availability: str
+    time_limit_min: int | None
+    nodes: int = 0
+    max_cpus: int = 0
+    max_mem_mb: int = 0
+    gres: set[str] | None = None
+
+    def __post_init__(self) -> None:
+        self.gres = set() if self.gres is None else self.gres
+
+    @property
+    def up(self) -> bool:
+        return self.availability.lower() == "up"
+
+    def max_gpus(self, gpu_type: str | None) -> int:
+        """The most GPUs (of that type, if given) on one node: gres like gpu:8, gpu:h20:8(S:0-1)."""
+        best = 0
+        for item in self.gres or ():
+            parts = re.sub(r"\(.*?\)", "", item).split(":")
+            if parts[0] != "gpu" or not parts[-1].isdigit():
+                continue
+            if gpu_type is not None and (len(parts) < 3 or parts[1] != gpu_type):
+                continue
+            best = max(best, int(parts[-1]))
+        return best
+
+
+def parse_job_states(text: str) -> dict[str, JobState]:
+    """`ID|STATE` lines of sacct or squeue -> job id -> state; pending ranges `123_[0-9,12%4]` expanded."""
+    out: dict[str, JobState] = {}
+    for line in text.splitlines():
+        job, _, raw = line.strip().partition("|")
+        if not job or not raw:
+            continue
+        words = raw.split()
+        state = SLURM_STATES.get(words[0].rstrip("+"), JobState.UNKNOWN) if words else JobState.UNKNOWN
+        for job_id in expand_job_id(job):
+            out[job_id] = state
+    return out
+
+
+def expand_job_id(job: str) -> list[str]:
+    """'123_[0-3,7%2]' -> ['123_0', ..., '123_3', '123_7']; other ids as they are."""
+    match = re.fullmatch(r"(\d+)_\[([^\]]+)\]", job)
+    if match is None:
+        return [job]
+    base, spec = match[1], match[2].split("%")[0]
+    out = []
+    for item in spec.split(","):
+        low, _, high = item.partition("-")
+        out += [f"{base}_{i}" for i in range(int(low), int(high or low) + 1)]
+    return out
+
+
+def _base(job_id: str) -> str:
+    return job_id.split("_")[0]
+
+
+def _limit_min(text: str) -> int | None:
+    text = text.strip()
+    if not text or text.lower() in ("infinite", "unlimited", "n/a"):
+        return None
+    try:
+        return parse_time(text)
+    except ExecutorError:
+        return None
+
+
+def _int_prefix(text: str) -> int:
+    match = re.match(r"\d+", text.strip())
+    return int(match[0]) if match else 0
+
+
+def _mem(mem_gb: float | None) -> str | None:
+    if mem_gb is None:
+        return None
+    return f"{int(mem_gb)}G" if mem_gb == int(mem_gb) else f"{round(mem_gb * 1024)}M"
+
+
+def _run(cmd: list[str], *, what: str, check: bool = True) -> str:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ExecutorError(f"{what}: {exc}") from exc
+    if check and proc.returncode != 0:
+        raise ExecutorError(f"{what}: {_first_error(proc.stderr) or f'exit code {proc.returncode}'}")
+    return proc.stdout
+
+
+def _first_error(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in lines:  # sbatch: "sbatch: error: Batch job submission failed: Invalid qos specification"
+        if "failed:" in ln:
+            return ln.split("failed:", 1)[1].strip()
+    for ln in lines:
+        if "error:" in ln:
+            return ln.split("error:", 1)[1].strip()
+    return lines[0] if lines else ""
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (_first_error(text) or text.splitlines()[0]) if text else type(exc).__name__

@@ -1,0 +1,108 @@
+"""The SLURM executor without a cluster: profile options, time formats, sacct/squeue parsing, arrays,
+the dry-run script of the h20 profile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdmctl.executors import ExecutorError, JobState, load_profile, make_executor
+from pdmctl.executors.base import ClusterProfile
+from pdmctl.executors.slurm import SlurmExecutor, SlurmOptions, expand_job_id, parse_job_states, parse_time
+
+
+def _profile(tmp_path: Path, **options) -> ClusterProfile:
+    return ClusterProfile(
+        name="t", executor="slurm", workdir=str(tmp_path), max_concurrent=4, options=options
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "minutes"),
+    [(90, 90), ("90", 90), ("30:00", 30), ("30:01", 31), ("2:00:00", 120), ("1-00", 1440),
+     ("1-02:30", 1590), ("2-00:00:00", 2880)],
+)  # fmt: skip
+def test_time_formats(value, minutes) -> None:
+    assert parse_time(value) == minutes
+
+
+@pytest.mark.parametrize("value", ["", "soon", "1:2:3:4", 0, -5, True, "0"])
+def test_bad_time_is_one_line(value) -> None:
+    with pytest.raises(ExecutorError, match=r"time: ") as info:
+        parse_time(value, "cluster t")
+    assert "\n" not in str(info.value)
+
+
+def test_pending_ranges_expand() -> None:
+    assert expand_job_id("12_[0-2,5%2]") == ["12_0", "12_1", "12_2", "12_5"]
+    assert expand_job_id("12_7") == ["12_7"]
+    assert expand_job_id("12") == ["12"]
+
+
+def test_sacct_and_squeue_lines_map_to_states() -> None:
+    text = "\n".join([
+        "12_0|COMPLETED", "12_1|CANCELLED by 0", "12_2|TIMEOUT", "12_3|RUNNING", "12_[4-6%2]|PENDING",
+        "13|OUT_OF_MEMORY", "14_0|NODE_FAIL", "14_1|PREEMPTED", "14_2|REQUEUED", "14_3|COMPLETING",
+        "14_4|FAILED", "14_5|BOOT_FAIL", "14_6|SOMETHING_NEW",
+    ])  # fmt: skip
+    states = parse_job_states(text)
+    assert states["12_0"] == JobState.COMPLETED
+    assert states["12_1"] == JobState.CANCELLED
+    assert states["12_2"] == JobState.TIMEOUT
+    assert states["12_3"] == JobState.RUNNING
+    assert [states[f"12_{i}"] for i in (4, 5, 6)] == [JobState.PENDING] * 3
+    assert states["13"] == JobState.OUT_OF_MEMORY
+    assert states["14_0"] == JobState.NODE_FAIL
+    assert states["14_1"] == JobState.PREEMPTED
+    assert states["14_2"] == JobState.REQUEUED
+    assert states["14_3"] == JobState.RUNNING  # still cleaning up: not ended yet
+    assert states["14_4"] == JobState.FAILED
+    assert states["14_5"] == JobState.NODE_FAIL
+    assert states["14_6"] == JobState.UNKNOWN
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"partiton": "x"}, "unknown option 'partiton'"), ({"nodes": 0}, "nodes: must be an integer >= 1"),
+     ({"gpus_per_node": "8"}, "gpus_per_node: must be an integer"), ({"mem_gb": -1}, "mem_gb: must be"),
+     ({"sbatch": "--exclusive"}, "sbatch: must be a list"), ({"sbatch": ["exclusive"]}, "is not a long option"),
+     ({"setup": [1]}, "setup: must be a list of strings"), ({"time": "forever"}, "time: 'forever'"),
+     ({"partition": ""}, "partition: must be a non-empty string")],
+)  # fmt: skip
+def test_bad_options_are_refused_in_one_line(tmp_path: Path, options, message) -> None:
+    with pytest.raises(ExecutorError, match=message) as info:
+        SlurmOptions.from_profile(_profile(tmp_path, **options))
+    assert str(info.value).startswith("cluster t: ") and "\n" not in str(info.value)
+
+
+def test_extra_sbatch_lines() -> None:
+    opts = SlurmOptions(sbatch=("--constraint=h20", "#SBATCH --exclusive", "--comment run one"))
+    assert opts.extra_sbatch() == {"constraint": "h20", "exclusive": True, "comment": "run one"}
+
+
+def test_arrays_split_at_max_array_size_and_share_the_limit(tmp_path: Path, monkeypatch) -> None:
+    executor = SlurmExecutor(_profile(tmp_path))
+    monkeypatch.setattr(executor, "max_array_size", lambda: 400)
+    arrays = executor._arrays(1000)
+    assert [(a.start, a.stop) for a, _ in arrays] == [(0, 400), (400, 800), (800, 1000)]
+    assert [p for _, p in arrays] == [2, 1, 1]  # 4 shared out, at least 1 each
+    assert [p for _, p in executor._arrays(3)] == [3]  # never more than the array has
+
+
+def test_h20_profile_dry_run_script() -> None:
+    profile = load_profile("h20")
+    assert profile.tracking_uri and profile.tracking_uri.startswith("http")
+    executor = make_executor(profile)
+    text = executor.describe([None] * 12)
+    for line in ("#SBATCH --nodes=4", "#SBATCH --gres=gpu:8", "#SBATCH --array=0-11%4", "#SBATCH --requeue",
+                 "#SBATCH --time=2880", "#SBATCH --exclusive", "#SBATCH --signal=B:USR2@300",
+                 "#SBATCH --partition=CHANGE-ME-partition", "#SBATCH --account=CHANGE-ME-account",
+                 "#SBATCH --qos=CHANGE-ME-qos", "exec python -u -m submitit.core._submit"):  # fmt: skip
+        assert line in text, line
+
+
+def test_slurm_local_profile_loads() -> None:
+    executor = make_executor(load_profile("slurm-local"))
+    assert isinstance(executor, SlurmExecutor)
+    assert executor.options.partition == "debug"
