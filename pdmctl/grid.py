@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from pdmctl.spec import RunSpec, SpecError, validate
+from pdmctl.yamlfiles import load_named
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 CONFIG_DIR = Path(os.environ.get("PDMCTL_CONFIG_DIR", PROJECT_DIR / "configs"))
@@ -42,19 +43,7 @@ class SweepFile:
 
 def load_sweep_file(path_or_name: str) -> SweepFile:
     """`sweeps/NAME.yaml`, a bare NAME found there, or any path."""
-    path = Path(path_or_name)
-    if not path.exists():
-        candidates = [SWEEP_DIR / path_or_name, SWEEP_DIR / f"{path_or_name}.yaml"]
-        path = next((c for c in candidates if c.is_file()), path)
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in SWEEP_DIR.glob("*.yaml")))
-        raise GridError(f"sweep file: {path_or_name!r} not found (known: {known})")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise GridError(f"sweep file: {path} is not valid YAML: {str(exc).splitlines()[0]}") from exc
-    if not isinstance(data, dict):
-        raise GridError(f"sweep file: {path} must be a mapping")
+    path, data = load_named(path_or_name, SWEEP_DIR, "sweep file", GridError)
     unknown = set(data) - {"name", "description", "grid", "settings"}
     if unknown:
         raise GridError(f"sweep file: {path}: unknown field(s) {', '.join(sorted(unknown))}")

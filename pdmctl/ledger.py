@@ -182,6 +182,15 @@ class Ledger:
 
     def register(self, specs: Sequence[RunSpec], run_dir: Mapping[str, str]) -> dict[str, str]:
         """Create a SCHEDULED run for every spec whose key the sweep lacks; return key -> run id for all."""
+        if not specs:
+            return {}
+        existing = {r.key: r.run_id for r in self.runs(specs[0].sweep)}
+        new = [s for s in specs if s.key not in existing]
+        if new:
+            existing.update(self._create_runs(specs[0].sweep, new, run_dir))
+        return existing
+
+    def _create_runs(self, sweep: str, specs: Sequence[RunSpec], run_dir: Mapping[str, str]) -> dict[str, str]:
         raise NotImplementedError
 
     def mark_submitted(self, submissions: Sequence[Submission]) -> None:
@@ -349,21 +358,14 @@ class SqlLedger(Ledger):
 
     # -- writing --------------------------------------------------------------------------
 
-    def register(self, specs, run_dir):
-        if not specs:
-            return {}
-        sweep = specs[0].sweep
-        existing = {r.key: r.run_id for r in self.runs(sweep)}
-        new = [s for s in specs if s.key not in existing]
-        if not new:
-            return existing
+    def _create_runs(self, sweep, specs, run_dir):
         exp_id, artifact_root = self._experiment(sweep)
         now = _now_ms()
         user = getpass.getuser()
-        run_rows, tag_rows, param_rows = [], [], []
-        for spec in new:
+        run_rows, tag_rows, param_rows, created = [], [], [], {}
+        for spec in specs:
             run_id = uuid.uuid4().hex
-            existing[spec.key] = run_id
+            created[spec.key] = run_id
             run_rows.append(dict(
                 run_uuid=run_id, name=spec.run_name, source_type="UNKNOWN", source_name="", entry_point_name="",
                 user_id=user, status=SCHEDULED, start_time=now, end_time=None, source_version="",
@@ -378,7 +380,7 @@ class SqlLedger(Ledger):
             conn.execute(self.t["tags"].insert(), tag_rows)
             conn.execute(self.t["params"].insert(), param_rows)
         self.queries += 3
-        return existing
+        return created
 
     def mark_submitted(self, submissions):
         if not submissions:
@@ -508,16 +510,9 @@ class ClientLedger(Ledger):
         self.queries += 1
         return max((m.step for m in hist), default=0)
 
-    def register(self, specs, run_dir):
+    def _create_runs(self, sweep, specs, run_dir):
         from mlflow.entities import Param, RunTag
 
-        if not specs:
-            return {}
-        sweep = specs[0].sweep
-        existing = {r.key: r.run_id for r in self.runs(sweep)}
-        new = [s for s in specs if s.key not in existing]
-        if not new:
-            return existing
         exp_id = self._ensure_experiment(sweep)
 
         def create(spec: RunSpec) -> tuple[str, str]:
@@ -530,8 +525,7 @@ class ClientLedger(Ledger):
             return spec.key, run.info.run_id
 
         with ThreadPoolExecutor(16) as pool:
-            existing.update(dict(pool.map(create, new)))
-        return existing
+            return dict(pool.map(create, specs))
 
     def _ensure_experiment(self, sweep: str) -> str:
         exp = self.client.get_experiment_by_name(sweep)

@@ -16,7 +16,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-import yaml
+from pdmctl.yamlfiles import load_named
 
 CLUSTER_DIR = Path(os.environ.get("PDMCTL_CLUSTER_DIR", Path(__file__).resolve().parents[2] / "clusters"))
 
@@ -68,16 +68,7 @@ class ClusterProfile:
 
 
 def load_profile(name_or_path: str) -> ClusterProfile:
-    path = Path(name_or_path)
-    if not path.is_file():
-        path = CLUSTER_DIR / f"{name_or_path}.yaml"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml")))
-        raise ExecutorError(f"cluster: unknown profile {name_or_path!r} (known: {known})")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ExecutorError(f"cluster: {path} is not valid YAML: {str(exc).splitlines()[0]}") from exc
+    path, data = load_named(name_or_path, CLUSTER_DIR, "cluster", ExecutorError)
     top = {"name", "executor", "tracking_uri", "workdir", "max_concurrent"}
     profile = ClusterProfile(
         name=str(data.get("name") or path.stem),

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
+from pdmctl.yamlfiles import load_named
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent.parent
 REPORT_DIR = Path(os.environ.get("PDMCTL_REPORT_DIR", PROJECT_DIR / "reports"))
@@ -100,16 +100,7 @@ class Definition:
 
 def load_definition(name_or_path: str = "default") -> Definition:
     """`reports/NAME.yaml`, a bare NAME found there, or any path."""
-    path = Path(name_or_path)
-    if not path.is_file():
-        path = next((p for p in (REPORT_DIR / name_or_path, REPORT_DIR / f"{name_or_path}.yaml") if p.is_file()), path)
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in REPORT_DIR.glob("*.yaml")))
-        raise ReportError(f"report definition: {name_or_path!r} not found (known: {known or 'none'})")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ReportError(f"report definition: {path} is not valid YAML: {str(exc).splitlines()[0]}") from exc
+    path, data = load_named(name_or_path, REPORT_DIR, "report definition", ReportError)
     try:
         return parse_definition(data, default_name=path.stem)
     except (KeyError, TypeError, ValueError) as exc:
