@@ -195,7 +195,7 @@ def _digest(path: Path) -> str | None:
         (["k=0"], "k: must be an integer >= 1"),
         (["delta=[0.1,"], "malformed"),
         (["--file", "nope"], "sweep file: 'nope' not found"),
-        (["--cluster", "nope"], "cluster: unknown profile 'nope'"),
+        (["--cluster", "nope"], "cluster profile: 'nope' not found"),
         (["--tracking-uri", "sqlite:////nonexistent/dir/mlflow.db"], "does not exist"),
         (["--tracking-uri", "http://127.0.0.1:9"], "not reachable"),
     ],

@@ -68,7 +68,7 @@ class ClusterProfile:
 
 
 def load_profile(name_or_path: str) -> ClusterProfile:
-    path, data = load_named(name_or_path, CLUSTER_DIR, "cluster", ExecutorError)
+    path, data = load_named(name_or_path, CLUSTER_DIR, "cluster profile", ExecutorError)
     top = {"name", "executor", "tracking_uri", "workdir", "max_concurrent"}
     profile = ClusterProfile(
         name=str(data.get("name") or path.stem),
