@@ -6,6 +6,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,9 @@ pytestmark = [pytest.mark.verl, pytest.mark.slurm]
 def test_job_body_starts_ray_and_the_probe_reaches_it(tmp_path: Path) -> None:
     run = {"model": "qwen3-4b-base", "checkpoint_dir": str(tmp_path / "ckpt"), "data_dir": str(tmp_path)}
     cmd = launch.build_job_command(run, python=sys.executable)
-    cmd[1:1] = [f"{launch.PROBE_ENV}=1", "PDMCTL_GPUS_PER_NODE=0", f"PDMCTL_RAY_TMP={tmp_path / 'ray'}"]
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
+    cmd[1:1] = [f"{launch.PROBE_ENV}=1", "PDMCTL_GPUS_PER_NODE=0", f"PDMCTL_RAY_TMP={ray_tmp}",
+                "PDMCTL_RAY_HEAD_IP=127.0.0.1", "PDMCTL_RAY_WAIT_S=120"]  # fmt: skip
     script = tmp_path / "job.sh"
     script.write_text("#!/bin/bash\n" + shlex.join(cmd) + "\n")
     log = tmp_path / "job.log"
@@ -30,5 +33,6 @@ def test_job_body_starts_ray_and_the_probe_reaches_it(tmp_path: Path) -> None:
         check=False,
         timeout=600,
     )
+    shutil.rmtree(ray_tmp, ignore_errors=True)
     text = log.read_text() if log.exists() else ""
     assert "PDMCTL_PROBE_OK" in text and "nodes=1" in text, text[-4000:]

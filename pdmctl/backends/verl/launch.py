@@ -263,22 +263,26 @@ set -euo pipefail
 # One node name per element; quoting "$(...)" here would make one element of all names.
 mapfile -t NODES < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?not inside a SLURM allocation}")
 HEAD="${NODES[0]}"
-HEAD_IP="$(srun --nodes=1 --ntasks=1 -w "$HEAD" hostname --ip-address | awk '{print $1}')"
+# PDMCTL_RAY_HEAD_IP overrides the head's address (a one-node test cluster uses 127.0.0.1)
+HEAD_IP="${PDMCTL_RAY_HEAD_IP:-$(srun --nodes=1 --ntasks=1 -w "$HEAD" hostname --ip-address | awk '{print $1}')}"
 PORT="${PDMCTL_RAY_PORT:-6379}"
 GPUS="${PDMCTL_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}"
 CPUS="${SLURM_CPUS_ON_NODE:-1}"
 RAY_TMP="${PDMCTL_RAY_TMP:-/tmp/ray-$SLURM_JOB_ID}"
+# the `ray` beside the job's Python (a virtualenv need not be on the nodes' PATH)
+RAY="$(dirname "$PDMCTL_PYTHON")/ray"
+[ -x "$RAY" ] || RAY=ray
 export RAY_ADDRESS="$HEAD_IP:$PORT"
 # The package must import on every node before any Ray worker starts.
 srun --nodes="${#NODES[@]}" --ntasks="${#NODES[@]}" --ntasks-per-node=1 \
   "$PDMCTL_PYTHON" -c "import pdmctl.backends.verl.launch"
 srun --nodes=1 --ntasks=1 -w "$HEAD" --overlap \
-  ray start --head --node-ip-address="$HEAD_IP" --port="$PORT" --num-cpus="$CPUS" --num-gpus="$GPUS" \
+  "$RAY" start --head --node-ip-address="$HEAD_IP" --port="$PORT" --num-cpus="$CPUS" --num-gpus="$GPUS" \
   --temp-dir="$RAY_TMP" --disable-usage-stats --block &
 sleep "${PDMCTL_RAY_HEAD_WAIT:-5}"
 for node in "${NODES[@]:1}"; do
   srun --nodes=1 --ntasks=1 -w "$node" --overlap \
-    ray start --address="$RAY_ADDRESS" --num-cpus="$CPUS" --num-gpus="$GPUS" --disable-usage-stats --block &
+    "$RAY" start --address="$RAY_ADDRESS" --num-cpus="$CPUS" --num-gpus="$GPUS" --disable-usage-stats --block &
 done
 "$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch wait-ray --nodes "${#NODES[@]}" --timeout "${PDMCTL_RAY_WAIT_S:-300}"
 status=0
@@ -287,7 +291,7 @@ if [ "${PDMCTL_VERL_PROBE:-0}" = "1" ]; then
 else
   "$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch train "$@" || status=$?
 fi
-ray stop --force >/dev/null 2>&1 || true
+"$RAY" stop --force >/dev/null 2>&1 || true
 exit $status
 """
 
@@ -352,7 +356,10 @@ def wait_for_ray(nodes: int, timeout_s: float) -> None:
     import ray
 
     deadline = time.monotonic() + timeout_s
-    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
+    address = os.environ.get("RAY_ADDRESS", "auto")
+    if address != "auto":  # ray.init waits on an absent head without end: bound the wait ourselves
+        _wait_for_port(address, deadline)
+    ray.init(address=address, log_to_driver=False)
     try:
         while True:
             alive = sum(1 for node in ray.nodes() if node.get("Alive"))
@@ -364,6 +371,21 @@ def wait_for_ray(nodes: int, timeout_s: float) -> None:
             time.sleep(1.0)
     finally:
         ray.shutdown()
+
+
+def _wait_for_port(address: str, deadline: float) -> None:
+    import socket
+    import time
+
+    host, _, port = address.rpartition(":")
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no Ray head answered at {address}: did `ray start --head` fail?") from None
+            time.sleep(1.0)
 
 
 def probe() -> None:
