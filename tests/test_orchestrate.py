@@ -96,7 +96,7 @@ def test_six_run_sweep_tracks_everything(workdir: Path):
 
 
 def test_kill9_then_resume_continues_from_checkpoint(workdir: Path):
-    long = ["backend.steps=14", "backend.eval_every=7", "backend.checkpoint_every=3", "backend.prompts_per_step=16"]
+    long = ["backend.steps=30", "backend.eval_every=10", "backend.checkpoint_every=3", "backend.prompts_per_step=16"]
     # the reference: the same run uninterrupted, in another sweep
     ref = pdmctl("sweep", "--name", "ref", "seed=5", *long, "--wait", cwd=workdir)
     assert ref.returncode == 0, ref.stdout + ref.stderr
