@@ -211,17 +211,9 @@ class Ledger:
     def sweeps(self) -> list[str]:
         return sorted({r.sweep for r in self.runs()})
 
-    @contextlib.contextmanager
-    def lock(self) -> Iterator[None]:
+    def lock(self) -> contextlib.AbstractContextManager[None]:
         """Serialise sweep/resume submissions so that concurrent invocations submit each run once."""
-        path = _lock_path(self.uri)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a+") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+        return _file_lock(_lock_path(self.uri))
 
 
 def _lock_path(uri: str) -> Path:
@@ -689,13 +681,12 @@ def _mlflow_store(uri: str) -> None:
     root = (path.parent / "mlartifacts").as_uri() if path else "./mlartifacts"
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # importing mlflow resets it to INFO
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    with _init_lock(uri):
+    with _file_lock(_lock_path(uri).with_suffix(".init")):
         SqlAlchemyStore(uri, root)
 
 
 @contextlib.contextmanager
-def _init_lock(uri: str) -> Iterator[None]:
-    path = _lock_path(uri).with_suffix(".init")
+def _file_lock(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
