@@ -238,11 +238,12 @@ def test_scontrol_requeue_resumes_from_the_checkpoint_as_the_next_attempt(tmp_pa
 def test_job_reaching_its_time_limit_is_requeued_and_completes(tmp_path: Path) -> None:
     # slurmctld checks limits every 30 s, so how far a job gets before its limit depends on when it
     # started between two checks. To make the test independent of that and of this machine's speed,
-    # the running job's limit is cut to 1 min once it trains: the USR2 `signal_delay_s` before the limit
-    # comes at the next check, submitit checkpoints and requeues, and the limit goes back to 10 min for
-    # the second attempt. 200 steps: still training at the next check however fast this machine is.
-    profile = write_profile(tmp_path, time=10, signal_delay_s=30, max_timeouts=3)
-    ctx, sweep, (job_id,) = start_sweep(tmp_path, ["backend.steps=200"], profile)
+    # the running job's limit is cut to 1 min once it trains, with a USR2 `signal_delay_s` of 60 s: the
+    # signal is due at once and comes at slurmctld's next check (within 30 s), submitit checkpoints and
+    # requeues, and the limit goes back to 10 min for the second attempt. 600 steps of this small
+    # config take over a minute on a fast machine, so the job is still training when the signal comes.
+    profile = write_profile(tmp_path, time=10, signal_delay_s=60, max_timeouts=3)
+    ctx, sweep, (job_id,) = start_sweep(tmp_path, ["backend.steps=600"], profile)
     view = wait_for_step(ctx, sweep, 4)
     slurm("scontrol", "update", f"jobid={job_id}", "TimeLimit=1")
     attempt_1 = Path(view.record.run_dir) / "logs" / "attempt-1.log"
@@ -253,11 +254,11 @@ def test_job_reaching_its_time_limit_is_requeued_and_completes(tmp_path: Path) -
     slurm("scontrol", "update", f"jobid={job_id}", "TimeLimit=10")
     assert "this job is timed-out" in attempt_1.read_text()
     (view,) = wait_until(
-        ctx, sweep, lambda vs: vs[0].state not in orchestrate.ACTIVE, 240, "the timed-out run"
+        ctx, sweep, lambda vs: vs[0].state not in orchestrate.ACTIVE, 480, "the timed-out run"
     )
     assert view.state == RunState.FINISHED, view
     assert view.record.attempt == 2 and view.record.job_id == job_id, view.record
-    assert_complete_history(ctx, view.record.run_id, steps=200)
+    assert_complete_history(ctx, view.record.run_id, steps=600)
     wait_for_job_states(make_executor(ctx.profile), [job_id], {JobState.COMPLETED})
     records = sacct("-n", "-P", "-X", "-D", "-o", "JobID,State", "-j", job_id).split()
     assert records == [f"{job_id}|REQUEUED", f"{job_id}|COMPLETED"], records
