@@ -17,12 +17,19 @@ allocates anything of size [N, V] (bfloat16 logits are widened to float32 a
 block at a time). `policy_loss` needs the full log-softmax for its gradient
 and shares it with the mask. Everything on the support ([N, K+1]) is computed
 in float64, which is cheap there and keeps `1 − Σ_S π_i` meaningful.
+
+Vocabulary-parallel logits (Megatron's tensor parallelism: each rank holds the
+columns `[start, start + V_local)`) go through the same code with a `VocabShard`:
+the row maximum and the sums `Σ exp z`, `Σ exp 2z` are all-reduced over the
+shard's process group, and `log π` at a support id is taken on the rank that owns
+the id and summed over the group, so every rank gets the whole-vocabulary answer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -277,6 +284,17 @@ class MaskResult:
 
 
 @dataclass(frozen=True)
+class VocabShard:
+    """The logits given are this process's columns `[start, start + V_local)` of a vocabulary of
+    `vocab_size` split across `group` (a `torch.distributed` process group; None: the default one).
+    Every process of the group must make the same calls with the same token inputs."""
+
+    start: int
+    vocab_size: int
+    group: Any = None
+
+
+@dataclass(frozen=True)
 class Diagnostics:
     """Every token quantity, whatever the method (for metrics and the direction analysis)."""
 
@@ -335,19 +353,30 @@ def token_diagnostics(
     eps_low: float = 0.2,
     eps_high: float = 0.28,
     log_probs: torch.Tensor | None = None,
+    shard: VocabShard | None = None,
 ) -> Diagnostics:
     """D, Ḋ, r and the keep mask for every token, computed whatever the method.
 
     `log_probs` may carry an already computed `log_softmax(logits)` (float32,
     detached) so that a caller who needs it for the loss does not pay twice.
+    With `shard`, `logits` is this process's slice of a vocabulary-parallel row
+    (ids stay global) and the result is the whole vocabulary's, on every process.
     """
     _check_names(method, divergence, estimator)
-    _check_inputs(logits, sampled_ids, rollout_topk_ids, rollout_topk_logprobs, rollout_sampled_logprobs,
+    if shard is not None:
+        if log_probs is not None:
+            raise ValueError("log_probs: not supported with a vocabulary shard")
+        _check_shard(logits, shard)
+    vocab = logits.shape[-1] if shard is None else shard.vocab_size
+    _check_inputs(logits, vocab, sampled_ids, rollout_topk_ids, rollout_topk_logprobs, rollout_sampled_logprobs,
                   advantages, delta, delta_low)  # fmt: skip
     div = DIVERGENCES[divergence]
     est = ESTIMATORS[estimator]
     with torch.no_grad():
-        if log_probs is None:  # one chunked pass over the logits: log Σ exp z and, if needed, Σ π²
+        if shard is not None:  # the same pass per shard, its sums all-reduced over the group
+            log_z, q_full = _sharded_row_stats(logits, shard, need_q=est.needs_full_q)
+            log_probs = _ShardLogProbsAt(logits, log_z, shard)
+        elif log_probs is None:  # one chunked pass over the logits: log Σ exp z and, if needed, Σ π²
             log_z, q_full = _row_stats(logits, need_q=est.needs_full_q)
             log_probs = _LogProbsAt(logits, log_z)
         else:
@@ -466,7 +495,7 @@ def _support(
     sampled_logprobs: torch.Tensor,
     kind: str,
 ) -> Support:
-    vocab = log_probs.shape[-1]
+    vocab = log_probs.shape[-1]  # the whole vocabulary, for a shard too
     k_col = sampled_ids.unsqueeze(-1)
     if kind == "binary":  # S = {k}
         ids, log_mu = k_col, sampled_logprobs.unsqueeze(-1).double()
@@ -514,6 +543,57 @@ class _LogProbsAt:
 
     def gather(self, dim: int, index: torch.Tensor) -> torch.Tensor:
         return self.logits.gather(dim, index).to(self.log_z.dtype) - self.log_z.unsqueeze(-1)
+
+
+class _ShardLogProbsAt(_LogProbsAt):
+    """log π at global ids from one vocabulary shard: the owner's value, summed over the group."""
+
+    def __init__(self, logits: torch.Tensor, log_z: torch.Tensor, shard: VocabShard) -> None:
+        super().__init__(logits, log_z)
+        self.shard = shard
+        self.shape = torch.Size((*logits.shape[:-1], shard.vocab_size))
+
+    def gather(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        local = index - self.shard.start
+        owned = (local >= 0) & (local < self.logits.shape[-1])
+        values = super().gather(dim, torch.where(owned, local, 0))
+        values = torch.where(owned, values, torch.zeros((), dtype=values.dtype, device=values.device))
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.shard.group)
+        return values
+
+
+def _sharded_row_stats(
+    logits: torch.Tensor, shard: VocabShard, *, need_q: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_row_stats` over a vocabulary split across processes: three numbers per row cross the group.
+
+    The global row maximum first (one MAX all-reduce of [N]), then per block the shard's
+    Σ e and Σ e² with e = exp(z − max), then one SUM all-reduce of [N, 2].
+    """
+    import torch.distributed as dist
+
+    n, vocab = logits.shape
+    dtype = _work_dtype(logits)
+    top = (
+        logits.amax(-1).to(dtype)
+        if vocab
+        else torch.full((n,), -torch.inf, dtype=dtype, device=logits.device)
+    )
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=shard.group)
+    sums = torch.zeros(n, 2, dtype=torch.float64, device=logits.device)  # Σ e, Σ e²
+    rows = max(1, min(n, _CHUNK_ELEMENTS // max(vocab, 1)))
+    scratch = torch.empty(rows, vocab, dtype=dtype, device=logits.device)
+    for start in range(0, n if vocab else 0, rows):
+        z = logits[start : start + rows]
+        e = torch.sub(z, top[start : start + rows, None], out=scratch[: z.shape[0]]).exp_()
+        sums[start : start + rows, 0] = e.sum(-1).double()
+        if need_q:
+            sums[start : start + rows, 1] = torch.linalg.vector_norm(e, dim=-1).double() ** 2
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=shard.group)
+    log_z = (top.double() + sums[:, 0].log()).to(dtype)
+    return log_z, (sums[:, 1] / sums[:, 0] ** 2 if need_q else None)
 
 
 def _row_stats(logits: torch.Tensor, *, need_q: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -568,8 +648,17 @@ def _check_names(method: str, divergence: str, estimator: str) -> None:
             raise ValueError(f"{arg}: unknown {value!r}; choose from {sorted(registry)}")
 
 
+def _check_shard(logits: torch.Tensor, shard: VocabShard) -> None:
+    local = logits.shape[-1] if logits.dim() == 2 else -1
+    if not (shard.start >= 0 and shard.start + local <= shard.vocab_size):
+        raise ValueError(
+            f"shard: columns [{shard.start}, {shard.start + local}) do not lie in a vocabulary of {shard.vocab_size}"
+        )
+
+
 def _check_inputs(
     logits: torch.Tensor,
+    vocab: int,
     sampled_ids: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_logprobs: torch.Tensor,
@@ -580,7 +669,7 @@ def _check_inputs(
 ) -> None:
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits: expected a float tensor [N, V], got {tuple(logits.shape)} {logits.dtype}")
-    n, vocab = logits.shape
+    n = logits.shape[0]
     if sampled_ids.shape != (n,):
         raise ValueError(f"sampled_ids: expected shape ({n},), got {tuple(sampled_ids.shape)}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != n or topk_ids.shape[1] < 1:

@@ -396,13 +396,19 @@ def test_no_vocab_sized_buffer():
     def big_allocations(fn) -> list[tuple[int, str]]:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             fn()
-        return sorted((e.self_cpu_memory_usage, e.name) for e in prof.events() if e.self_cpu_memory_usage > 1 << 20)
+        return sorted(
+            (e.self_cpu_memory_usage, e.name) for e in prof.events() if e.self_cpu_memory_usage > 1 << 20
+        )
 
     for estimator in ("agg", "exact"):
         sizes = big_allocations(lambda e=estimator: compute_mask(z, sampled, ids, lps, slp, adv, estimator=e))
         assert sizes and all(size <= masks._CHUNK_ELEMENTS * 4 for size, _ in sizes), sizes
-    sizes = big_allocations(lambda: policy_loss(z, sampled, ids, lps, slp, adv, torch.ones(n), estimator="exact"))
-    assert [s for s in sizes if s[0] > masks._CHUNK_ELEMENTS * 4] == [(n * vocab * 4, "aten::_log_softmax")], sizes
+    sizes = big_allocations(
+        lambda: policy_loss(z, sampled, ids, lps, slp, adv, torch.ones(n), estimator="exact")
+    )
+    assert [s for s in sizes if s[0] > masks._CHUNK_ELEMENTS * 4] == [
+        (n * vocab * 4, "aten::_log_softmax")
+    ], sizes
 
 
 # ---------------------------------------------------------------------------
@@ -453,3 +459,77 @@ def test_bad_loss_arguments():
         policy_loss(**args, response_mask=torch.ones(4), loss_agg_mode="sum")
     with pytest.raises(ValueError, match=r"^response_mask:"):
         policy_loss(**args, response_mask=torch.ones(5))
+
+
+# ---------------------------------------------------------------------------
+# vocabulary-parallel logits (Megatron TP): the same answer from the shards
+# ---------------------------------------------------------------------------
+
+SHARD_CASES = [(m, d, e) for m in METHODS for d in DIVERGENCES for e in ESTIMATORS]
+
+
+def _sharded_diagnostics(rank: int, world: int, bounds: list[int], cases, dtype) -> list[dict]:
+    """One rank: its columns of every case's logits, diagnosed through `VocabShard`."""
+    from pdmctl.masks import VocabShard
+
+    out = []
+    for seed, (method, divergence, estimator) in enumerate(cases):
+        z, sampled, ids, lps, slp, adv = make_batch(n=24, vocab=bounds[-1], k=6, seed=seed, dtype=dtype)
+        if seed % 2:  # sampled tokens outside the top-K, and -inf padding the engine did not return
+            z, sampled, ids, lps, slp, adv = make_batch(n=24, vocab=bounds[-1], k=6, seed=seed, dtype=dtype,
+                                                        k_outside=True)  # fmt: skip
+            lps = lps.clone()
+            lps[::3, -2:] = -math.inf
+        shard = VocabShard(start=bounds[rank], vocab_size=bounds[-1])
+        d = token_diagnostics(
+            z[:, bounds[rank] : bounds[rank + 1]].contiguous(), sampled, ids, lps, slp, adv, method=method,
+            divergence=divergence, estimator=estimator, delta=0.05, shard=shard,
+        )  # fmt: skip
+        full = token_diagnostics(
+            z,
+            sampled,
+            ids,
+            lps,
+            slp,
+            adv,
+            method=method,
+            divergence=divergence,
+            estimator=estimator,
+            delta=0.05,
+        )
+        out.append({"sharded": d, "full": full})
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_vocab_parallel_shards_give_the_whole_vocabulary_answer(dtype):
+    from tests.distributed import run_group
+
+    bounds = [0, 17, 34, 50]  # three uneven shards of V = 50
+    results = run_group(_sharded_diagnostics, 3, bounds, SHARD_CASES, dtype)
+    tol = (
+        {"rtol": 1e-9, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    )  # float32 sums
+    masked = 0
+    for rank_result in results:
+        for case, pair in zip(SHARD_CASES, rank_result, strict=True):
+            d, full = pair["sharded"], pair["full"]
+            assert torch.equal(d.keep, full.keep), case
+            assert torch.equal(d.out_of_region, full.out_of_region), case
+            for name in ("divergence", "ddot", "ratio", "log_ratio"):
+                torch.testing.assert_close(
+                    getattr(d, name),
+                    getattr(full, name),
+                    **tol,
+                    msg=lambda m, c=case, n=name: f"{c} {n}: {m}",
+                )
+            masked += int((~d.keep).sum())
+    assert masked > 0  # some tokens are masked, so the comparison of the decisions is not vacuous
+
+
+def test_vocab_shard_outside_the_vocabulary_is_refused():
+    from pdmctl.masks import VocabShard
+
+    z, sampled, ids, lps, slp, adv = make_batch(n=4, vocab=10, k=3)
+    with pytest.raises(ValueError, match="shard: columns"):
+        token_diagnostics(z, sampled, ids, lps, slp, adv, shard=VocabShard(start=5, vocab_size=10))
