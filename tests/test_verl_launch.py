@@ -93,8 +93,8 @@ def test_metric_mapping() -> None:
     assert launch.map_metrics({"actor/pdmctl/mask_frac": 0.1, "timing/gen": 3.0}) == {"train/mask_frac": 0.1}
 
 
-def _config(**changes: object):
-    run = {**BASE, "model": "qwen3-4b-base"}
+def _config(precision: str = "bf16", **changes: object):
+    run = {**BASE, "model": "qwen3-4b-base", "precision": precision}
     config = launch.compose(launch.verl_overrides(run))
     for key, value in changes.items():
         OmegaConf.update(config, key, value, force_add=True)
@@ -117,13 +117,36 @@ def test_fail_fast_accepts_a_generated_config(monkeypatch: pytest.MonkeyPatch) -
         ({"actor_rollout_ref.actor.policy_loss.divergence": "nope"}, "divergence"),
         ({"actor_rollout_ref.model.use_fused_kernels": True}, "fused"),
         ({"actor_rollout_ref.rollout.calculate_log_probs": False}, "calculate_log_probs"),
-        ({"actor_rollout_ref.actor.strategy": "megatron"}, "Megatron"),
+        ({"actor_rollout_ref.actor.strategy": "veomni"}, "FSDP and Megatron"),
     ],
 )
 def test_fail_fast_rejects(monkeypatch: pytest.MonkeyPatch, changes: dict, message: str) -> None:
     monkeypatch.setenv(topk.TOPK_ENV, "20")
     with pytest.raises((plugin.PluginCheckError, ValueError), match=message):
         plugin.check_run_config(_config(**changes))
+
+
+def test_fail_fast_accepts_megatron_fp8_e2e(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(topk.TOPK_ENV, "20")
+    config = _config("fp8_e2e")
+    assert config.actor_rollout_ref.actor.strategy == "megatron"
+    plugin.check_run_config(config)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"actor_rollout_ref.actor.megatron.dynamic_context_parallel": True}, "dynamic context"),
+        ({"actor_rollout_ref.actor.megatron.use_remove_padding": False}, "THD"),
+        ({"actor_rollout_ref.actor.megatron.pad_to_length": True}, "pad_to_length"),
+    ],
+)
+def test_fail_fast_rejects_megatron_layouts_the_mask_cannot_map(
+    monkeypatch: pytest.MonkeyPatch, changes: dict, message: str
+) -> None:
+    monkeypatch.setenv(topk.TOPK_ENV, "20")
+    with pytest.raises(plugin.PluginCheckError, match=message):
+        plugin.check_run_config(_config("fp8_e2e", **changes))
 
 
 def test_fail_fast_rejects_a_worker_env_without_top_k(monkeypatch: pytest.MonkeyPatch) -> None:

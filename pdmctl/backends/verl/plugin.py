@@ -146,11 +146,23 @@ def check_run_config(config: Mapping[str, Any] | Any) -> None:
     if target != expected:
         raise PluginCheckError(f"policy_loss._target_ must be {expected} for {name!r}, got {target!r}")
     PdmPolicyLossConfig(**{k: v for k, v in OmegaConf.to_container(policy_loss).items() if k != "_target_"})
-    if actor.strategy not in ("fsdp", "fsdp2"):
+    if actor.strategy not in ("fsdp", "fsdp2", "megatron"):
         raise PluginCheckError(
-            f"{name!r} needs the full-vocabulary logits in the logits-processor path, wired for FSDP engines only; "
-            f"actor.strategy={actor.strategy!r} (Megatron: vocabulary-parallel logits, not implemented)"
+            f"{name!r} needs the logits in the logits-processor path, wired for the FSDP and Megatron engines; "
+            f"actor.strategy={actor.strategy!r}"
         )
+    if actor.strategy == "megatron":
+        megatron = actor.megatron
+        if not megatron.get("use_remove_padding", True):
+            raise PluginCheckError(
+                f"{name!r} on Megatron needs the packed THD layout: set use_remove_padding=true"
+            )
+        if megatron.get("dynamic_context_parallel", False):
+            raise PluginCheckError(
+                f"{name!r}: dynamic context parallelism is not supported (VeRL refuses it too)"
+            )
+        if megatron.get("pad_to_length", False):
+            raise PluginCheckError(f"{name!r}: pad_to_length is not supported with the logits processor")
     if OmegaConf.select(config, "actor_rollout_ref.model.use_fused_kernels"):
         raise PluginCheckError(
             f"{name!r}: set actor_rollout_ref.model.use_fused_kernels=false (no logits otherwise)"

@@ -218,16 +218,19 @@ def _dense(data: Any, key: str) -> torch.Tensor:
     return value.to_padded_tensor(0.0) if value.is_nested else value
 
 
-def mask_outputs_from_logits(config: Any, data: Any, student_logits: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The logits-processor half: `pdmctl.masks.token_diagnostics` on the response tokens.
+@dataclass(frozen=True)
+class ResponseTokens:
+    """The mask's per-token inputs for every response token of a micro-batch ([M] or [M, K+1])."""
 
-    `student_logits` is `(1, total_rows, V)`, already divided by the temperature (the
-    engine does that before it calls a logits processor). Returns one `(1, total_rows)`
-    float tensor per diagnostic, zero on prompt rows, as VeRL's hook requires.
-    """
-    settings = MaskSettings.from_actor_config(config)
-    logits = student_logits.squeeze(0)
-    total_rows = logits.shape[0]
+    sampled_ids: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_logprobs: torch.Tensor
+    sampled_logprobs: torch.Tensor
+    advantages: torch.Tensor
+
+
+def response_tokens(data: Any, total_rows: int, device: torch.device) -> tuple[torch.Tensor, ResponseTokens]:
+    """`(rows, tokens)`: each response token's row in the packed, unpadded sequences, and its inputs."""
     if "rollout_log_probs" not in data.keys():  # noqa: SIM118  (TensorDict has no `in`)
         raise RuntimeError(
             "pdmctl losses need the rollout's sampled log-probs: set actor_rollout_ref.rollout.calculate_log_probs=true"
@@ -236,30 +239,121 @@ def mask_outputs_from_logits(config: Any, data: Any, student_logits: torch.Tenso
         raise RuntimeError(
             f"pdmctl losses need {TOPK_IDS_KEY}/{TOPK_LOGPROBS_KEY} in the batch: the rollout top-K patch is not active"
         )
-    rows = response_rows(data, total_rows).to(logits.device)
-    valid = _dense(data, "response_mask").bool().to(logits.device)
-    flat_rows = rows[valid]
-    sampled_ids = _dense(data, "responses").to(logits.device)[valid].long()
-    topk_ids = _dense(data, TOPK_IDS_KEY).to(logits.device)[valid].long()
-    topk_logprobs = _dense(data, TOPK_LOGPROBS_KEY).to(logits.device)[valid].float()
-    sampled_logprobs = _dense(data, "rollout_log_probs").to(logits.device)[valid].float()
-    advantages = _dense(data, "advantages").to(logits.device)[valid].float()
+    valid = _dense(data, "response_mask").bool().to(device)
+    rows = response_rows(data, total_rows).to(device)[valid]
+    tokens = ResponseTokens(
+        sampled_ids=_dense(data, "responses").to(device)[valid].long(),
+        topk_ids=_dense(data, TOPK_IDS_KEY).to(device)[valid].long(),
+        topk_logprobs=_dense(data, TOPK_LOGPROBS_KEY).to(device)[valid].float(),
+        sampled_logprobs=_dense(data, "rollout_log_probs").to(device)[valid].float(),
+        advantages=_dense(data, "advantages").to(device)[valid].float(),
+    )
+    return rows, tokens
 
+
+def diagnose_rows(
+    settings: MaskSettings,
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    tokens: ResponseTokens,
+    shard: masks.VocabShard | None = None,
+) -> dict[str, torch.Tensor]:
+    """`token_diagnostics` on `logits[rows]` (in chunks), scattered into `(1, len(logits))` outputs.
+
+    With a `shard`, every rank of its group must call this with the same rows and tokens.
+    """
     outputs = {
-        name: torch.zeros(total_rows, dtype=torch.float32, device=logits.device) for name in DIAGNOSTIC_KEYS
+        name: torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for name in DIAGNOSTIC_KEYS
     }
     with torch.no_grad():
-        for start in range(0, flat_rows.numel(), _MASK_CHUNK_ROWS):
+        for start in range(0, rows.numel(), _MASK_CHUNK_ROWS):
             chunk = slice(start, start + _MASK_CHUNK_ROWS)
             d = masks.token_diagnostics(
-                logits[flat_rows[chunk]].detach(), sampled_ids[chunk], topk_ids[chunk], topk_logprobs[chunk],
-                sampled_logprobs[chunk], advantages[chunk], method=settings.method,
-                divergence=settings.divergence, estimator=settings.estimator, delta=settings.delta,
-                delta_low=settings.delta_low, eps_low=settings.eps_low, eps_high=settings.eps_high,
+                logits[rows[chunk]].detach(), tokens.sampled_ids[chunk], tokens.topk_ids[chunk],
+                tokens.topk_logprobs[chunk], tokens.sampled_logprobs[chunk], tokens.advantages[chunk],
+                method=settings.method, divergence=settings.divergence, estimator=settings.estimator,
+                delta=settings.delta, delta_low=settings.delta_low, eps_low=settings.eps_low,
+                eps_high=settings.eps_high, shard=shard,
             )  # fmt: skip
             for name in DIAGNOSTIC_KEYS:
-                outputs[name][flat_rows[chunk]] = getattr(d, name).float()
+                outputs[name][rows[chunk]] = getattr(d, name).float()
     return {_OUTPUT_PREFIX + name: value.unsqueeze(0) for name, value in outputs.items()}
+
+
+def mask_outputs_from_logits(config: Any, data: Any, student_logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The logits-processor half for FSDP engines: rows are the packed, unpadded sequences.
+
+    `student_logits` is `(1, total_rows, V)`, already divided by the temperature (the
+    engine does that before it calls a logits processor). Returns one `(1, total_rows)`
+    float tensor per diagnostic, zero on prompt rows, as VeRL's hook requires.
+    """
+    logits = student_logits.squeeze(0)
+    rows, tokens = response_tokens(data, logits.shape[0], logits.device)
+    return diagnose_rows(MaskSettings.from_actor_config(config), logits, rows, tokens)
+
+
+def megatron_fp8_padding(config: Any) -> bool:
+    """Whether Megatron pads the packed rows for fp8 (as `gptmodel_forward_model_engine` decides)."""
+    megatron = getattr(config, "megatron", None)
+    override = getattr(megatron, "override_transformer_config", None) or {}
+    return override.get("fp8", None) in ("e4m3", "hybrid")
+
+
+def megatron_mask_outputs(
+    config: Any, data: Any, student_logits: torch.Tensor, data_format: str
+) -> dict[str, torch.Tensor]:
+    """The logits-processor half for Megatron: vocabulary-parallel logits in Megatron's packed layout.
+
+    `student_logits` is `(1, local_rows, V / TP)`: this context-parallel rank's rows of the
+    sequences packed with Megatron's alignment padding (TP x CP, and fp8's when the model
+    trains in fp8), and this tensor-parallel rank's vocabulary columns. The per-token inputs
+    are laid out on the unpadded sequences, packed by VeRL's own `preprocess_thd_engine` the
+    way the engine packs the logits (zigzag CP, VeRL's default), and diagnosed with a
+    `VocabShard` over the TP group; the engine unpacks the `(1, local_rows)` outputs.
+    """
+    if data_format != "thd":
+        raise NotImplementedError(
+            "pdmctl's Megatron logits processor needs the packed THD layout (use_remove_padding=true)"
+        )
+    from megatron.core import parallel_state as mpu
+    from verl.models.mcore.util import preprocess_thd_engine
+
+    logits = student_logits.squeeze(0)
+    offsets = data["input_ids"].offsets().to(logits.device)
+    total = int(offsets[-1])
+    rows, t = response_tokens(data, total, logits.device)
+    width = t.topk_ids.shape[-1]
+    ints = torch.zeros(total, 1 + width, dtype=torch.long, device=logits.device)
+    ints[rows] = torch.cat([t.sampled_ids[:, None], t.topk_ids], -1)
+    floats = torch.zeros(total, width + 3, dtype=torch.float32, device=logits.device)
+    ones = torch.ones_like(t.advantages)[:, None]  # the last column marks response tokens
+    floats[rows] = torch.cat([t.topk_logprobs, t.sampled_logprobs[:, None], t.advantages[:, None], ones], -1)
+    fp8 = megatron_fp8_padding(config)
+
+    def packed(x: torch.Tensor) -> torch.Tensor:
+        nested = torch.nested.nested_tensor_from_jagged(x, offsets)
+        return preprocess_thd_engine(nested, pre_process=True, use_fp8_padding=fp8)[0].squeeze(0)
+
+    ints, floats = packed(ints), packed(floats)
+    if ints.shape[0] != logits.shape[0]:
+        raise RuntimeError(
+            f"pdmctl: Megatron packed {logits.shape[0]} rows of logits but the token inputs pack to "
+            f"{ints.shape[0]} (fp8 padding {fp8}); the engine's layout is not the one this patch was written for"
+        )
+    local_rows = torch.nonzero(floats[:, -1] > 0.5).squeeze(-1)
+    tokens = ResponseTokens(
+        sampled_ids=ints[local_rows, 0], topk_ids=ints[local_rows, 1:],
+        topk_logprobs=floats[local_rows, :width], sampled_logprobs=floats[local_rows, width],
+        advantages=floats[local_rows, width + 1],
+    )  # fmt: skip
+    v_local = logits.shape[-1]
+    shard = masks.VocabShard(
+        start=mpu.get_tensor_model_parallel_rank() * v_local,
+        vocab_size=mpu.get_tensor_model_parallel_world_size() * v_local,
+        group=mpu.get_tensor_model_parallel_group(),
+    )
+    return diagnose_rows(MaskSettings.from_actor_config(config), logits, local_rows, tokens, shard)
 
 
 def diagnostics_from_model_output(model_output: Mapping[str, torch.Tensor], data: Any) -> masks.Diagnostics:
@@ -283,10 +377,12 @@ def pdm_ppo_loss(
 ) -> Any:
     """The actor loss for `pdmctl_*` loss modes; same two-call contract as VeRL's `distillation_ppo_loss`."""
     if student_logits is not None:
+        if config.strategy == "megatron":
+            return megatron_mask_outputs(config, data, student_logits, data_format)
         if data_format != "thd" or _sequence_parallel_size() > 1:
             raise NotImplementedError(
-                "pdmctl's logits processor maps packed rows without sequence/context parallelism only "
-                "(FSDP with ulysses_sequence_parallel_size=1, Megatron with context_parallel_size=1 and TP=1)"
+                "pdmctl's FSDP logits processor maps packed rows without Ulysses sequence parallelism only "
+                "(ulysses_sequence_parallel_size=1)"
             )
         return mask_outputs_from_logits(config, data, student_logits)
     from verl.workers.utils.losses import ppo_loss
