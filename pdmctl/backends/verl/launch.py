@@ -384,7 +384,9 @@ def _wait_for_port(address: str, deadline: float) -> None:
                 return
         except OSError:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no Ray head answered at {address}: did `ray start --head` fail?") from None
+                raise TimeoutError(
+                    f"no Ray head answered at {address}: did `ray start --head` fail?"
+                ) from None
             time.sleep(1.0)
 
 
