@@ -27,10 +27,14 @@ err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
 EXIT_BAD_INPUT = 2
 
-ClusterOpt = Annotated[str, typer.Option("--cluster", "-c", help="Cluster profile under clusters/ (or a path).")]
+ClusterOpt = Annotated[
+    str, typer.Option("--cluster", "-c", help="Cluster profile under clusters/ (or a path).")
+]
 TrackingOpt = Annotated[
     str | None,
-    typer.Option("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, the profile's, ./mlflow.db)."),
+    typer.Option(
+        "--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, the profile's, ./mlflow.db)."
+    ),
 ]
 
 STATE_STYLE = {
@@ -73,13 +77,23 @@ class _guard:
 
 @app.command(context_settings={"ignore_unknown_options": True})
 def sweep(
-    overrides: Annotated[list[str] | None, typer.Argument(help="Grid overrides: delta=0.05,0.15 k=10,20 seeds=3")] = None,
-    file: Annotated[str | None, typer.Option("--file", "-f", help="A sweep file (sweeps/NAME.yaml or NAME).")] = None,
-    name: Annotated[str | None, typer.Option("--name", "-n", help="Sweep name (default: the file's, or 'default').")] = None,
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="Grid overrides: delta=0.05,0.15 k=10,20 seeds=3")
+    ] = None,
+    file: Annotated[
+        str | None, typer.Option("--file", "-f", help="A sweep file (sweeps/NAME.yaml or NAME).")
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option("--name", "-n", help="Sweep name (default: the file's, or 'default').")
+    ] = None,
     cluster: ClusterOpt = "local",
     tracking_uri: TrackingOpt = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the grid and what would launch; write nothing.")] = False,
-    wait: Annotated[bool, typer.Option("--wait", "-w", help="Block with a progress bar until every run ends.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the grid and what would launch; write nothing.")
+    ] = False,
+    wait: Annotated[
+        bool, typer.Option("--wait", "-w", help="Block with a progress bar until every run ends.")
+    ] = False,
 ) -> None:
     """Expand a grid into runs, register them in MLflow and submit the ones not yet served."""
     from pdmctl import grid, orchestrate
@@ -99,7 +113,9 @@ def sweep(
     sweep_name = specs[0].sweep
     console.print(
         f"sweep [bold]{sweep_name}[/]: {len(specs)} run(s); submitted [bold]{len(job_ids)}[/]"
-        + "".join(f", {n} {state}" for state, n in sorted(counts.items()) if state not in ("new", "not started"))
+        + "".join(
+            f", {n} {state}" for state, n in sorted(counts.items()) if state not in ("new", "not started")
+        )
         + f"  (tracking: {ctx.tracking_uri})",
         highlight=False,
     )
@@ -123,7 +139,8 @@ def _print_plan(plan, ctx, executor) -> None:
     console.print(table)
     counts = plan.counts()
     console.print(
-        "counts: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+        "counts: "
+        + ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
         + f"; would submit {len(submit)}: {executor.describe([None] * len(submit))}",
         highlight=False,
     )
@@ -147,7 +164,9 @@ def _wait(ctx, sweep_name: str | None, poll: float = 2.0) -> None:
             time.sleep(poll)
     bad = [v for v in views if v.state != orchestrate.RunState.FINISHED]
     if bad:
-        console.print(f"{len(bad)} run(s) did not finish: see [bold]pdmctl status[/], then [bold]pdmctl resume[/]")
+        console.print(
+            f"{len(bad)} run(s) did not finish: see [bold]pdmctl status[/], then [bold]pdmctl resume[/]"
+        )
         raise typer.Exit(1)
 
 
@@ -209,10 +228,14 @@ def _plain_table(rows: list[tuple[list[str], str]], title: str, caption: str) ->
 
 @app.command()
 def status(
-    sweep_name: Annotated[str | None, typer.Argument(metavar="[SWEEP]", help="Sweep name (default: all).")] = None,
+    sweep_name: Annotated[
+        str | None, typer.Argument(metavar="[SWEEP]", help="Sweep name (default: all).")
+    ] = None,
     cluster: ClusterOpt = "local",
     tracking_uri: TrackingOpt = None,
-    watch: Annotated[bool, typer.Option("--watch", help="Refresh every few seconds until every run ends.")] = False,
+    watch: Annotated[
+        bool, typer.Option("--watch", help="Refresh every few seconds until every run ends.")
+    ] = False,
     interval: Annotated[float, typer.Option(help="Seconds between refreshes with --watch.")] = 3.0,
 ) -> None:
     """Where each run stands: state, step, latest avg@16, attempts, job id."""
@@ -236,10 +259,14 @@ def status(
 
 @app.command()
 def resume(
-    sweep_name: Annotated[str | None, typer.Argument(metavar="[SWEEP]", help="Sweep name (default: all).")] = None,
+    sweep_name: Annotated[
+        str | None, typer.Argument(metavar="[SWEEP]", help="Sweep name (default: all).")
+    ] = None,
     cluster: ClusterOpt = "local",
     tracking_uri: TrackingOpt = None,
-    max_attempts: Annotated[int | None, typer.Option(help="Leave runs that already had this many attempts.")] = None,
+    max_attempts: Annotated[
+        int | None, typer.Option(help="Leave runs that already had this many attempts.")
+    ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be resubmitted.")] = False,
     wait: Annotated[bool, typer.Option("--wait", "-w", help="Block until every run ends.")] = False,
 ) -> None:
@@ -262,7 +289,9 @@ def resume(
 
 @app.command()
 def cancel(
-    target: Annotated[str | None, typer.Argument(metavar="[SWEEP|RUN]", help="A sweep, or a run key / run id.")] = None,
+    target: Annotated[
+        str | None, typer.Argument(metavar="[SWEEP|RUN]", help="A sweep, or a run key / run id.")
+    ] = None,
     cluster: ClusterOpt = "local",
     tracking_uri: TrackingOpt = None,
 ) -> None:
@@ -295,7 +324,11 @@ def logs(
         path = orchestrate.log_file(view.record, ctx, attempt)
         if not path.exists() and not follow:
             fail(f"run {view.key}: no log yet at {path} (state: {view.state})")
-    _tail(path, follow, lambda: orchestrate.find_run(orchestrate.status(ctx, None), run).state in orchestrate.ACTIVE)
+    _tail(
+        path,
+        follow,
+        lambda: orchestrate.find_run(orchestrate.status(ctx, None), run).state in orchestrate.ACTIVE,
+    )
 
 
 def _tail(path: Path, follow: bool, still_running) -> None:
@@ -317,10 +350,14 @@ def _tail(path: Path, follow: bool, still_running) -> None:
 
 @app.command(context_settings={"ignore_unknown_options": True})
 def analyze(
-    overrides: Annotated[list[str] | None, typer.Argument(help="Run-config overrides: precision=fp8_rollout k=50")] = None,
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="Run-config overrides: precision=fp8_rollout k=50")
+    ] = None,
     seeds: Annotated[int, typer.Option(help="Fresh seeds to analyse.")] = 20,
     first_seed: Annotated[int, typer.Option(help="The first of the seeds.")] = 1000,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the result as JSON here.")] = None,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Also write the result as JSON here.")
+    ] = None,
 ) -> None:
     """The token-level direction analysis (MATH.md): ratio vs predictive direction, on the CPU testbed."""
     from pdmctl import grid

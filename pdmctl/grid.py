@@ -74,7 +74,9 @@ def check_sweep_name(name: str) -> str:
 # ---------------------------------------------------------------------------
 
 
-def expand(overrides: Sequence[str], sweep_file: SweepFile | None = None, sweep: str | None = None) -> list[RunSpec]:
+def expand(
+    overrides: Sequence[str], sweep_file: SweepFile | None = None, sweep: str | None = None
+) -> list[RunSpec]:
     """Every run of the grid, deduplicated by key, in grid order. Raises GridError/SpecError."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
@@ -313,7 +315,9 @@ def _unique(settings: list[dict[str, str]]) -> list[dict[str, str]]:
 def _one_line(exc: BaseException, overrides: Iterable[str]) -> str:
     """Hydra's messages are long and nested; keep the first line that says what is wrong."""
     text = str(exc).strip()
-    match = re.search(r"Could not override '([^']+)'", text) or re.search(r"Key '([^']+)' is not in struct", text)
+    match = re.search(r"Could not override '([^']+)'", text) or re.search(
+        r"Key '([^']+)' is not in struct", text
+    )
     if match:
         key = match.group(1)
         return f"{key}: unknown key (no such field in the run config; '+{key}=...' adds one)"

@@ -45,7 +45,12 @@ log = logging.getLogger(__name__)
 TAG = "pdmctl."
 TAG_SWEEP, TAG_KEY, TAG_BACKEND = "pdmctl.sweep", "pdmctl.key", "pdmctl.backend"
 TAG_JOB, TAG_EXECUTOR, TAG_ATTEMPT = "pdmctl.job_id", "pdmctl.executor", "pdmctl.attempt"
-TAG_SPEC, TAG_SUMMARY, TAG_RUN_DIR, TAG_REASON = "pdmctl.spec", "pdmctl.summary", "pdmctl.run_dir", "pdmctl.reason"
+TAG_SPEC, TAG_SUMMARY, TAG_RUN_DIR, TAG_REASON = (
+    "pdmctl.spec",
+    "pdmctl.summary",
+    "pdmctl.run_dir",
+    "pdmctl.reason",
+)
 RUN_NAME_TAG = "mlflow.runName"
 USER_TAG = "mlflow.user"
 
@@ -156,7 +161,9 @@ def check_reachable(uri: str, *, timeout: float = 5.0) -> None:
         except Exception as exc:
             raise LedgerError(f"tracking URI {uri}: not reachable ({_first_line(exc)})") from exc
         return
-    raise LedgerError(f"tracking URI {uri}: unsupported scheme {scheme!r} (use sqlite:///, postgresql://, http://)")
+    raise LedgerError(
+        f"tracking URI {uri}: unsupported scheme {scheme!r} (use sqlite:///, postgresql://, http://)"
+    )
 
 
 def open_ledger(uri: str) -> Ledger:
@@ -190,7 +197,9 @@ class Ledger:
             existing.update(self._create_runs(specs[0].sweep, new, run_dir))
         return existing
 
-    def _create_runs(self, sweep: str, specs: Sequence[RunSpec], run_dir: Mapping[str, str]) -> dict[str, str]:
+    def _create_runs(
+        self, sweep: str, specs: Sequence[RunSpec], run_dir: Mapping[str, str]
+    ) -> dict[str, str]:
         raise NotImplementedError
 
     def mark_submitted(self, submissions: Sequence[Submission]) -> None:
@@ -221,7 +230,9 @@ def _lock_path(uri: str) -> Path:
     if path is not None:
         return path.with_name(path.name + ".pdmctl.lock")
     digest = hashlib.sha256(uri.encode()).hexdigest()[:16]
-    return Path(os.environ.get("PDMCTL_CACHE", Path.home() / ".cache" / "pdmctl")) / "locks" / f"{digest}.lock"
+    return (
+        Path(os.environ.get("PDMCTL_CACHE", Path.home() / ".cache" / "pdmctl")) / "locks" / f"{digest}.lock"
+    )
 
 
 def _tags_for(spec: RunSpec, run_dir: str) -> dict[str, str]:
@@ -287,7 +298,8 @@ class SqlLedger(Ledger):
         self._ensure_schema()
         self.meta = sqlalchemy.MetaData()
         self.meta.reflect(
-            self.engine, only=["experiments", "experiment_tags", "runs", "tags", "params", "latest_metrics", "metrics"]
+            self.engine,
+            only=["experiments", "experiment_tags", "runs", "tags", "params", "latest_metrics", "metrics"],
         )
         self.t = self.meta.tables
         self.queries = 0  # statements issued (the report benchmark prints it)
@@ -317,9 +329,9 @@ class SqlLedger(Ledger):
                 )
             ).all()
             metric_rows = conn.execute(
-                sa.select(latest.c.run_uuid, latest.c.key, latest.c.step, latest.c.value, latest.c.is_nan).where(
-                    latest.c.run_uuid.in_(ids), latest.c.key.in_(STATUS_METRICS)
-                )
+                sa.select(
+                    latest.c.run_uuid, latest.c.key, latest.c.step, latest.c.value, latest.c.is_nan
+                ).where(latest.c.run_uuid.in_(ids), latest.c.key.in_(STATUS_METRICS))
             ).all()
         self.queries += 3
         run_tags: dict[str, dict[str, str]] = defaultdict(dict)
@@ -364,11 +376,15 @@ class SqlLedger(Ledger):
                 lifecycle_stage="active", artifact_uri=f"{artifact_root.rstrip('/')}/{run_id}/artifacts",
                 experiment_id=exp_id, deleted_time=None,
             ))  # fmt: skip
-            tag_rows += [dict(key=k, value=v, run_uuid=run_id) for k, v in _tags_for(spec, run_dir[spec.key]).items()]
+            tag_rows += [
+                dict(key=k, value=v, run_uuid=run_id) for k, v in _tags_for(spec, run_dir[spec.key]).items()
+            ]
             param_rows += [dict(key=k, value=v, run_uuid=run_id) for k, v in flatten(spec.config).items()]
         run_cols = set(self.t["runs"].c.keys())
         with self.engine.begin() as conn:
-            conn.execute(self.t["runs"].insert(), [{k: v for k, v in r.items() if k in run_cols} for r in run_rows])
+            conn.execute(
+                self.t["runs"].insert(), [{k: v for k, v in r.items() if k in run_cols} for r in run_rows]
+            )
             conn.execute(self.t["tags"].insert(), tag_rows)
             conn.execute(self.t["params"].insert(), param_rows)
         self.queries += 3
@@ -389,7 +405,8 @@ class SqlLedger(Ledger):
             for chunk in _chunks(ids, 500):
                 conn.execute(
                     tags.delete().where(
-                        tags.c.run_uuid.in_(chunk), tags.c.key.in_([TAG_JOB, TAG_EXECUTOR, TAG_ATTEMPT, TAG_REASON])
+                        tags.c.run_uuid.in_(chunk),
+                        tags.c.key.in_([TAG_JOB, TAG_EXECUTOR, TAG_ATTEMPT, TAG_REASON]),
                     )
                 )
             conn.execute(tags.insert(), rows)
@@ -406,7 +423,9 @@ class SqlLedger(Ledger):
                 run_ids = [r for r in run_ids if r not in ended]
                 if not run_ids:
                     return
-            self._update_status(conn, list(run_ids), status, end_time=_now_ms() if status in TERMINAL else None)
+            self._update_status(
+                conn, list(run_ids), status, end_time=_now_ms() if status in TERMINAL else None
+            )
             if reason is not None:
                 for chunk in _chunks(list(run_ids), 500):
                     conn.execute(tags.delete().where(tags.c.run_uuid.in_(chunk), tags.c.key == TAG_REASON))
@@ -415,7 +434,9 @@ class SqlLedger(Ledger):
     def _update_status(self, conn, run_ids: list[str], status: str, end_time: int | None) -> None:
         runs = self.t["runs"]
         for chunk in _chunks(run_ids, 500):
-            conn.execute(runs.update().where(runs.c.run_uuid.in_(chunk)).values(status=status, end_time=end_time))
+            conn.execute(
+                runs.update().where(runs.c.run_uuid.in_(chunk)).values(status=status, end_time=end_time)
+            )
         self.queries += 1
 
     def _create_experiment(self, sweep: str) -> None:
@@ -470,7 +491,9 @@ class ClientLedger(Ledger):
         if sweep is not None:
             exp = self.client.get_experiment_by_name(sweep)
             return [exp.experiment_id] if exp else []
-        return [e.experiment_id for e in self.client.search_experiments(filter_string="tags.pdmctl = 'sweep'")]
+        return [
+            e.experiment_id for e in self.client.search_experiments(filter_string="tags.pdmctl = 'sweep'")
+        ]
 
     def _search(self, sweep: str | None):
         ids = self._experiment_ids(sweep)
@@ -494,7 +517,11 @@ class ClientLedger(Ledger):
             for key in STATUS_METRICS:
                 if key in run.data.metrics:
                     latest[key] = (self._latest_step(run, key), float(run.data.metrics[key]))
-            out.append(_record(run.info.run_id, run.info.status, run.info.start_time, run.info.end_time, tags, latest))
+            out.append(
+                _record(
+                    run.info.run_id, run.info.status, run.info.start_time, run.info.end_time, tags, latest
+                )
+            )
         return out
 
     def _latest_step(self, run, key: str) -> int:
@@ -523,7 +550,9 @@ class ClientLedger(Ledger):
         exp = self.client.get_experiment_by_name(sweep)
         if exp is not None:
             if exp.lifecycle_stage != "active":
-                raise LedgerError(f"sweep {sweep!r}: its MLflow experiment is deleted; restore or purge it first")
+                raise LedgerError(
+                    f"sweep {sweep!r}: its MLflow experiment is deleted; restore or purge it first"
+                )
             return exp.experiment_id
         try:
             return self.client.create_experiment(sweep, tags={"pdmctl": "sweep"})
@@ -629,7 +658,9 @@ class RunLogger:
             new = rename(name)
             if new is None or new == name:
                 continue
-            for m in sorted(_retry(lambda n=name: self.client.get_metric_history(self.run_id, n)), key=lambda m: m.step):
+            for m in sorted(
+                _retry(lambda n=name: self.client.get_metric_history(self.run_id, n)), key=lambda m: m.step
+            ):
                 self.log_metrics({new: m.value}, m.step)
                 final[new] = m.value
         return final

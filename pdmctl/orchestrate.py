@@ -168,7 +168,9 @@ def job_states(records: Sequence[RunRecord], ctx: Context) -> dict[str, JobState
     return out
 
 
-def reconcile(ledger: Ledger, records: list[RunRecord], ctx: Context) -> list[tuple[RunRecord, JobState | None]]:
+def reconcile(
+    ledger: Ledger, records: list[RunRecord], ctx: Context
+) -> list[tuple[RunRecord, JobState | None]]:
     """Write the executor's word into the ledger for jobs that ended without telling it."""
     states = job_states(records, ctx)
     updates: dict[tuple[str, str], list[str]] = defaultdict(list)
@@ -249,7 +251,10 @@ def status(ctx: Context, sweep_name: str | None = None) -> list[RunView]:
     records = ledger.runs(sweep_name)
     if not records:
         return []
-    return [RunView(r.key, r.sweep, r.summary, run_state(r, js), r, js) for r, js in reconcile(ledger, records, ctx)]
+    return [
+        RunView(r.key, r.sweep, r.summary, run_state(r, js), r, js)
+        for r, js in reconcile(ledger, records, ctx)
+    ]
 
 
 def resume(ctx: Context, sweep_name: str | None = None, *, max_attempts: int | None = None,
@@ -290,7 +295,9 @@ def cancel(ctx: Context, target: str | None) -> list[RunView]:
             by_executor.setdefault(id(executor), (executor, []))[1].append(v.record.job_id)
     for executor, job_ids in by_executor.values():
         executor.cancel(job_ids)
-    ledger.set_status([v.record.run_id for v in live if v.record], KILLED, reason="cancelled by pdmctl cancel")
+    ledger.set_status(
+        [v.record.run_id for v in live if v.record], KILLED, reason="cancelled by pdmctl cancel"
+    )
     return live
 
 
@@ -299,7 +306,9 @@ class RunNotFound(LookupError):
 
 
 def find_run(views: Sequence[RunView], target: str) -> RunView:
-    matches = [v for v in views if v.key.startswith(target) or (v.record and v.record.run_id.startswith(target))]
+    matches = [
+        v for v in views if v.key.startswith(target) or (v.record and v.record.run_id.startswith(target))
+    ]
     if not matches:
         raise RunNotFound(f"run {target!r}: no run with that key or run id")
     if len({v.key for v in matches}) > 1:

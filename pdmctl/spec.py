@@ -55,7 +55,9 @@ class RunSpec:
         c = self.config
         parts = [c["mask"]["name"]]
         if c["mask"]["method"] != "grpo":
-            parts.append(f"δ={c['delta']:g}" + (f"/{c['delta_low']:g}" if c.get("delta_low") is not None else ""))
+            parts.append(
+                f"δ={c['delta']:g}" + (f"/{c['delta_low']:g}" if c.get("delta_low") is not None else "")
+            )
         parts += [f"K={c['k']}", c["precision"]["name"], c["model"]["name"], f"seed={c['seed']}"]
         return " ".join(parts)
 

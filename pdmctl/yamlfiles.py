@@ -8,7 +8,9 @@ from typing import Any
 import yaml
 
 
-def load_named(name_or_path: str, directory: Path, what: str, error: type[Exception]) -> tuple[Path, dict[str, Any]]:
+def load_named(
+    name_or_path: str, directory: Path, what: str, error: type[Exception]
+) -> tuple[Path, dict[str, Any]]:
     """`directory/NAME.yaml`, a bare NAME or file found there, or any path -> (path, mapping).
 
     Every problem raises `error` with one line starting with `what`.

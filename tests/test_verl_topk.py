@@ -84,3 +84,74 @@ def test_install_patches_actor_and_agent_loop_idempotently() -> None:
     topk.install(k=4)
     assert engine_workers.TrainingWorker.train_batch is patched
     assert agent_loop.AgentLoopWorker._postprocess.__wrapped__ is not None
+
+
+def _internal_output(
+    prompt: list[int], response: list[int], prompt_len: int, response_len: int, k: int, seed: int
+):
+    """What VeRL's `_agent_loop_postprocess` hands `_postprocess`, with the vLLM patch's extra fields."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, _InternalAgentLoopOutput
+
+    g = torch.Generator().manual_seed(seed)
+    positions = []
+    for sampled in response:  # vLLM: the top-k by rank, plus the sampled token when outside them
+        lps = torch.log_softmax(torch.randn(12, generator=g), -1)
+        order = lps.argsort(descending=True).tolist()
+        entries = {tid: Logprob(float(lps[tid]), r + 1) for r, tid in enumerate(order[:k])}
+        entries.setdefault(sampled, Logprob(float(lps[sampled]), order.index(sampled) + 1))
+        positions.append(entries)
+    support = topk.extract_topk(response, positions, k)
+    prompt_ids = torch.tensor([[0] * (prompt_len - len(prompt)) + prompt])
+    response_ids = torch.tensor([response + [0] * (response_len - len(response))])
+    prompt_mask = (torch.arange(prompt_len) >= prompt_len - len(prompt)).long()[None]
+    response_mask = (torch.arange(response_len) < len(response)).long()[None]
+    attention = torch.cat([prompt_mask, response_mask], 1)
+    return _InternalAgentLoopOutput(
+        prompt_ids=prompt_ids, response_ids=response_ids, input_ids=torch.cat([prompt_ids, response_ids], 1),
+        position_ids=(attention.cumsum(-1) - 1).clamp_min(0), response_mask=response_mask, attention_mask=attention,
+        response_logprobs=torch.zeros(1, response_len), num_turns=2, metrics=AgentLoopMetrics(),
+        extra_fields={topk.TOPK_IDS_KEY: support.ids.tolist(), topk.TOPK_LOGPROBS_KEY: support.logprobs.tolist(),
+                      "turn_scores": [], "tool_rewards": []},
+    )  # fmt: skip
+
+
+def test_agent_loop_patch_puts_padded_top_k_in_the_batch() -> None:
+    """VeRL's own `AgentLoopWorker._postprocess`, patched, on outputs shaped as VeRL 0.9.1 makes them."""
+    from verl.experimental.agent_loop import agent_loop
+
+    k, prompt_len, response_len = 3, 6, 8
+    topk.install(k=k)
+    worker = object.__new__(agent_loop.AgentLoopWorker)  # _postprocess reads this one attribute
+    worker.reward_loop_worker_handles = None
+    responses = [[5, 7, 11, 2], [9, 1, 4, 4, 8, 3, 6]]
+    inputs = [
+        _internal_output([1, 2, 3], r, prompt_len, response_len, k, seed) for seed, r in enumerate(responses)
+    ]
+    batch = agent_loop.AgentLoopWorker._postprocess(worker, inputs).batch
+
+    ids, lps = batch[topk.TOPK_IDS_KEY], batch[topk.TOPK_LOGPROBS_KEY]
+    assert ids.shape == lps.shape == (2, response_len, k + 1)
+    for i, response in enumerate(responses):
+        want = inputs[i].extra_fields
+        torch.testing.assert_close(ids[i, : len(response)], torch.tensor(want[topk.TOPK_IDS_KEY]))
+        torch.testing.assert_close(lps[i, : len(response)], torch.tensor(want[topk.TOPK_LOGPROBS_KEY]))
+        assert torch.isneginf(lps[i, len(response) :]).all()  # padding past the response
+        # the sampled token is in every generated position's TopK ∪ {k}
+        assert ((ids[i] == batch["responses"][i, :, None]) & lps[i].isfinite()).any(-1)[: len(response)].all()
+
+
+def test_agent_loop_patch_refuses_top_k_rows_that_do_not_line_up() -> None:
+    from verl.experimental.agent_loop import agent_loop
+
+    k = 3
+    topk.install(k=k)
+    worker = object.__new__(agent_loop.AgentLoopWorker)
+    worker.reward_loop_worker_handles = None
+    shifted = _internal_output([1, 2], [5, 7, 11, 2], 4, 6, k, seed=0)
+    rows = shifted.extra_fields
+    rows[topk.TOPK_IDS_KEY] = (
+        rows[topk.TOPK_IDS_KEY][1:] + rows[topk.TOPK_IDS_KEY][:1]
+    )  # a token builder's edit
+    rows[topk.TOPK_LOGPROBS_KEY] = rows[topk.TOPK_LOGPROBS_KEY][1:] + rows[topk.TOPK_LOGPROBS_KEY][:1]
+    with pytest.raises(RuntimeError, match="do not line up"):
+        agent_loop.AgentLoopWorker._postprocess(worker, [shifted])

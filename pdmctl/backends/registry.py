@@ -40,8 +40,19 @@ def flat_config(config: Mapping[str, Any]) -> dict[str, Any]:
         "k": config["k"],
         "model": config["model"]["name"],
         "precision": config["precision"]["name"],
-        **{f: mask[f] for f in ("method", "divergence", "estimator", "eps_low", "eps_high", "ratio_cap",
-                                "loss_agg_mode") if f in mask},  # fmt: skip
+        **{
+            f: mask[f]
+            for f in (
+                "method",
+                "divergence",
+                "estimator",
+                "eps_low",
+                "eps_high",
+                "ratio_cap",
+                "loss_agg_mode",
+            )
+            if f in mask
+        },  # fmt: skip
     }
     flat.update({k: v for k, v in config["backend"].items() if k != "name"})
     return flat

@@ -10,4 +10,12 @@ from pdmctl.executors.base import (
     make_executor,
 )
 
-__all__ = ["ClusterProfile", "Executor", "ExecutorError", "JobRequest", "JobState", "load_profile", "make_executor"]
+__all__ = [
+    "ClusterProfile",
+    "Executor",
+    "ExecutorError",
+    "JobRequest",
+    "JobState",
+    "load_profile",
+    "make_executor",
+]

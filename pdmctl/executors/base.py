@@ -122,5 +122,7 @@ def make_executor(profile: ClusterProfile) -> Executor:
     try:
         executor_cls = getattr(importlib.import_module(module), cls)
     except ImportError as exc:
-        raise ExecutorError(f"cluster {profile.name}: executor {profile.executor} is not available ({exc})") from exc
+        raise ExecutorError(
+            f"cluster {profile.name}: executor {profile.executor} is not available ({exc})"
+        ) from exc
     return executor_cls(profile)

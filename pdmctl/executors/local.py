@@ -99,7 +99,9 @@ class LocalExecutor(Executor):
                 info = _read_json(info_file)
                 _terminate(info["pid"], info["start"])
                 if not _worker_alive(self.root) and not (done / f"{job_id}.json").exists():
-                    _write_json(done / f"{job_id}.json", {"state": JobState.CANCELLED.value, "returncode": None})
+                    _write_json(
+                        done / f"{job_id}.json", {"state": JobState.CANCELLED.value, "returncode": None}
+                    )
 
     def describe(self, requests: Sequence[JobRequest]) -> str:
         return (f"{len(requests)} local process(es), at most {self.cap} at a time, "

@@ -80,7 +80,9 @@ def build_report(ledger: Ledger, sweeps: Sequence[str], definition: Definition, 
     direction = load_analysis(analysis) if analysis else None  # a wrong path fails before any work
     queries_before = getattr(ledger, "queries", 0)
     data = collect(ledger, sweeps, definition)
-    labels = tuple(c.label for c in definition.columns) + ((definition.average,) if definition.average else ())
+    labels = tuple(c.label for c in definition.columns) + (
+        (definition.average,) if definition.average else ()
+    )
     rows = table_rows(data, definition, labels)
     if two_level:
         rows = [with_two_level(row, data.by_row[row.row], ledger.uri, definition) for row in rows]
@@ -172,7 +174,9 @@ def comparisons(data: Collected, definition: Definition, labels: Sequence[str]) 
     with_points = [row for row in data.rows if data.by_row[row]]
     pairs, unpaired = [], []
     for row in with_points:
-        base = baseline_row(row, with_points, definition.baseline) if row.mask != definition.baseline else None
+        base = (
+            baseline_row(row, with_points, definition.baseline) if row.mask != definition.baseline else None
+        )
         if base is None:
             continue
         mine = {p.seed: _run_values(p, labels, definition.average) for p in data.by_row[row]}
@@ -224,7 +228,9 @@ def _average_series(series: dict[str, Series]) -> Series:
     return [(s, mean([c[s] for c in by_label])) for s in steps]
 
 
-def curves(ledger: Ledger, data: Collected, definition: Definition, rows: list[TableRow]) -> list[SettingCurves]:
+def curves(
+    ledger: Ledger, data: Collected, definition: Definition, rows: list[TableRow]
+) -> list[SettingCurves]:
     """Per setting: eval curves (a panel per column and the average) and training-dynamics panels, from one
     bulk read of the drawn runs' histories."""
     settings: dict[str, list[TableRow]] = defaultdict(list)
@@ -234,23 +240,31 @@ def curves(ledger: Ledger, data: Collected, definition: Definition, rows: list[T
     drawn = [p for keys, _ in chosen.values() for key in keys for p in data.by_row[key]]
     metrics = {m for p in drawn for m in p.metrics.values()} | {panel.metric for panel in definition.dynamics}
     histories = ledger.metric_histories([p.run_id for p in drawn], sorted(metrics)) if drawn else {}
-    pending: list[tuple[str, str, str, RowKey, np.ndarray, np.ndarray]] = []  # setting, kind, panel, row, data
+    pending: list[
+        tuple[str, str, str, RowKey, np.ndarray, np.ndarray]
+    ] = []  # setting, kind, panel, row, data
     for setting, (keys, _) in chosen.items():
         for key in keys:
             runs = [histories.get(p.run_id, {}) for p in data.by_row[key]]
             evals = [{label: run.get(metric, []) for label, metric in p.metrics.items()}
                      for p, run in zip(data.by_row[key], runs, strict=True)]  # fmt: skip
             for column in definition.columns:
-                pending.append((setting, "eval", column.label, key, *aligned([e[column.label] for e in evals])))
+                pending.append(
+                    (setting, "eval", column.label, key, *aligned([e[column.label] for e in evals]))
+                )
             if definition.average:
-                pending.append((setting, "eval", definition.average, key, *aligned([_average_series(e) for e in evals])))
+                pending.append(
+                    (setting, "eval", definition.average, key, *aligned([_average_series(e) for e in evals]))
+                )
             for panel in definition.dynamics:
                 series = [run.get(panel.metric) for run in runs]
                 if all(series):
                     pending.append((setting, "dynamics", panel.label, key, *aligned(series)))
     computed = resample.bands([values for *_, values in pending], definition.confidence.for_bands)
     panels: dict[tuple[str, str], dict[str, list[Line]]] = defaultdict(lambda: defaultdict(list))
-    for (setting, kind, label, key, steps, values), (centre, low, high) in zip(pending, computed, strict=True):
+    for (setting, kind, label, key, steps, values), (centre, low, high) in zip(
+        pending, computed, strict=True
+    ):
         panels[setting, kind][label].append(Line(key, steps, centre, low, high, values.shape[0]))
     return [SettingCurves(setting, keys, by_best, dict(panels[setting, "eval"]), dict(panels[setting, "dynamics"]))
             for setting, (keys, by_best) in chosen.items() if keys]  # fmt: skip
@@ -265,4 +279,3 @@ def load_analysis(path: Path) -> dict:
     if not isinstance(data, dict) or "comparisons" not in data:
         raise ReportError(f"--analysis: {path} is not a direction analysis (no 'comparisons')")
     return data
-

@@ -13,15 +13,43 @@ def register(app: typer.Typer) -> None:
 
 
 def report(
-    sweeps: Annotated[list[str] | None, typer.Argument(metavar="SWEEP", help="Sweeps to report on (default: the ledger's only sweep).")] = None,
-    at: Annotated[str | None, typer.Option("--at", help="Which evaluation: final, best or last-N (default: the definition's).")] = None,
-    baseline: Annotated[str | None, typer.Option("--baseline", help="Mask to compare against (default: the definition's, dppo_topk_kl).")] = None,
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output directory (default: reports/<sweep>/).")] = None,
-    two_level: Annotated[bool, typer.Option("--two-level", help="Bootstrap over seeds and problems where per-problem scores exist.")] = False,
-    definition: Annotated[str, typer.Option("--definition", "-d", help="Report definition: reports/NAME.yaml or a path.")] = "default",
-    analysis: Annotated[Path | None, typer.Option("--analysis", help="A direction analysis to include (the JSON of `pdmctl analyze --json`).")] = None,
-    cluster: Annotated[str, typer.Option("--cluster", "-c", help="Cluster profile under clusters/ (or a path).")] = "local",
-    tracking_uri: Annotated[str | None, typer.Option("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, the profile's, ./mlflow.db).")] = None,
+    sweeps: Annotated[
+        list[str] | None,
+        typer.Argument(metavar="SWEEP", help="Sweeps to report on (default: the ledger's only sweep)."),
+    ] = None,
+    at: Annotated[
+        str | None,
+        typer.Option("--at", help="Which evaluation: final, best or last-N (default: the definition's)."),
+    ] = None,
+    baseline: Annotated[
+        str | None,
+        typer.Option("--baseline", help="Mask to compare against (default: the definition's, dppo_topk_kl)."),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Output directory (default: reports/<sweep>/).")
+    ] = None,
+    two_level: Annotated[
+        bool,
+        typer.Option("--two-level", help="Bootstrap over seeds and problems where per-problem scores exist."),
+    ] = False,
+    definition: Annotated[
+        str, typer.Option("--definition", "-d", help="Report definition: reports/NAME.yaml or a path.")
+    ] = "default",
+    analysis: Annotated[
+        Path | None,
+        typer.Option(
+            "--analysis", help="A direction analysis to include (the JSON of `pdmctl analyze --json`)."
+        ),
+    ] = None,
+    cluster: Annotated[
+        str, typer.Option("--cluster", "-c", help="Cluster profile under clusters/ (or a path).")
+    ] = "local",
+    tracking_uri: Annotated[
+        str | None,
+        typer.Option(
+            "--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, the profile's, ./mlflow.db)."
+        ),
+    ] = None,
 ) -> None:
     """Tables of avg@16 with seed confidence intervals, comparisons with the baseline, learning curves."""
     from pdmctl.cli import _guard, console, fail

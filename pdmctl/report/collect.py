@@ -167,7 +167,9 @@ def collect(ledger: Ledger, sweeps: Sequence[str], definition: Definition) -> Co
     for r in records:
         if r.run_id in keys and r.status != FINISHED:
             where = f" (last logged step {r.step})" if r.step is not None else " (nothing logged)"
-            excluded.append(Exclusion(keys[r.run_id], seeds[r.run_id], r.run_id, r.status, f"not finished{where}"))
+            excluded.append(
+                Exclusion(keys[r.run_id], seeds[r.run_id], r.run_id, r.status, f"not finished{where}")
+            )
     histories = _evaluations(ledger, finished, definition)
     candidates: list[RunPoint] = []
     for r in finished:
@@ -189,7 +191,9 @@ def collect(ledger: Ledger, sweeps: Sequence[str], definition: Definition) -> Co
             candidates.append(RunPoint(r.run_id, row, seed, metrics, values, tuple(steps), series))
     points = _drop_partial(candidates, excluded)
     points = _drop_duplicates(points, excluded)
-    rows = sorted({keys[r.run_id] for r in records if r.run_id in keys}, key=lambda k: _sort_key(k, definition.baseline))
+    rows = sorted(
+        {keys[r.run_id] for r in records if r.run_id in keys}, key=lambda k: _sort_key(k, definition.baseline)
+    )
     excluded += _missing_seeds(keys, seeds)
     by_row: dict[RowKey, list[RunPoint]] = {row: [] for row in rows}
     for p in sorted(points, key=lambda p: p.seed):
@@ -197,7 +201,9 @@ def collect(ledger: Ledger, sweeps: Sequence[str], definition: Definition) -> Co
     return Collected(by_row, excluded, rows, dims)
 
 
-def _evaluations(ledger: Ledger, finished: Sequence[RunRecord], definition: Definition) -> dict[str, dict[str, Series]]:
+def _evaluations(
+    ledger: Ledger, finished: Sequence[RunRecord], definition: Definition
+) -> dict[str, dict[str, Series]]:
     """run id -> metric -> the points the table needs. The final evaluation of the metrics `status` shows
     is already in each record (MLflow's latest value), so the default report reads no history for its
     table; `best` and `last-N` (and other metrics) read the histories in bulk."""
@@ -231,7 +237,9 @@ def _drop_duplicates(points: list[RunPoint], excluded: list[Exclusion]) -> list[
     kept = []
     for p in points:
         if (p.row, p.seed) in seen:
-            excluded.append(Exclusion(p.row, p.seed, p.run_id, FINISHED, "duplicate of another run with this seed"))
+            excluded.append(
+                Exclusion(p.row, p.seed, p.run_id, FINISHED, "duplicate of another run with this seed")
+            )
         else:
             seen.add((p.row, p.seed))
             kept.append(p)

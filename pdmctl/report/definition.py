@@ -110,11 +110,23 @@ def load_definition(name_or_path: str = "default") -> Definition:
 
 
 def parse_definition(data: dict[str, Any], default_name: str = "default") -> Definition:
-    known = {"name", "description", "columns", "average", "baseline", "at", "confidence", "dynamics", "max_lines"}
+    known = {
+        "name",
+        "description",
+        "columns",
+        "average",
+        "baseline",
+        "at",
+        "confidence",
+        "dynamics",
+        "max_lines",
+    }
     unknown = set(data) - known
     if unknown:
         raise ReportError(f"unknown field(s) {', '.join(sorted(unknown))}")
-    columns = tuple(Column(str(c["label"]), tuple(str(m) for m in c["metrics"])) for c in data.get("columns") or [])
+    columns = tuple(
+        Column(str(c["label"]), tuple(str(m) for m in c["metrics"])) for c in data.get("columns") or []
+    )
     if not columns:
         raise ReportError("needs at least one column")
     conf = Confidence(**(data.get("confidence") or {}))

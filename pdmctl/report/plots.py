@@ -44,7 +44,9 @@ def _panels(title: str, panels: Mapping[str, list[Line]], colour: Mapping[RowKey
             ax.plot(ln.steps, scale * ln.centre, color=c, lw=1.6, label=f"{ln.row.label} (n={ln.n_seeds})")
             band = np.isfinite(ln.low) & np.isfinite(ln.high)
             if band.any():
-                ax.fill_between(ln.steps, scale * ln.low, scale * ln.high, where=band, color=c, alpha=0.2, lw=0)
+                ax.fill_between(
+                    ln.steps, scale * ln.low, scale * ln.high, where=band, color=c, alpha=0.2, lw=0
+                )
         ax.set_title(label)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel if scale != 1 else label)
@@ -52,7 +54,9 @@ def _panels(title: str, panels: Mapping[str, list[Line]], colour: Mapping[RowKey
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     handles, names = axes[0].get_legend_handles_labels()
     if handles:
-        fig.legend(handles, names, loc="lower center", ncols=min(len(names), 4), fontsize="small", frameon=False)
+        fig.legend(
+            handles, names, loc="lower center", ncols=min(len(names), 4), fontsize="small", frameon=False
+        )
     fig.suptitle(title)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI)

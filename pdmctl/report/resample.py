@@ -36,7 +36,9 @@ def _batch(data: tuple[np.ndarray, ...], conf: Confidence) -> int:
     return int(min(conf.resamples, max(10, _CHUNK // max(values, 1))))
 
 
-def _bootstrap(data: tuple[np.ndarray, ...], statistic, conf: Confidence, method: str) -> tuple[np.ndarray, ...]:
+def _bootstrap(
+    data: tuple[np.ndarray, ...], statistic, conf: Confidence, method: str
+) -> tuple[np.ndarray, ...]:
     with warnings.catch_warnings():  # BCa on constant data warns and answers NaN; handled by the caller
         warnings.simplefilter("ignore")
         result = sps.bootstrap(

@@ -90,14 +90,23 @@ def comparison_table(report: Report) -> TextTable:
         rows.append((*_row_cells(comp.row, report.dims, previous), comp.baseline.label,
                      *(_comparison_cell(comp.cells[label]) for label in report.labels), pairing))  # fmt: skip
         previous = comp.row
-    headers = ("setting", "mask", *report.dims, "baseline", *(f"Δ {label}" for label in report.labels), "seeds")
+    headers = (
+        "setting",
+        "mask",
+        *report.dims,
+        "baseline",
+        *(f"Δ {label}" for label in report.labels),
+        "seeds",
+    )
     return TextTable("comparison", f"vs {report.definition.baseline}", headers, rows, comparison_note(report),
                      3 + len(report.dims))  # fmt: skip
 
 
 def excluded_table(report: Report) -> TextTable:
     rows = []
-    for e in sorted(report.excluded, key=lambda e: (e.row or RowKey("", ""), e.seed if e.seed is not None else -1)):
+    for e in sorted(
+        report.excluded, key=lambda e: (e.row or RowKey("", ""), e.seed if e.seed is not None else -1)
+    ):
         row = e.row or RowKey("?", "?", tuple((d, "") for d in report.dims))
         rows.append((row.setting, row.mask, *(row.dim(d) for d in report.dims),
                      "" if e.seed is None else str(e.seed), e.status.lower(), e.reason, (e.run_id or "")[:12]))  # fmt: skip
@@ -117,7 +126,9 @@ def direction_table(analysis: dict) -> TextTable:
             f"{sum(result.out_of_region_per_seed) / n:.0f} of {sum(result.tokens_per_seed) / n:.0f} response tokens "
             "per seed outside the region. Unsafe keep: a kept disagreement token whose divergence grew (ΔD > 0) "
             "after the criterion's update; mean ± s.e. over seeds.")  # fmt: skip
-    return TextTable("direction", "Direction analysis", tuple(ANALYSIS_COLUMNS), analysis_rows(result), note, 2)
+    return TextTable(
+        "direction", "Direction analysis", tuple(ANALYSIS_COLUMNS), analysis_rows(result), note, 2
+    )
 
 
 def _analysis_result(data: dict):

@@ -128,7 +128,11 @@ def html_page(report: Report, grids: list[TextTable], figs: list[FigureFile]) ->
     title, meta = _header(report)
     body = [f"<h1>{html.escape(title)}</h1>", f'<p class="meta">{html.escape(meta)}</p>']
     by_key = {t.key: t for t in grids}
-    sections = [("Results", ["results"]), ("Against the baseline", ["comparison"]), ("Direction analysis", ["direction"])]
+    sections = [
+        ("Results", ["results"]),
+        ("Against the baseline", ["comparison"]),
+        ("Direction analysis", ["direction"]),
+    ]
     for heading, keys in sections:
         present = [by_key[k] for k in keys if k in by_key]
         if present:
@@ -141,6 +145,9 @@ def html_page(report: Report, grids: list[TextTable], figs: list[FigureFile]) ->
         body.append(f'<figure><img src="data:image/png;base64,{data}" alt="{html.escape(fig.caption)}">'
                     f"<figcaption class=note>{html.escape(fig.caption)}</figcaption></figure>")  # fmt: skip
     excluded = by_key["excluded"]
-    body += ["<h2>Left out</h2>", to_html(excluded) if excluded.rows else f'<p class="note">{html.escape(excluded.note)}</p>']
+    body += [
+        "<h2>Left out</h2>",
+        to_html(excluded) if excluded.rows else f'<p class="note">{html.escape(excluded.note)}</p>',
+    ]
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f"<style>{_CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")  # fmt: skip

@@ -414,6 +414,7 @@ def configured_topk() -> int:
 
 
 _INSTALLED: set[str] = set()
+_K = [0]  # the K the installed patches use; the latest `install` sets it (one K per process)
 
 
 def install(k: int | None = None) -> None:
@@ -426,9 +427,10 @@ def install(k: int | None = None) -> None:
     k = configured_topk() if k is None else k
     if k < 1:
         return
+    _K[0] = k
     _patch_actor_worker()
-    _patch_agent_loop(k)
-    _patch_vllm_server(k)
+    _patch_agent_loop()
+    _patch_vllm_server()
 
 
 def _patch_actor_worker() -> None:
@@ -467,7 +469,7 @@ def _patch_actor_worker() -> None:
     _INSTALLED.add("actor")
 
 
-def _patch_agent_loop(k: int) -> None:
+def _patch_agent_loop() -> None:
     """Turn the per-response top-K lists in `extra_fields` into padded batch tensors."""
     if "agent_loop" in _INSTALLED:
         return
@@ -477,10 +479,12 @@ def _patch_agent_loop(k: int) -> None:
 
     @functools.wraps(original)
     def _postprocess(self: Any, inputs: list[Any], *args: Any, **kwargs: Any) -> Any:
-        supports = [_support_from_extra_fields(item.extra_fields, k) for item in inputs]
+        k = _K[0]
+        supports = [_support_from_extra_fields(item.extra_fields) for item in inputs]
         output = original(self, inputs, *args, **kwargs)
         response_length = output.batch["responses"].shape[1]
         padded = pad_topk(supports, response_length, k)
+        check_alignment(padded, output.batch["responses"], output.batch["response_mask"])
         output.batch[TOPK_IDS_KEY] = padded.ids
         output.batch[TOPK_LOGPROBS_KEY] = padded.logprobs
         for key in (TOPK_IDS_KEY, TOPK_LOGPROBS_KEY):
@@ -491,7 +495,25 @@ def _patch_agent_loop(k: int) -> None:
     _INSTALLED.add("agent_loop")
 
 
-def _support_from_extra_fields(extra_fields: Mapping[str, Any], k: int) -> RolloutTopK:
+def check_alignment(padded: RolloutTopK, responses: torch.Tensor, response_mask: torch.Tensor) -> None:
+    """Every generated token must be in its own row's `TopK ∪ {k}`: the rows line up with the tokens.
+
+    A multi-turn agent loop (tool tokens in the response) or a token builder that edits the
+    generated ids would shift them; the mask would then read another token's top-K, silently.
+    """
+    generated = response_mask.bool()
+    found = ((padded.ids == responses.unsqueeze(-1)) & torch.isfinite(padded.logprobs)).any(-1)
+    missing = generated & ~found
+    if bool(missing.any()):
+        sample, position = (int(i) for i in torch.nonzero(missing)[0])
+        raise RuntimeError(
+            f"pdmctl: the rollout top-K rows do not line up with the response tokens ({int(missing.sum())} "
+            f"generated tokens are not in their row's TopK ∪ {{k}}; first: sample {sample}, position {position}). "
+            "pdmctl carries top-K for single-turn agent loops only"
+        )
+
+
+def _support_from_extra_fields(extra_fields: Mapping[str, Any]) -> RolloutTopK:
     ids = extra_fields.get(TOPK_IDS_KEY)
     if ids is None:
         raise RuntimeError("a rollout came back without top-K log-probs: the vLLM server patch is not active")
@@ -500,7 +522,7 @@ def _support_from_extra_fields(extra_fields: Mapping[str, Any], k: int) -> Rollo
     )
 
 
-def _patch_vllm_server(k: int) -> None:
+def _patch_vllm_server() -> None:
     """Request `logprobs=K` from vLLM and keep `TopK ∪ {k}` per generated token."""
     if "vllm" in _INSTALLED:
         return
@@ -515,7 +537,7 @@ def _patch_vllm_server(k: int) -> None:
     def sampling_params(*args: Any, **kwargs: Any) -> Any:
         # VeRL asks for `logprobs=0` (the sampled token only) when calculate_log_probs is on.
         if kwargs.get("logprobs") == 0:
-            kwargs["logprobs"] = k
+            kwargs["logprobs"] = _K[0]
         return original_sampling_params(*args, **kwargs)
 
     @functools.wraps(original_generate)
@@ -526,7 +548,7 @@ def _patch_vllm_server(k: int) -> None:
         output = await original_generate(self, prompt_ids, sampling_params, request_id, **kwargs)
         final = captured.pop(request_id, None)
         if final is not None and final.outputs and final.outputs[0].logprobs is not None:
-            support = extract_topk(final.outputs[0].token_ids, final.outputs[0].logprobs, k)
+            support = extract_topk(final.outputs[0].token_ids, final.outputs[0].logprobs, _K[0])
             output.extra_fields[TOPK_IDS_KEY] = support.ids.tolist()
             output.extra_fields[TOPK_LOGPROBS_KEY] = support.logprobs.tolist()
         return output
