@@ -118,6 +118,7 @@ def test_fail_fast_accepts_a_generated_config(monkeypatch: pytest.MonkeyPatch) -
         ({"actor_rollout_ref.model.use_fused_kernels": True}, "fused"),
         ({"actor_rollout_ref.rollout.calculate_log_probs": False}, "calculate_log_probs"),
         ({"actor_rollout_ref.actor.strategy": "veomni"}, "FSDP and Megatron"),
+        ({"actor_rollout_ref.actor.pad_to_length": True}, "pad_to_length"),
     ],
 )
 def test_fail_fast_rejects(monkeypatch: pytest.MonkeyPatch, changes: dict, message: str) -> None:

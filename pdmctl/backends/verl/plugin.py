@@ -163,6 +163,11 @@ def check_run_config(config: Mapping[str, Any] | Any) -> None:
             )
         if megatron.get("pad_to_length", False):
             raise PluginCheckError(f"{name!r}: pad_to_length is not supported with the logits processor")
+    elif actor.get("pad_to_length", False) or OmegaConf.select(
+        actor, "fsdp_config.pad_to_length", default=False
+    ):
+        # VeRL's FSDP engine raises this itself, but only at the first actor update
+        raise PluginCheckError(f"{name!r}: pad_to_length is not supported with the logits processor")
     if OmegaConf.select(config, "actor_rollout_ref.model.use_fused_kernels"):
         raise PluginCheckError(
             f"{name!r}: set actor_rollout_ref.model.use_fused_kernels=false (no logits otherwise)"
