@@ -373,12 +373,11 @@ def token_diagnostics(
     div = DIVERGENCES[divergence]
     est = ESTIMATORS[estimator]
     with torch.no_grad():
-        if shard is not None:  # the same pass per shard, its sums all-reduced over the group
-            log_z, q_full = _sharded_row_stats(logits, shard, need_q=est.needs_full_q)
-            log_probs = _ShardLogProbsAt(logits, log_z, shard)
-        elif log_probs is None:  # one chunked pass over the logits: log Σ exp z and, if needed, Σ π²
-            log_z, q_full = _row_stats(logits, need_q=est.needs_full_q)
-            log_probs = _LogProbsAt(logits, log_z)
+        if log_probs is None:  # one chunked pass over the logits: log Σ exp z and, if needed, Σ π²
+            log_z, q_full = _row_stats(logits, need_q=est.needs_full_q, shard=shard)
+            log_probs = (
+                _LogProbsAt(logits, log_z) if shard is None else _ShardLogProbsAt(logits, log_z, shard)
+            )
         else:
             q_full = _sum_sq_probs(log_probs) if est.needs_full_q else None
         log_pi_k = log_probs.gather(-1, sampled_ids.unsqueeze(-1)).squeeze(-1)
@@ -564,60 +563,47 @@ class _ShardLogProbsAt(_LogProbsAt):
         return values
 
 
-def _sharded_row_stats(
-    logits: torch.Tensor, shard: VocabShard, *, need_q: bool
+def _row_stats(
+    logits: torch.Tensor, *, need_q: bool, shard: VocabShard | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`_row_stats` over a vocabulary split across processes: three numbers per row cross the group.
-
-    The global row maximum first (one MAX all-reduce of [N]), then per block the shard's
-    Σ e and Σ e² with e = exp(z − max), then one SUM all-reduce of [N, 2].
-    """
-    import torch.distributed as dist
-
-    n, vocab = logits.shape
-    dtype = _work_dtype(logits)
-    top = (
-        logits.amax(-1).to(dtype)
-        if vocab
-        else torch.full((n,), -torch.inf, dtype=dtype, device=logits.device)
-    )
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=shard.group)
-    sums = torch.zeros(n, 2, dtype=torch.float64, device=logits.device)  # Σ e, Σ e²
-    rows = max(1, min(n, _CHUNK_ELEMENTS // max(vocab, 1)))
-    scratch = torch.empty(rows, vocab, dtype=dtype, device=logits.device)
-    for start in range(0, n if vocab else 0, rows):
-        z = logits[start : start + rows]
-        e = torch.sub(z, top[start : start + rows, None], out=scratch[: z.shape[0]]).exp_()
-        sums[start : start + rows, 0] = e.sum(-1).double()
-        if need_q:
-            sums[start : start + rows, 1] = torch.linalg.vector_norm(e, dim=-1).double() ** 2
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=shard.group)
-    log_z = (top.double() + sums[:, 0].log()).to(dtype)
-    return log_z, (sums[:, 1] / sums[:, 0] ** 2 if need_q else None)
-
-
-def _row_stats(logits: torch.Tensor, *, need_q: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log Σ_j exp z_j and Q = Σ_j π_j² per row, through one reused block of scratch.
 
     One exp per logit serves both: with e = exp(z − max z), log Σ exp z = max z + log Σ e and
     Q = Σ e² / (Σ e)². Blocks of `_CHUNK_ELEMENTS` keep the scratch bounded (and mostly in
     cache) while each torch call still does enough work to amortise its fixed cost.
+
+    With a `shard` the row maximum is the group's (one MAX all-reduce of [N], before the
+    blocks) and the shard's Σ e, Σ e² are summed over the group (one SUM all-reduce of [N, 2]).
     """
     n, vocab = logits.shape
     dtype = _work_dtype(logits)
     rows = max(1, min(n, _CHUNK_ELEMENTS // max(vocab, 1)))
-    log_z = torch.empty(n, dtype=dtype, device=logits.device)
-    q = torch.empty(n, dtype=torch.float64, device=logits.device) if need_q else None
+    if shard is None:
+        top = torch.empty(n, dtype=dtype, device=logits.device)  # filled block by block, in cache
+    else:
+        import torch.distributed as dist
+
+        top = (
+            logits.amax(-1).to(dtype)
+            if vocab
+            else torch.full((n,), -torch.inf, dtype=dtype, device=logits.device)
+        )
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=shard.group)
+    sums = torch.zeros(n, 2, dtype=torch.float64, device=logits.device)  # Σ e, Σ e²
     scratch = torch.empty(rows, vocab, dtype=dtype, device=logits.device)
-    for start in range(0, n, rows):
+    for start in range(0, n if vocab else 0, rows):
         z = logits[start : start + rows]
-        top = z.amax(-1, keepdim=True).to(dtype)
-        e = torch.sub(z, top, out=scratch[: z.shape[0]]).exp_()  # widens bfloat16 into the float32 block
-        total = e.sum(-1)
-        log_z[start : start + rows] = top.squeeze(-1) + total.log()
-        if q is not None:
-            q[start : start + rows] = (torch.linalg.vector_norm(e, dim=-1).double() / total.double()) ** 2
-    return log_z, q
+        if shard is None:
+            top[start : start + rows] = z.amax(-1).to(dtype)
+        t = top[start : start + rows, None]
+        e = torch.sub(z, t, out=scratch[: z.shape[0]]).exp_()  # widens bfloat16 into the float32 block
+        sums[start : start + rows, 0] = e.sum(-1).double()
+        if need_q:
+            sums[start : start + rows, 1] = torch.linalg.vector_norm(e, dim=-1).double() ** 2
+    if shard is not None:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=shard.group)
+    log_z = (top.double() + sums[:, 0].log()).to(dtype)
+    return log_z, (sums[:, 1] / sums[:, 0] ** 2 if need_q else None)
 
 
 def _sum_sq_probs(log_probs: torch.Tensor) -> torch.Tensor:
