@@ -19,11 +19,20 @@ pytestmark = [pytest.mark.verl, pytest.mark.slurm]
 
 
 @pytest.mark.skipif(shutil.which("sinfo") is None, reason="no SLURM here (sinfo absent)")
-def test_job_body_starts_ray_and_the_probe_reaches_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stray_token", [False, True], ids=["no-ray-token", "stray-ray-token"])
+def test_job_body_starts_ray_and_the_probe_reaches_it(tmp_path: Path, stray_token: bool) -> None:
+    """With and without a ~/.ray/auth_token of the user's (Ray >= 2.52 turns token auth on when one
+    exists): the job's own HOME makes the test independent of what this machine's ~/.ray holds."""
+    home = tmp_path / "home"
+    if stray_token:
+        (home / ".ray").mkdir(parents=True)
+        (home / ".ray" / "auth_token").write_text("a-token-of-another-cluster\n")
+    else:
+        home.mkdir()
     run = {"model": "qwen3-4b-base", "checkpoint_dir": str(tmp_path / "ckpt"), "data_dir": str(tmp_path)}
     cmd = launch.build_job_command(run, python=sys.executable)
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
-    cmd[1:1] = [f"{launch.PROBE_ENV}=1", "PDMCTL_GPUS_PER_NODE=0", f"PDMCTL_RAY_TMP={ray_tmp}",
+    cmd[1:1] = [f"HOME={home}", f"{launch.PROBE_ENV}=1", "PDMCTL_GPUS_PER_NODE=0", f"PDMCTL_RAY_TMP={ray_tmp}",
                 "PDMCTL_RAY_HEAD_IP=127.0.0.1", "PDMCTL_RAY_WAIT_S=120"]  # fmt: skip
     script = tmp_path / "job.sh"
     script.write_text("#!/bin/bash\n" + shlex.join(cmd) + "\n")

@@ -273,6 +273,13 @@ RAY_TMP="${PDMCTL_RAY_TMP:-/tmp/ray-$SLURM_JOB_ID}"
 RAY="$(dirname "$PDMCTL_PYTHON")/ray"
 [ -x "$RAY" ] || RAY=ray
 export RAY_ADDRESS="$HEAD_IP:$PORT"
+# Token authentication with a token of this job's own, so the cluster neither depends on what the
+# user's ~/.ray/auth_token holds (Ray >= 2.52 turns auth on when that file exists and
+# RAY_AUTH_MODE is unset, and a driver without it is then refused) nor is open to others on the
+# network. The environment carries it to every srun step, Ray node and the driver.
+export RAY_AUTH_MODE=token
+RAY_AUTH_TOKEN="$("$PDMCTL_PYTHON" -c "import secrets; print(secrets.token_hex(32))")"
+export RAY_AUTH_TOKEN
 # The package must import on every node before any Ray worker starts.
 srun --nodes="${#NODES[@]}" --ntasks="${#NODES[@]}" --ntasks-per-node=1 \
   "$PDMCTL_PYTHON" -c "import pdmctl.backends.verl.launch"
