@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import sqlite3
 import subprocess
 import time
 import uuid
@@ -185,10 +186,31 @@ def test_sweep_goes_out_as_one_array_and_finishes(tmp_path: Path) -> None:
 
 
 def test_scancel_mid_run_then_resume_finishes_from_the_checkpoint(tmp_path: Path) -> None:
+    # SLURM's scancel is SIGTERM (which the job blocks), then SIGKILL after KillWait: a fast machine
+    # trains to the end in that window. To make the test independent of this machine's speed, the
+    # run is held still before the cancel: once it has a checkpoint, the test takes the SQLite store's
+    # write lock, so the job waits at its next metric (a busy store is waited out, not lost) until
+    # SLURM kills it. The lock is let go once the job's processes are gone.
     profile = write_profile(tmp_path)
     ctx, sweep, (job_id,) = start_sweep(tmp_path, ["backend.steps=40"], profile)
-    view = wait_for_step(ctx, sweep, 6)
-    slurm("scancel", job_id)
+    (view,) = orchestrate.status(ctx, sweep)
+    checkpoints = Path(view.record.run_dir) / "checkpoints"
+    deadline = time.time() + 120
+    while not any(checkpoints.glob("step_*.pt")):
+        assert time.time() < deadline, _job_logs(ctx)
+        time.sleep(0.05)
+    store = sqlite3.connect(tmp_path / "mlflow.db", isolation_level=None)
+    store.execute("BEGIN IMMEDIATE")
+    try:
+        slurm("scancel", job_id)
+        # sacct says CANCELLED at once; squeue says COMPLETING until KillWait's SIGKILL has landed
+        deadline = time.time() + 60
+        while slurm("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T").strip() != "CANCELLED":
+            assert time.time() < deadline, slurm("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T")
+            time.sleep(0.5)
+    finally:
+        store.execute("ROLLBACK")
+        store.close()
     (view,) = wait_until(ctx, sweep, all_in(RunState.CANCELLED), 60, "the cancelled state")
     assert view.record.status == "KILLED" and view.record.reason.startswith("cancelled")
     checkpoint = latest_checkpoint_step(view.record.run_dir)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,3 +145,69 @@ def test_base_model_cache_is_built_once_under_concurrency(tmp_path, monkeypatch)
     # deterministic: a second build from scratch gives the same weights
     again = real_warm_up("toy-small").state_dict()
     assert all(torch.equal(first[k], again[k]) for k in first)
+
+
+def _short_warm_up(monkeypatch: pytest.MonkeyPatch, steps: int = 3) -> None:
+    monkeypatch.setitem(
+        MODEL_PRESETS, "toy-small", dataclasses.replace(MODEL_PRESETS["toy-small"], warmup_steps=steps)
+    )
+
+
+def test_a_stale_or_corrupt_cache_entry_is_rebuilt(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PDMCTL_CACHE", str(tmp_path))
+    _short_warm_up(monkeypatch)
+    builds = []
+    real_warm_up = basemodel.warm_up
+    monkeypatch.setattr(basemodel, "warm_up", lambda name: builds.append(name) or real_warm_up(name))
+    path = basemodel.base_model_path("toy-small")
+    fresh = basemodel.load_base_model("toy-small").state_dict()
+    assert len(builds) == 1
+    good = path.read_bytes()
+    # an entry written under another key (older warm-up code) at this path, a truncated file, garbage
+    stale = {"key": "0" * 16, "state_dict": {k: torch.zeros_like(v) for k, v in fresh.items()}}
+    for damage in (lambda: torch.save(stale, path), lambda: path.write_bytes(good[: len(good) // 2]),
+                   lambda: path.write_bytes(b"not a model")):  # fmt: skip
+        damage()
+        rebuilt = basemodel.load_base_model("toy-small").state_dict()
+        assert all(torch.equal(fresh[k], rebuilt[k]) for k in fresh)
+        assert torch.load(path)["key"] == basemodel.cache_key("toy-small")
+    assert len(builds) == 4
+    basemodel.load_base_model("toy-small")  # a good entry is used as it is
+    assert len(builds) == 4
+
+
+def test_the_cache_key_covers_the_warm_up_code_and_the_torch_version(tmp_path, monkeypatch) -> None:
+    key = basemodel.cache_key("toy-small")
+    source = tmp_path / "basemodel.py"
+    source.write_text(Path(basemodel.__file__).read_text() + "\n# changed\n")
+    with monkeypatch.context() as patch:
+        patch.setattr(basemodel, "_CODE", (source, *basemodel._CODE[1:]))
+        assert basemodel.cache_key("toy-small") != key
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "__version__", "0.0.0")
+        assert basemodel.cache_key("toy-small") != key
+    _short_warm_up(monkeypatch)
+    assert basemodel.cache_key("toy-small") != key
+    monkeypatch.undo()
+    assert basemodel.cache_key("toy-small") == key
+
+
+_WARM_UP_DIGEST = """
+import dataclasses, hashlib, sys, torch
+from pdmctl.backends.toy import MODEL_PRESETS, basemodel
+torch.set_num_threads(int(sys.argv[1]))
+MODEL_PRESETS["toy-small"] = dataclasses.replace(MODEL_PRESETS["toy-small"], warmup_steps=20)
+state = basemodel.warm_up("toy-small").state_dict()
+assert torch.get_num_threads() == int(sys.argv[1])
+print(hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest())
+"""
+
+
+def test_the_warm_up_gives_the_same_weights_on_one_and_two_threads() -> None:
+    digests = {
+        threads: subprocess.run(
+            [sys.executable, "-c", _WARM_UP_DIGEST, str(threads)], capture_output=True, text=True, check=True
+        ).stdout
+        for threads in (1, 2)
+    }
+    assert digests[1] == digests[2] and len(digests[1].strip()) == 64

