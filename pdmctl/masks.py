@@ -543,8 +543,8 @@ def _tail_sums(
     """max z, z at the support's slots, Σ_{j∉S} e_j and Σ_{j∉S} e_j² (e_j = exp(z_j − max z)) per row.
 
     The support's columns are zeroed in each block of `e` before the sums, so the sums run over the
-    unseen tokens alone and keep float32's relative precision however small the tail is (the float64
-    reference differs by about 1e-7 of π_tail). One exp per logit serves both sums; blocks of
+    unseen tokens alone and keep float32's relative precision (about 1e-6) however small the tail is,
+    where 1 − Σ_S π_i would keep none of it. One exp per logit serves both sums; blocks of
     `_CHUNK_ELEMENTS` bound the scratch while each torch call does enough work to amortise its cost.
 
     With a `shard`, the row maximum is the group's (one MAX all-reduce of [N] before the blocks), the

@@ -12,6 +12,7 @@ spread). The simulation in tests/test_report_coverage.py checks both.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -127,18 +128,24 @@ def t_estimates(samples: Sequence[Sequence[float]], level: float) -> list[Estima
     return [Estimate(mean(s), len(s), iv) for s, iv in zip(samples, intervals, strict=True)]
 
 
-def welch_interval(x: Sequence[float], y: Sequence[float], level: float) -> Interval | None:
-    """Welch's t interval of mean(x) − mean(y) for independent samples; None below two values on a side.
+def welch_intervals(x: np.ndarray, y: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
+    """Welch's t interval of mean(x) − mean(y) for each row of independent samples (rows × n_x, rows × n_y,
+    both n >= 2). Two constant samples give the point itself (scipy answers NaN: zero variance, zero
+    degrees of freedom)."""
+    difference = x.mean(axis=-1) - y.mean(axis=-1)
+    constant = (np.ptp(x, axis=-1) == 0) & (np.ptp(y, axis=-1) == 0)
+    with warnings.catch_warnings():  # constant rows: scipy warns and answers NaN, replaced below
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ci = sps.ttest_ind(x, y, axis=-1, equal_var=False).confidence_interval(confidence_level=level)
+    return np.where(constant, difference, ci.low), np.where(constant, difference, ci.high)
 
-    Two constant samples give the point itself (scipy answers NaN: zero variance, zero degrees of freedom).
-    """
+
+def welch_interval(x: Sequence[float], y: Sequence[float], level: float) -> Interval | None:
+    """`welch_intervals` of one pair of samples; None below two values on a side."""
     if len(x) < 2 or len(y) < 2:
         return None
-    difference = mean(x) - mean(y)
-    if np.ptp(x) == 0 and np.ptp(y) == 0:
-        return Interval(difference, difference)
-    ci = sps.ttest_ind(x, y, equal_var=False).confidence_interval(confidence_level=level)
-    return Interval(float(ci.low), float(ci.high))
+    low, high = welch_intervals(np.asarray(x, dtype=float), np.asarray(y, dtype=float), level)
+    return Interval(float(low), float(high))
 
 
 def paired_difference(x: Sequence[float], y: Sequence[float], level: float = 0.95) -> Estimate:
