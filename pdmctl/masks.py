@@ -10,19 +10,25 @@ an estimator gives `Q_tail`; a method turns the token quantities into a keep
 mask; an aggregation mode turns token losses into a scalar. Adding one is
 adding a function with its decorator.
 
-Numerics: `compute_mask` reads the logits in one blocked pass that yields
-`log Σ exp z` and, for the `exact` estimator, `Σ_j π_j²` from the same
-exponentials; `log π` is then gathered at the support ids only, so it never
-allocates anything of size [N, V] (bfloat16 logits are widened to float32 a
-block at a time). `policy_loss` needs the full log-softmax for its gradient
-and shares it with the mask. Everything on the support ([N, K+1]) is computed
-in float64, which is cheap there and keeps `1 − Σ_S π_i` meaningful.
+Numerics: most tokens of a trained policy have `1 − π_k` between 1e-9 and 1e-5,
+below float32's resolution near 1, so `π_tail = 1 − Σ_S π_i` is never formed
+by that subtraction. One blocked pass over the logits sums `e_j = exp(z_j − max z)`
+over the unseen tokens only (the support's columns zeroed in the block), which
+gives `Σ_{j∉S} e_j` and, for the `exact` estimator, `Σ_{j∉S} e_j²` to float32's
+relative precision however small they are; the support's own `e_i` are taken
+from the logits in float64. Then, in float64, `Σ_j e_j = Σ_S e_i + Σ_{j∉S} e_j`,
+`log π_i = z_i − max z − log Σ_j e_j`, `π_tail = Σ_{j∉S} e_j / Σ_j e_j` and
+`Q_tail = Σ_{j∉S} e_j² / (Σ_j e_j)²`: no difference of nearly equal numbers
+anywhere. The pass allocates nothing of size [N, V] (bfloat16 logits are widened
+to float32 a block at a time). `policy_loss` takes its gradient through a
+log-softmax and its mask from the same pass as `compute_mask`, so both give the
+same `D` and `Ḋ`.
 
 Vocabulary-parallel logits (Megatron's tensor parallelism: each rank holds the
 columns `[start, start + V_local)`) go through the same code with a `VocabShard`:
-the row maximum and the sums `Σ exp z`, `Σ exp 2z` are all-reduced over the
-shard's process group, and `log π` at a support id is taken on the rank that owns
-the id and summed over the group, so every rank gets the whole-vocabulary answer.
+the row maximum and the tail sums are all-reduced over the shard's process group,
+and `z` at a support id is taken on the rank that owns the id and summed over the
+group, so every rank gets the whole-vocabulary answer.
 """
 
 from __future__ import annotations
@@ -54,9 +60,10 @@ class Support:
     mu: torch.Tensor  # μ_i on S (0 where not valid)
     log_pi: torch.Tensor  # log π_i (0 where not valid)
     log_mu: torch.Tensor  # log μ_i (0 where not valid)
+    log_pi_k: torch.Tensor  # [N] log π_k
     pi_k: torch.Tensor  # [N] π_k
     mu_k: torch.Tensor  # [N] μ_k as it enters D (the support's own value)
-    pi_tail: torch.Tensor  # [N] clamp(1 − Σ_S π_i, ε)
+    pi_tail: torch.Tensor  # [N] clamp(1 − Σ_S π_i, ε), summed over the unseen tokens (see Numerics)
     mu_tail: torch.Tensor  # [N] clamp(1 − Σ_S μ_i, ε)
     n_minus_m: torch.Tensor  # [N] unseen vocabulary size n − |S| (at least 1)
 
@@ -78,8 +85,9 @@ class DivergenceSpec:
 @dataclass(frozen=True)
 class EstimatorSpec:
     name: str
-    q_tail: Callable[[Support, torch.Tensor | None], torch.Tensor]  # (support, Σ_j π_j² or None) -> Q_tail
-    needs_full_q: bool  # needs Σ_j π_j² over the whole vocabulary
+    # (support, Σ_{j∉S} π_j² or None) -> Q_tail
+    q_tail: Callable[[Support, torch.Tensor | None], torch.Tensor]
+    needs_tail_sum_sq: bool  # needs Σ_{j∉S} π_j², a reduction over the whole vocabulary
 
 
 @dataclass(frozen=True)
@@ -124,9 +132,9 @@ def register_divergence(name: str, family: str, support: str) -> None:
     DIVERGENCES[name] = DivergenceSpec(name, FAMILIES[family], support)
 
 
-def register_estimator(name: str, *, needs_full_q: bool = False):
+def register_estimator(name: str, *, needs_tail_sum_sq: bool = False):
     def wrap(fn):
-        ESTIMATORS[name] = EstimatorSpec(name, fn, needs_full_q)
+        ESTIMATORS[name] = EstimatorSpec(name, fn, needs_tail_sum_sq)
         return fn
 
     return wrap
@@ -203,19 +211,19 @@ register_divergence("binary_tv", "tv", "binary")  # S = {k}: |μ_k − π_k|
 
 
 @register_estimator("agg")
-def _q_tail_agg(s: Support, q_full: torch.Tensor | None) -> torch.Tensor:
+def _q_tail_agg(s: Support, tail_sum_sq: torch.Tensor | None) -> torch.Tensor:
     return s.pi_tail**2  # the tail as one token (an upper bound)
 
 
 @register_estimator("uni")
-def _q_tail_uni(s: Support, q_full: torch.Tensor | None) -> torch.Tensor:
+def _q_tail_uni(s: Support, tail_sum_sq: torch.Tensor | None) -> torch.Tensor:
     return s.pi_tail**2 / s.n_minus_m  # the tail spread evenly (a lower bound)
 
 
-@register_estimator("exact", needs_full_q=True)
-def _q_tail_exact(s: Support, q_full: torch.Tensor | None) -> torch.Tensor:
-    assert q_full is not None
-    return (q_full - (s.pi * s.pi).sum(-1)).clamp_min(0.0)  # Σ_j π_j² − Σ_S π_i²
+@register_estimator("exact", needs_tail_sum_sq=True)
+def _q_tail_exact(s: Support, tail_sum_sq: torch.Tensor | None) -> torch.Tensor:
+    assert tail_sum_sq is not None
+    return tail_sum_sq  # Σ_{j∉S} π_j², summed directly (not as Σ_j π_j² − Σ_S π_i², which cancels)
 
 
 # ---------------------------------------------------------------------------
@@ -352,20 +360,15 @@ def token_diagnostics(
     delta_low: float | None = None,
     eps_low: float = 0.2,
     eps_high: float = 0.28,
-    log_probs: torch.Tensor | None = None,
     shard: VocabShard | None = None,
 ) -> Diagnostics:
     """D, Ḋ, r and the keep mask for every token, computed whatever the method.
 
-    `log_probs` may carry an already computed `log_softmax(logits)` (float32,
-    detached) so that a caller who needs it for the loss does not pay twice.
     With `shard`, `logits` is this process's slice of a vocabulary-parallel row
     (ids stay global) and the result is the whole vocabulary's, on every process.
     """
     _check_names(method, divergence, estimator)
     if shard is not None:
-        if log_probs is not None:
-            raise ValueError("log_probs: not supported with a vocabulary shard")
         _check_shard(logits, shard)
     vocab = logits.shape[-1] if shard is None else shard.vocab_size
     _check_inputs(logits, vocab, sampled_ids, rollout_topk_ids, rollout_topk_logprobs, rollout_sampled_logprobs,
@@ -373,26 +376,16 @@ def token_diagnostics(
     div = DIVERGENCES[divergence]
     est = ESTIMATORS[estimator]
     with torch.no_grad():
-        if log_probs is None:  # one chunked pass over the logits: log Σ exp z and, if needed, Σ π²
-            log_z, q_full = _row_stats(logits, need_q=est.needs_full_q, shard=shard)
-            log_probs = (
-                _LogProbsAt(logits, log_z) if shard is None else _ShardLogProbsAt(logits, log_z, shard)
-            )
-        else:
-            q_full = _sum_sq_probs(log_probs) if est.needs_full_q else None
-        log_pi_k = log_probs.gather(-1, sampled_ids.unsqueeze(-1)).squeeze(-1)
-        if torch.isnan(log_pi_k).any():  # a NaN anywhere in a row makes its whole log-softmax NaN
-            raise ValueError("logits: contains NaN or +inf")
-        s = _support(log_probs, log_pi_k, sampled_ids, rollout_topk_ids, rollout_topk_logprobs,
-                     rollout_sampled_logprobs, div.support)  # fmt: skip
-        q_tail = est.q_tail(s, q_full)
+        s, tail_sum_sq = token_support(
+            logits, sampled_ids, rollout_topk_ids, rollout_topk_logprobs, rollout_sampled_logprobs, div.support,
+            need_tail_sum_sq=est.needs_tail_sum_sq, shard=shard,
+        )  # fmt: skip
+        q_tail = est.q_tail(s, tail_sum_sq)
         q = (s.pi * s.pi).sum(-1) + q_tail  # Q = Σ_S π_i² + Q_tail
         d_value = div.family.divergence(s)
         ddot = div.family.ddot(s, q_tail, q)
 
-        log_ratio = (log_pi_k.double() - rollout_sampled_logprobs.double()).clamp(
-            -_MAX_LOG_RATIO, _MAX_LOG_RATIO
-        )
+        log_ratio = (s.log_pi_k - rollout_sampled_logprobs.double()).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         ratio = log_ratio.exp()
         adv = advantages.double()
         delta_high = float(delta)
@@ -446,14 +439,15 @@ def policy_loss(
         raise ValueError(f"response_mask: shape {tuple(response_mask.shape)} != sampled_ids {tuple(shape)}")
     vocab = logits.shape[-1]
     k = rollout_topk_ids.shape[-1]
-    log_probs = torch.log_softmax(logits.reshape(-1, vocab), dim=-1, dtype=_work_dtype(logits))
     flat_ids = sampled_ids.reshape(-1)
     d = token_diagnostics(
-        logits.reshape(-1, vocab), flat_ids, rollout_topk_ids.reshape(-1, k),
+        logits.detach().reshape(-1, vocab), flat_ids, rollout_topk_ids.reshape(-1, k),
         rollout_topk_logprobs.reshape(-1, k), rollout_sampled_logprobs.reshape(-1), advantages.reshape(-1),
         method=method, divergence=divergence, estimator=estimator, delta=delta, delta_low=delta_low,
-        eps_low=eps_low, eps_high=eps_high, log_probs=log_probs.detach(),
+        eps_low=eps_low, eps_high=eps_high,
     )  # fmt: skip
+    # the gradient's log π_k: a float32 log-softmax is exact enough for e_k − π, not for 1 − π_k (the mask's)
+    log_probs = torch.log_softmax(logits.reshape(-1, vocab), dim=-1, dtype=_work_dtype(logits))
     log_pi_k = log_probs.gather(-1, flat_ids.unsqueeze(-1)).squeeze(-1)
     weight = (
         advantages.reshape(-1).float() * d.ratio.clamp(max=ratio_cap) * d.keep.float()
@@ -485,16 +479,18 @@ def update_metrics(d: Diagnostics, response_mask: torch.Tensor) -> dict[str, flo
 # ---------------------------------------------------------------------------
 
 
-def _support(
-    log_probs: torch.Tensor,
-    log_pi_k: torch.Tensor,
+def token_support(
+    logits: torch.Tensor,
     sampled_ids: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_logprobs: torch.Tensor,
     sampled_logprobs: torch.Tensor,
     kind: str,
-) -> Support:
-    vocab = log_probs.shape[-1]  # the whole vocabulary, for a shard too
+    *,
+    need_tail_sum_sq: bool,
+    shard: VocabShard | None = None,
+) -> tuple[Support, torch.Tensor | None]:
+    """The support's quantities and, if asked, Σ_{j∉S} π_j² (float64 [N]), from one pass over the logits."""
     k_col = sampled_ids.unsqueeze(-1)
     if kind == "binary":  # S = {k}
         ids, log_mu = k_col, sampled_logprobs.unsqueeze(-1).double()
@@ -505,26 +501,35 @@ def _support(
         ids = torch.cat([torch.where(valid_topk, topk_ids, 0), k_col], dim=-1)
         log_mu = torch.cat([topk_logprobs, sampled_logprobs.unsqueeze(-1)], dim=-1).double()
         valid = torch.cat([valid_topk, ~k_in_topk], dim=-1)
-    is_k = valid & (ids == k_col)
-    zero = torch.zeros((), dtype=torch.float64, device=log_probs.device)
-    log_pi = torch.where(valid, log_probs.gather(-1, ids).double(), zero)
+    # the last slot holds k in both layouts (a member of S or, when k ∈ TopK, a copy of one)
+    top, z_support, tail_sum, tail_sum_sq = _tail_sums(logits, ids, valid, need_tail_sum_sq, shard)
+    if torch.isnan(top).any() or torch.isnan(tail_sum).any():  # NaN, or +inf − +inf, in some row
+        raise ValueError("logits: contains NaN or +inf")
+    zero = torch.zeros((), dtype=torch.float64, device=logits.device)
+    e_support = torch.where(valid, (z_support - top[:, None]).exp(), zero)  # e_i = exp(z_i − max z), i ∈ S
+    total = e_support.sum(-1) + tail_sum  # Σ_j e_j = Σ_S e_i + Σ_{j∉S} e_j
+    log_pi_all = z_support - top[:, None] - total.log()[:, None]  # log π_i = z_i − log Σ_j exp z_j
+    log_pi = torch.where(valid, log_pi_all, zero)
     log_mu = torch.where(valid, log_mu, zero)
     pi = torch.where(valid, log_pi.exp(), zero)
     mu = torch.where(valid, log_mu.exp(), zero)
-    m = valid.sum(-1)
-    return Support(
+    is_k = valid & (ids == k_col)
+    vocab = logits.shape[-1] if shard is None else shard.vocab_size
+    support = Support(
         valid=valid,
         is_k=is_k,
         pi=pi,
         mu=mu,
         log_pi=log_pi,
         log_mu=log_mu,
-        pi_k=log_pi_k.double().exp(),
+        log_pi_k=log_pi_all[:, -1],
+        pi_k=log_pi_all[:, -1].exp(),
         mu_k=(mu * is_k).sum(-1),
-        pi_tail=(1.0 - pi.sum(-1)).clamp_min(EPS),
-        mu_tail=(1.0 - mu.sum(-1)).clamp_min(EPS),
-        n_minus_m=(vocab - m).clamp_min(1).double(),
+        pi_tail=(tail_sum / total).clamp_min(EPS),  # Σ_{j∉S} π_j = 1 − Σ_S π_i without the cancellation
+        mu_tail=(1.0 - mu.sum(-1)).clamp_min(EPS),  # μ is known on S only
+        n_minus_m=(vocab - valid.sum(-1)).clamp_min(1).double(),
     )
+    return support, (tail_sum_sq / total**2 if need_tail_sum_sq else None)
 
 
 def _work_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -532,96 +537,58 @@ def _work_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-class _LogProbsAt:
-    """log π at chosen ids from the logits and log Σ exp z: a log-softmax without its [N, V] output."""
+def _tail_sums(
+    logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, need_sq: bool, shard: VocabShard | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """max z, z at the support's slots, Σ_{j∉S} e_j and Σ_{j∉S} e_j² (e_j = exp(z_j − max z)) per row.
 
-    def __init__(self, logits: torch.Tensor, log_z: torch.Tensor) -> None:
-        self.logits, self.log_z = logits, log_z
-        self.shape = logits.shape
-        self.device = logits.device
+    The support's columns are zeroed in each block of `e` before the sums, so the sums run over the
+    unseen tokens alone and keep float32's relative precision (about 1e-6) however small the tail is,
+    where 1 − Σ_S π_i would keep none of it. One exp per logit serves both sums; blocks of
+    `_CHUNK_ELEMENTS` bound the scratch while each torch call does enough work to amortise its cost.
 
-    def gather(self, dim: int, index: torch.Tensor) -> torch.Tensor:
-        return self.logits.gather(dim, index).to(self.log_z.dtype) - self.log_z.unsqueeze(-1)
-
-
-class _ShardLogProbsAt(_LogProbsAt):
-    """log π at global ids from one vocabulary shard: the owner's value, summed over the group."""
-
-    def __init__(self, logits: torch.Tensor, log_z: torch.Tensor, shard: VocabShard) -> None:
-        super().__init__(logits, log_z)
-        self.shard = shard
-        self.shape = torch.Size((*logits.shape[:-1], shard.vocab_size))
-
-    def gather(self, dim: int, index: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        local = index - self.shard.start
-        owned = (local >= 0) & (local < self.logits.shape[-1])
-        values = super().gather(dim, torch.where(owned, local, 0))
-        values = torch.where(owned, values, torch.zeros((), dtype=values.dtype, device=values.device))
-        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.shard.group)
-        return values
-
-
-def _row_stats(
-    logits: torch.Tensor, *, need_q: bool, shard: VocabShard | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log Σ_j exp z_j and Q = Σ_j π_j² per row, through one reused block of scratch.
-
-    One exp per logit serves both: with e = exp(z − max z), log Σ exp z = max z + log Σ e and
-    Q = Σ e² / (Σ e)². Blocks of `_CHUNK_ELEMENTS` keep the scratch bounded (and mostly in
-    cache) while each torch call still does enough work to amortise its fixed cost.
-
-    With a `shard` the row maximum is the group's (one MAX all-reduce of [N], before the
-    blocks) and the shard's Σ e, Σ e² are summed over the group (one SUM all-reduce of [N, 2]).
+    With a `shard`, the row maximum is the group's (one MAX all-reduce of [N] before the blocks), the
+    support's logits come from the ranks that own them and the sums are the group's (one SUM
+    all-reduce of [N, m + 2]); every rank returns the same values.
     """
-    n, vocab = logits.shape
+    n, width = logits.shape
     dtype = _work_dtype(logits)
-    rows = max(1, min(n, _CHUNK_ELEMENTS // max(vocab, 1)))
+    named = valid.clone()
+    named[:, -1] = True  # k's slot: a member of S or a copy of one, and where log π_k is read
+    local = ids - (0 if shard is None else shard.start)
+    owned = named & (local >= 0) & (local < width)
+    local = torch.where(owned, local, 0)
+    # multiplying by 0 at the owned support columns (by 1 elsewhere) zeroes them whatever the duplicates
+    unseen = (~owned).to(dtype)
+    z_support = torch.zeros(ids.shape, dtype=torch.float64, device=logits.device)
+    if width:
+        z_support = torch.where(owned, logits.gather(-1, local).double(), z_support)
+    rows = max(1, min(n, _CHUNK_ELEMENTS // max(width, 1)))
     if shard is None:
         top = torch.empty(n, dtype=dtype, device=logits.device)  # filled block by block, in cache
     else:
         import torch.distributed as dist
 
-        top = (
-            logits.amax(-1).to(dtype)
-            if vocab
-            else torch.full((n,), -torch.inf, dtype=dtype, device=logits.device)
-        )
+        top = logits.amax(-1).to(dtype) if width else torch.full((n,), -torch.inf, dtype=dtype,
+                                                                 device=logits.device)  # fmt: skip
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=shard.group)
-    sums = torch.zeros(n, 2, dtype=torch.float64, device=logits.device)  # Σ e, Σ e²
-    scratch = torch.empty(rows, vocab, dtype=dtype, device=logits.device)
-    for start in range(0, n if vocab else 0, rows):
-        z = logits[start : start + rows]
+    sums = torch.zeros(n, 2, dtype=torch.float64, device=logits.device)  # Σ_{j∉S} e_j, Σ_{j∉S} e_j²
+    scratch = torch.empty(rows, width, dtype=dtype, device=logits.device)
+    for start in range(0, n if width else 0, rows):
+        block = slice(start, start + rows)
+        z = logits[block]
         if shard is None:
-            top[start : start + rows] = z.amax(-1).to(dtype)
-        t = top[start : start + rows, None]
-        e = torch.sub(z, t, out=scratch[: z.shape[0]]).exp_()  # widens bfloat16 into the float32 block
-        sums[start : start + rows, 0] = e.sum(-1).double()
-        if need_q:
-            sums[start : start + rows, 1] = torch.linalg.vector_norm(e, dim=-1).double() ** 2
+            top[block] = z.amax(-1).to(dtype)
+        e = torch.sub(z, top[block, None], out=scratch[: z.shape[0]]).exp_()  # widens bfloat16 in the block
+        e.scatter_reduce_(-1, local[block], unseen[block], reduce="prod")
+        sums[block, 0] = e.sum(-1).double()
+        if need_sq:
+            sums[block, 1] = torch.linalg.vector_norm(e, dim=-1).double() ** 2
     if shard is not None:
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=shard.group)
-    log_z = (top.double() + sums[:, 0].log()).to(dtype)
-    return log_z, (sums[:, 1] / sums[:, 0] ** 2 if need_q else None)
-
-
-def _sum_sq_probs(log_probs: torch.Tensor) -> torch.Tensor:
-    """Q = Σ_j π_j² over the whole vocabulary, float64 [N].
-
-    Reduced in blocks of rows through one reused scratch buffer of at most
-    `_CHUNK_ELEMENTS` (64 MB of float32), never a second [N, V] tensor; blocks
-    are large because each torch call has a fixed cost.
-    """
-    n, vocab = log_probs.shape
-    rows = max(1, min(n, _CHUNK_ELEMENTS // max(vocab, 1)))
-    out = torch.empty(n, dtype=torch.float64, device=log_probs.device)
-    scratch = torch.empty(rows, vocab, dtype=log_probs.dtype, device=log_probs.device)
-    for start in range(0, n, rows):
-        block = log_probs[start : start + rows]
-        probs = torch.exp(block, out=scratch[: block.shape[0]])
-        out[start : start + rows] = torch.linalg.vector_norm(probs, dim=-1).double() ** 2
-    return out
+        gathered = torch.cat([sums, z_support], dim=-1)
+        dist.all_reduce(gathered, op=dist.ReduceOp.SUM, group=shard.group)
+        sums, z_support = gathered[:, :2], gathered[:, 2:]
+    return top.double(), z_support, sums[:, 0], sums[:, 1]
 
 
 def _check_names(method: str, divergence: str, estimator: str) -> None:

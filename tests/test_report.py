@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import html
 import io
 import json
 import math
@@ -23,10 +24,13 @@ from pdmctl.report.stats import (
     Estimate,
     Interval,
     format_estimate,
+    paired_difference,
     probability_of_improvement,
     probability_of_improvement_paired,
     select_steps,
+    t_estimates,
     values_at,
+    welch_interval,
 )
 from pdmctl.report.tables import comparison_csv, excluded_table, results_csv, results_table
 from pdmctl.report.write import write_report
@@ -100,12 +104,34 @@ def test_paired_difference_interval_equals_scipy_paired_bootstrap() -> None:
 def test_hand_computed_interval_two_seeds() -> None:
     # resampling two seeds [0.2, 0.4]: means 0.2 (p=1/4), 0.3 (1/2), 0.4 (1/4); the 2.5% and 97.5% quantiles
     # of that distribution are its ends, so the 95% percentile interval is [0.2, 0.4] around the mean 0.3
-    estimate = resample.seed_interval([0.2, 0.4], Confidence(resamples=10000, seed=0))
+    estimate = resample.seed_interval([0.2, 0.4], Confidence(method="percentile", resamples=10000, seed=0))
     assert estimate.mean == pytest.approx(0.3)
     assert estimate.interval == Interval(pytest.approx(0.2), pytest.approx(0.4))
     # constant data: BCa is undefined there, the fallback gives the value itself, not NaN
     constant = resample.seed_interval([0.5, 0.5, 0.5], Confidence(method="bca", resamples=500))
     assert constant.interval == Interval(pytest.approx(0.5), pytest.approx(0.5))
+
+
+def test_t_intervals_equal_scipy_and_hand_computed() -> None:
+    # two seeds [0.2, 0.4]: s = 0.1414, t(1, 0.975) = 12.706, half-width 12.706 · 0.1414 / √2 = 1.2706
+    (two,) = t_estimates([[0.2, 0.4]], 0.95)
+    assert two.interval == Interval(pytest.approx(0.3 - 1.27062), pytest.approx(0.3 + 1.27062))
+    rng = np.random.default_rng(4)
+    samples = [list(rng.random(5)), list(rng.random(3)), list(rng.random(5)), [0.4], []]
+    for sample, estimate in zip(samples, t_estimates(samples, 0.9), strict=True):
+        if len(sample) < 2:
+            assert estimate.interval is None
+            continue
+        ref = sps.ttest_1samp(sample, 0.0).confidence_interval(confidence_level=0.9)
+        assert estimate.interval == Interval(pytest.approx(ref.low), pytest.approx(ref.high))
+    x, y = rng.random(4), rng.random(6)
+    ref = sps.ttest_ind(x, y, equal_var=False).confidence_interval(confidence_level=0.95)
+    assert welch_interval(list(x), list(y), 0.95) == Interval(pytest.approx(ref.low), pytest.approx(ref.high))
+    assert welch_interval([0.3, 0.3], [0.1, 0.1], 0.95) == Interval(pytest.approx(0.2), pytest.approx(0.2))
+    paired = paired_difference(list(x), list(rng.random(4)))
+    assert paired.n == 4 and paired.interval is not None
+    with pytest.raises(ValueError, match="pairs need equal lengths"):
+        paired_difference([0.1, 0.2], [0.1])
 
 
 def test_hand_computed_probability_of_improvement_and_formatting() -> None:
@@ -194,12 +220,17 @@ def test_known_paired_difference_is_recovered(store: str) -> None:
         assert cell.difference.interval is not None
         assert cell.difference.interval.low < truth < cell.difference.interval.high
         assert cell.difference.interval.low > 0  # the seed effect cancels in the pairs
-    # the baseline's table cell is exactly scipy's interval on its eight final values
+    # the baseline's table cell is exactly scipy's t interval on its eight final values (the default) ...
     dppo = next(r for r in report.rows if r.row.mask == "dppo_topk_kl")
     values = np.array([baseline_values[s][0] for s in range(8)])
+    ref = sps.ttest_1samp(values, 0.0).confidence_interval(confidence_level=0.95)
+    assert dppo.cells["AIME24"].mean == pytest.approx(values.mean())
+    assert dppo.cells["AIME24"].interval == Interval(pytest.approx(ref.low), pytest.approx(ref.high))
+    # ... and scipy's percentile bootstrap with --interval percentile
+    report = build_report(sweep.ledger, ["paired"], definition(interval="percentile"))
+    dppo = next(r for r in report.rows if r.row.mask == "dppo_topk_kl")
     ref = sps.bootstrap((values,), np.mean, n_resamples=10000, method="percentile",
                         rng=np.random.default_rng(0)).confidence_interval  # fmt: skip
-    assert dppo.cells["AIME24"].mean == pytest.approx(values.mean())
     assert dppo.cells["AIME24"].interval == Interval(pytest.approx(ref.low), pytest.approx(ref.high))
     assert report.queries <= 6  # a few bulk statements, not one per run
 
@@ -343,9 +374,9 @@ def test_direction_analysis_table(store: str, tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _small_sweep(store: str) -> str:
-    make_sweep(store, "cli-other", ["mask=pdm_agg", "seed=0"])  # a second sweep: a bare `report` must ask
-    sweep = make_sweep(store, "cli", ["mask=pdm_agg,dppo_topk_kl", "seed=0,1"])
+def _small_sweep(store: str, name: str = "cli") -> str:
+    make_sweep(store, f"{name}-other", ["mask=pdm_agg", "seed=0"])  # a second sweep: a bare `report` must ask
+    sweep = make_sweep(store, name, ["mask=pdm_agg,dppo_topk_kl", "seed=0,1"])
     for rid, spec in sweep.specs.items():
         log_evals(sweep, rid, (0.3 + 0.02 * spec.seed, 0.25))
     finish(sweep.ledger, list(sweep.specs))
@@ -378,6 +409,38 @@ def test_report_command_writes_every_output_and_rejects_mistakes_in_one_line(sto
     (tmp_path / "empty").mkdir()
     missing = runner.invoke(app, ["report", "--tracking-uri", uri_in(tmp_path / "empty")])
     assert missing.exit_code == 2 and "no ledger" in missing.output
+
+
+def test_every_table_and_figure_names_its_interval(store: str, tmp_path: Path, monkeypatch) -> None:
+    from pdmctl.cli import app
+    from pdmctl.report import plots
+
+    uri = _small_sweep(store, "names")
+    titles: list[str] = []
+    draw = plots._panels
+    monkeypatch.setattr(plots, "_panels", lambda title, *a: titles.append(title) or draw(title, *a))
+    for flag, name, sentence in (([], "95% t", "Student's t interval over seeds"),
+                                 (["--interval", "percentile"], "95% percentile bootstrap",
+                                  "percentile bootstrap over seeds")):  # fmt: skip
+        out = tmp_path / name
+        titles.clear()
+        result = CliRunner().invoke(app, ["report", "names", "--tracking-uri", uri, "--out", str(out), *flag])
+        assert result.exit_code == 0, result.output
+        terminal = " ".join(result.output.split())  # rich wraps the captions
+        assert terminal.count(f"{name} intervals") == 2  # the results and the comparison table
+        assert sentence in terminal
+        for page in ("results.md", "index.html", "results.tex"):
+            text = html.unescape((out / page).read_text()).replace("\\%", "%")
+            assert text.count(f"{name} intervals") == 2 and sentence in text, page
+        assert titles and all(title.endswith(f"{name} band") for title in titles)  # drawn into every PNG
+        md = (out / "results.md").read_text()
+        # every figure's alt text and caption
+        assert md.count(f"band = the 95% {sentence}") == 2 * len(titles)
+        for table in ("results.csv", "comparison.csv"):
+            rows = list(csv.DictReader(io.StringIO((out / table).read_text())))
+            assert rows and all(r["interval"].startswith(name) for r in rows), table
+    bad = CliRunner().invoke(app, ["report", "names", "--tracking-uri", uri, "--interval", "basic"])
+    assert bad.exit_code == 2 and "--interval: 'basic'" in bad.output
 
 
 def test_report_needs_a_sweep_name_when_the_ledger_has_several(tmp_path, monkeypatch) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from pdmctl.ledger import Ledger, load_per_problem
-from pdmctl.report import resample
+from pdmctl.report import intervals, resample
 from pdmctl.report.collect import Collected, Exclusion, RowKey, RunPoint, collect
 from pdmctl.report.definition import Definition, ReportError
 from pdmctl.report.stats import Comparison, Estimate, Series, mean, probability_of_improvement_paired
@@ -111,12 +111,12 @@ def _run_values(point: RunPoint, labels: Sequence[str], average: str | None) -> 
 
 
 def table_rows(data: Collected, definition: Definition, labels: Sequence[str]) -> list[TableRow]:
-    """Every row of the report with its mean and seed-bootstrap interval per column (one batch per size)."""
+    """Every row of the report with its mean and seed interval per column (one batch per size)."""
     samples = []
     for row in data.rows:
         values = [_run_values(p, labels, definition.average) for p in data.by_row[row]]
         samples += [[v[label] for v in values] for label in labels]
-    estimates = iter(resample.seed_intervals(samples, definition.confidence))
+    estimates = iter(intervals.seed_intervals(samples, definition.confidence))
     return [TableRow(row, tuple(p.seed for p in data.by_row[row]), {label: next(estimates) for label in labels})
             for row in data.rows]  # fmt: skip
 
@@ -170,7 +170,7 @@ def baseline_row(row: RowKey, candidates: Sequence[RowKey], baseline: str) -> Ro
 def comparisons(data: Collected, definition: Definition, labels: Sequence[str]) -> list[ComparisonRow]:
     """Each mask's rows against the baseline's: paired on the seeds both have, unpaired when none match.
 
-    The paired differences of every row and column go to the bootstrap in one batch per size."""
+    The paired differences of every row and column get their intervals in one batch per size."""
     with_points = [row for row in data.rows if data.by_row[row]]
     pairs, unpaired = [], []
     for row in with_points:
@@ -185,7 +185,9 @@ def comparisons(data: Collected, definition: Definition, labels: Sequence[str]) 
         (pairs if matched else unpaired).append((row, base, matched, mine, theirs))
     differences = [[mine[s][label] - theirs[s][label] for s in matched]
                    for _, _, matched, mine, theirs in pairs for label in labels]  # fmt: skip
-    results = iter(zip(differences, resample.seed_intervals(differences, definition.confidence), strict=True))
+    results = iter(
+        zip(differences, intervals.seed_intervals(differences, definition.confidence), strict=True)
+    )
     out = {}
     for row, base, matched, _, _ in pairs:
         cells = {}
@@ -194,8 +196,8 @@ def comparisons(data: Collected, definition: Definition, labels: Sequence[str]) 
             cells[label] = Comparison(estimate, probability_of_improvement_paired(d), True, len(matched))
         out[row] = ComparisonRow(row, base, matched, cells)
     for row, base, _, mine, theirs in unpaired:
-        cells = {label: resample.compare_unpaired([v[label] for v in mine.values()],
-                                                  [v[label] for v in theirs.values()], definition.confidence)
+        cells = {label: intervals.compare_unpaired([v[label] for v in mine.values()],
+                                                   [v[label] for v in theirs.values()], definition.confidence)
                  for label in labels}  # fmt: skip
         out[row] = ComparisonRow(row, base, (), cells)
     return [out[row] for row in with_points if row in out]
@@ -260,7 +262,7 @@ def curves(
                 series = [run.get(panel.metric) for run in runs]
                 if all(series):
                     pending.append((setting, "dynamics", panel.label, key, *aligned(series)))
-    computed = resample.bands([values for *_, values in pending], definition.confidence.for_bands)
+    computed = intervals.bands([values for *_, values in pending], definition.confidence.for_bands)
     panels: dict[tuple[str, str], dict[str, list[Line]]] = defaultdict(lambda: defaultdict(list))
     for (setting, kind, label, key, steps, values), (centre, low, high) in zip(
         pending, computed, strict=True

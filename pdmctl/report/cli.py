@@ -28,6 +28,14 @@ def report(
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Output directory (default: reports/<sweep>/).")
     ] = None,
+    interval: Annotated[
+        str | None,
+        typer.Option(
+            "--interval",
+            help="Seed interval: t (Student's; Welch's unpaired), percentile or bca (bootstrap over seeds; "
+            "undercovers with few seeds). Default: the definition's, t.",
+        ),
+    ] = None,
     two_level: Annotated[
         bool,
         typer.Option("--two-level", help="Bootstrap over seeds and problems where per-problem scores exist."),
@@ -62,7 +70,7 @@ def report(
 
     with _guard():
         try:
-            spec = load_definition(definition).with_options(at=at, baseline=baseline)
+            spec = load_definition(definition).with_options(at=at, baseline=baseline, interval=interval)
         except ReportError as exc:
             fail(str(exc))
         ctx = make_context(cluster, tracking_uri)

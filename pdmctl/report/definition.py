@@ -12,7 +12,8 @@ from pdmctl.yamlfiles import load_named
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent.parent
 REPORT_DIR = Path(os.environ.get("PDMCTL_REPORT_DIR", PROJECT_DIR / "reports"))
-CI_METHODS = ("percentile", "bca")
+T_METHOD = "t"  # Student's t (Welch's for unpaired differences); the others are scipy.stats.bootstrap's
+CI_METHODS = (T_METHOD, "percentile", "bca")
 _LAST_N = re.compile(r"^last-([1-9][0-9]*)$")
 
 
@@ -37,7 +38,7 @@ class Panel:
 @dataclass(frozen=True)
 class Confidence:
     level: float = 0.95
-    method: str = "percentile"
+    method: str = T_METHOD
     resamples: int = 10000
     seed: int = 0
     band_resamples: int = 2000  # per step of a learning curve's band (hundreds of steps per line)
@@ -90,11 +91,16 @@ class Definition:
     def eval_metrics(self) -> tuple[str, ...]:
         return tuple(m for c in self.columns for m in c.metrics)
 
-    def with_options(self, *, at: str | None = None, baseline: str | None = None) -> Definition:
+    def with_options(
+        self, *, at: str | None = None, baseline: str | None = None, interval: str | None = None
+    ) -> Definition:
+        if interval is not None and interval not in CI_METHODS:
+            raise ReportError(f"--interval: {interval!r} is not one of {', '.join(CI_METHODS)}")
         return replace(
             self,
             at=At.parse(at) if at is not None else self.at,
             baseline=baseline if baseline is not None else self.baseline,
+            confidence=replace(self.confidence, method=interval) if interval is not None else self.confidence,
         )
 
 

@@ -63,11 +63,12 @@ def _panels(title: str, panels: Mapping[str, list[Line]], colour: Mapping[RowKey
     return buf.getvalue()
 
 
-def curve_figure(curves: SettingCurves) -> bytes:
-    title = f"{curves.setting}: held-out avg@16, mean over seeds and 95% band"
+def curve_figure(curves: SettingCurves, band: str) -> bytes:
+    """`band` names the interval drawn around each line (e.g. `95% t band`); it goes into the title."""
+    title = f"{curves.setting}: held-out avg@16, mean over seeds and {band}"
     return _panels(title, curves.eval_panels, colours(curves.rows), 100.0, "avg@16 (%)")
 
 
-def dynamics_figure(curves: SettingCurves) -> bytes:
-    title = f"{curves.setting}: training dynamics, mean over seeds and 95% band"
+def dynamics_figure(curves: SettingCurves, band: str) -> bytes:
+    title = f"{curves.setting}: training dynamics, mean over seeds and {band}"
     return _panels(title, curves.dynamics_panels, colours(curves.rows), 1.0, "")

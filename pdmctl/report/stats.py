@@ -1,15 +1,24 @@
 """The report's statistics as small pure functions: no resampling (see `resample`), no I/O, no plotting.
 
 Values are avg@16 fractions in [0, 1]; the tables print them as percentages.
+
+The default interval is Student's t: for the mean of n seeds, `mean ± t_{n−1, 1−α/2} · s / √n`; for a
+paired comparison the same on the per-seed differences; for an unpaired one Welch's interval. With
+normal seed-to-seed noise they cover at their level for every n ≥ 2, where a percentile bootstrap over
+3 to 10 seeds covers 73 to 90% at a nominal 95% (it resamples a sample too small to show its own
+spread). The simulation in tests/test_report_coverage.py checks both.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import stats as sps
 
 from pdmctl.report.definition import At
 
@@ -94,6 +103,57 @@ def probability_of_improvement(x: Sequence[float], y: Sequence[float]) -> float:
     """P(X > Y) over all pairs of runs (Mann-Whitney's U / (n m), rliable's definition); a tie counts half."""
     a, b = np.asarray(x, dtype=float)[:, None], np.asarray(y, dtype=float)[None, :]
     return float(np.mean((a > b) + 0.5 * (a == b))) if a.size and b.size else math.nan
+
+
+def t_intervals(samples: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
+    """Student's t interval of the mean of each row of `samples` (rows × n values, n >= 2)."""
+    n = samples.shape[-1]
+    centre = samples.mean(axis=-1)
+    half = sps.t.ppf(0.5 + level / 2, n - 1) * samples.std(axis=-1, ddof=1) / math.sqrt(n)
+    return centre - half, centre + half
+
+
+def t_estimates(samples: Sequence[Sequence[float]], level: float) -> list[Estimate]:
+    """Mean and t interval of each sample (of any sizes, one vectorised call per size); n/a (None) below
+    two values."""
+    by_size: dict[int, list[int]] = defaultdict(list)
+    for i, sample in enumerate(samples):
+        by_size[len(sample)].append(i)
+    intervals: list[Interval | None] = [None] * len(samples)
+    for size, idx in by_size.items():
+        if size >= 2:
+            low, high = t_intervals(np.array([samples[i] for i in idx], dtype=float), level)
+            for i, lo, hi in zip(idx, low.tolist(), high.tolist(), strict=True):
+                intervals[i] = Interval(lo, hi)
+    return [Estimate(mean(s), len(s), iv) for s, iv in zip(samples, intervals, strict=True)]
+
+
+def welch_intervals(x: np.ndarray, y: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
+    """Welch's t interval of mean(x) − mean(y) for each row of independent samples (rows × n_x, rows × n_y,
+    both n >= 2). Two constant samples give the point itself (scipy answers NaN: zero variance, zero
+    degrees of freedom)."""
+    difference = x.mean(axis=-1) - y.mean(axis=-1)
+    constant = (np.ptp(x, axis=-1) == 0) & (np.ptp(y, axis=-1) == 0)
+    with warnings.catch_warnings():  # constant rows: scipy warns and answers NaN, replaced below
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ci = sps.ttest_ind(x, y, axis=-1, equal_var=False).confidence_interval(confidence_level=level)
+    return np.where(constant, difference, ci.low), np.where(constant, difference, ci.high)
+
+
+def welch_interval(x: Sequence[float], y: Sequence[float], level: float) -> Interval | None:
+    """`welch_intervals` of one pair of samples; None below two values on a side."""
+    if len(x) < 2 or len(y) < 2:
+        return None
+    low, high = welch_intervals(np.asarray(x, dtype=float), np.asarray(y, dtype=float), level)
+    return Interval(float(low), float(high))
+
+
+def paired_difference(x: Sequence[float], y: Sequence[float], level: float = 0.95) -> Estimate:
+    """Mean of the per-seed differences x_i − y_i (x and y matched by position: the same seeds) with its
+    Student's t interval at `level`; the interval is None below two pairs."""
+    if len(x) != len(y):
+        raise ValueError(f"paired_difference: {len(x)} values against {len(y)}; pairs need equal lengths")
+    return t_estimates([[a - b for a, b in zip(x, y, strict=True)]], level)[0]
 
 
 def pct(value: float, digits: int = 1) -> str:

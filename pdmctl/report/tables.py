@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from pdmctl.report.build import Report
 from pdmctl.report.collect import RowKey
+from pdmctl.report.intervals import describe, describe_unpaired, short_name
 from pdmctl.report.stats import Comparison, Estimate, format_estimate
 
 TWO_LEVEL_MARK = "‡"
@@ -35,18 +36,16 @@ def results_note(report: Report) -> str:
     d, c = report.definition, report.definition.confidence
     columns = " and ".join(col.label for col in d.columns)
     parts = [
-        f"avg@16 in %, mean over seeds {d.at.describe()}. "
-        f"Interval: {100 * c.level:g}% {c.method} bootstrap over seeds (scipy.stats.bootstrap, {c.resamples} "
-        f"resamples, seed {c.seed}): resamples whole runs (seeds) with replacement. "
+        f"avg@16 in %, mean over seeds {d.at.describe()}. Interval: {describe(c)}. "
         f"[n/a]: fewer than 2 seeds, no interval. n: seeds that count; runs left out are listed separately."
     ]
     if d.average:
-        parts.append(f"{d.average}: each seed's mean of {columns}, then the same bootstrap.")
+        parts.append(f"{d.average}: each seed's mean of {columns}, then the same interval.")
     if report.two_level:
         parts.append(
             f"{TWO_LEVEL_MARK}: two-level percentile bootstrap — seeds with replacement, then problems with "
             f"replacement within each drawn seed ({c.resamples} resamples, seed {c.seed}); cells without "
-            f"{TWO_LEVEL_MARK} lack per-problem scores and use the seed bootstrap."
+            f"{TWO_LEVEL_MARK} lack per-problem scores and use the interval above."
         )
     return " ".join(parts)
 
@@ -59,7 +58,8 @@ def results_table(report: Report) -> TextTable:
         rows.append((*_row_cells(r.row, report.dims, previous), *cells, str(len(r.seeds))))
         previous = r.row
     headers = ("setting", "mask", *report.dims, *report.labels, "n")
-    return TextTable("results", f"avg@16 ({', '.join(report.sweeps)})", headers, rows, results_note(report),
+    title = f"avg@16 ({', '.join(report.sweeps)}), {short_name(report.definition.confidence)} intervals"
+    return TextTable("results", title, headers, rows, results_note(report),
                      2 + len(report.dims))  # fmt: skip
 
 
@@ -69,10 +69,12 @@ def comparison_note(report: Report) -> str:
         return f"The baseline mask {d.baseline} has no runs in {', '.join(report.sweeps)}: nothing to compare with."
     return (
         f"Mask minus {d.baseline} (the row's own setting, and its δ, K wherever the baseline has them), in "
-        f"percentage points. Paired rows (seeds listed): {100 * c.level:g}% {c.method} bootstrap over the "
-        f"matched seeds, each pair kept together; P = share of matched seeds on which the mask scores higher "
-        f"(a tie counts half). Unpaired rows (no seed in common): each side's runs resampled on their own; "
-        f"P = P(X > Y) over all pairs of runs. [n/a]: fewer than 2 (matched) seeds."
+        f"percentage points. Paired rows (seeds listed): the mean of the per-seed differences with the "
+        f"{describe(c)}, taken over the differences. Unpaired rows (no seed in common): "
+        f"{describe_unpaired(c)}. P, the probability of improvement, is an estimate, not an interval: the "
+        f"share of matched seeds on which the mask scores higher (paired), or of all pairs of runs (unpaired), "
+        f"a tie counting half; it estimates the chance that the mask beats the baseline on a new seed, and "
+        f"with n seeds it moves in steps of 1/(2n). [n/a]: fewer than 2 (matched) seeds."
     )
 
 
@@ -98,7 +100,8 @@ def comparison_table(report: Report) -> TextTable:
         *(f"Δ {label}" for label in report.labels),
         "seeds",
     )
-    return TextTable("comparison", f"vs {report.definition.baseline}", headers, rows, comparison_note(report),
+    title = f"vs {report.definition.baseline}, {short_name(report.definition.confidence)} intervals"
+    return TextTable("comparison", title, headers, rows, comparison_note(report),
                      3 + len(report.dims))  # fmt: skip
 
 
@@ -221,7 +224,11 @@ def results_csv(report: Report) -> str:
                      "n", "seeds", "interval"])  # fmt: skip
     c = report.definition.confidence
     for r in report.rows:
-        method = f"{c.method} over seeds" + (" and problems" if any(r.two_level.values()) else "")
+        method = f"{short_name(c)} over seeds" + (
+            "; two-level percentile bootstrap over seeds and problems where per-problem scores exist"
+            if any(r.two_level.values())
+            else ""
+        )
         writer.writerow([r.row.setting, r.row.mask, *(r.row.dim(d) for d in report.dims),
                          *(f for label in report.labels for f in _estimate_fields(r.cells[label])),
                          len(r.seeds), " ".join(map(str, r.seeds)), method])  # fmt: skip
@@ -234,7 +241,8 @@ def comparison_csv(report: Report) -> str:
     writer.writerow(["setting", "mask", *report.dims, "baseline",
                      *(f"{label} {part}" for label in report.labels
                        for part in ("diff (pp)", "low (pp)", "high (pp)", "P(improve)")),
-                     "paired", "seeds"])  # fmt: skip
+                     "paired", "seeds", "interval"])  # fmt: skip
+    conf = report.definition.confidence
     for comp in report.comparisons:
         fields = []
         for label in report.labels:
@@ -242,5 +250,7 @@ def comparison_csv(report: Report) -> str:
             p = c.probability_of_improvement
             fields += [*_estimate_fields(c.difference), "" if math.isnan(p) else f"{p:.4f}"]
         writer.writerow([comp.row.setting, comp.row.mask, *(comp.row.dim(d) for d in report.dims),
-                         comp.baseline.label, *fields, bool(comp.seeds), " ".join(map(str, comp.seeds))])  # fmt: skip
+                         comp.baseline.label, *fields, bool(comp.seeds), " ".join(map(str, comp.seeds)),
+                         f"{short_name(conf)} over the per-seed differences" if comp.seeds
+                         else describe_unpaired(conf)])  # fmt: skip
     return buf.getvalue()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pdmctl.report import plots
 from pdmctl.report.build import Report, SettingCurves
+from pdmctl.report.intervals import describe, short_name
 from pdmctl.report.tables import (
     TextTable,
     comparison_csv,
@@ -55,23 +56,22 @@ def tables(report: Report) -> list[TextTable]:
 
 def figures(report: Report) -> list[FigureFile]:
     out = []
+    band = f"{short_name(report.definition.confidence.for_bands)} band"
     for curves in report.curves:
         note = _selection_note(curves)
         out.append(FigureFile(f"curves_{slug(curves.setting)}.png",
                           f"{curves.setting}: held-out avg@16 against step; line = mean over seeds, band = "
-                          f"{_band_note(report)}.{note}", plots.curve_figure(curves)))  # fmt: skip
+                          f"{_band_note(report)}.{note}", plots.curve_figure(curves, band)))  # fmt: skip
         if curves.dynamics_panels:
             out.append(FigureFile(f"dynamics_{slug(curves.setting)}.png",
                               f"{curves.setting}: training dynamics "
                               f"({', '.join(curves.dynamics_panels)}); line = mean over seeds, band = "
-                              f"{_band_note(report)}.{note}", plots.dynamics_figure(curves)))  # fmt: skip
+                              f"{_band_note(report)}.{note}", plots.dynamics_figure(curves, band)))  # fmt: skip
     return out
 
 
 def _band_note(report: Report) -> str:
-    c = report.definition.confidence.for_bands
-    return (f"{100 * c.level:g}% {c.method} bootstrap over seeds at each step ({c.resamples} resamples, "
-            f"seed {c.seed}); no band with one seed")  # fmt: skip
+    return f"the {describe(report.definition.confidence.for_bands)}, at each step; no band with one seed"
 
 
 def _selection_note(curves: SettingCurves) -> str:
