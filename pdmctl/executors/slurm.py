@@ -351,7 +351,7 @@ class SlurmExecutor(Executor):
         for line in out.splitlines():
             job_id, _, comment = line.strip().partition("|")
             match = re.fullmatch(r"pdmctl:(\w+):(\d+)", comment.strip())
-            task = job_id.partition("_")[2]
+            task = job_id.partition("_")[2] or "0"  # submitit sends a one-job submission as a plain job
             if match is None or not task.isdigit():
                 continue
             submission = wanted.get((match[1], str(int(match[2]) + int(task))))
