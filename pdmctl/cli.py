@@ -9,11 +9,14 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
+
+from pdmctl.grid import MAX_RUNS
+from pdmctl.terminal import console, fail
+from pdmctl.terminal import guard as _guard
 
 app = typer.Typer(
     name="pdmctl",
@@ -22,10 +25,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
-
-EXIT_BAD_INPUT = 2
 
 ClusterOpt = Annotated[
     str, typer.Option("--cluster", "-c", help="Cluster profile under clusters/ (or a path).")
@@ -41,33 +40,6 @@ STATE_STYLE = {
     "finished": "green", "running": "cyan", "queued": "blue", "not started": "dim", "new": "dim",
     "failed": "red", "lost": "red", "cancelled": "yellow", "timeout": "magenta", "preempted": "magenta",
 }  # fmt: skip
-
-
-def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from pdmctl.executors.base import ExecutorError
-    from pdmctl.grid import GridError
-    from pdmctl.ledger import LedgerError
-    from pdmctl.orchestrate import RunNotFound
-    from pdmctl.spec import SpecError
-
-    return (GridError, SpecError, LedgerError, ExecutorError, RunNotFound)
-
-
-class _guard:
-    """Turn a user's mistake into one line and exit code 2, never a traceback."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc is not None and isinstance(exc, _user_errors()):
-            fail(str(exc).strip().splitlines()[0] if str(exc).strip() else exc_type.__name__)
-        return False
 
 
 # ---------------------------------------------------------------------------
@@ -94,13 +66,16 @@ def sweep(
     wait: Annotated[
         bool, typer.Option("--wait", "-w", help="Block with a progress bar until every run ends.")
     ] = False,
+    max_runs: Annotated[
+        int, typer.Option("--max-runs", help="Refuse a grid of more runs than this (a guard against typos).")
+    ] = MAX_RUNS,
 ) -> None:
     """Expand a grid into runs, register them in MLflow and submit the ones not yet served."""
     from pdmctl import grid, orchestrate
 
     with _guard():
         sweep_file = grid.load_sweep_file(file) if file else None
-        specs = grid.expand(overrides or [], sweep_file, name)
+        specs = grid.expand(overrides or [], sweep_file, name, max_runs=max_runs)
         ctx = orchestrate.make_context(cluster, tracking_uri)
         if dry_run:
             executor = orchestrate.make_executor(ctx.profile)

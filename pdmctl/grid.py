@@ -10,6 +10,7 @@ composes a handful of trees and applies the value overrides to copies.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -26,6 +27,7 @@ from pdmctl.yamlfiles import load_named
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 CONFIG_DIR = Path(os.environ.get("PDMCTL_CONFIG_DIR", PROJECT_DIR / "configs"))
 SWEEP_DIR = Path(os.environ.get("PDMCTL_SWEEP_DIR", PROJECT_DIR / "sweeps"))
+MAX_RUNS = 100_000  # a bigger grid is a typo more often than a plan; --max-runs raises it
 _SWEEP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
@@ -44,18 +46,32 @@ class SweepFile:
 def load_sweep_file(path_or_name: str) -> SweepFile:
     """`sweeps/NAME.yaml`, a bare NAME found there, or any path."""
     path, data = load_named(path_or_name, SWEEP_DIR, "sweep file", GridError)
+    where = f"sweep file: {path}"
+    if not data:  # an empty file would silently sweep nothing but the default config
+        raise GridError(f"{where}: empty (give it a grid: or settings:)")
     unknown = set(data) - {"name", "description", "grid", "settings"}
     if unknown:
-        raise GridError(f"sweep file: {path}: unknown field(s) {', '.join(sorted(unknown))}")
-    grid = {str(k): _hydra_value(v) for k, v in (data.get("grid") or {}).items()}
-    settings = [{str(k): _hydra_value(v) for k, v in s.items()} for s in (data.get("settings") or [])]
+        raise GridError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
+    raw_grid, raw_settings = data.get("grid") or {}, data.get("settings") or []
+    if not isinstance(raw_grid, dict):
+        raise GridError(f"{where}: grid: must be a mapping of key: values, got {raw_grid!r}")
+    if not isinstance(raw_settings, list) or not all(isinstance(s, dict) for s in raw_settings):
+        raise GridError(f"{where}: settings: must be a list of key: value mappings, got {raw_settings!r}")
+    grid = {str(k): _hydra_value(v, f"{where}: grid: {k}") for k, v in raw_grid.items()}
+    settings = [
+        {str(k): _hydra_value(v, f"{where}: settings: {k}") for k, v in s.items()} for s in raw_settings
+    ]
     return SweepFile(name=str(data.get("name") or path.stem), description=str(data.get("description") or ""),
                      grid=grid, settings=settings)  # fmt: skip
 
 
-def _hydra_value(value: Any) -> str:
+def _hydra_value(value: Any, where: str) -> str:
     if isinstance(value, list):  # a YAML list in a sweep file is a sweep over its items
-        return ",".join(_hydra_value(v) for v in value)
+        if not value:
+            raise GridError(f"{where}: an empty list sweeps over no values")
+        return ",".join(_hydra_value(v, where) for v in value)
+    if isinstance(value, dict):
+        raise GridError(f"{where}: must be a value or a list of values, got a mapping")
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -75,12 +91,20 @@ def check_sweep_name(name: str) -> str:
 
 
 def expand(
-    overrides: Sequence[str], sweep_file: SweepFile | None = None, sweep: str | None = None
+    overrides: Sequence[str],
+    sweep_file: SweepFile | None = None,
+    sweep: str | None = None,
+    *,
+    max_runs: int = MAX_RUNS,
 ) -> list[RunSpec]:
-    """Every run of the grid, deduplicated by key, in grid order. Raises GridError/SpecError."""
+    """Every run of the grid, deduplicated by key, in grid order. Raises GridError/SpecError.
+
+    A grid of more than `max_runs` points is refused before anything is expanded.
+    """
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
-    name = check_sweep_name(sweep or (sweep_file.name if sweep_file else "default"))
+    name = check_sweep_name(sweep if sweep is not None else (sweep_file.name if sweep_file else "default"))
+    _refuse_repeated_keys(overrides)
     cli = [_expand_seeds(o) for o in overrides]
     grid = dict(sweep_file.grid) if sweep_file else {}
     settings = [dict(s) for s in (sweep_file.settings if sweep_file else [])] or [{}]
@@ -90,9 +114,10 @@ def expand(
         for s in settings:
             s.pop(key, None)
     base = [_expand_seeds(f"{k}={v}") for k, v in grid.items()] + cli
+    per_setting = [_parse([*(f"{k}={v}" for k, v in s.items()), *base]) for s in _unique(settings)]
+    _check_size(per_setting, max_runs)
     jobs: list[list[str]] = []
-    for setting in _unique(settings):
-        parsed = _parse([*(f"{k}={v}" for k, v in setting.items()), *base])
+    for parsed in per_setting:
         for batch in BasicSweeper.split_arguments(parsed, None):
             jobs.extend([_bare_deletes(o) for o in job] for job in batch)
     specs: dict[str, RunSpec] = {}
@@ -101,6 +126,56 @@ def expand(
             spec = RunSpec.from_config(name, compose(job))
             specs.setdefault(spec.key, spec)
     return list(specs.values())
+
+
+def count_runs(parsed: Sequence) -> int:
+    """The points of one setting's grid: the product of each sweep's length, nothing expanded."""
+    total = 1
+    for override in parsed:
+        total *= _sweep_length(override)
+    return total
+
+
+def _sweep_length(override) -> int:
+    from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
+
+    value = override._value  # Hydra has no public accessor that does not enumerate the sweep
+    if not override.is_sweep_override():
+        return 1
+    if isinstance(value, ChoiceSweep):
+        return len(value.list)
+    if isinstance(value, RangeSweep):
+        if value.step == 0:
+            raise GridError(f"override {override.input_line!r}: a range with step 0")
+        numbers = value.range()
+        if isinstance(numbers, range):
+            return len(numbers)
+        return max(0, math.ceil((numbers.stop - numbers.start) / numbers.step))
+    return 1  # glob and interval sweeps: Hydra's sweeper refuses or lists them (config groups: few)
+
+
+def _check_size(per_setting: Sequence[Sequence], max_runs: int) -> None:
+    """Refuse an empty grid (naming the empty sweep) and one above `max_runs`, before expanding either."""
+    for parsed in per_setting:
+        empty = next((o for o in parsed if _sweep_length(o) == 0), None)
+        if empty is not None:
+            raise GridError(f"override {empty.input_line!r}: sweeps over no values, so the grid has no runs")
+    total = sum(count_runs(parsed) for parsed in per_setting)
+    if total > max_runs:
+        raise GridError(f"grid: {total:,} runs, more than the limit of {max_runs:,} "
+                        "(raise it with --max-runs if you mean it)")  # fmt: skip
+
+
+def _refuse_repeated_keys(overrides: Sequence[str]) -> None:
+    """`k=10 k=20` would silently keep k=20: a key is given once, with all its values."""
+    seen: dict[str, str] = {}
+    for override in overrides:
+        key = _override_key(override)
+        if key in seen:
+            values = f"{seen[key].partition('=')[2]},{override.partition('=')[2]}"
+            raise GridError(f"{key}: given twice ({seen[key]!r} and {override!r}); give its values once, "
+                            f"e.g. {key}={values}")  # fmt: skip
+        seen[key] = override
 
 
 def compose(overrides: Sequence[str]) -> dict[str, Any]:
@@ -279,7 +354,10 @@ def _override_key(override: str) -> str:
     head = override.split("=", 1)[0]
     if "=" not in override and not head.startswith("~"):
         raise GridError(f"override {override!r}: malformed (expected key=value)")
-    return head.lstrip("+~")
+    key = head.lstrip("+~")
+    if not key:
+        raise GridError(f"override {override!r}: malformed (no key before '=')")
+    return key
 
 
 def _expand_seeds(override: str) -> str:

@@ -33,12 +33,16 @@ class JobFile:
     run_dir: str
     attempt: int
     executor: str
+    submission: str = ""  # "token:index:attempt": the ledger's intent this job serves
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(self.__dict__, indent=1))
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(self.__dict__, indent=1))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     @classmethod
     def read(cls, path: Path) -> JobFile:
@@ -72,7 +76,7 @@ def run(job_file: Path) -> int:
     attempt = job.attempt + int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     logger = RunLogger(job.tracking_uri, job.run_id)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    logger.start(attempt=attempt, job_id=job_id_from_env(), executor=job.executor)
+    logger.start(attempt=attempt, job_id=job_id_from_env(), executor=job.executor, submission=job.submission)
     print(f"pdmctl job: run {spec.key} ({spec.summary}) attempt {attempt} in {job.run_dir}", flush=True)
     try:
         backend = get_backend(spec.backend)
@@ -94,7 +98,11 @@ def main() -> None:
     if len(sys.argv) != 2:
         print("usage: python -m pdmctl.job JOB_FILE", file=sys.stderr)
         sys.exit(2)
-    sys.exit(run(Path(sys.argv[1])))
+    code = run(Path(sys.argv[1]))
+    exit_file = os.environ.get("PDMCTL_EXIT_FILE")
+    if exit_file:  # the local executor reads it when the worker that started this job has died since
+        Path(exit_file).write_text(str(code))
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,9 @@ TAG_SPEC, TAG_SUMMARY, TAG_RUN_DIR, TAG_REASON = (
     "pdmctl.run_dir",
     "pdmctl.reason",
 )
+# a submission ("token:index:attempt") is recorded before its job goes out, and confirmed once the
+# ledger (or the job itself) knows the job id; one not confirmed is looked up in the executor
+TAG_SUBMISSION, TAG_SUBMITTED = "pdmctl.submission", "pdmctl.submitted"
 RUN_NAME_TAG = "mlflow.runName"
 USER_TAG = "mlflow.user"
 
@@ -60,6 +63,7 @@ TERMINAL = frozenset({FINISHED, FAILED, KILLED})
 
 # latest values read for `status` (step and avg@16)
 STATUS_METRICS = ("train/reward", "eval/toy24", "eval/toy25", "eval/aime24", "eval/aime25")
+HTTP_TIMEOUT_S = 5.0  # a tracking server that has not answered by then is reported unreachable
 _PARAM_VALUE_MAX = 6000  # MLflow's limit on a param value
 _TAG_VALUE_MAX = 8000
 
@@ -84,6 +88,13 @@ class RunRecord:
     start_time: int | None
     end_time: int | None
     latest: dict[str, tuple[int, float]] = field(default_factory=dict)  # metric -> (step, value)
+    submission: str | None = None
+    submitted: str | None = None
+
+    @property
+    def pending_submission(self) -> str | None:
+        """The submission whose job id the ledger has not recorded (an interrupted submit), if any."""
+        return self.submission if self.submission and self.submission != self.submitted else None
 
     @property
     def spec(self) -> RunSpec | None:
@@ -107,6 +118,7 @@ class Submission:
     job_id: str
     executor: str
     attempt: int
+    submission: str = ""  # "token:index:attempt", as in the intent
 
 
 def default_tracking_uri(cwd: Path | None = None) -> str:
@@ -114,11 +126,30 @@ def default_tracking_uri(cwd: Path | None = None) -> str:
 
 
 def resolve_tracking_uri(cli_uri: str | None, profile_uri: str | None) -> str:
-    """--tracking-uri, then MLFLOW_TRACKING_URI, then the cluster profile, then ./mlflow.db."""
+    """--tracking-uri, then MLFLOW_TRACKING_URI, then the cluster profile, then ./mlflow.db; checked."""
     uri = cli_uri or os.environ.get("MLFLOW_TRACKING_URI") or profile_uri or default_tracking_uri()
+    check_uri(uri)
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):  # make relative paths absolute
         uri = f"sqlite:///{Path(uri.removeprefix('sqlite:///')).resolve()}"
     return uri
+
+
+def check_uri(uri: str) -> None:
+    """Raise LedgerError (one line) for a URI no store answers to; looks at the text only."""
+    parsed = urlparse(uri)
+    scheme = parsed.scheme.split("+")[0]
+    if scheme == "sqlite":
+        if not uri.startswith("sqlite:///") or not uri.removeprefix("sqlite:///").strip("/"):
+            raise LedgerError(f"tracking URI {uri}: a SQLite store is sqlite:///PATH (three slashes, "
+                              "then the file; four for an absolute path)")  # fmt: skip
+    elif scheme in ("http", "https"):
+        if not parsed.hostname:
+            raise LedgerError(f"tracking URI {uri}: no host")
+    elif not is_database_uri(uri):
+        raise LedgerError(
+            f"tracking URI {_redact(uri)}: unsupported scheme {parsed.scheme!r} "
+            "(use sqlite:///, postgresql://, http://)"
+        )
 
 
 def is_database_uri(uri: str) -> bool:
@@ -161,9 +192,7 @@ def check_reachable(uri: str, *, timeout: float = 5.0) -> None:
         except Exception as exc:
             raise LedgerError(f"tracking URI {uri}: not reachable ({_first_line(exc)})") from exc
         return
-    raise LedgerError(
-        f"tracking URI {uri}: unsupported scheme {scheme!r} (use sqlite:///, postgresql://, http://)"
-    )
+    check_uri(uri)
 
 
 def open_ledger(uri: str) -> Ledger:
@@ -171,8 +200,13 @@ def open_ledger(uri: str) -> Ledger:
 
 
 def ledger_exists(uri: str) -> bool:
-    """Whether reading the ledger would find anything (an absent SQLite file has no runs)."""
+    """Whether reading the ledger would find anything (an absent SQLite file has no runs yet).
+
+    A SQLite store whose directory is missing is a mistaken path, not an empty store: LedgerError.
+    """
     path = sqlite_path(uri)
+    if path is not None and not path.parent.is_dir():
+        raise LedgerError(f"tracking URI {uri}: directory {path.parent} does not exist")
     return path is None or path.exists()
 
 
@@ -188,7 +222,11 @@ class Ledger:
         raise NotImplementedError
 
     def register(self, specs: Sequence[RunSpec], run_dir: Mapping[str, str]) -> dict[str, str]:
-        """Create a SCHEDULED run for every spec whose key the sweep lacks; return key -> run id for all."""
+        """Create a SCHEDULED run for every spec whose key the sweep lacks; return key -> run id for all.
+
+        `run_dir`: key -> the directory that holds that key's runs; each run's own directory in it is
+        named by its run id (see `run_dir_of`).
+        """
         if not specs:
             return {}
         existing = {r.key: r.run_id for r in self.runs(specs[0].sweep)}
@@ -200,6 +238,10 @@ class Ledger:
     def _create_runs(
         self, sweep: str, specs: Sequence[RunSpec], run_dir: Mapping[str, str]
     ) -> dict[str, str]:
+        raise NotImplementedError
+
+    def mark_intent(self, submissions: Mapping[str, str], executor: str) -> None:
+        """Record, per run id, the submission about to go out (before the executor sees it)."""
         raise NotImplementedError
 
     def mark_submitted(self, submissions: Sequence[Submission]) -> None:
@@ -233,6 +275,10 @@ def _lock_path(uri: str) -> Path:
     return (
         Path(os.environ.get("PDMCTL_CACHE", Path.home() / ".cache" / "pdmctl")) / "locks" / f"{digest}.lock"
     )
+
+
+def run_dir_of(parent: str, run_id: str) -> str:
+    return str(Path(parent) / run_id)
 
 
 def _tags_for(spec: RunSpec, run_dir: str) -> dict[str, str]:
@@ -278,6 +324,8 @@ def _record(run_id: str, status: str, start: int | None, end: int | None, tags: 
         start_time=start,
         end_time=end,
         latest=latest,
+        submission=tags.get(TAG_SUBMISSION) or None,
+        submitted=tags.get(TAG_SUBMITTED) or None,
     )
 
 
@@ -292,17 +340,45 @@ class SqlLedger(Ledger):
 
         self.uri = uri
         self._sa = sqlalchemy
+        path = sqlite_path(uri)
+        if path is not None and path.exists():
+            _check_sqlite_file(path)  # before connecting: SQLite's WAL pragma would add files beside it
         self.engine = sqlalchemy.create_engine(uri, connect_args=_connect_args(uri, 60.0))
         if uri.startswith("sqlite"):
             sqlalchemy.event.listen(self.engine, "connect", _sqlite_pragmas)
-        self._ensure_schema()
-        self.meta = sqlalchemy.MetaData()
-        self.meta.reflect(
-            self.engine,
-            only=["experiments", "experiment_tags", "runs", "tags", "params", "latest_metrics", "metrics"],
-        )
+        with self._usable():
+            self._ensure_schema()
+            self.meta = sqlalchemy.MetaData()
+            self.meta.reflect(
+                self.engine,
+                only=[
+                    "experiments",
+                    "experiment_tags",
+                    "runs",
+                    "tags",
+                    "params",
+                    "latest_metrics",
+                    "metrics",
+                ],
+            )
         self.t = self.meta.tables
         self.queries = 0  # statements issued (the report benchmark prints it)
+
+    @contextlib.contextmanager
+    def _usable(self) -> Iterator[None]:
+        """A file that is not an MLflow database (corrupt, truncated, something else) is one line."""
+        try:
+            yield
+        except self._sa.exc.DatabaseError as exc:
+            if "locked" in str(exc).lower():  # busy, not broken: the caller's retry decides
+                raise
+            where = sqlite_path(self.uri) or _redact(self.uri)
+            raise LedgerError(
+                f"tracking store {where}: not a usable MLflow database ({_first_line(exc.orig or exc)})"
+            ) from exc
+        except KeyError as exc:  # reflect() found a database without MLflow's tables
+            where = sqlite_path(self.uri) or _redact(self.uri)
+            raise LedgerError(f"tracking store {where}: not an MLflow database (no table {exc})") from exc
 
     def _ensure_schema(self) -> None:
         insp = self._sa.inspect(self.engine)
@@ -317,7 +393,7 @@ class SqlLedger(Ledger):
         ids = sa.select(tags.c.run_uuid).where(tags.c.key == TAG_SWEEP)
         if sweep is not None:
             ids = ids.where(tags.c.value == sweep)
-        with self.engine.connect() as conn:
+        with self._usable(), self.engine.connect() as conn:
             rows = conn.execute(
                 sa.select(runs.c.run_uuid, runs.c.status, runs.c.start_time, runs.c.end_time).where(
                     runs.c.run_uuid.in_(ids), runs.c.lifecycle_stage == "active"
@@ -345,7 +421,7 @@ class SqlLedger(Ledger):
     def metric_histories(self, run_ids, keys=None):
         sa, metrics = self._sa, self.t["metrics"]
         out: dict[str, dict[str, list[tuple[int, float]]]] = {rid: defaultdict(list) for rid in run_ids}
-        with self.engine.connect() as conn:
+        with self._usable(), self.engine.connect() as conn:
             for chunk in _chunks(list(run_ids), 500):
                 query = sa.select(
                     metrics.c.run_uuid, metrics.c.key, metrics.c.step, metrics.c.value, metrics.c.is_nan
@@ -377,7 +453,8 @@ class SqlLedger(Ledger):
                 experiment_id=exp_id, deleted_time=None,
             ))  # fmt: skip
             tag_rows += [
-                dict(key=k, value=v, run_uuid=run_id) for k, v in _tags_for(spec, run_dir[spec.key]).items()
+                dict(key=k, value=v, run_uuid=run_id)
+                for k, v in _tags_for(spec, run_dir_of(run_dir[spec.key], run_id)).items()
             ]
             param_rows += [dict(key=k, value=v, run_uuid=run_id) for k, v in flatten(spec.config).items()]
         run_cols = set(self.t["runs"].c.keys())
@@ -393,24 +470,33 @@ class SqlLedger(Ledger):
     def mark_submitted(self, submissions):
         if not submissions:
             return
-        tags = self.t["tags"]
         rows = []
         for s in submissions:
             rows += [dict(key=TAG_JOB, value=s.job_id, run_uuid=s.run_id),
                      dict(key=TAG_EXECUTOR, value=s.executor, run_uuid=s.run_id),
                      dict(key=TAG_ATTEMPT, value=str(s.attempt), run_uuid=s.run_id),
-                     dict(key=TAG_REASON, value="", run_uuid=s.run_id)]  # fmt: skip
+                     dict(key=TAG_REASON, value="", run_uuid=s.run_id),
+                     dict(key=TAG_SUBMITTED, value=s.submission, run_uuid=s.run_id)]  # fmt: skip
         ids = [s.run_id for s in submissions]
         with self.engine.begin() as conn:
-            for chunk in _chunks(ids, 500):
-                conn.execute(
-                    tags.delete().where(
-                        tags.c.run_uuid.in_(chunk),
-                        tags.c.key.in_([TAG_JOB, TAG_EXECUTOR, TAG_ATTEMPT, TAG_REASON]),
-                    )
-                )
-            conn.execute(tags.insert(), rows)
+            self._replace_tags(conn, ids, rows)
             self._update_status(conn, ids, SCHEDULED, end_time=None)
+
+    def mark_intent(self, submissions, executor):
+        rows = []
+        for run_id, submission in submissions.items():
+            rows += [dict(key=TAG_SUBMISSION, value=submission, run_uuid=run_id),
+                     dict(key=TAG_EXECUTOR, value=executor, run_uuid=run_id)]  # fmt: skip
+        with self.engine.begin() as conn:
+            self._replace_tags(conn, list(submissions), rows)
+
+    def _replace_tags(self, conn, run_ids: list[str], rows: list[dict[str, str]]) -> None:
+        tags = self.t["tags"]
+        keys = sorted({r["key"] for r in rows})
+        for chunk in _chunks(run_ids, 500):
+            conn.execute(tags.delete().where(tags.c.run_uuid.in_(chunk), tags.c.key.in_(keys)))
+        if rows:
+            conn.execute(tags.insert(), rows)
 
     def set_status(self, run_ids, status, reason=None, *, only_unfinished=False):
         if not run_ids:
@@ -483,6 +569,10 @@ class SqlLedger(Ledger):
 
 class ClientLedger(Ledger):
     def __init__(self, uri: str) -> None:
+        check_reachable(uri, timeout=HTTP_TIMEOUT_S)
+        # MLflow's own defaults retry a dead server for minutes; a command answers within seconds
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(HTTP_TIMEOUT_S)))
         self.uri = uri
         self.client = _mlflow_client(uri)
         self.queries = 0
@@ -535,11 +625,15 @@ class ClientLedger(Ledger):
         exp_id = self._ensure_experiment(sweep)
 
         def create(spec: RunSpec) -> tuple[str, str]:
-            tags = _tags_for(spec, run_dir[spec.key])
+            tags = {k: v for k, v in _tags_for(spec, "").items() if k != TAG_RUN_DIR}  # named by the run id
             run = self.client.create_run(exp_id, run_name=spec.run_name, tags=tags)
+            run_tags = [
+                RunTag(TAG_KEY, spec.key),
+                RunTag(TAG_RUN_DIR, run_dir_of(run_dir[spec.key], run.info.run_id)),
+            ]
             params = [Param(k, v) for k, v in flatten(spec.config).items()]
             for chunk in _chunks(params, 100):
-                self.client.log_batch(run.info.run_id, params=chunk, tags=[RunTag(TAG_KEY, spec.key)])
+                self.client.log_batch(run.info.run_id, params=chunk, tags=run_tags)
             self.client.update_run(run.info.run_id, status=SCHEDULED)
             return spec.key, run.info.run_id
 
@@ -567,11 +661,24 @@ class ClientLedger(Ledger):
 
         def mark(s: Submission) -> None:
             self.client.log_batch(s.run_id, tags=[RunTag(TAG_JOB, s.job_id), RunTag(TAG_EXECUTOR, s.executor),
-                                                  RunTag(TAG_ATTEMPT, str(s.attempt)), RunTag(TAG_REASON, "")])  # fmt: skip
+                                                  RunTag(TAG_ATTEMPT, str(s.attempt)), RunTag(TAG_REASON, ""),
+                                                  RunTag(TAG_SUBMITTED, s.submission)])  # fmt: skip
             self.client.update_run(s.run_id, status=SCHEDULED)
 
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(mark, submissions))
+
+    def mark_intent(self, submissions, executor):
+        from mlflow.entities import RunTag
+
+        def mark(item: tuple[str, str]) -> None:
+            run_id, submission = item
+            self.client.log_batch(
+                run_id, tags=[RunTag(TAG_SUBMISSION, submission), RunTag(TAG_EXECUTOR, executor)]
+            )
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(mark, submissions.items()))
 
     def set_status(self, run_ids, status, reason=None, *, only_unfinished=False):
         def update(run_id: str) -> None:
@@ -619,11 +726,12 @@ class RunLogger:
         self.run_id = run_id
         self.last_logged: dict[str, int] = {}  # metric -> last step already in the run
 
-    def start(self, attempt: int, job_id: str, executor: str) -> None:
+    def start(self, attempt: int, job_id: str, executor: str, submission: str = "") -> None:
         from mlflow.entities import RunTag
 
+        # the job confirms its own submission: the ledger knows its id even if the submitter was interrupted
         tags = [RunTag(TAG_ATTEMPT, str(attempt)), RunTag(TAG_JOB, job_id), RunTag(TAG_EXECUTOR, executor),
-                RunTag(TAG_REASON, "")]  # fmt: skip
+                RunTag(TAG_REASON, ""), RunTag(TAG_SUBMITTED, submission)]  # fmt: skip
         _retry(lambda: self.client.log_batch(self.run_id, tags=tags))
         _retry(lambda: self.client.update_run(self.run_id, status=RUNNING))
 
@@ -733,6 +841,27 @@ def _connect_args(uri: str, timeout: float) -> dict[str, Any]:
     if uri.startswith("postgresql"):
         return {"connect_timeout": int(timeout)}
     return {}
+
+
+def _check_sqlite_file(path: Path) -> None:
+    """Refuse a file that is not SQLite, or shorter than its header says (truncated), reading 100 bytes.
+
+    The header's page count holds only while its "version-valid-for" field matches the change
+    counter (https://www.sqlite.org/fileformat.html#in_header_database_size).
+    """
+    size = path.stat().st_size
+    if size == 0:  # SQLite makes an empty file a new database
+        return
+    with open(path, "rb") as fh:
+        header = fh.read(100)
+    if len(header) < 100 or not header.startswith(b"SQLite format 3\0"):
+        raise LedgerError(f"tracking store {path}: not a usable MLflow database (not an SQLite file)")
+    page_size = int.from_bytes(header[16:18], "big")
+    page_size = 65536 if page_size == 1 else page_size
+    pages = int.from_bytes(header[28:32], "big")
+    if pages and header[24:28] == header[92:96] and size < page_size * pages:
+        raise LedgerError(f"tracking store {path}: not a usable MLflow database (truncated: {size} bytes "
+                          f"of {page_size * pages})")  # fmt: skip
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:

@@ -9,6 +9,8 @@ once, and `resume` twice starts nothing twice.
 from __future__ import annotations
 
 import json
+import os
+import uuid
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,10 +77,15 @@ class Context:
     def run_root(self) -> Path:
         return self.profile.run_root
 
-    def run_dir(self, spec_or_record: RunSpec | RunRecord) -> Path:
-        if isinstance(spec_or_record, RunRecord) and spec_or_record.run_dir:
-            return Path(spec_or_record.run_dir)
+    def run_dir_parent(self, spec_or_record: RunSpec | RunRecord) -> Path:
+        """Where the directories of a key's runs go; each is named by its MLflow run id, so that runs of
+        the same config in two tracking stores never share (or resume) each other's checkpoints."""
         return self.run_root / spec_or_record.sweep / spec_or_record.key
+
+    def run_dir(self, record: RunRecord) -> Path:
+        if record.run_dir:
+            return Path(record.run_dir)
+        return self.run_dir_parent(record) / record.run_id
 
     def executor_tag(self) -> str:
         return json.dumps({"executor": self.profile.executor, "profile": self.profile.name,
@@ -171,7 +178,13 @@ def job_states(records: Sequence[RunRecord], ctx: Context) -> dict[str, JobState
 def reconcile(
     ledger: Ledger, records: list[RunRecord], ctx: Context
 ) -> list[tuple[RunRecord, JobState | None]]:
-    """Write the executor's word into the ledger for jobs that ended without telling it."""
+    """Write the executor's word into the ledger: jobs submitted but never recorded (an interrupted
+    submission), and jobs that ended without telling it."""
+    recovered = recover_submissions(records, ctx)
+    if recovered:
+        ledger.mark_submitted(list(recovered.values()))
+        fresh = {r.run_id: r for r in ledger.runs(records[0].sweep if _one_sweep(records) else None)}
+        records = [fresh.get(r.run_id, r) for r in records]
     states = job_states(records, ctx)
     updates: dict[tuple[str, str], list[str]] = defaultdict(list)
     for r in records:
@@ -217,18 +230,38 @@ def plan(specs: list[RunSpec], ctx: Context, *, read_only: bool = True) -> Sweep
         records = ledger.runs(specs[0].sweep)
         pairs = [(r, None) for r in records] if read_only else reconcile(ledger, records, ctx)
         job = job_states(records, ctx) if read_only else {}
+        recovered = recover_submissions(records, ctx) if read_only else {}
         for r, js in pairs:
             if r.key in states:
-                states[r.key] = run_state(r, js or job.get(r.run_id))
+                states[r.key] = (
+                    RunState.QUEUED if r.run_id in recovered else run_state(r, js or job.get(r.run_id))
+                )
     return SweepPlan(specs, states)
+
+
+class RunDirError(OSError):
+    """A run directory that cannot take a job (not writable, a file where a directory goes); one line."""
 
 
 def check_before_submit(ctx: Context) -> Executor:
     """Everything that can refuse the work, before anything is written."""
     check_reachable(ctx.tracking_uri)
+    _check_writable(ctx.run_root)
     executor = make_executor(ctx.profile)
     executor.check()
     return executor
+
+
+def _check_writable(path: Path) -> None:
+    """The directory, or the nearest of its parents that exists, takes new files (else RunDirError)."""
+    try:
+        existing = next(p for p in (path, *path.parents) if p.exists())
+    except PermissionError as exc:
+        raise RunDirError(f"run directory {path}: {exc.filename} cannot be entered") from exc
+    if not existing.is_dir():
+        raise RunDirError(f"run directory {path}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RunDirError(f"run directory {path}: {existing} is not writable")
 
 
 def sweep(specs: list[RunSpec], ctx: Context) -> tuple[SweepPlan, list[str]]:
@@ -236,7 +269,7 @@ def sweep(specs: list[RunSpec], ctx: Context) -> tuple[SweepPlan, list[str]]:
     executor = check_before_submit(ctx)
     ledger = open_ledger(ctx.tracking_uri)
     with ledger.lock():
-        ledger.register(specs, {s.key: str(ctx.run_dir(s)) for s in specs})
+        ledger.register(specs, {s.key: str(ctx.run_dir_parent(s)) for s in specs})
         current = plan(specs, ctx, read_only=False)
         by_key = {r.key: r for r in ledger.runs(specs[0].sweep)} if specs else {}
         records = [by_key[s.key] for s in current.to_submit]
@@ -277,6 +310,8 @@ def resume(ctx: Context, sweep_name: str | None = None, *, max_attempts: int | N
 def cancel(ctx: Context, target: str | None) -> list[RunView]:
     """Cancel a sweep's live runs, or one run (by key, key prefix or MLflow run id)."""
     if not ledger_exists(ctx.tracking_uri):
+        if target is not None:
+            raise RunNotFound(f"{target!r}: no such sweep or run (no store at {ctx.tracking_uri} yet)")
         return []
     ledger = open_ledger(ctx.tracking_uri)
     views = status(ctx, None)
@@ -321,17 +356,51 @@ def log_file(record: RunRecord, ctx: Context, attempt: int | None = None) -> Pat
 
 
 def _submit(records: Sequence[RunRecord], ledger: Ledger, executor: Executor, ctx: Context) -> list[str]:
+    """Submit one job per record. The intent is in the ledger before the executor sees a job: whatever
+    interrupts this, `recover_submissions` later finds the jobs that went out, so none goes out twice."""
     if not records:
         return []
+    for r in records:  # every run directory, before anything is written into any of them
+        run_dir = ctx.run_dir(r)
+        _check_writable(run_dir)
+        for path in (run_dir / "job.json", run_dir / "logs"):
+            if path.exists() and path.is_dir() != (path.name == "logs"):
+                kind = "a directory" if path.name == "logs" else "a file"
+                raise RunDirError(f"run {r.key}: {path} must be {kind}; move it away, then resume")
+    token = uuid.uuid4().hex[:12]
     requests = []
-    for r in records:
+    for i, r in enumerate(records):
         run_dir = ctx.run_dir(r)
         attempt = r.attempt + 1
+        submission = f"{token}:{i}:{attempt}"
         job_file = run_dir / "job.json"
         JobFile(run_id=r.run_id, tracking_uri=ctx.tracking_uri, spec_json=r.spec_json or "", run_dir=str(run_dir),
-                attempt=attempt, executor=ctx.executor_tag()).write(job_file)  # fmt: skip
-        requests.append(JobRequest(r.run_id, r.key, job_file, log_file(r, ctx, attempt), attempt))
+                attempt=attempt, executor=ctx.executor_tag(), submission=submission).write(job_file)  # fmt: skip
+        requests.append(JobRequest(r.run_id, r.key, job_file, log_file(r, ctx, attempt), attempt, submission))
+    ledger.mark_intent({req.run_id: req.submission for req in requests}, ctx.executor_tag())
     job_ids = executor.submit(requests)
-    ledger.mark_submitted([Submission(req.run_id, jid, ctx.executor_tag(), req.attempt)
+    ledger.mark_submitted([Submission(req.run_id, jid, ctx.executor_tag(), req.attempt, req.submission)
                            for req, jid in zip(requests, job_ids, strict=True)])  # fmt: skip
     return job_ids
+
+
+def recover_submissions(records: Sequence[RunRecord], ctx: Context) -> dict[str, Submission]:
+    """run id -> its job, for runs whose submission went out but never reached the ledger (reads only)."""
+    cache: dict[str, Executor] = {}
+    found: dict[str, Submission] = {}
+    pending = [r for r in records if r.pending_submission]
+    by_executor: dict[int, tuple[Executor, list[RunRecord]]] = {}
+    for r in pending:
+        executor = _executor_for(r, ctx, cache)
+        if executor is not None:
+            by_executor.setdefault(id(executor), (executor, []))[1].append(r)
+    for executor, recs in by_executor.values():
+        jobs = executor.find([r.pending_submission for r in recs if r.pending_submission])
+        for r in recs:
+            job_id = jobs.get(r.pending_submission or "")
+            if job_id is not None:
+                attempt = int((r.pending_submission or "").rsplit(":", 1)[1])
+                found[r.run_id] = Submission(
+                    r.run_id, job_id, r.executor or "", attempt, r.pending_submission or ""
+                )
+    return found

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -105,6 +106,7 @@ def validate(config: Mapping[str, Any]) -> None:
     """Values every backend needs; backends check their own fields on top (see backends.registry)."""
     from pdmctl.masks import DIVERGENCES, ESTIMATORS, METHODS
 
+    _finite(config)
     mask = config.get("mask") or {}
     for field, registry in (("method", METHODS), ("divergence", DIVERGENCES), ("estimator", ESTIMATORS)):
         value = mask.get(field)
@@ -134,3 +136,15 @@ def _positive(cfg: Mapping[str, Any], field: str, prefix: str = "") -> None:
     value = cfg.get(field)
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise SpecError(f"{prefix}{field}: must be a number > 0, got {value!r}")
+
+
+def _finite(node: Any, path: str = "") -> None:
+    """inf and nan would be stored as non-standard JSON, under a key of their own: refused anywhere."""
+    if isinstance(node, Mapping):
+        for name, value in node.items():
+            _finite(value, f"{path}{name}.")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _finite(value, f"{path}{i}.")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise SpecError(f"{path.rstrip('.')}: must be a finite number, got {node}")

@@ -24,7 +24,7 @@ import yaml
 
 from pdmctl import grid, orchestrate
 from pdmctl.executors import JobRequest, JobState, make_executor
-from pdmctl.ledger import LedgerError, open_ledger
+from pdmctl.ledger import LedgerError, SqlLedger, open_ledger
 from pdmctl.orchestrate import RunState, RunView
 
 REPO = Path(__file__).resolve().parents[1]
@@ -223,6 +223,28 @@ def test_scancel_mid_run_then_resume_finishes_from_the_checkpoint(tmp_path: Path
     assert view.record.attempt == 2 and view.record.job_id == new_ids[0]
     assert_complete_history(ctx, view.record.run_id, steps=40)  # complete, every step once
     assert step0_artifact_mtime(ctx, view.record.run_id) < resumed_at  # attempt 2 started at its checkpoint
+
+
+def test_an_interrupt_between_sbatch_and_the_ledger_never_submits_twice(tmp_path: Path, monkeypatch) -> None:
+    profile = write_profile(tmp_path)
+    name = f"t{uuid.uuid4().hex[:8]}"
+    specs = grid.expand([*TOY, "backend.steps=2"], None, name)
+    ctx = orchestrate.make_context(profile, f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:  # the array went out; the ledger never heard of its job id
+        m.setattr(SqlLedger, "mark_submitted", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            orchestrate.sweep(specs, ctx)
+    plan, job_ids = orchestrate.sweep(specs, ctx)
+    assert job_ids == [] and set(plan.states.values()) <= orchestrate.ACTIVE, plan.states
+    assert orchestrate.resume(ctx, name) == ([], [])
+    (view,) = wait_until(ctx, name, all_in(RunState.FINISHED), 300, "the one job to finish")
+    job_name = yaml.safe_load(Path(profile).read_text())["job_name"]
+    jobs = sacct("-n", "-P", "-X", "--name", job_name, "-o", "JobID").split()
+    assert jobs == [view.record.job_id] and view.record.attempt == 1, (jobs, view.record)
 
 
 def test_scontrol_requeue_resumes_from_the_checkpoint_as_the_next_attempt(tmp_path: Path) -> None:

@@ -51,6 +51,7 @@ class JobRequest:
     job_file: Path  # JSON the job entry point reads (see pdmctl.job)
     log_file: Path
     attempt: int
+    submission: str = ""  # "token:index:attempt", recorded in the ledger before submit; see `find`
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,13 @@ class Executor(ABC):
     @abstractmethod
     def states(self, job_ids: Sequence[str]) -> Mapping[str, JobState]:
         """The executor's view of each job (one scheduler call for all where it can)."""
+
+    @abstractmethod
+    def find(self, submissions: Sequence[str]) -> Mapping[str, str]:
+        """submission -> job id, for the submissions this executor holds a job for.
+
+        How an interrupted submit is recovered: the ledger has the submission, not yet its job id.
+        """
 
     @abstractmethod
     def cancel(self, job_ids: Sequence[str]) -> None:

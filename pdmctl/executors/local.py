@@ -27,9 +27,10 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdmctl.executors.base import ClusterProfile, Executor, JobRequest, JobState
+from pdmctl.executors.base import ClusterProfile, Executor, ExecutorError, JobRequest, JobState
 
 _POLL_S = 0.25
+_HEARTBEAT_STALE_S = 30.0  # a worker touches its heartbeat every _POLL_S; this much silence is not a worker
 
 
 class LocalExecutor(Executor):
@@ -50,7 +51,7 @@ class LocalExecutor(Executor):
         queue, *_ = self._dirs()
         job_ids = []
         for req in requests:
-            job_id = f"local-{uuid.uuid4().hex[:10]}"
+            job_id = _job_id(req.submission)
             _write_json(queue / f"{job_id}.json", {
                 "job_file": str(req.job_file), "log_file": str(req.log_file), "run_id": req.run_id,
                 "submitted": time.time(),
@@ -72,8 +73,13 @@ class LocalExecutor(Executor):
                 alive = _alive(info["pid"], info["start"])
                 if not alive and (done / f"{job_id}.json").exists():  # ended between the two looks
                     out[job_id] = JobState(_read_json(done / f"{job_id}.json")["state"])
-                else:
-                    out[job_id] = JobState.RUNNING if alive else JobState.LOST
+                elif alive:
+                    out[job_id] = JobState.RUNNING
+                else:  # its worker died before it ended: the job's own exit file says how it ended
+                    rc = _exit_code(done, job_id)
+                    out[job_id] = (
+                        JobState.LOST if rc is None else _end_state(job_id, rc, self.root / "cancel")
+                    )
             elif (queue / f"{job_id}.json").exists():
                 out[job_id] = JobState.PENDING
                 pending = True
@@ -82,6 +88,27 @@ class LocalExecutor(Executor):
         if pending:  # a worker that died leaves its queue behind: start another
             ensure_worker(self.root, self.cap)
         return out
+
+    def find(self, submissions: Sequence[str]) -> dict[str, str]:
+        directories = self._dirs()[:3]
+        found = {}
+        for submission in submissions:
+            job_id = _job_id(submission)
+            if any((d / f"{job_id}.json").exists() for d in directories):
+                found[submission] = job_id
+        return found
+
+    def check(self) -> None:
+        """Refuse to queue jobs no worker would start: the worker lock held by a process that is not a
+        live worker (a stray `flock`, a hung worker) would leave them queued without a word."""
+        if not _worker_alive(self.root):
+            return
+        beat = self.root / "worker.heartbeat"
+        age = time.time() - beat.stat().st_mtime if beat.exists() else None
+        if age is None or age > _HEARTBEAT_STALE_S:
+            since = "never beat" if age is None else f"last beat {age:.0f} s ago"
+            raise ExecutorError(f"local executor: {self.root / 'worker.lock'} is held by a process that is not a "
+                                f"working pdmctl worker ({since}); end that process, then submit again")  # fmt: skip
 
     def cancel(self, job_ids: Sequence[str]) -> None:
         queue, running, done, cancel = self._dirs()
@@ -125,6 +152,11 @@ def ensure_worker(root: Path, cap: int) -> None:
     log.close()
 
 
+def _job_id(submission: str) -> str:
+    """A submission's job id is a function of it, so `find` needs no record beyond the job's own files."""
+    return f"local-{submission.replace(':', '-')}" if submission else f"local-{uuid.uuid4().hex[:10]}"
+
+
 def _worker_alive(root: Path) -> bool:
     lock = root / "worker.lock"
     if not lock.exists():
@@ -151,7 +183,10 @@ def run_worker(root: Path, cap: int) -> None:
     children: dict[str, subprocess.Popen] = {}
     threads = max(1, (os.cpu_count() or 1) // cap)
     idle_rounds = 0
+    heartbeat = root / "worker.heartbeat"
+    heartbeat.write_text(str(os.getpid()))
     while True:
+        heartbeat.touch()
         for job_id, proc in list(children.items()):
             rc = proc.poll()
             if rc is not None:
@@ -166,8 +201,7 @@ def run_worker(root: Path, cap: int) -> None:
             if _alive(info["pid"], info["start"]):
                 foreign += 1
             elif not (done / f.name).exists():
-                _write_json(done / f.name, {"state": JobState.LOST.value, "returncode": None})
-                f.unlink(missing_ok=True)
+                _record_foreign_end(job_id, running, done, cancel)
         free = cap - len(children) - foreign
         for f in sorted(queue.glob("*.json"), key=lambda p: p.stat().st_mtime_ns)[: max(free, 0)]:
             job_id = f.stem
@@ -175,7 +209,7 @@ def run_worker(root: Path, cap: int) -> None:
                 req = _read_json(f)
             except (FileNotFoundError, json.JSONDecodeError):
                 continue  # cancelled or half-written; the next round decides
-            proc = _start(job_id, req, threads)
+            proc = _start(job_id, req, threads, done)
             _write_json(running / f.name, {"pid": proc.pid, "start": _start_time(proc.pid), **req})
             f.unlink(missing_ok=True)
             children[job_id] = proc
@@ -186,11 +220,11 @@ def run_worker(root: Path, cap: int) -> None:
         time.sleep(_POLL_S)
 
 
-def _start(job_id: str, req: dict, threads: int) -> subprocess.Popen:
+def _start(job_id: str, req: dict, threads: int, done: Path) -> subprocess.Popen:
     log_file = Path(req["log_file"])
     log_file.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PDMCTL_JOB_ID=job_id, PDMCTL_EXECUTOR="local", OMP_NUM_THREADS=str(threads),
-               PDMCTL_NUM_THREADS=str(threads))  # fmt: skip
+               PDMCTL_NUM_THREADS=str(threads), PDMCTL_EXIT_FILE=str(_exit_file(done, job_id)))  # fmt: skip
     with open(log_file, "ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "pdmctl.job", req["job_file"]],
@@ -198,14 +232,34 @@ def _start(job_id: str, req: dict, threads: int) -> subprocess.Popen:
         )  # fmt: skip
 
 
-def _record_end(job_id: str, rc: int, running: Path, done: Path, cancel: Path) -> None:
-    if (cancel / job_id).exists():
-        state = JobState.CANCELLED
-    elif rc == 0:
-        state = JobState.COMPLETED
-    else:
-        state = JobState.FAILED
+def _exit_file(done: Path, job_id: str) -> Path:
+    return done / f"{job_id}.exit"
+
+
+def _exit_code(done: Path, job_id: str) -> int | None:
+    try:
+        return int(_exit_file(done, job_id).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _record_foreign_end(job_id: str, running: Path, done: Path, cancel: Path) -> None:
+    """A job whose worker died before it ended: its own exit file says how it ended; without one
+    (killed with the worker, SIGKILL) it is lost."""
+    rc = _exit_code(done, job_id)
+    state = JobState.LOST if rc is None else _end_state(job_id, rc, cancel)
     _write_json(done / f"{job_id}.json", {"state": state.value, "returncode": rc})
+    (running / f"{job_id}.json").unlink(missing_ok=True)
+
+
+def _end_state(job_id: str, rc: int, cancel: Path) -> JobState:
+    if (cancel / job_id).exists():
+        return JobState.CANCELLED
+    return JobState.COMPLETED if rc == 0 else JobState.FAILED
+
+
+def _record_end(job_id: str, rc: int, running: Path, done: Path, cancel: Path) -> None:
+    _write_json(done / f"{job_id}.json", {"state": _end_state(job_id, rc, cancel).value, "returncode": rc})
     (running / f"{job_id}.json").unlink(missing_ok=True)
 
 

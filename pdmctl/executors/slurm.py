@@ -41,6 +41,7 @@ Where this goes around submitit, and why:
 from __future__ import annotations
 
 import contextlib
+import getpass
 import io
 import os
 import re
@@ -272,7 +273,7 @@ class SlurmExecutor(Executor):
         try:
             for part, parallelism in self._arrays(len(requests)):
                 chunk = requests[part]
-                executor = self._submitit_executor(parallelism)
+                executor = self._submitit_executor(parallelism, _comment(chunk))
                 # sbatch's own complaint goes into the ExecutorError, not onto the terminal twice
                 with contextlib.redirect_stderr(io.StringIO()):
                     jobs = executor.map_array(PdmctlJob(), [str(r.job_file) for r in chunk],
@@ -329,12 +330,34 @@ class SlurmExecutor(Executor):
         # exec: the interpreter replaces the batch shell, so the batch step's signals reach it
         return f"exec {shlex.quote(self.options.python or sys.executable)}"
 
-    def _submitit_executor(self, parallelism: int) -> submitit.SlurmExecutor:
+    def _submitit_executor(self, parallelism: int, comment: str | None = None) -> submitit.SlurmExecutor:
         self.folder.mkdir(parents=True, exist_ok=True)
         executor = submitit.SlurmExecutor(folder=self.folder, max_num_timeout=self.options.max_timeouts,
                                           python=self.python)  # fmt: skip
-        executor.update_parameters(**self.sbatch_parameters(parallelism))
+        params = self.sbatch_parameters(parallelism)
+        if comment is not None:
+            params["additional_parameters"] = {**params["additional_parameters"], "comment": comment}
+        executor.update_parameters(**params)
         return executor
+
+    def find(self, submissions: Sequence[str]) -> dict[str, str]:
+        """The scheduler's jobs for these submissions, by the array's comment (`_comment`). A job that
+        started told the ledger its id itself, so the queue (squeue) is all there is to search."""
+        wanted = {tuple(s.split(":")[:2]): s for s in submissions}
+        if not wanted:
+            return {}
+        out = _run(["squeue", "-h", "-r", "-t", "all", "-u", getpass.getuser(), "-o", "%i|%k"], what="squeue")
+        found = {}
+        for line in out.splitlines():
+            job_id, _, comment = line.strip().partition("|")
+            match = re.fullmatch(r"pdmctl:(\w+):(\d+)", comment.strip())
+            task = job_id.partition("_")[2] or "0"  # submitit sends a one-job submission as a plain job
+            if match is None or not task.isdigit():
+                continue
+            submission = wanted.get((match[1], str(int(match[2]) + int(task))))
+            if submission is not None:
+                found[submission] = job_id
+        return found
 
     def describe(self, requests: Sequence[JobRequest | None]) -> str:
         n = len(requests)
@@ -486,6 +509,14 @@ def expand_job_id(job: str) -> list[str]:
         low, _, high = item.partition("-")
         out += [f"{base}_{i}" for i in range(int(low), int(high or low) + 1)]
     return out
+
+
+def _comment(requests: Sequence[JobRequest]) -> str | None:
+    """`pdmctl:TOKEN:FIRST`: the submission token and the index of the array's task 0 in it."""
+    if not requests or not requests[0].submission:
+        return None
+    token, first = requests[0].submission.split(":")[:2]
+    return f"pdmctl:{token}:{first}"
 
 
 def _base(job_id: str) -> str:

@@ -60,15 +60,15 @@ def report(
     ] = None,
 ) -> None:
     """Tables of avg@16 with seed confidence intervals, comparisons with the baseline, learning curves."""
-    from pdmctl.cli import _guard, console, fail
     from pdmctl.ledger import ledger_exists, open_ledger
     from pdmctl.orchestrate import make_context
     from pdmctl.report.build import build_report
     from pdmctl.report.definition import ReportError, load_definition
     from pdmctl.report.tables import comparison_table, excluded_table, results_table, to_rich
     from pdmctl.report.write import write_report
+    from pdmctl.terminal import console, fail, guard
 
-    with _guard():
+    with guard():
         try:
             spec = load_definition(definition).with_options(at=at, baseline=baseline, interval=interval)
         except ReportError as exc:

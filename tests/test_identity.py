@@ -1,0 +1,124 @@
+"""A run's identity and its one live job (issue 10, items 1, 2 and 13's local-worker surprises): real
+local jobs, real MLflow on SQLite, the CPU testbed on its smallest settings."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pdmctl import orchestrate
+from pdmctl.cli import app
+from pdmctl.executors import JobState, make_executor
+from pdmctl.executors.local import LocalExecutor
+from pdmctl.grid import expand
+from pdmctl.ledger import SqlLedger, open_ledger
+from pdmctl.orchestrate import RunState, make_context
+from tests.test_bad_input import snapshot
+
+TINY = ["backend.steps=2", "backend.eval_every=2", "backend.checkpoint_every=2", "backend.prompts_per_step=8",
+        "backend.eval_samples=2", "backend.group_size=4"]  # fmt: skip
+
+
+def wait_for(ctx, sweep: str, done, timeout: float = 300) -> list[orchestrate.RunView]:
+    deadline = time.time() + timeout
+    while True:
+        views = orchestrate.status(ctx, sweep)
+        if views and done(views):
+            return views
+        assert time.time() < deadline, [(v.key, v.state, v.record and v.record.reason) for v in views]
+        time.sleep(0.5)
+
+
+def finished(views) -> bool:
+    return all(v.state == RunState.FINISHED for v in views)
+
+
+def local_jobs(ctx) -> list[str]:
+    root = ctx.run_root / ".local"
+    return sorted(p.stem for d in ("queue", "running", "done") for p in (root / d).glob("*.json"))
+
+
+def test_a_second_store_never_resumes_the_first_stores_checkpoints(workdir: Path) -> None:  # item 1
+    specs = expand(TINY, sweep="smoke")
+    first = make_context("local", f"sqlite:///{workdir / 'A.db'}")
+    orchestrate.sweep(specs, first)
+    (a,) = wait_for(first, "smoke", finished)
+    a_files = snapshot(Path(a.record.run_dir))
+    assert any(name.startswith("checkpoints/step_") for name in a_files)
+
+    second = make_context("local", f"sqlite:///{workdir / 'B.db'}")
+    orchestrate.sweep(specs, second)
+    (b,) = wait_for(second, "smoke", finished)
+    assert b.key == a.key and b.record.run_dir != a.record.run_dir  # same config, its own directory
+    assert Path(b.record.run_dir).name == b.record.run_id
+    history = open_ledger(second.tracking_uri).metric_histories([b.record.run_id])[b.record.run_id]
+    assert [s for s, _ in history["train/reward"]] == [1, 2]  # trained from step 0, every metric logged
+    assert [s for s, _ in history["eval/toy24"]] == [0, 2]
+    assert snapshot(Path(a.record.run_dir)) == a_files  # A's files untouched
+
+
+def test_an_interrupt_between_submit_and_record_never_submits_twice(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # item 2, local executor
+    ctx = make_context("local", f"sqlite:///{workdir / 'mlflow.db'}")
+    specs = expand([*TINY, "seed=0,1"], sweep="twice")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:  # the job of seed 0 never goes out; seed 1's goes out unrecorded
+        m.setattr(LocalExecutor, "submit", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            orchestrate.sweep(specs[:1], ctx)
+    with monkeypatch.context() as m:
+        m.setattr(SqlLedger, "mark_submitted", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            orchestrate.sweep(specs[1:], ctx)
+    assert len(local_jobs(ctx)) == 1
+
+    plan, job_ids = orchestrate.sweep(specs, ctx)  # seed 0 goes out now; seed 1's job is found
+    assert len(job_ids) == 1 and plan.states[specs[1].key] in orchestrate.ACTIVE, plan.states
+    assert orchestrate.resume(ctx, "twice") == ([], [])
+    views = wait_for(ctx, "twice", finished)
+    assert len(local_jobs(ctx)) == 2  # one job per run, ever
+    for v in views:
+        assert v.record.attempt == 1 and v.record.job_id in local_jobs(ctx)
+        log = (Path(v.record.run_dir) / "logs" / "attempt-1.log").read_text()
+        assert log.count("pdmctl job: run") == 1, log
+
+
+def test_a_held_worker_lock_is_said_before_anything_is_queued(workdir: Path) -> None:  # item 13
+    root = workdir / "pdmctl-runs" / ".local"
+    root.mkdir(parents=True)
+    with open(root / "worker.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # what a stray `flock worker.lock ...` does
+        before = snapshot(workdir)
+        result = CliRunner().invoke(app, ["sweep", *TINY])
+    assert result.exit_code == 2, result.output
+    assert "is held by a process that is not a working pdmctl worker" in result.stderr
+    assert snapshot(workdir) == before
+
+
+def test_a_job_that_ends_while_its_worker_is_dead_is_not_lost(workdir: Path) -> None:  # item 13
+    ctx = make_context("local", f"sqlite:///{workdir / 'mlflow.db'}")
+    _, (job_id,) = orchestrate.sweep(expand(TINY, sweep="orphan"), ctx)
+    root = ctx.run_root / ".local"
+    deadline = time.time() + 120
+    while not (root / "running" / f"{job_id}.json").exists():
+        assert time.time() < deadline
+        time.sleep(0.1)
+    os.kill(int((root / "worker.heartbeat").read_text()), signal.SIGKILL)  # the job lives on
+    executor = make_executor(ctx.profile)
+    deadline = time.time() + 300
+    while (state := executor.states([job_id])[job_id]) == JobState.RUNNING:
+        assert time.time() < deadline
+        time.sleep(0.5)
+    assert state == JobState.COMPLETED
+    (view,) = orchestrate.status(ctx, "orphan")
+    assert view.state == RunState.FINISHED
