@@ -44,7 +44,7 @@ class SweepFile:
 def load_sweep_file(path_or_name: str) -> SweepFile:
     """`sweeps/NAME.yaml`, a bare NAME found there, or any path."""
     path, data = load_named(path_or_name, SWEEP_DIR, "sweep file", GridError)
-    unknown = set(data) - {"name", "description", "grid", "settings"}
+    unknown = set(data) - {"name", "description", "grid", "settings", "tune"}  # tune: for pdmctl tune
     if unknown:
         raise GridError(f"sweep file: {path}: unknown field(s) {', '.join(sorted(unknown))}")
     grid = {str(k): _hydra_value(v) for k, v in (data.get("grid") or {}).items()}
