@@ -6,7 +6,8 @@ For tune's tests and benchmark, where the optimiser, not the training, is under 
 
 is 1 at δ = 0.12, lr = 10^−3.5 and falls off smoothly. The evaluation at step s
 of `steps` reads f·s/steps on both held-out sets (learning curves that rise to
-f, so a pruner sees bad settings early); `step_s` seconds pass per step.
+f, so a pruner sees bad settings early); `step_s` seconds pass per step;
+`fail=true` raises at step 1 (a run that fails every attempt).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pdmctl.backends.base import Tracker
 
 OPTIMUM = {"delta": 0.12, "lr": 10**-3.5}
 EVAL_SETS = ("toy24", "toy25")
-_FIELDS = {"steps": 4, "eval_every": 1, "lr": 1e-3, "step_s": 0.0}
+_FIELDS = {"steps": 4, "eval_every": 1, "lr": 1e-3, "step_s": 0.0, "fail": False}
 
 
 def defaults() -> dict[str, Any]:
@@ -42,6 +43,8 @@ def validate(flat: Mapping[str, Any]) -> None:
         raise ValueError(f"lr: must be a number > 0, got {lr!r}")
     if not _number(step_s) or step_s < 0:
         raise ValueError(f"step_s: must be a number >= 0, got {step_s!r}")
+    if not isinstance(flat.get("fail", False), bool):
+        raise ValueError(f"fail: must be true or false, got {flat['fail']!r}")
 
 
 def _number(value: Any) -> bool:
@@ -55,6 +58,8 @@ def run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mapping[str
     final: dict[str, float] = {}
     for step in range(steps + 1):
         if step:
+            if flat["fail"]:
+                raise RuntimeError("synthetic: fail=true")
             time.sleep(float(flat["step_s"]))
             tracker.log_metrics({"train/reward": peak * step / steps}, step)
         if step % every == 0 or step == steps:

@@ -41,6 +41,9 @@ def report(
             "--analysis", help="A direction analysis to include (the JSON of `pdmctl analyze --json`)."
         ),
     ] = None,
+    tune: Annotated[
+        str | None, typer.Option("--tune", help="A study of pdmctl tune: trials, history, importances.")
+    ] = None,
     cluster: Annotated[
         str, typer.Option("--cluster", "-c", help="Cluster profile under clusters/ (or a path).")
     ] = "local",
@@ -60,6 +63,11 @@ def report(
     from pdmctl.report.tables import comparison_table, excluded_table, results_table, to_rich
     from pdmctl.report.write import write_report
 
+    if tune is not None:  # a study's page (pdmctl.tune.page), not a sweep report
+        from pdmctl.tune.cli import report_study
+
+        report_study(tune, out, cluster, tracking_uri)
+        return
     with _guard():
         try:
             spec = load_definition(definition).with_options(at=at, baseline=baseline)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -248,3 +249,21 @@ def _print_study(view) -> None:
         console.print(
             f"best: trial {view.best.number}, value {view.best.value:.4f}: {params}", highlight=False
         )
+
+
+def report_study(name: str, out: Path | None, cluster: str, tracking_uri: str | None) -> None:
+    """`pdmctl report --tune NAME`: the study's page under reports/tune-NAME/ (or --out)."""
+    from pdmctl.cli import _guard, console, fail
+    from pdmctl.orchestrate import make_context
+    from pdmctl.tune.page import write_study_report
+    from pdmctl.tune.study import TuneError, storage_exists, storage_url
+
+    with _guard():
+        try:
+            ctx = make_context(cluster, tracking_uri)
+            if not storage_exists(storage_url(ctx.tracking_uri, None)):
+                fail(f"study {name!r}: no study storage beside {ctx.tracking_uri}")
+            page = write_study_report(name, ctx, out or Path("reports") / f"tune-{name}")
+        except TuneError as exc:
+            fail(str(exc))
+    console.print(f"wrote {page}", highlight=False)

@@ -118,7 +118,7 @@ def parse_space(overrides: Sequence[str]) -> SearchSpace:
                 current = _lookup(base, key, prefix)
                 if isinstance(current, bool | str | dict | list):
                     what = (
-                        "a config group" if isinstance(current, dict) else f"{type(current).__name__} field"
+                        "a config group" if isinstance(current, dict) else f"a {type(current).__name__} field"
                     )
                     raise GridError(f"{key}: {text.split('=', 1)[1]} needs a numeric field, {key} is {what}")
                 is_int = isinstance(current, int)

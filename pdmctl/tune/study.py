@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -166,6 +167,7 @@ def storage_url(tracking_uri: str, given: str | None) -> str:
     Not the ledger's SQLite file itself: MLflow and Optuna both keep their schema
     version in alembic's one `alembic_version` table, and each refuses the other's.
     """
+    given = given or os.environ.get("PDMCTL_TUNE_STORAGE")
     if given:
         return given
     path = sqlite_path(tracking_uri)
