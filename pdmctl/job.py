@@ -81,7 +81,7 @@ def run(job_file: Path) -> int:
             flat_config(spec.config), Path(job.run_dir), trial_tracker(logger, Path(job.run_dir))
         )
     except Pruned as exc:  # a tune trial's pruner stopped it: an ending, not a failure to resume
-        logger.finish(KILLED, reason=f"pruned ({exc})")
+        logger.finish(KILLED, reason=f"pruned at {exc}")
         print(f"pdmctl job: pruned ({exc})", flush=True)
         return 0
     except Cancelled as exc:

@@ -30,7 +30,7 @@ SYNTH = [
     "delta=interval(0.02,0.3)",
     "backend.lr=tag(log,interval(1e-5,1e-2))",
 ]
-TOY = ["model=toy-tiny", "backend.steps=4", "backend.eval_every=1", "backend.checkpoint_every=2",
+TOY = ["backend.steps=4", "backend.eval_every=1", "backend.checkpoint_every=2",
        "backend.prompts_per_step=8", "backend.group_size=4", "backend.eval_samples=4"]  # fmt: skip
 
 
@@ -213,3 +213,56 @@ def test_a_failing_run_is_retried_then_told_as_failed(workdir: Path):
     assert trial.state == optuna.trial.TrialState.FAIL
     (run,) = ledger_runs(workdir, "f")
     assert run.attempt == 2
+
+
+# ---------------------------------------------------------------------------
+# SLURM: trials go out as jobs, the pruner stops one inside its job
+# ---------------------------------------------------------------------------
+
+
+def _slurm_answers() -> bool:
+    import shutil
+
+    if shutil.which("sinfo") is None:
+        return False
+    try:
+        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=20).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+@pytest.mark.slurm
+@pytest.mark.skipif(not _slurm_answers(), reason="no SLURM answering here (start it with .ci/slurm_up.sh)")
+def test_slurm_trials_are_jobs_and_one_is_pruned_in_its_job(workdir: Path):
+    """Submit-and-exit keeps at most P trials in flight; the same command with --wait finishes the study.
+    TPE with seed 3 proposes two poor settings third and fourth (one trial at a time: deterministic), and
+    the median pruner stops them at an evaluation inside their SLURM jobs."""
+    import uuid
+
+    import yaml
+
+    profile = workdir / "slurm-tune.yaml"
+    profile.write_text(yaml.safe_dump({
+        "name": "slurm-tune", "executor": "slurm", "max_concurrent": 4, "workdir": str(workdir / "runs"),
+        "partition": "debug", "time": 10, "cpus_per_task": 1, "mem_gb": 1, "signal_delay_s": 30,
+        "job_name": f"pdmctl-tune-{uuid.uuid4().hex[:8]}",
+    }))  # fmt: skip
+    args = ["tune", *SYNTH, "backend.steps=3", "--trials", "4", "--parallel", "1", "--seed", "3",
+            "--name", "sl", "--cluster", str(profile)]  # fmt: skip
+    res = pdmctl(*args, cwd=workdir)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "in flight: run the same command again" in res.stdout
+    assert [t.state.name for t in study(workdir, "sl").trials] == ["RUNNING"]
+    res = pdmctl(*args, "--wait", cwd=workdir, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    trials = study(workdir, "sl").trials
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "PRUNED", "PRUNED"]
+    runs = {r.key: r for r in ledger_runs(workdir, "sl")}
+    for t in trials:
+        (key,) = t.user_attrs["pdmctl.keys"]
+        assert runs[key].job_id and runs[key].job_id.split("_")[0].isdigit()  # a SLURM job id
+    pruned = [runs[t.user_attrs["pdmctl.keys"][0]] for t in trials if t.state.name == "PRUNED"]
+    assert all(r.status == "KILLED" and r.reason.startswith("pruned") for r in pruned)
+    ctx = make_context(str(profile), sqlite_uri(workdir))
+    assert {str(v.state) for v in status(ctx, "sl")} == {"finished", "pruned"}
+    no_config_twice(workdir, "sl")

@@ -104,7 +104,6 @@ def tune(
                 orchestrate.make_executor(ctx.profile).check()
                 _print_plan(plan, options, ctx)
                 return
-            orchestrate.check_before_submit(ctx)
             driver = tune_study.Driver(plan, options, ctx)
             driver.open()
         except tune_study.TuneError as exc:

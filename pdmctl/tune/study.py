@@ -221,8 +221,10 @@ class Driver:
         self.plan, self.options, self.ctx = plan, options, ctx
         self.study: Any = None
         self._specs: dict[int, list[RunSpec]] = {}
-        self._ledger = None
-        self.seconds = 0.0  # the driver's own time in passes (excludes waiting)
+        self.executor = orchestrate.check_before_submit(ctx)  # before open_ledger creates the store
+        self.ledger = open_ledger(ctx.tracking_uri)
+        self.seconds = 0.0  # the driver's own time in passes, wall clock (excludes waiting between them)
+        self.cpu_seconds = 0.0  # the same, CPU time of this process (what a loaded machine does not inflate)
 
     def open(self) -> None:
         import optuna
@@ -250,15 +252,19 @@ class Driver:
             )
         return self._specs[trial.number]
 
+    def _record_keys(self, trial) -> None:
+        """The trial's run keys beside its parameters: status and the report read them there."""
+        trial.set_user_attr(KEYS_ATTR, [s.key for s in self.specs_of(trial)])
+
     def step(self) -> Pass:
         """One pass: tell what ended, (re)submit what is missing, ask while there is room."""
         import optuna
 
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         result = Pass()
-        views = {v.key: v for v in orchestrate.status(self.ctx, self.plan.name)}
+        views = self._views()
         trials = self.study.get_trials(deepcopy=False)
-        submit: dict[str, tuple[RunSpec, int]] = {}  # key -> (spec, the trial that owns its pruning)
+        submit: dict[str, tuple[RunSpec, int, bool]] = {}  # key -> (spec, its trial's id, reports to it)
         resume = False
 
         def settle(trial) -> None:
@@ -269,33 +275,53 @@ class Driver:
                 return
             result.in_flight += 1
             resume |= outcome.kind == "resume"
+            first = self.specs_of(trial)[0].key
             for spec in outcome.specs:
-                submit[spec.key] = (spec, trial._trial_id)
+                submit[spec.key] = (spec, trial._trial_id, spec.key == first)
 
         for trial in trials:
             if trial.state == optuna.trial.TrialState.RUNNING:
+                if KEYS_ATTR not in trial.user_attrs:  # a driver killed right after its `ask`
+                    self._record_keys(optuna.trial.Trial(self.study, trial._trial_id))
                 settle(trial)
         total = len(trials)
         while result.in_flight < self.options.parallel and total < self.options.trials:
             trial = self.study.ask(self.plan.space.distributions)
-            keys = [s.key for s in self.specs_of(trial)]
-            trial.set_user_attr(KEYS_ATTR, keys)
+            self._record_keys(trial)
             result.asked += 1
             total += 1
             settle(trial)
         if submit:
-            for spec, trial_id in submit.values():
+            for spec, trial_id, reports in submit.values():
                 link = TrialLink(self.plan.storage, self.plan.name, trial_id, self.plan.metrics,
-                                 self.plan.request.pruner)  # fmt: skip
+                                 self.plan.request.pruner, reports)  # fmt: skip
                 link.write(self.ctx.run_dir(spec))
-            _, job_ids = orchestrate.sweep([s for s, _ in submit.values()], self.ctx)
-            result.submitted = len(job_ids)
+            result.submitted = self._submit([s for s, *_ in submit.values()])
         if resume:
             chosen, _ = orchestrate.resume(self.ctx, self.plan.name, max_attempts=self.options.max_attempts)
             result.resumed = len(chosen)
-        result.states = Counter(t.state.name for t in self.study.get_trials(deepcopy=False))
+        if result.asked or result.told:
+            trials = self.study.get_trials(deepcopy=False)
+        result.states = Counter(t.state.name for t in trials)
         self.seconds += time.perf_counter() - started
+        self.cpu_seconds += time.process_time() - cpu_started
         return result
+
+    def _views(self) -> dict[str, RunView]:
+        """The study's runs as `pdmctl status` sees them (the executor's word written into the ledger)."""
+        records = self.ledger.runs(self.plan.name)
+        if not records:
+            return {}
+        return {r.key: RunView(r.key, r.sweep, r.summary, orchestrate.run_state(r, js), r, js)
+                for r, js in orchestrate.reconcile(self.ledger, records, self.ctx)}  # fmt: skip
+
+    def _submit(self, specs: list[RunSpec]) -> int:
+        """Register the runs and submit those no job serves: `orchestrate.sweep` on the driver's ledger."""
+        with self.ledger.lock():
+            self.ledger.register(specs, {s.key: str(self.ctx.run_dir(s)) for s in specs})
+            by_key = {r.key: r for r in self.ledger.runs(self.plan.name)}
+            records = [by_key[s.key] for s in specs if not by_key[s.key].job_id]
+            return len(orchestrate._submit(records, self.ledger, self.executor, self.ctx))
 
     def _outcome(self, trial, views: dict[str, RunView], planned: dict[str, Any]) -> _Outcome:
         import optuna
@@ -325,9 +351,7 @@ class Driver:
 
     def _value(self, run_ids: Sequence[str]) -> float | None:
         """The trial's objective: each run's at the final (or best) evaluation, averaged over seeds."""
-        if self._ledger is None:
-            self._ledger = open_ledger(self.ctx.tracking_uri)
-        histories = self._ledger.metric_histories(list(run_ids), keys=list(self.plan.metrics))
+        histories = self.ledger.metric_histories(list(run_ids), keys=list(self.plan.metrics))
         values = [run_objective(h, self.plan.metrics, self.plan.request.at, self.plan.request.direction)
                   for h in histories.values()]  # fmt: skip
         if not values or any(v is None for v in values):

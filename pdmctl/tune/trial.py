@@ -36,6 +36,7 @@ class TrialLink:
     trial_id: int
     objective: tuple[str, ...]  # the metrics whose mean is the objective at an evaluation point
     pruner: str
+    reports: bool = True  # the trial's first seed reports; its other seeds only stop once it is pruned
 
     def write(self, run_dir: Path) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -119,8 +120,8 @@ class TrialTracker:
         state = self._trial.study._storage.get_trial(self.link.trial_id).state
         if state == optuna.trial.TrialState.PRUNED:
             raise Pruned(f"step {step}: the trial was pruned")
-        if state != optuna.trial.TrialState.RUNNING:
-            return  # told already (a run resumed by hand after its trial ended): nothing to report to
+        if state != optuna.trial.TrialState.RUNNING or not self.link.reports:
+            return  # told already (a run resumed by hand after its trial ended), or another seed reports
         self._trial.report(value, step)
         if self._trial.should_prune():
             raise Pruned(f"step {step}: objective {value:.4g}")
