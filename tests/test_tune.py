@@ -266,3 +266,11 @@ def test_slurm_trials_are_jobs_and_one_is_pruned_in_its_job(workdir: Path):
     ctx = make_context(str(profile), sqlite_uri(workdir))
     assert {str(v.state) for v in status(ctx, "sl")} == {"finished", "pruned"}
     no_config_twice(workdir, "sl")
+
+
+def test_a_sweep_files_tune_section_dry_run_writes_nothing(workdir: Path):
+    result = CliRunner().invoke(app, ["tune", "--file", "tune-testbed", "backend.steps=4", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "mask" in result.stdout and "would run up to 24 more, 2 at a time" in result.stdout
+    assert "fixed: 4" in result.stdout  # the command line wins over the file
+    assert list(workdir.iterdir()) == []
