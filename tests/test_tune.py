@@ -7,6 +7,7 @@ driver are what is under test.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -148,15 +149,17 @@ def test_testbed_study_prunes_and_continues_without_repeating(workdir: Path):
 
 
 def test_tpe_finds_the_known_optimum(workdir: Path):
-    """f(δ, lr) peaks at δ=0.12, lr=10^-3.5: TPE (seed 0) gets within 0.04 in δ and 0.35 decades in lr in
-    30 trials, one at a time (deterministic)."""
-    res = pdmctl("tune", *SYNTH, "backend.steps=2", "--trials", "30", "--seed", "0", "--pruner", "none",
-                 "--name", "opt", cwd=workdir, timeout=900)  # fmt: skip
+    """f(δ, lr) peaks at 1 at δ=0.12, lr=10^-3.5 and is 0.5 on the ellipse |δ−0.12| ≤ 0.05, |log10 lr + 3.5| ≤ 0.5
+    (half its height). TPE (seed 0, 24 trials, 3 at a time) ends inside it; random search misses it one time in
+    ten with as many trials. Offline, over 20 seeds and random completion orders, TPE's worst best was 0.74."""
+    res = pdmctl("tune", *SYNTH, "backend.steps=1", "--trials", "24", "--parallel", "3", "--seed", "0",
+                 "--pruner", "none", "--name", "opt", cwd=workdir, timeout=900)  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
     best = study(workdir, "opt").best_trial
-    assert abs(best.params["delta"] - OPTIMUM["delta"]) < 0.04, best.params
-    assert abs(__import__("math").log10(best.params["backend.lr"] / OPTIMUM["lr"])) < 0.35, best.params
-    assert best.value > 0.6
+    assert best.value > 0.5, best.params
+    assert abs(best.params["delta"] - OPTIMUM["delta"]) < 0.05, best.params
+    assert abs(math.log10(best.params["backend.lr"] / OPTIMUM["lr"])) < 0.5, best.params
+    assert len(study(workdir, "opt").trials) == 24
 
 
 def test_kill_9_of_the_driver_loses_nothing_and_runs_nothing_twice(workdir: Path):
@@ -274,3 +277,36 @@ def test_a_sweep_files_tune_section_dry_run_writes_nothing(workdir: Path):
     assert "mask" in result.stdout and "would run up to 24 more, 2 at a time" in result.stdout
     assert "fixed: 4" in result.stdout  # the command line wins over the file
     assert list(workdir.iterdir()) == []
+
+
+PG_URI = os.environ.get("PDMCTL_TEST_PG_URI", "postgresql+psycopg2://mlflow:mlflow@127.0.0.1:5433/mlflow")
+
+
+def _postgres_answers() -> bool:
+    try:
+        from pdmctl.ledger import check_reachable
+
+        check_reachable(PG_URI, timeout=3)
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.postgres
+@pytest.mark.skipif(not _postgres_answers(), reason="no PostgreSQL here (.ci/mlflow_server_up.sh starts it)")
+def test_on_a_postgres_ledger_the_study_lives_in_its_own_schema_of_the_same_database(workdir: Path):
+    import sqlalchemy
+
+    from pdmctl.tune.trial import OPTUNA_SCHEMA, open_storage
+
+    name = f"tune-pg-{os.getpid()}-{int(time.time())}"
+    res = pdmctl("tune", *SYNTH, "--trials", "2", "--parallel", "2", "--name", name, "--tracking-uri", PG_URI,
+                 cwd=workdir)  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    trials = optuna.load_study(study_name=name, storage=open_storage(PG_URI)).trials
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    assert len(open_ledger(PG_URI).runs(name)) == 2
+    tables = sqlalchemy.inspect(sqlalchemy.create_engine(PG_URI))
+    assert {"studies", "trials", "alembic_version"} <= set(tables.get_table_names(schema=OPTUNA_SCHEMA))
+    assert "runs" in tables.get_table_names() and "studies" not in tables.get_table_names()
+    assert not (workdir / "mlflow.optuna.db").exists()
