@@ -201,8 +201,6 @@ class Pass:
     states: Counter = field(default_factory=Counter)  # Optuna trial state -> count, after the pass
     in_flight: int = 0
     asked: int = 0
-    submitted: int = 0
-    resumed: int = 0
     told: int = 0
 
     @property
@@ -296,10 +294,9 @@ class Driver:
                 link = TrialLink(self.plan.storage, self.plan.name, trial_id, self.plan.metrics,
                                  self.plan.request.pruner, reports)  # fmt: skip
                 link.write(self.ctx.run_dir(spec))
-            result.submitted = self._submit([s for s, *_ in submit.values()])
+            self._submit([s for s, *_ in submit.values()])
         if resume:
-            chosen, _ = orchestrate.resume(self.ctx, self.plan.name, max_attempts=self.options.max_attempts)
-            result.resumed = len(chosen)
+            orchestrate.resume(self.ctx, self.plan.name, max_attempts=self.options.max_attempts)
         if result.asked or result.told:
             trials = self.study.get_trials(deepcopy=False)
         result.states = Counter(t.state.name for t in trials)
@@ -315,13 +312,13 @@ class Driver:
         return {r.key: RunView(r.key, r.sweep, r.summary, orchestrate.run_state(r, js), r, js)
                 for r, js in orchestrate.reconcile(self.ledger, records, self.ctx)}  # fmt: skip
 
-    def _submit(self, specs: list[RunSpec]) -> int:
+    def _submit(self, specs: list[RunSpec]) -> None:
         """Register the runs and submit those no job serves: `orchestrate.sweep` on the driver's ledger."""
         with self.ledger.lock():
             self.ledger.register(specs, {s.key: str(self.ctx.run_dir(s)) for s in specs})
             by_key = {r.key: r for r in self.ledger.runs(self.plan.name)}
             records = [by_key[s.key] for s in specs if not by_key[s.key].job_id]
-            return len(orchestrate._submit(records, self.ledger, self.executor, self.ctx))
+            orchestrate._submit(records, self.ledger, self.executor, self.ctx)
 
     def _outcome(self, trial, views: dict[str, RunView], planned: dict[str, Any]) -> _Outcome:
         import optuna
@@ -468,7 +465,7 @@ def storage_exists(url: str) -> bool:
 
 
 def study_view(name: str, storage: str, ctx: Context) -> StudyView:
-    """The study as `tune status` shows it (reads only)."""
+    """The study as `tune status` shows it: Optuna's word, read; the runs' states as `pdmctl status` finds them."""
     study = load_study(name, storage)
     views: dict[str, RunView] = {}
     if ledger_exists(ctx.tracking_uri):
