@@ -387,7 +387,11 @@ def _mount_optional() -> None:
     import importlib
 
     # module -> the command group it provides (None: the module registers its own commands)
-    for module, group in (("pdmctl.report.cli", None), ("pdmctl.backends.verl.cli", "data"), ("pdmctl.tune.cli", None)):
+    for module, group in (
+        ("pdmctl.report.cli", None),
+        ("pdmctl.backends.verl.cli", "data"),
+        ("pdmctl.tune.cli", None),
+    ):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
