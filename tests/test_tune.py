@@ -147,6 +147,12 @@ def test_testbed_study_prunes_and_continues_without_repeating(workdir: Path):
     res = pdmctl("tune", "status", "toy", cwd=workdir)
     assert res.returncode == 0 and "best: trial" in res.stdout
 
+    res = pdmctl("report", "--tune", "toy", cwd=workdir)
+    assert res.returncode == 0, res.stdout + res.stderr
+    page = (workdir / "reports" / "tune-toy" / "index.html").read_text()
+    assert page.count("<img src='data:image/png;base64,") == 3  # history, intermediate values, importances
+    assert page.count("<tr><td class='num'>") == 8 and "pruned" in page
+
 
 def test_tpe_finds_the_known_optimum(workdir: Path):
     """f(δ, lr) peaks at 1 at δ=0.12, lr=10^-3.5 and is 0.5 on the ellipse |δ−0.12| ≤ 0.05, |log10 lr + 3.5| ≤ 0.5

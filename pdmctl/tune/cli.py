@@ -29,22 +29,27 @@ def tune(
     ] = None,
     trials: Annotated[int | None, typer.Option(help="Trials in the study, all invocations together.")] = None,
     parallel: Annotated[
-        int | None, typer.Option("--parallel", "-p", help="Trials in flight at once [1].")
+        int | None, typer.Option("--parallel", "-p", help="Trials in flight at once (default: 1).")
     ] = None,
     objective: Annotated[
-        str | None, typer.Option(help="Metric to optimise [avg@16: the mean of the held-out sets].")
+        str | None, typer.Option(help="Metric to optimise (default: avg@16: the mean of the held-out sets).")
     ] = None,
-    direction: Annotated[str | None, typer.Option(help="maximize | minimize [maximize].")] = None,
-    at: Annotated[str | None, typer.Option("--at", help="Which evaluation: final | best [final].")] = None,
-    sampler: Annotated[str | None, typer.Option(help="tpe | cmaes | random | grid [tpe].")] = None,
-    pruner: Annotated[str | None, typer.Option(help="median | hyperband | none [median].")] = None,
-    seeds_per_trial: Annotated[int | None, typer.Option(help="Seeds per trial, averaged [1].")] = None,
+    direction: Annotated[str | None, typer.Option(help="maximize | minimize (default: maximize).")] = None,
+    at: Annotated[
+        str | None, typer.Option("--at", help="Which evaluation: final | best (default: final).")
+    ] = None,
+    sampler: Annotated[str | None, typer.Option(help="tpe | cmaes | random | grid (default: tpe).")] = None,
+    pruner: Annotated[str | None, typer.Option(help="median | hyperband | none (default: median).")] = None,
+    seeds_per_trial: Annotated[
+        int | None, typer.Option(help="Seeds per trial, averaged (default: 1).")
+    ] = None,
     max_attempts: Annotated[
-        int | None, typer.Option(help="Attempts of a failing run before its trial fails [2].")
+        int | None, typer.Option(help="Attempts of a failing run before its trial fails (default: 2).")
     ] = None,
     seed: Annotated[int | None, typer.Option(help="The sampler's seed (reproducible suggestions).")] = None,
     name: Annotated[
-        str | None, typer.Option("--name", "-n", help="Study (and sweep) name [the file's, or 'tune'].")
+        str | None,
+        typer.Option("--name", "-n", help="Study (and sweep) name (default: the file's, or 'tune')."),
     ] = None,
     cluster: Annotated[
         str, typer.Option("--cluster", "-c", help="Cluster profile under clusters/.")
@@ -52,7 +57,9 @@ def tune(
     tracking_uri: Annotated[str | None, typer.Option("--tracking-uri", help="MLflow store.")] = None,
     storage: Annotated[
         str | None,
-        typer.Option(help="Optuna storage [beside the ledger: mlflow.optuna.db, or its PostgreSQL]."),
+        typer.Option(
+            help="Optuna storage (default: beside the ledger: mlflow.optuna.db, or its PostgreSQL)."
+        ),
     ] = None,
     wait: Annotated[
         bool,
