@@ -244,8 +244,9 @@ def _slurm_answers() -> bool:
 @pytest.mark.skipif(not _slurm_answers(), reason="no SLURM answering here (start it with .ci/slurm_up.sh)")
 def test_slurm_trials_are_jobs_and_one_is_pruned_in_its_job(workdir: Path):
     """Submit-and-exit keeps at most P trials in flight; the same command with --wait finishes the study.
-    TPE with seed 3 proposes two poor settings third and fourth (one trial at a time: deterministic), and
-    the median pruner stops them at an evaluation inside their SLURM jobs."""
+    One trial at a time, TPE seeded 3 (then 3 + trials so far when the command runs again) proposes two poor
+    settings third and fourth (found offline with the same sampler and pruner), and the median pruner stops
+    them at an evaluation inside their SLURM jobs."""
     import uuid
 
     import yaml

@@ -236,6 +236,9 @@ class Driver:
             direction=self.plan.request.direction,
             load_if_exists=True,
         )
+        if self.options.seed is not None:  # a continued study must not replay the first invocation's draws
+            done = len(self.study.get_trials(deepcopy=False))
+            self.study.sampler = make_sampler(self.options.sampler, self.options.seed + done, self.plan.space)
         stored = self.study.user_attrs.get(ATTR)
         if stored is None:
             self.study.set_user_attr(ATTR, self.plan.request.to_json())
