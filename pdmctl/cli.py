@@ -39,6 +39,7 @@ TrackingOpt = Annotated[
 STATE_STYLE = {
     "finished": "green", "running": "cyan", "queued": "blue", "not started": "dim", "new": "dim",
     "failed": "red", "lost": "red", "cancelled": "yellow", "timeout": "magenta", "preempted": "magenta",
+    "pruned": "yellow",
 }  # fmt: skip
 
 
@@ -361,7 +362,11 @@ def _mount_optional() -> None:
     import importlib
 
     # module -> the command group it provides (None: the module registers its own commands)
-    for module, group in (("pdmctl.report.cli", None), ("pdmctl.backends.verl.cli", "data")):
+    for module, group in (
+        ("pdmctl.report.cli", None),
+        ("pdmctl.backends.verl.cli", "data"),
+        ("pdmctl.tune.cli", None),
+    ):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:

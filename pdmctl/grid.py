@@ -49,7 +49,7 @@ def load_sweep_file(path_or_name: str) -> SweepFile:
     where = f"sweep file: {path}"
     if not data:  # an empty file would silently sweep nothing but the default config
         raise GridError(f"{where}: empty (give it a grid: or settings:)")
-    unknown = set(data) - {"name", "description", "grid", "settings"}
+    unknown = set(data) - {"name", "description", "grid", "settings", "tune"}  # tune: for pdmctl tune
     if unknown:
         raise GridError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
     raw_grid, raw_settings = data.get("grid") or {}, data.get("settings") or []

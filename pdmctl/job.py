@@ -23,6 +23,7 @@ from pathlib import Path
 from pdmctl.backends.registry import flat_config, get_backend
 from pdmctl.ledger import FAILED, FINISHED, KILLED, RunLogger
 from pdmctl.spec import RunSpec
+from pdmctl.tune.trial import Pruned, trial_tracker
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,13 @@ def run(job_file: Path) -> int:
     print(f"pdmctl job: run {spec.key} ({spec.summary}) attempt {attempt} in {job.run_dir}", flush=True)
     try:
         backend = get_backend(spec.backend)
-        final = backend.run(flat_config(spec.config), Path(job.run_dir), logger)
+        final = backend.run(
+            flat_config(spec.config), Path(job.run_dir), trial_tracker(logger, Path(job.run_dir))
+        )
+    except Pruned as exc:  # a tune trial's pruner stopped it: an ending, not a failure to resume
+        logger.finish(KILLED, reason=f"pruned at {exc}")
+        print(f"pdmctl job: pruned ({exc})", flush=True)
+        return 0
     except Cancelled as exc:
         logger.finish(KILLED, reason=f"cancelled ({exc})")
         print(f"pdmctl job: cancelled ({exc})", flush=True)

@@ -46,6 +46,7 @@ class RunState(StrEnum):
     TIMEOUT = "timeout"
     PREEMPTED = "preempted"
     LOST = "lost"  # its process ended without telling the ledger
+    PRUNED = "pruned"  # a tune trial its job stopped at an evaluation (pdmctl.tune)
 
 
 RESUMABLE = frozenset({RunState.UNSUBMITTED, RunState.FAILED, RunState.CANCELLED, RunState.TIMEOUT,
@@ -110,7 +111,8 @@ def run_state(record: RunRecord, job: JobState | None) -> RunState:
     if record.status in (FAILED, KILLED):
         reason = (record.reason or "").lower()
         for prefix, state in (("timeout", RunState.TIMEOUT), ("preempted", RunState.PREEMPTED),
-                              ("lost", RunState.LOST), ("cancelled", RunState.CANCELLED)):  # fmt: skip
+                              ("lost", RunState.LOST), ("cancelled", RunState.CANCELLED),
+                              ("pruned", RunState.PRUNED)):  # fmt: skip
             if reason.startswith(prefix):
                 return state
         return RunState.CANCELLED if record.status == KILLED else RunState.FAILED

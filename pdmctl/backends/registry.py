@@ -116,9 +116,16 @@ def _verl_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mappi
     return tracker.copy_metrics(launch.pdmctl_metric_name)  # VeRL's names -> eval/aime24, train/reward, ...
 
 
+def _synthetic() -> Backend:
+    from pdmctl.backends import synthetic
+
+    return Backend("synthetic", synthetic.defaults, synthetic.validate, synthetic.run)
+
+
 BACKENDS: dict[str, Backend] = {
     "toy": Backend("toy", _toy_defaults, _toy_validate, _toy_run),
     "verl": Backend("verl", _verl_defaults, _verl_validate, _verl_run),
+    "synthetic": _synthetic(),  # a known objective for pdmctl tune's tests and benchmark
 }
 
 

@@ -49,6 +49,9 @@ def report(
             "--analysis", help="A direction analysis to include (the JSON of `pdmctl analyze --json`)."
         ),
     ] = None,
+    tune: Annotated[
+        str | None, typer.Option("--tune", help="A study of pdmctl tune: trials, history, importances.")
+    ] = None,
     cluster: Annotated[
         str, typer.Option("--cluster", "-c", help="Cluster profile under clusters/ (or a path).")
     ] = "local",
@@ -68,6 +71,11 @@ def report(
     from pdmctl.report.write import write_report
     from pdmctl.terminal import console, fail, guard
 
+    if tune is not None:  # a study's page (pdmctl.tune.page), not a sweep report
+        from pdmctl.tune.cli import report_study
+
+        report_study(tune, out, cluster, tracking_uri)
+        return
     with guard():
         try:
             spec = load_definition(definition).with_options(at=at, baseline=baseline, interval=interval)
