@@ -469,10 +469,18 @@ def _run_trainer(command: list[str], env: dict[str, str]) -> None:
     with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           errors="replace", bufsize=1) as proc:  # fmt: skip
         assert proc.stdout is not None
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            if _ERROR_LINE.match(line.strip()):
-                last_error = line.strip()
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                if _ERROR_LINE.match(line.strip()):
+                    last_error = line.strip()
+        except BaseException:  # a cancel (SIGTERM -> job.Cancelled) must end the trainer, not wait on it
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
     sys.stdout.flush()
     if proc.returncode != 0:
         raise EngineJobError(last_error or f"the VeRL trainer exited with status {proc.returncode}")
