@@ -95,9 +95,6 @@ def env() -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; vLLM-CPU's default (4) is most of a small machine
         "OMP_NUM_THREADS": "1",  # Ray starts many workers on two cores: no thread oversubscription
         "RAY_memory_monitor_refresh_ms": "0",  # the shared machine's memory is not Ray's to police
-        # the raylet gives its Python agents 30 s to write their port files, then aborts (measured:
-        # `Timed out waiting for file .../metrics_agent_port_*` at a load average of 14)
-        "RAY_agent_register_timeout_ms": "300000",
         # Ray runs its workers at nice 15: behind any other process on a shared machine, the
         # trainer (all of it in workers) starves (measured: no progress at a load average of 17)
         "RAY_worker_niceness": "0",
