@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -112,7 +111,7 @@ def _verl_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mappi
     if uri is None or run_id is None:
         raise ValueError("backend: verl logs through MLflow itself and needs the job's ledger tracker")
     cfg = {**_verl_job_config(flat, run_dir), "tracking_uri": uri, "mlflow_run_id": run_id}
-    subprocess.run(launch.build_job_command(cfg, python=sys.executable), check=True)
+    launch.run(cfg, python=sys.executable)
     return tracker.copy_metrics(launch.pdmctl_metric_name)  # VeRL's names -> eval/aime24, train/reward, ...
 
 

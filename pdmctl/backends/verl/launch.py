@@ -26,22 +26,29 @@ Training defaults and where each comes from (DPPO = arXiv 2602.04879 and VeRL's
 from __future__ import annotations
 
 import os
+import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdmctl.backends.verl.tiny import TRAIN_FILE as TINY_TRAIN_FILE
+
 PROBE_ENV = "PDMCTL_VERL_PROBE"
 PLUGIN_MODULE = "pdmctl.backends.verl.plugin"
 PDM_CONFIG_TARGET = "pdmctl.backends.verl.plugin.PdmPolicyLossConfig"
 TOPK_ENV = "PDMCTL_VERL_TOPK"  # same name as topk.TOPK_ENV (topk imports verl; this module must not)
+DUMP_ENV = "PDMCTL_VERL_DUMP_DIR"  # topk.DUMP_ENV
+FAIL_ENV = "PDMCTL_VERL_FAIL"  # topk.FAIL_ENV
 TRAIN_FILE = "dapo_math_17k.parquet"
 VAL_FILES = ("aime24.parquet", "aime25.parquet")
+CPU_MODULE = "pdmctl.backends.verl.cpu"
 
 
 @dataclass(frozen=True)
 class ModelPreset:
-    hf_path: str
+    hf_path: str | None  # None: built on this machine (`tiny.ensure`), never downloaded
     moe: bool
     group_size: int  # rollout.n
     train_batch_size: int  # prompts per step
@@ -50,13 +57,36 @@ class ModelPreset:
     nnodes: int
     tensor_parallel: int  # rollout TP (and Megatron TP)
     expert_parallel: int
+    device: str = "cuda"  # "cpu": cpu.py's overrides and environment (VeRL + vLLM-CPU)
+    max_prompt_length: int | None = None  # None: the run's max_prompt_length
+    train_file: str = TRAIN_FILE
+    micro_batch_size: int | None = None  # None: dynamic batch size by tokens (GPU presets)
+    total_training_steps: int | None = None  # None: total_epochs over the train set
 
 
 MODEL_PRESETS: dict[str, ModelPreset] = {
     "qwen3-4b-base": ModelPreset("Qwen/Qwen3-4B-Base", False, 8, 128, 32, 8192, 1, 1, 1),
     "qwen3-8b-base": ModelPreset("Qwen/Qwen3-8B-Base", False, 8, 128, 32, 8192, 1, 2, 1),
     "qwen3-30b-a3b-base": ModelPreset("Qwen/Qwen3-30B-A3B-Base", True, 16, 256, 32, 16384, 4, 4, 8),
+    # tiny.py's 2-layer Qwen3 on CPU: 4 prompts x 4 samples per step, one mini-batch in two micro-batches
+    "qwen3-tiny": ModelPreset(
+        hf_path=None,
+        moe=False,
+        group_size=4,
+        train_batch_size=4,
+        ppo_mini_batch_size=4,
+        max_response_length=16,
+        nnodes=1,
+        tensor_parallel=1,
+        expert_parallel=1,
+        device="cpu",
+        max_prompt_length=32,
+        train_file=TINY_TRAIN_FILE,
+        micro_batch_size=2,
+        total_training_steps=3,
+    ),  # fmt: skip
 }
+TINY_DIR_ENV = "PDMCTL_TINY_DIR"  # where `model=qwen3-tiny` is built and cached
 PRECISIONS = ("bf16", "fp8_rollout", "fp8_e2e")
 STRATEGIES = ("fsdp2", "megatron")
 GPUS_PER_NODE = 8  # H20 nodes
@@ -85,6 +115,8 @@ DEFAULTS: dict[str, Any] = {
     "max_prompt_length": 2048,
     "experiment": "pdmctl",
     "run_name": None,
+    "model_path": None,  # a local directory (or hub id) in place of the preset's weights
+    "total_training_steps": None,  # None: the preset's, else total_epochs over the train set
 }
 
 
@@ -98,7 +130,10 @@ def _resolved(run_config: Mapping[str, Any]) -> dict[str, Any]:
         if not cfg.get(key):
             raise LaunchConfigError(f"{key}: required")
     if cfg["model"] not in MODEL_PRESETS:
-        raise LaunchConfigError(f"model: unknown {cfg['model']!r}; choose from {sorted(MODEL_PRESETS)}")
+        raise LaunchConfigError(
+            f"model: unknown {cfg['model']!r}; choose from {sorted(MODEL_PRESETS)} "
+            "(for other weights of one of these shapes, set model_path)"
+        )
     if cfg["precision"] not in PRECISIONS:
         raise LaunchConfigError(f"precision: unknown {cfg['precision']!r}; choose from {list(PRECISIONS)}")
     if cfg["strategy"] is None:
@@ -126,6 +161,8 @@ def verl_overrides(run_config: Mapping[str, Any]) -> list[str]:
     rollout = "actor_rollout_ref.rollout"
     run_name = cfg["run_name"] or cfg.get("mlflow_run_id") or f"{cfg['model']}-{cfg['method']}-s{cfg['seed']}"
     data_dir = Path(str(cfg["data_dir"]))
+    prompt_length = preset.max_prompt_length or cfg["max_prompt_length"]
+    token_budget = prompt_length + preset.max_response_length
     out = [
         # engine: model_engine picks the actor/ref/critic config groups (dp = fsdp/fsdp2)
         f"model_engine={'megatron' if megatron else 'dp'}",
@@ -133,24 +170,22 @@ def verl_overrides(run_config: Mapping[str, Any]) -> list[str]:
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=false",
         # data
-        f"data.train_files={data_dir / TRAIN_FILE}",
+        f"data.train_files={data_dir / preset.train_file}",
         f"data.val_files=[{','.join(str(data_dir / f) for f in VAL_FILES)}]",
         f"data.train_batch_size={preset.train_batch_size}",
-        f"data.max_prompt_length={cfg['max_prompt_length']}",
+        f"data.max_prompt_length={prompt_length}",
         f"data.max_response_length={preset.max_response_length}",
         "data.filter_overlong_prompts=true",
         f"data.seed={cfg['seed']}",
         # model
-        f"actor_rollout_ref.model.path={preset.hf_path}",
+        f"actor_rollout_ref.model.path={cfg['model_path'] or preset.hf_path or local_model_dir(cfg['model']) / 'model'}",
         "actor_rollout_ref.model.use_remove_padding=true",
         "actor_rollout_ref.model.use_fused_kernels=false",  # the masks need the full logits
         f"actor_rollout_ref.model.external_lib={PLUGIN_MODULE}",  # import (and fail loudly) in every worker
         # actor and the mask
         f"{actor}.optim.lr={cfg['lr']}",
         f"{actor}.ppo_mini_batch_size={preset.ppo_mini_batch_size}",
-        f"{actor}.use_dynamic_bsz=true",
-        f"{actor}.ppo_max_token_len_per_gpu={cfg['max_prompt_length'] + preset.max_response_length}",
-        f"{rollout}.log_prob_max_token_len_per_gpu={cfg['max_prompt_length'] + preset.max_response_length}",
+        *_batch_overrides(preset, token_budget),
         f"{actor}.use_kl_loss=false",
         f"{actor}.entropy_coeff=0",
         f"{actor}.loss_agg_mode={cfg['loss_agg_mode']}",
@@ -185,11 +220,16 @@ def verl_overrides(run_config: Mapping[str, Any]) -> list[str]:
         f"trainer.test_freq={cfg['test_freq']}",
         "trainer.val_before_train=true",
         f"trainer.total_epochs={cfg['total_epochs']}",
+        f"trainer.total_training_steps={cfg['total_training_steps'] or preset.total_training_steps or 'null'}",
         f"trainer.nnodes={preset.nnodes}",
-        f"trainer.n_gpus_per_node={GPUS_PER_NODE}",
+        f"trainer.n_gpus_per_node={GPUS_PER_NODE if preset.device == 'cuda' else 1}",  # CPU: one logical GPU
         "trainer.critic_warmup=0",
     ]
     out += _precision_overrides(cfg["precision"], megatron)
+    if preset.device == "cpu":
+        from pdmctl.backends.verl import cpu
+
+        out += cpu.overrides(max_model_len=token_budget)
     if megatron:
         out += [
             f"{actor}.megatron.tensor_model_parallel_size={preset.tensor_parallel}",
@@ -199,6 +239,22 @@ def verl_overrides(run_config: Mapping[str, Any]) -> list[str]:
     else:
         out += [f"{actor}.strategy=fsdp2", "actor_rollout_ref.ref.strategy=fsdp2"]
     return out
+
+
+def _batch_overrides(preset: ModelPreset, token_budget: int) -> list[str]:
+    if preset.micro_batch_size is None:
+        return [
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={token_budget}",
+            f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={token_budget}",
+        ]
+    # fixed micro-batches: a dumped micro-batch is a known set of rows (the engine tests read one)
+    return [
+        "actor_rollout_ref.actor.use_dynamic_bsz=false",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={preset.micro_batch_size}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={preset.micro_batch_size}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={preset.micro_batch_size}",
+    ]
 
 
 def _precision_overrides(precision: str, megatron: bool) -> list[str]:
@@ -219,12 +275,25 @@ def _precision_overrides(precision: str, megatron: bool) -> list[str]:
 def job_env(run_config: Mapping[str, Any]) -> dict[str, str]:
     """Environment of the job: what VeRL's MLflow logger and every Ray worker must see."""
     cfg = _resolved(run_config)
+    cpu_env: dict[str, str] = {}
+    required = [PLUGIN_MODULE]
+    if MODEL_PRESETS[cfg["model"]].device == "cpu":
+        from pdmctl.backends.verl import cpu
+
+        cpu_env = cpu.env()
+        required.insert(0, CPU_MODULE)  # VeRL resolves the platform when the plugin's imports run
     env = {
+        **cpu_env,
         # every pdmctl loss runs through the logits processor, so the rollout always carries top-K
         TOPK_ENV: str(int(cfg["k"])),
-        "VERL_USE_EXTERNAL_MODULES": PLUGIN_MODULE,
+        "VERL_USE_EXTERNAL_MODULES": external_modules(
+            os.environ.get("VERL_USE_EXTERNAL_MODULES", ""), required
+        ),
         "MLFLOW_ALLOW_FILE_STORE": "true",
     }
+    for debug in (DUMP_ENV, FAIL_ENV):  # the engine tests' dump and failure injection reach every worker
+        if os.environ.get(debug):
+            env[debug] = os.environ[debug]
     if cfg.get("tracking_uri"):
         env["MLFLOW_TRACKING_URI"] = str(cfg["tracking_uri"])
     if cfg.get("mlflow_run_id"):
@@ -234,6 +303,12 @@ def job_env(run_config: Mapping[str, Any]) -> dict[str, str]:
     if cfg["precision"] == "fp8_e2e":
         env["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] = "1"
     return env
+
+
+def external_modules(existing: str, required: list[str]) -> str:
+    """`VERL_USE_EXTERNAL_MODULES` with pdmctl's modules added to the ones already set (in order, once)."""
+    modules = [m for m in (*required, *existing.split(",")) if m.strip()]
+    return ",".join(dict.fromkeys(m.strip() for m in modules))
 
 
 def ray_env_overrides(env: Mapping[str, str]) -> list[str]:
@@ -267,7 +342,8 @@ HEAD="${NODES[0]}"
 HEAD_IP="${PDMCTL_RAY_HEAD_IP:-$(srun --nodes=1 --ntasks=1 -w "$HEAD" hostname --ip-address | awk '{print $1}')}"
 PORT="${PDMCTL_RAY_PORT:-6379}"
 GPUS="${PDMCTL_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}"
-CPUS="${SLURM_CPUS_ON_NODE:-1}"
+# PDMCTL_RAY_CPUS: logical CPUs for Ray (a CPU engine job runs more workers than it has cores)
+CPUS="${PDMCTL_RAY_CPUS:-${SLURM_CPUS_ON_NODE:-1}}"
 RAY_TMP="${PDMCTL_RAY_TMP:-/tmp/ray-$SLURM_JOB_ID}"
 # the `ray` beside the job's Python (a virtualenv need not be on the nodes' PATH)
 RAY="$(dirname "$PDMCTL_PYTHON")/ray"
@@ -320,6 +396,101 @@ def build_job_command(run_config: Mapping[str, Any], python: str | None = None) 
         "pdmctl-verl",
         *overrides,
     ]
+
+
+def build_local_command(run_config: Mapping[str, Any], python: str | None = None) -> list[str]:
+    """The trainer on this machine, outside SLURM: VeRL starts (and stops) its own Ray."""
+    cfg = _resolved(run_config)
+    env = job_env(cfg)
+    overrides = verl_overrides(cfg) + ray_env_overrides(env)
+    if MODEL_PRESETS[cfg["model"]].device == "cpu":
+        from pdmctl.backends.verl import cpu
+
+        overrides += cpu.local_ray_overrides()
+    module = "pdmctl.backends.verl.launch"
+    return ["env", *(f"{k}={v}" for k, v in sorted(env.items())), python or "python3", "-m", module, "train",
+            *overrides]  # fmt: skip
+
+
+def local_model_dir(model: str) -> Path:
+    """Where a preset built on this machine lives: $PDMCTL_TINY_DIR, else ~/.cache/pdmctl/<model>."""
+    return Path(os.environ.get(TINY_DIR_ENV) or Path.home() / ".cache" / "pdmctl" / model).resolve()
+
+
+def resolve_local_model(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """A preset built on this machine (`qwen3-tiny`) gets its model_path and data_dir, built if absent."""
+    cfg = dict(run_config)
+    if MODEL_PRESETS[cfg["model"]].hf_path is not None or cfg.get("model_path"):
+        return cfg
+    from pdmctl.backends.verl import tiny
+
+    root = tiny.ensure(local_model_dir(cfg["model"]))
+    return {**cfg, "model_path": str(root / "model"), "data_dir": str(root / "data")}
+
+
+def run(run_config: Mapping[str, Any], python: str) -> None:
+    """Run one VeRL job to its end: on SLURM through the job body, elsewhere VeRL's own local Ray.
+
+    A CPU engine job takes this machine's lock (one at a time) and, however it ends, leaves
+    none of its processes or shared-memory segments behind (vLLM's outlive Ray's teardown).
+    """
+    import time
+    import uuid
+
+    cfg = resolve_local_model(run_config)
+    on_slurm = "SLURM_JOB_ID" in os.environ
+    command = build_job_command(cfg, python) if on_slurm else build_local_command(cfg, python)
+    if MODEL_PRESETS[cfg["model"]].device != "cpu":
+        _run_trainer(command, dict(os.environ))
+        return
+    from pdmctl.backends.verl import cpu
+
+    tag = uuid.uuid4().hex
+    with cpu.machine_lock():
+        started = time.time()
+        try:
+            _run_trainer(command, {**os.environ, cpu.ENGINE_TAG_ENV: tag})
+        finally:
+            ended, segments = cpu.cleanup(tag, started)
+            if ended or segments:
+                print(f"pdmctl: ended {ended} leftover engine process(es), removed {len(segments)} "
+                      "/dev/shm segment(s)", flush=True)  # fmt: skip
+
+
+class EngineJobError(RuntimeError):
+    """The VeRL trainer exited with an error; the message is its last exception line."""
+
+
+_ERROR_LINE = re.compile(r"^(?:\w+\.)*\w*(?:Error|Exception|Interrupt)\b: .+")
+
+
+def _run_trainer(command: list[str], env: dict[str, str]) -> None:
+    """Run the trainer, its output passed through to the job log; a failure raises with its reason.
+
+    The reason is the last `SomethingError: message` line the trainer printed (Ray prints the
+    worker's exception last), so the ledger says what failed, not only an exit status.
+    """
+    import subprocess
+
+    last_error = ""
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          errors="replace", bufsize=1) as proc:  # fmt: skip
+        assert proc.stdout is not None
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                if _ERROR_LINE.match(line.strip()):
+                    last_error = line.strip()
+        except BaseException:  # a cancel (SIGTERM -> job.Cancelled) must end the trainer, not wait on it
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+    sys.stdout.flush()
+    if proc.returncode != 0:
+        raise EngineJobError(last_error or f"the VeRL trainer exited with status {proc.returncode}")
 
 
 # ---------------------------------------------------------------------------

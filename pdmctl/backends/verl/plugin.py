@@ -30,23 +30,11 @@ from verl.workers.config import PolicyLossConfig
 
 from pdmctl import masks
 from pdmctl.backends.verl import topk
+from pdmctl.backends.verl.topk import LOSS_PREFIX, is_pdmctl_loss, loss_name, method_of_loss
 
-LOSS_PREFIX = "pdmctl_"
+__all__ = ["LOSS_PREFIX", "PdmPolicyLossConfig", "check_run_config", "is_pdmctl_loss", "loss_name",
+           "method_of_loss", "registered_losses"]  # fmt: skip
 PLUGIN_MODULE = __name__
-
-
-def loss_name(method: str) -> str:
-    return f"{LOSS_PREFIX}{method}"
-
-
-def is_pdmctl_loss(name: str) -> bool:
-    return name.startswith(LOSS_PREFIX)
-
-
-def method_of_loss(name: str) -> str:
-    if not is_pdmctl_loss(name) or name[len(LOSS_PREFIX) :] not in masks.METHODS:
-        raise ValueError(f"{name!r} is not a pdmctl loss; registered: {sorted(registered_losses())}")
-    return name[len(LOSS_PREFIX) :]
 
 
 def registered_losses() -> list[str]:
@@ -96,6 +84,10 @@ def _make_loss(method: str) -> Callable[..., tuple[torch.Tensor, dict[str, Any]]
         if rollout_is_weights is not None:
             token_loss = token_loss * rollout_is_weights
         loss = agg_loss(token_loss, response_mask, loss_agg_mode, **config.global_batch_info)
+        topk.dump_once(
+            "loss", loss=loss.detach(), token_loss=token_loss.detach(), log_prob=log_prob.detach(),
+            response_mask=response_mask, advantages=advantages, keep=d.keep, ratio=d.ratio,
+        )  # fmt: skip
         return loss, verl_metrics(d, response_mask)
 
     loss_fn.__name__ = f"compute_policy_loss_{loss_name(method)}"

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -48,6 +50,44 @@ TOPK_IDS_KEY = "rollout_topk_ids"
 TOPK_LOGPROBS_KEY = "rollout_topk_logprobs"
 DIAGNOSTIC_KEYS = ("keep", "divergence", "ddot", "ratio", "log_ratio", "out_of_region", "disagree")
 _OUTPUT_PREFIX = "pdmctl_"
+LOSS_PREFIX = "pdmctl_"  # VeRL loss modes `pdmctl_<method>`, registered by plugin.py
+DUMP_ENV = "PDMCTL_VERL_DUMP_DIR"  # debug: each actor process saves its first micro-batch here
+FAIL_ENV = "PDMCTL_VERL_FAIL"  # test: "rollout" raises in the vLLM server's generate (failure injection)
+
+
+def loss_name(method: str) -> str:
+    return f"{LOSS_PREFIX}{method}"
+
+
+def is_pdmctl_loss(name: str) -> bool:
+    return name.startswith(LOSS_PREFIX)
+
+
+def method_of_loss(name: str) -> str:
+    if not is_pdmctl_loss(name) or name[len(LOSS_PREFIX) :] not in masks.METHODS:
+        known = sorted(loss_name(method) for method in masks.METHODS)
+        raise ValueError(f"{name!r} is not a pdmctl loss; registered: {known}")
+    return name[len(LOSS_PREFIX) :]
+
+
+_DUMPED: set[str] = set()
+
+
+def dump_once(kind: str, **tensors: Any) -> None:
+    """With `PDMCTL_VERL_DUMP_DIR` set: save this process's first `kind` record (the engine tests read it).
+
+    The logits processor and the loss run once per micro-batch in that order, so the first
+    `logits` and the first `loss` record of a process describe the same micro-batch.
+    """
+    directory = os.environ.get(DUMP_ENV)
+    if not directory or kind in _DUMPED:
+        return
+    _DUMPED.add(kind)
+    path = Path(directory) / f"{kind}-{os.getpid()}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    values = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
+    torch.save(values, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)  # a reader never sees half a file
 
 
 class VerlVersionError(RuntimeError):
@@ -161,8 +201,6 @@ class MaskSettings:
 
     @classmethod
     def from_actor_config(cls, config: Any) -> MaskSettings:
-        from pdmctl.backends.verl.plugin import method_of_loss
-
         policy_loss = config.policy_loss
         return cls(
             method=method_of_loss(policy_loss.loss_mode),
@@ -290,7 +328,11 @@ def mask_outputs_from_logits(config: Any, data: Any, student_logits: torch.Tenso
     """
     logits = student_logits.squeeze(0)
     rows, tokens = response_tokens(data, logits.shape[0], logits.device)
-    return diagnose_rows(MaskSettings.from_actor_config(config), logits, rows, tokens)
+    settings = MaskSettings.from_actor_config(config)
+    dump_once(
+        "logits", logits=logits[rows], settings=dataclasses.asdict(settings), **dataclasses.asdict(tokens)
+    )
+    return diagnose_rows(settings, logits, rows, tokens)
 
 
 def megatron_fp8_padding(config: Any) -> bool:
@@ -439,8 +481,6 @@ def _patch_actor_worker() -> None:
         return
     from verl.workers import engine_workers
 
-    from pdmctl.backends.verl.plugin import is_pdmctl_loss
-
     original_init_model = engine_workers.ActorRolloutRefWorker.init_model
     original_train_batch = engine_workers.TrainingWorker.train_batch
 
@@ -544,6 +584,8 @@ def _patch_vllm_server() -> None:
     async def generate(
         self: Any, prompt_ids: Any, sampling_params: Any, request_id: str, **kwargs: Any
     ) -> Any:
+        if os.environ.get(FAIL_ENV) == "rollout":
+            raise RuntimeError(f"pdmctl: failure injected in the rollout worker ({FAIL_ENV}=rollout)")
         captured = _capture_final_outputs(self)
         output = await original_generate(self, prompt_ids, sampling_params, request_id, **kwargs)
         final = captured.pop(request_id, None)

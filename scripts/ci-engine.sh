@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The engine part of CI: build the engine environment (VeRL 0.9.1 + vLLM's CPU build + this project),
+# build the tiny Qwen3 once, run the engine tests with the engine environment's Python.
+#
+#   bash scripts/ci-engine.sh            (from .ci/run, after SLURM and the MLflow server are up)
+#
+# PDMCTL_ENGINE_ENV: where the environment lives (default .venv-engine; reused and repaired if there).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+T0=$SECONDS
+step() { echo "== [engine $((SECONDS - T0))s] $*"; }
+
+ENV_DIR="${PDMCTL_ENGINE_ENV:-.venv-engine}"
+step "engine environment at $ENV_DIR"
+bash scripts/engine-env.sh "$ENV_DIR"
+
+export PDMCTL_TINY_DIR="${PDMCTL_TINY_DIR:-$PWD/.cache/qwen3-tiny}"
+step "tiny Qwen3 and its data at $PDMCTL_TINY_DIR"
+"$ENV_DIR/bin/python" -m pdmctl.backends.verl.tiny "$PDMCTL_TINY_DIR"
+
+step "engine tests"
+# -m engine replaces pyproject's `-m "not engine"`; a skip fails (everything is installed above)
+PDMCTL_NO_SKIPS=1 "$ENV_DIR/bin/python" -m pytest -q -m engine --durations=0 tests/test_verl_engine.py
+step "done"

@@ -1,0 +1,86 @@
+"""The CPU engine's pieces that run without the engine environment: job environment, overrides, hygiene."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pdmctl.backends.verl import cpu, launch, tiny
+from tests.test_verl_launch import BASE
+
+pytestmark = pytest.mark.verl
+
+
+def test_job_env_keeps_the_external_modules_the_driver_had(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "site.platform,pdmctl.backends.verl.plugin")
+    env = launch.job_env({**BASE, "model": "qwen3-tiny"})
+    # the CPU platform first (VeRL resolves the platform while the plugin imports), nothing dropped or doubled
+    assert env["VERL_USE_EXTERNAL_MODULES"] == f"{cpu.MODULE},{launch.PLUGIN_MODULE},site.platform"
+    forwarded = launch.ray_env_overrides(env)
+    assert (
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='{env['VERL_USE_EXTERNAL_MODULES']}'"
+        in forwarded
+    )
+    assert env["VERL_PLATFORM"] == "cpu"
+
+
+def test_gpu_presets_get_no_cpu_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
+    env = launch.job_env({**BASE, "model": "qwen3-4b-base"})
+    assert env["VERL_USE_EXTERNAL_MODULES"] == launch.PLUGIN_MODULE
+    assert "VERL_PLATFORM" not in env
+    assert not any(
+        o.startswith("trainer.device=") for o in launch.verl_overrides({**BASE, "model": "qwen3-4b-base"})
+    )
+
+
+def test_a_local_model_path_replaces_the_preset_weights() -> None:
+    overrides = launch.verl_overrides({**BASE, "model": "qwen3-4b-base", "model_path": "/models/my-4b"})
+    assert "actor_rollout_ref.model.path=/models/my-4b" in overrides
+    assert launch.compose(overrides).actor_rollout_ref.model.path == "/models/my-4b"
+
+
+def test_tiny_preset_composes_with_cpu_settings_and_its_cache_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(launch.TINY_DIR_ENV, "/cache/tiny")
+    config = launch.compose(launch.verl_overrides({**BASE, "model": "qwen3-tiny"}))
+    assert config.actor_rollout_ref.model.path == "/cache/tiny/model"
+    assert config.trainer.device == "cpu" and config.trainer.n_gpus_per_node == 1
+    assert config.trainer.total_training_steps == 3
+    assert config.actor_rollout_ref.rollout.max_model_len == 48  # prompt 32 + response 16
+
+
+def test_tiny_splits_are_disjoint_and_named_for_the_report() -> None:
+    splits = {name: {q for q, _ in tiny.problems(name)} for name in ("train", "aime24", "aime25")}
+    assert not (splits["train"] & splits["aime24"]) and not (splits["train"] & splits["aime25"])
+    assert not (splits["aime24"] & splits["aime25"])
+    assert {row["data_source"] for row in tiny.verl_rows("aime24", "aime24")} == {"aime24"}
+    assert launch.pdmctl_metric_name("val-core/aime24/acc/mean_at_16") == "eval/aime24"
+
+
+def test_cleanup_ends_the_tagged_processes_and_their_segments_only(tmp_path: Path) -> None:
+    tag = uuid.uuid4().hex
+    started = time.time()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    tagged = subprocess.Popen(sleeper, env={**os.environ, cpu.ENGINE_TAG_ENV: tag})
+    untagged = subprocess.Popen(sleeper)
+    segment = Path("/dev/shm") / f"psm_pdmctl_test_{tag}"
+    segment.write_bytes(b"x")
+    try:
+        deadline = time.monotonic() + 30
+        while tagged.pid not in cpu.tagged_processes(tag) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the child's environ is readable once it has exec'd
+        ended, removed = cpu.cleanup(tag, started, grace_s=5)
+        assert ended == 1 and tagged.wait(timeout=10) is not None
+        assert untagged.poll() is None, "a process of another job was ended"
+        assert segment.name in removed and not segment.exists()
+    finally:
+        for proc in (tagged, untagged):
+            proc.kill()
+            proc.wait()
+        segment.unlink(missing_ok=True)

@@ -1,0 +1,182 @@
+"""The real engine on this CPU: VeRL 0.9.1 + vLLM's CPU build + the tiny Qwen3, through `pdmctl sweep`.
+
+Run with the engine environment's Python (scripts/engine-env.sh; scripts/ci-engine.sh runs these):
+
+    DIR/bin/python -m pytest -m engine tests/test_verl_engine.py
+
+One sweep (a PDM and a DPPO run, the user's command with the debug dump on) serves the
+ledger, top-K and loss checks; the failure test runs one more, short, job.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Result, pdmctl, sqlite_uri
+
+ENGINE_ENV = importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("verl") is not None
+# a marker, not a module-level skip: the main suite deselects these (`-m "not engine"`) without a skip
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.timeout(3600),
+    pytest.mark.skipif(not ENGINE_ENV, reason="needs the engine environment: bash scripts/engine-env.sh DIR"),
+]
+
+SWEEP_TIMEOUT_S = 2400  # two jobs, each 3-6 min here; generous: a slow shared machine must not flake
+SHM = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class EngineSweep:
+    root: Path
+    result: Result
+    dump_dir: Path
+    uri: str
+
+
+def _tiny_dir(root: Path) -> str:
+    # CI shares one build between runs (PDMCTL_TINY_DIR); a bare run builds its own
+    return os.environ.get("PDMCTL_TINY_DIR") or str(root / "tiny")
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineSweep]:
+    root = tmp_path_factory.mktemp("engine-sweep")
+    dump_dir = root / "dump"
+    env = {"PDMCTL_VERL_DUMP_DIR": str(dump_dir), "PDMCTL_TINY_DIR": _tiny_dir(root)}
+    started = time.monotonic()
+    result = pdmctl(
+        "sweep", "backend=verl", "model=qwen3-tiny", "mask=pdm_agg,dppo_topk_kl", "k=5", "--wait",
+        "--tracking-uri", sqlite_uri(root), cwd=root, env=env, timeout=SWEEP_TIMEOUT_S,
+    )  # fmt: skip
+    print(f"engine sweep: {time.monotonic() - started:.0f} s")
+    yield EngineSweep(root, result, dump_dir, sqlite_uri(root))
+
+
+def _runs(uri: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    return client.search_runs(experiments)
+
+
+def _history(uri: str, run_id: str, name: str) -> dict[int, float]:
+    from mlflow.tracking import MlflowClient
+
+    return {m.step: m.value for m in MlflowClient(uri).get_metric_history(run_id, name)}
+
+
+def _job_logs(root: Path) -> str:
+    return "\n".join(p.read_text(errors="replace")[-4000:] for p in root.rglob("*.log"))
+
+
+def test_sweep_trains_both_masks_and_fills_the_ledger(sweep: EngineSweep) -> None:
+    assert sweep.result.returncode == 0, sweep.result.stdout[-3000:] + sweep.result.stderr[-3000:]
+    runs = _runs(sweep.uri)
+    assert len(runs) == 2, [r.info.run_name for r in runs]
+    for run in runs:
+        assert run.info.status == "FINISHED", (run.data.tags, _job_logs(sweep.root))
+        names = set(run.data.metrics)
+        assert any(n.startswith("actor/") for n in names), sorted(names)  # VeRL's own actor metrics
+        mask_frac = _history(sweep.uri, run.info.run_id, "train/mask_frac")
+        assert sorted(mask_frac) == [1, 2, 3]
+        assert all(0.0 <= v <= 1.0 for v in mask_frac.values())
+        for dataset in ("eval/aime24", "eval/aime25"):
+            evals = _history(sweep.uri, run.info.run_id, dataset)
+            assert {0, 3} <= set(evals), (dataset, evals)  # before training and at the end
+            assert all(0.0 <= v <= 1.0 for v in evals.values())
+
+
+def _dumps(dump_dir: Path) -> list[tuple[dict, dict]]:
+    import torch
+
+    pairs = []
+    for logits_file in sorted(dump_dir.glob("logits-*.pt")):
+        loss_file = logits_file.with_name(logits_file.name.replace("logits-", "loss-"))
+        assert loss_file.exists(), f"{logits_file.name} without its loss record"
+        pairs.append((torch.load(logits_file, weights_only=False), torch.load(loss_file, weights_only=False)))
+    return pairs
+
+
+def test_topk_came_from_vllm(sweep: EngineSweep) -> None:
+    import torch
+
+    pairs = _dumps(sweep.dump_dir)
+    assert len(pairs) == 2, "one actor micro-batch per run"
+    for logits, _ in pairs:
+        ids, logprobs, sampled = logits["topk_ids"], logits["topk_logprobs"], logits["sampled_ids"]
+        k = ids.shape[-1] - 1
+        assert k == 5 and ids.shape[0] > 0
+        top = ids[:, :k]
+        assert all(len(set(row.tolist())) == k for row in top), "K distinct ids per generated token"
+        assert bool(torch.isfinite(logprobs[:, :k]).all())
+        # ranks: vLLM's top-K comes sorted by rank, so log-probs do not increase along the row
+        assert bool((logprobs[:, 1:k] <= logprobs[:, : k - 1] + 1e-6).all())
+        hit = (ids == sampled[:, None]) & torch.isfinite(logprobs)
+        assert bool(hit.any(-1).all()), "every sampled token is in its row's TopK ∪ {k}"
+        # vLLM's log-prob of the sampled token, carried in the support, is VeRL's rollout_log_probs
+        assert bool((hit.sum(-1) == 1).all()), "the sampled token appears once in its row"
+        sampled_lp = logprobs.masked_fill(~hit, 0).sum(-1)
+        torch.testing.assert_close(sampled_lp, logits["sampled_logprobs"], atol=1e-5, rtol=0)
+
+
+def test_loss_inside_verl_equals_masks_policy_loss(sweep: EngineSweep) -> None:
+    import torch
+
+    from pdmctl import masks
+
+    for logits, loss in _dumps(sweep.dump_dir):
+        settings = logits["settings"]
+        n = logits["sampled_ids"].shape[0]
+        assert int(loss["response_mask"].sum()) == n, "the two records describe the same micro-batch"
+        offline, _ = masks.policy_loss(
+            logits["logits"].float(), logits["sampled_ids"], logits["topk_ids"], logits["topk_logprobs"],
+            logits["sampled_logprobs"], logits["advantages"], torch.ones(n, dtype=torch.bool),
+            method=settings["method"], divergence=settings["divergence"], estimator=settings["estimator"],
+            delta=settings["delta"], delta_low=settings["delta_low"], eps_low=settings["eps_low"],
+            eps_high=settings["eps_high"], ratio_cap=settings["ratio_cap"], loss_agg_mode="token-mean",
+        )  # fmt: skip
+        inside = (loss["token_loss"] * loss["response_mask"]).sum()
+        torch.testing.assert_close(offline.detach().double() * n, inside.double(), rtol=1e-4, atol=1e-6)
+
+
+def _engine_processes(marker: str) -> list[int]:
+    needle = marker.encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_failure_in_the_rollout_fails_the_run_and_leaves_nothing(tmp_path: Path) -> None:
+    shm_before = {p.name for p in SHM.iterdir()}
+    marker = "PDMCTL_VERL_FAIL=rollout"
+    env = {"PDMCTL_VERL_FAIL": "rollout", "PDMCTL_TINY_DIR": _tiny_dir(tmp_path)}
+    started = time.monotonic()
+    result = pdmctl(
+        "sweep", "backend=verl", "model=qwen3-tiny", "mask=pdm_agg", "k=5", "--wait",
+        "--tracking-uri", sqlite_uri(tmp_path), cwd=tmp_path, env=env, timeout=1200,
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    assert elapsed < 900, f"a failed engine job took {elapsed:.0f} s to end"
+    assert result.returncode != 0 or "FAILED" in result.stdout
+    (run,) = _runs(sqlite_uri(tmp_path))
+    assert run.info.status == "FAILED"
+    reason = " ".join(v for k, v in run.data.tags.items() if "reason" in k)
+    assert "failure injected in the rollout worker" in reason, run.data.tags
+    assert _engine_processes(marker) == [], "engine processes outlived the job"
+    leftover = {p.name for p in SHM.iterdir()} - shm_before
+    assert not {n for n in leftover if n.startswith(("verl_", "psm_", "sem.loky-"))}, leftover
