@@ -165,3 +165,60 @@ def test_plugin_loads_through_the_entry_point_in_a_fresh_interpreter() -> None:
 
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == str(sorted(f"pdmctl_{m}" for m in masks.METHODS))
+
+
+HOSTILE_VALUES = [
+    "/d/a,b",
+    "/d/it's",
+    "/d/x]y[z",
+    "/d/$(touch /tmp/pwned)",
+    "/d/${oc.env:HOME}",
+    "/d/back\\slash\\",
+]
+
+
+@pytest.mark.parametrize("value", HOSTILE_VALUES)
+def test_free_form_values_reach_verl_exactly(value: str) -> None:
+    """Paths and names are quoted so that Hydra and OmegaConf read back exactly what the user gave."""
+    run = {**BASE, "model": "qwen3-4b-base", "data_dir": value, "checkpoint_dir": value + "/ckpt",
+           "experiment": value, "tracking_uri": "sqlite:///" + value}  # fmt: skip
+    config = launch.compose(launch.verl_overrides(run) + launch.ray_env_overrides(launch.job_env(run)))
+    assert config.data.train_files == f"{value}/{launch.TRAIN_FILE}"
+    assert list(config.data.val_files) == [f"{value}/{name}" for name in launch.VAL_FILES]
+    assert config.trainer.default_local_dir == value + "/ckpt" and config.trainer.project_name == value
+    assert config.ray_kwargs.ray_init.runtime_env.env_vars.MLFLOW_TRACKING_URI == "sqlite:///" + value
+
+
+def test_quoted_round_trips_any_text() -> None:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from pdmctl.backends.verl.quoting import quoted
+
+    parser = OverridesParser.create()
+
+    @settings(max_examples=500, deadline=None)
+    @given(st.text())
+    def round_trip(text: str) -> None:
+        parsed = parser.parse_override("key=" + quoted(text)).value()
+        assert OmegaConf.create({"key": parsed}).key == text
+
+    round_trip()
+
+
+def test_a_value_hydra_would_read_as_a_sweep_is_refused_at_submit(tmp_path) -> None:
+    """`backend.lr=1,2` reaches VeRL unquoted as a number field: refused by `pdmctl sweep`, exit 2."""
+    import sys
+
+    def sweep(*overrides: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pdmctl.cli", "sweep", "backend=verl", "model=qwen3-4b-base",
+                               *overrides, "--dry-run"], cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    accepted = sweep('backend.data_dir="/d/a,b"')
+    assert accepted.returncode == 0, accepted.stderr
+    refused = sweep('backend.lr="1e-6,2e-6"')
+    assert refused.returncode == 2 and "sweep" in refused.stderr and "Traceback" not in refused.stderr, (
+        refused.stderr
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written

@@ -101,7 +101,15 @@ def _verl_job_config(flat: Mapping[str, Any], run_dir: Path) -> dict[str, Any]:
 
 
 def _verl_validate(flat: Mapping[str, Any]) -> None:
-    _verl_module().verl_overrides(_verl_job_config(flat, Path("/pdmctl-validate")))
+    """Build the job's overrides and parse each with Hydra's own parser, as the job will after the queue wait."""
+    from pdmctl.backends.verl.quoting import OverrideError, check_overrides
+
+    launch = _verl_module()
+    cfg = _verl_job_config(flat, Path("/pdmctl-validate"))
+    try:
+        check_overrides(launch.verl_overrides(cfg) + launch.ray_env_overrides(launch.job_env(cfg)))
+    except OverrideError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _verl_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mapping[str, float]:

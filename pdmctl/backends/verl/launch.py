@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdmctl.backends.verl.quoting import quoted
+
 from pdmctl.backends.verl.tiny import TRAIN_FILE as TINY_TRAIN_FILE
 
 PROBE_ENV = "PDMCTL_VERL_PROBE"
@@ -170,15 +172,15 @@ def verl_overrides(run_config: Mapping[str, Any]) -> list[str]:
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=false",
         # data
-        f"data.train_files={data_dir / preset.train_file}",
-        f"data.val_files=[{','.join(str(data_dir / f) for f in VAL_FILES)}]",
+        f"data.train_files={quoted(data_dir / preset.train_file)}",
+        f"data.val_files=[{','.join(quoted(data_dir / f) for f in VAL_FILES)}]",
         f"data.train_batch_size={preset.train_batch_size}",
         f"data.max_prompt_length={prompt_length}",
         f"data.max_response_length={preset.max_response_length}",
         "data.filter_overlong_prompts=true",
         f"data.seed={cfg['seed']}",
         # model
-        f"actor_rollout_ref.model.path={cfg['model_path'] or preset.hf_path or local_model_dir(cfg['model']) / 'model'}",
+        f"actor_rollout_ref.model.path={quoted(cfg['model_path'] or preset.hf_path or local_model_dir(cfg['model']) / 'model')}",
         "actor_rollout_ref.model.use_remove_padding=true",
         "actor_rollout_ref.model.use_fused_kernels=false",  # the masks need the full logits
         f"actor_rollout_ref.model.external_lib={PLUGIN_MODULE}",  # import (and fail loudly) in every worker
@@ -212,9 +214,9 @@ def verl_overrides(run_config: Mapping[str, Any]) -> list[str]:
         f"{rollout}.val_kwargs.do_sample=true",
         # trainer: tracking, checkpoints, cluster shape
         "trainer.logger=[console,mlflow]",
-        f"trainer.project_name={cfg['experiment']}",
-        f"trainer.experiment_name={run_name}",
-        f"trainer.default_local_dir={cfg['checkpoint_dir']}",
+        f"trainer.project_name={quoted(cfg['experiment'])}",
+        f"trainer.experiment_name={quoted(run_name)}",
+        f"trainer.default_local_dir={quoted(cfg['checkpoint_dir'])}",
         f"trainer.save_freq={cfg['save_freq']}",
         "trainer.resume_mode=auto",
         f"trainer.test_freq={cfg['test_freq']}",
@@ -314,7 +316,7 @@ def external_modules(existing: str, required: list[str]) -> str:
 def ray_env_overrides(env: Mapping[str, str]) -> list[str]:
     """Forward `env` to every Ray actor (the TaskRunner holds the MLflow logger)."""
     return [
-        f"+ray_kwargs.ray_init.runtime_env.env_vars.{key}='{value}'" for key, value in sorted(env.items())
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.{key}={quoted(value)}" for key, value in sorted(env.items())
     ]
 
 
