@@ -186,7 +186,8 @@ def test_free_form_values_reach_verl_exactly(value: str) -> None:
     assert config.data.train_files == f"{value}/{launch.TRAIN_FILE}"
     assert list(config.data.val_files) == [f"{value}/{name}" for name in launch.VAL_FILES]
     assert config.trainer.default_local_dir == value + "/ckpt" and config.trainer.project_name == value
-    assert config.ray_kwargs.ray_init.runtime_env.env_vars.MLFLOW_TRACKING_URI == "sqlite:///" + value
+    tracking_uri = config.ray_kwargs.ray_init.runtime_env.env_vars.MLFLOW_TRACKING_URI
+    assert tracking_uri == f"sqlite:///{value}"
 
 
 def test_quoted_round_trips_any_text() -> None:

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from pdmctl.backends.verl.quoting import quoted
-
 from pdmctl.backends.verl.tiny import TRAIN_FILE as TINY_TRAIN_FILE
 
 PROBE_ENV = "PDMCTL_VERL_PROBE"
