@@ -161,8 +161,9 @@ def _status_rows(views) -> list[tuple[list[str], str]]:
     for v in sorted(views, key=lambda v: (v.sweep, v.summary)):
         r = v.record
         state = str(v.state)
-        if r and r.reason and v.state != "finished":
-            state += f" ({r.reason[:40]})"
+        note = (r.reason if v.state != "finished" else None) or r.notice if r else None
+        if note:
+            state += f" ({note[:80]})"
         step, avg = (r.step, r.avg16) if r else (None, None)
         cells = [v.sweep, v.key, v.summary, state, "" if step is None else str(step),
                  "" if avg is None else f"{avg:.3f}", str(r.attempt if r else 0), (r.job_id or "") if r else ""]  # fmt: skip

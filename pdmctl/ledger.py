@@ -54,6 +54,7 @@ TAG_SPEC, TAG_SUMMARY, TAG_RUN_DIR, TAG_REASON = (
 # a submission ("token:index:attempt") is recorded before its job goes out, and confirmed once the
 # ledger (or the job itself) knows the job id; one not confirmed is looked up in the executor
 TAG_SUBMISSION, TAG_SUBMITTED = "pdmctl.submission", "pdmctl.submitted"
+TAG_NOTICE = "pdmctl.notice"  # what the current attempt wants the user to know (status shows it)
 RUN_NAME_TAG = "mlflow.runName"
 USER_TAG = "mlflow.user"
 
@@ -90,6 +91,7 @@ class RunRecord:
     latest: dict[str, tuple[int, float]] = field(default_factory=dict)  # metric -> (step, value)
     submission: str | None = None
     submitted: str | None = None
+    notice: str | None = None
 
     @property
     def pending_submission(self) -> str | None:
@@ -326,6 +328,7 @@ def _record(run_id: str, status: str, start: int | None, end: int | None, tags: 
         latest=latest,
         submission=tags.get(TAG_SUBMISSION) or None,
         submitted=tags.get(TAG_SUBMITTED) or None,
+        notice=tags.get(TAG_NOTICE) or None,
     )
 
 
@@ -731,7 +734,7 @@ class RunLogger:
 
         # the job confirms its own submission: the ledger knows its id even if the submitter was interrupted
         tags = [RunTag(TAG_ATTEMPT, str(attempt)), RunTag(TAG_JOB, job_id), RunTag(TAG_EXECUTOR, executor),
-                RunTag(TAG_REASON, ""), RunTag(TAG_SUBMITTED, submission)]  # fmt: skip
+                RunTag(TAG_REASON, ""), RunTag(TAG_SUBMITTED, submission), RunTag(TAG_NOTICE, "")]  # fmt: skip
         _retry(lambda: self.client.log_batch(self.run_id, tags=tags))
         _retry(lambda: self.client.update_run(self.run_id, status=RUNNING))
 
@@ -772,6 +775,10 @@ class RunLogger:
                 self.log_metrics({new: m.value}, m.step)
                 final[new] = m.value
         return final
+
+    def notice(self, message: str) -> None:
+        print(f"pdmctl job: {message}", flush=True)  # the job's stdout is the run's log
+        _retry(lambda: self.client.set_tag(self.run_id, TAG_NOTICE, message[:_TAG_VALUE_MAX]))
 
     def finish(self, status: str, reason: str | None = None) -> None:
         if reason is not None:

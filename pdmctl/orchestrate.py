@@ -365,10 +365,11 @@ def _submit(records: Sequence[RunRecord], ledger: Ledger, executor: Executor, ct
     for r in records:  # every run directory, before anything is written into any of them
         run_dir = ctx.run_dir(r)
         _check_writable(run_dir)
-        for path in (run_dir / "job.json", run_dir / "logs"):
-            if path.exists() and path.is_dir() != (path.name == "logs"):
-                kind = "a directory" if path.name == "logs" else "a file"
-                raise RunDirError(f"run {r.key}: {path} must be {kind}; move it away, then resume")
+        job_file, logs = run_dir / "job.json", run_dir / "logs"
+        if job_file.is_dir():
+            raise RunDirError(f"run {r.key}: {job_file} must be a file; move it away, then resume")
+        if logs.exists() and not logs.is_dir():
+            raise RunDirError(f"run {r.key}: {logs} must be a directory; move it away, then resume")
     token = uuid.uuid4().hex[:12]
     requests = []
     for i, r in enumerate(records):

@@ -122,3 +122,26 @@ def test_a_job_that_ends_while_its_worker_is_dead_is_not_lost(workdir: Path) -> 
     assert state == JobState.COMPLETED
     (view,) = orchestrate.status(ctx, "orphan")
     assert view.state == RunState.FINISHED
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(workdir: Path) -> None:  # item 3
+    ctx = make_context("local", f"sqlite:///{workdir / 'mlflow.db'}")
+    orchestrate.sweep(expand([*TINY[1:], "backend.steps=4"], sweep="damaged"), ctx)
+    (view,) = wait_for(ctx, "damaged", finished)
+    checkpoints = Path(view.record.run_dir) / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("step_*.pt")) == ["step_00000002.pt", "step_00000004.pt"]
+    newest = checkpoints / "step_00000004.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])  # cut short, as a full disk leaves it
+    ledger = open_ledger(ctx.tracking_uri)
+    ledger.set_status([view.record.run_id], "FAILED", reason="lost: the test says so")
+    chosen, _ = orchestrate.resume(ctx, "damaged")
+    assert [v.key for v in chosen] == [view.key]
+    (view,) = wait_for(ctx, "damaged", finished)
+    assert view.record.attempt == 2
+    assert view.record.notice.startswith("resumed from step_00000002.pt: step_00000004.pt does not load ("), view
+    log = (Path(view.record.run_dir) / "logs" / "attempt-2.log").read_text()
+    assert "pdmctl job: resumed from step_00000002.pt: step_00000004.pt does not load" in log, log
+    result = CliRunner().invoke(app, ["status", "damaged"])
+    assert "finished (resumed from" in result.stdout and "does not load" in result.stdout, result.stdout
+    history = ledger.metric_histories([view.record.run_id])[view.record.run_id]
+    assert [s for s, _ in history["train/reward"]] == [1, 2, 3, 4]  # steps 3 and 4 again, each logged once

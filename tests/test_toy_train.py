@@ -30,7 +30,7 @@ def test_logs_every_metric_of_the_tracker_interface(tmp_path: Path) -> None:
         steps = [step for step, _ in tracker.per_problem[dataset]]
         assert steps == [0, 2, 4, 6]
         assert all(len(accs) == 40 for _, accs in tracker.per_problem[dataset])
-    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000006.pt"]  # only the latest
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000004.pt", "step_00000006.pt"]
 
 
 def test_same_seed_same_metrics_other_seed_other_metrics(tmp_path: Path) -> None:

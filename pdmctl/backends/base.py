@@ -25,6 +25,9 @@ class Tracker(Protocol):
     def log_per_problem(self, dataset: str, step: int, accuracies: Sequence[float]) -> None:
         """Record the per-problem accuracies of one evaluation (for the two-level bootstrap)."""
 
+    def notice(self, message: str) -> None:
+        """Something the user should know about this attempt (a damaged checkpoint skipped, ...)."""
+
 
 class InMemoryTracker:
     """A tracker that keeps everything in memory: for tests and the direction analysis."""
@@ -32,6 +35,7 @@ class InMemoryTracker:
     def __init__(self) -> None:
         self.metrics: dict[str, list[tuple[int, float]]] = defaultdict(list)
         self.per_problem: dict[str, list[tuple[int, list[float]]]] = defaultdict(list)
+        self.notices: list[str] = []
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         for name, value in metrics.items():
@@ -39,6 +43,9 @@ class InMemoryTracker:
 
     def log_per_problem(self, dataset: str, step: int, accuracies: Sequence[float]) -> None:
         self.per_problem[dataset].append((step, [float(a) for a in accuracies]))
+
+    def notice(self, message: str) -> None:
+        self.notices.append(message)
 
     def history(self, name: str) -> list[tuple[int, float]]:
         return list(self.metrics.get(name, []))

@@ -24,6 +24,7 @@ from pdmctl.backends.toy.model import PRECISIONS, TinyTransformer, forward
 from pdmctl.backends.toy.rollout import Rollout, RolloutEngine
 
 EVAL_SETS = ("toy24", "toy25")
+KEEP_CHECKPOINTS = 2
 _UPDATE_METRICS = ("mask_frac", "out_of_region_frac", "mean_divergence", "ppo_kl")  # token-weighted means
 
 
@@ -153,10 +154,10 @@ def train(
     checkpoints.mkdir(parents=True, exist_ok=True)
     learner = Learner.from_base(cfg)
     start = 0
-    latest = latest_checkpoint(checkpoints)
-    if latest is not None:
-        state = torch.load(latest, weights_only=False)
-        _check_same_run(cfg, state["config"], latest)
+    loaded = load_latest_checkpoint(checkpoints, tracker)
+    if loaded is not None:
+        path, state = loaded
+        _check_same_run(cfg, state["config"], path)
         start = learner.load_state_dict(state)
     final: dict[str, float] = {}
     if start == 0:
@@ -180,17 +181,31 @@ def _eval_seed(seed: int, step: int) -> int:
 
 
 def save_checkpoint(directory: Path, state: Mapping[str, object], step: int) -> None:
-    """Write atomically, then drop the older checkpoints: the latest is the only one kept."""
+    """Write atomically, then drop all but the newest KEEP_CHECKPOINTS: a damaged newest one (a disk
+    fault, a copy cut short) still leaves one to resume from."""
     path = directory / f"step_{step:08d}.pt"
     save_atomically(state, path)
-    for old in directory.glob("step_*.pt"):
-        if old != path:
-            old.unlink(missing_ok=True)
+    for old in sorted(directory.glob("step_*.pt"))[:-KEEP_CHECKPOINTS]:
+        old.unlink(missing_ok=True)
 
 
-def latest_checkpoint(directory: Path) -> Path | None:
-    found = sorted(directory.glob("step_*.pt"))
-    return found[-1] if found else None
+def load_latest_checkpoint(directory: Path, tracker: Tracker) -> tuple[Path, dict] | None:
+    """The newest checkpoint that loads, and its state; each one skipped is said in the log and to the
+    tracker (`pdmctl status` shows it). None when there is none; ValueError when none loads."""
+    found = sorted(directory.glob("step_*.pt"), reverse=True)
+    skipped = []
+    for path in found:
+        try:
+            state = torch.load(path, weights_only=False)
+        except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError, ... for damage
+            skipped.append(f"{path.name} does not load ({str(exc).strip().splitlines()[0][:120]})")
+            continue
+        if skipped:
+            tracker.notice(f"resumed from {path.name}: " + "; ".join(skipped))
+        return path, state
+    if skipped:
+        raise ValueError(f"{directory}: no checkpoint loads: " + "; ".join(skipped))
+    return None
 
 
 def _check_same_run(cfg: ToyConfig, saved: Mapping[str, object], path: Path) -> None:
