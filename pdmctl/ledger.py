@@ -198,7 +198,38 @@ def check_reachable(uri: str, *, timeout: float = 5.0) -> None:
 
 
 def open_ledger(uri: str) -> Ledger:
-    return SqlLedger(uri) if is_database_uri(uri) else ClientLedger(uri)
+    """The ledger at `uri`; one SQLite ledger per file and process.
+
+    Reusing it is not only cheaper (no schema reflection per call): SqlLedger reads the file's header
+    before it connects, and closing any descriptor of a SQLite file drops every POSIX lock this process
+    holds on it, so a second header read beside a live connection could let another process's write
+    through under our reader (seen: stale reads, then "database disk image is malformed").
+    """
+    if not is_database_uri(uri):
+        return ClientLedger(uri)
+    path = sqlite_path(uri)
+    if path is None:
+        return SqlLedger(uri)
+    key = (os.getpid(), uri)  # a forked child must not share its parent's connections
+    cached, identity = _SQLITE_LEDGERS.get(key), _file_identity(path)
+    if cached is not None and identity is not None and cached[0] == identity:
+        return cached[1]
+    if cached is not None:  # the file was replaced or removed: its connections read a file that is gone
+        cached[1].engine.dispose()
+    ledger = SqlLedger(uri)
+    _SQLITE_LEDGERS[key] = (_file_identity(path), ledger)
+    return ledger
+
+
+_SQLITE_LEDGERS: dict[tuple[int, str], tuple[tuple[int, int] | None, SqlLedger]] = {}
+
+
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def ledger_exists(uri: str) -> bool:
