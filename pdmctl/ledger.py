@@ -30,6 +30,7 @@ import math
 import os
 import time
 import uuid
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -198,38 +199,7 @@ def check_reachable(uri: str, *, timeout: float = 5.0) -> None:
 
 
 def open_ledger(uri: str) -> Ledger:
-    """The ledger at `uri`; one SQLite ledger per file and process.
-
-    Reusing it is not only cheaper (no schema reflection per call): SqlLedger reads the file's header
-    before it connects, and closing any descriptor of a SQLite file drops every POSIX lock this process
-    holds on it, so a second header read beside a live connection could let another process's write
-    through under our reader (seen: stale reads, then "database disk image is malformed").
-    """
-    if not is_database_uri(uri):
-        return ClientLedger(uri)
-    path = sqlite_path(uri)
-    if path is None:
-        return SqlLedger(uri)
-    key = (os.getpid(), uri)  # a forked child must not share its parent's connections
-    cached, identity = _SQLITE_LEDGERS.get(key), _file_identity(path)
-    if cached is not None and identity is not None and cached[0] == identity:
-        return cached[1]
-    if cached is not None:  # the file was replaced or removed: its connections read a file that is gone
-        cached[1].engine.dispose()
-    ledger = SqlLedger(uri)
-    _SQLITE_LEDGERS[key] = (_file_identity(path), ledger)
-    return ledger
-
-
-_SQLITE_LEDGERS: dict[tuple[int, str], tuple[tuple[int, int] | None, SqlLedger]] = {}
-
-
-def _file_identity(path: Path) -> tuple[int, int] | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
+    return SqlLedger(uri) if is_database_uri(uri) else ClientLedger(uri)
 
 
 def ledger_exists(uri: str) -> bool:
@@ -376,8 +346,16 @@ class SqlLedger(Ledger):
         self._sa = sqlalchemy
         path = sqlite_path(uri)
         if path is not None and path.exists():
+            # Closing any descriptor of a SQLite file drops every POSIX lock this process holds on it:
+            # a header read beside an open connection would let another process write under our
+            # reader (seen: stale reads, then "database disk image is malformed"). So this process's
+            # other ledgers of the file close their idle connections first (they reopen on use).
+            for other in list(_SQLITE_ENGINES.get(path.resolve(), ())):
+                other.dispose()
             _check_sqlite_file(path)  # before connecting: SQLite's WAL pragma would add files beside it
         self.engine = sqlalchemy.create_engine(uri, connect_args=_connect_args(uri, 60.0))
+        if path is not None:
+            _SQLITE_ENGINES.setdefault(path.resolve(), weakref.WeakSet()).add(self.engine)
         if uri.startswith("sqlite"):
             sqlalchemy.event.listen(self.engine, "connect", _sqlite_pragmas)
         with self._usable():
@@ -879,6 +857,9 @@ def _connect_args(uri: str, timeout: float) -> dict[str, Any]:
     if uri.startswith("postgresql"):
         return {"connect_timeout": int(timeout)}
     return {}
+
+
+_SQLITE_ENGINES: dict[Path, weakref.WeakSet[Any]] = {}  # this process's engines, by SQLite file
 
 
 def _check_sqlite_file(path: Path) -> None:
