@@ -63,6 +63,16 @@ def test_tiny_splits_are_disjoint_and_named_for_the_report() -> None:
     assert launch.pdmctl_metric_name("val-core/aime24/acc/mean_at_16") == "eval/aime24"
 
 
+def test_tiny_tokenizer_has_what_verls_qwen_agent_loop_requires() -> None:
+    # VeRL 0.9.1's QwenContinuousTokenBuilder (every agent-loop rollout of a Qwen3) requires
+    # <|im_end|> and a one-token newline; without them the first rollout fails (seen on CPU)
+    pytest.importorskip("tokenizers")
+    tokenizer = tiny._train_tokenizer(tiny.TinyRecipe())
+    for token in (tiny.EOS, *tiny.CHATML):
+        assert isinstance(tokenizer.convert_tokens_to_ids(token), int)
+    assert len(tokenizer.encode("\n", add_special_tokens=False)) == 1
+
+
 def test_cleanup_ends_the_tagged_processes_and_their_segments_only(tmp_path: Path) -> None:
     tag = uuid.uuid4().hex
     started = time.time()

@@ -98,6 +98,11 @@ def env() -> dict[str, str]:
         # Ray runs its workers at nice 15: behind any other process on a shared machine, the
         # trainer (all of it in workers) starves (measured: no progress at a load average of 17)
         "RAY_worker_niceness": "0",
+        # The raylet gives its metrics agent 15 s (not configurable) to write its port file, and
+        # meanwhile prestarts one Python worker per logical CPU (8 on 2 cores): seen twice, the agent
+        # lost that race and the raylet aborted ("Timed out waiting for file .../metrics_agent_port_*")
+        "RAY_enable_worker_prestart": "0",
+        "RAY_prestart_worker_first_driver": "0",
         # the SLURM job body's `ray start`: the same logical GPU and CPUs
         "PDMCTL_GPUS_PER_NODE": "1",
         "PDMCTL_RAY_CPUS": str(RAY_CPUS),

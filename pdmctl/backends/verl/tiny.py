@@ -31,11 +31,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-RECIPE_VERSION = 1  # bump when anything below changes what is written
+RECIPE_VERSION = 2  # bump when anything below changes what is written
 STAMP = "pdmctl-tiny.json"
 TRAIN_FILE = "train.parquet"
 VAL_FILES = ("aime24.parquet", "aime25.parquet")
 EOS = "<|endoftext|>"
+# Qwen's ChatML markers: VeRL's agent loop (its Qwen continuous-token builder) requires <|im_end|>
+CHATML = ("<|im_start|>", "<|im_end|>")
 # The chat template renders a conversation as its user turns, then the generation prompt " ".
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -121,7 +123,7 @@ def _train_tokenizer(recipe: TinyRecipe) -> Any:
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=recipe.vocab_size,
-        special_tokens=[EOS],
+        special_tokens=[EOS, *CHATML],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # any byte stays representable
         show_progress=False,
     )
