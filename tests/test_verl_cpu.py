@@ -42,7 +42,7 @@ def test_gpu_presets_get_no_cpu_settings(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_a_local_model_path_replaces_the_preset_weights() -> None:
     overrides = launch.verl_overrides({**BASE, "model": "qwen3-4b-base", "model_path": "/models/my-4b"})
-    assert "actor_rollout_ref.model.path=/models/my-4b" in overrides
+    assert "actor_rollout_ref.model.path='/models/my-4b'" in overrides  # quoted: Hydra reads it back exactly
     assert launch.compose(overrides).actor_rollout_ref.model.path == "/models/my-4b"
 
 
