@@ -28,9 +28,9 @@ import json
 import logging
 import math
 import os
+import subprocess
 import time
 import uuid
-import weakref
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -346,16 +346,8 @@ class SqlLedger(Ledger):
         self._sa = sqlalchemy
         path = sqlite_path(uri)
         if path is not None and path.exists():
-            # Closing any descriptor of a SQLite file drops every POSIX lock this process holds on it:
-            # a header read beside an open connection would let another process write under our
-            # reader (seen: stale reads, then "database disk image is malformed"). So this process's
-            # other ledgers of the file close their idle connections first (they reopen on use).
-            for other in list(_SQLITE_ENGINES.get(path.resolve(), ())):
-                other.dispose()
             _check_sqlite_file(path)  # before connecting: SQLite's WAL pragma would add files beside it
         self.engine = sqlalchemy.create_engine(uri, connect_args=_connect_args(uri, 60.0))
-        if path is not None:
-            _SQLITE_ENGINES.setdefault(path.resolve(), weakref.WeakSet()).add(self.engine)
         if uri.startswith("sqlite"):
             sqlalchemy.event.listen(self.engine, "connect", _sqlite_pragmas)
         with self._usable():
@@ -859,9 +851,6 @@ def _connect_args(uri: str, timeout: float) -> dict[str, Any]:
     return {}
 
 
-_SQLITE_ENGINES: dict[Path, weakref.WeakSet[Any]] = {}  # this process's engines, by SQLite file
-
-
 def _check_sqlite_file(path: Path) -> None:
     """Refuse a file that is not SQLite, or shorter than its header says (truncated), reading 100 bytes.
 
@@ -871,8 +860,15 @@ def _check_sqlite_file(path: Path) -> None:
     size = path.stat().st_size
     if size == 0:  # SQLite makes an empty file a new database
         return
-    with open(path, "rb") as fh:
-        header = fh.read(100)
+    # Read by another process: closing any descriptor of a SQLite file drops every POSIX lock this
+    # process holds on it (SQLite's own and MLflow's connections included), and a WAL connection that
+    # loses its shared lock lets another process reset the WAL under it ("database disk image is
+    # malformed", seen with `sweep --wait`).
+    read = subprocess.run(["head", "-c", "100", "--", str(path)], capture_output=True, check=False)
+    if read.returncode != 0:
+        why = (read.stderr.decode(errors="replace").strip().splitlines() or ["head failed"])[-1]
+        raise LedgerError(f"tracking store {path}: cannot be read ({why})")
+    header = read.stdout
     if len(header) < 100 or not header.startswith(b"SQLite format 3\0"):
         raise LedgerError(f"tracking store {path}: not a usable MLflow database (not an SQLite file)")
     page_size = int.from_bytes(header[16:18], "big")
