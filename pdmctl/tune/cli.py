@@ -137,8 +137,10 @@ def _read_file(path_or_name: str) -> tuple[str, list[str], dict[str, Any]]:
     if unknown:
         raise TuneError(f"sweep file: {path}: tune: unknown field {unknown[0]!r} "
                         f"(known: space, {', '.join(_FILE_OPTIONS)})")  # fmt: skip
-    overrides = [f"{k}={_hydra_value(v)}" for k, v in (data.get("grid") or {}).items()]
-    overrides += [f"{k}={_hydra_value(v)}" for k, v in (section.get("space") or {}).items()]
+    where = f"sweep file: {path}"
+    overrides = [f"{k}={_hydra_value(v, f'{where}: grid: {k}')}" for k, v in (data.get("grid") or {}).items()]
+    overrides += [f"{k}={_hydra_value(v, f'{where}: tune: space: {k}')}"
+                  for k, v in (section.get("space") or {}).items()]  # fmt: skip
     return (
         str(data.get("name") or path.stem),
         overrides,

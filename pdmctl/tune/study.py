@@ -293,11 +293,10 @@ class Driver:
             total += 1
             settle(trial)
         if submit:
-            for spec, trial_id, reports in submit.values():
-                link = TrialLink(self.plan.storage, self.plan.name, trial_id, self.plan.metrics,
-                                 self.plan.request.pruner, reports)  # fmt: skip
-                link.write(self.ctx.run_dir(spec))
-            self._submit([s for s, *_ in submit.values()])
+            links = {spec.key: TrialLink(self.plan.storage, self.plan.name, trial_id, self.plan.metrics,
+                                         self.plan.request.pruner, reports)  # fmt: skip
+                     for spec, trial_id, reports in submit.values()}
+            self._submit([s for s, *_ in submit.values()], links)
         if resume:
             orchestrate.resume(self.ctx, self.plan.name, max_attempts=self.options.max_attempts)
         if result.asked or result.told:
@@ -315,11 +314,14 @@ class Driver:
         return {r.key: RunView(r.key, r.sweep, r.summary, orchestrate.run_state(r, js), r, js)
                 for r, js in orchestrate.reconcile(self.ledger, records, self.ctx)}  # fmt: skip
 
-    def _submit(self, specs: list[RunSpec]) -> None:
-        """Register the runs and submit those no job serves: `orchestrate.sweep` on the driver's ledger."""
+    def _submit(self, specs: list[RunSpec], links: dict[str, TrialLink]) -> None:
+        """Register the runs, give each run directory its trial link (the directory is named by the MLflow
+        run id, known once registered), and submit those no job serves: `orchestrate.sweep`'s steps."""
         with self.ledger.lock():
-            self.ledger.register(specs, {s.key: str(self.ctx.run_dir(s)) for s in specs})
+            self.ledger.register(specs, {s.key: str(self.ctx.run_dir_parent(s)) for s in specs})
             by_key = {r.key: r for r in self.ledger.runs(self.plan.name)}
+            for spec in specs:
+                links[spec.key].write(self.ctx.run_dir(by_key[spec.key]))
             records = [by_key[s.key] for s in specs if not by_key[s.key].job_id]
             orchestrate._submit(records, self.ledger, self.executor, self.ctx)
 
