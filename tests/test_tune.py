@@ -39,6 +39,11 @@ def study(cwd: Path, name: str) -> optuna.Study:
     return optuna.load_study(study_name=name, storage=f"sqlite:///{cwd / 'mlflow.optuna.db'}")
 
 
+def counted(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
+    """The trials against --trials: not those a driver killed inside `ask` left half-stored."""
+    return [t for t in trials if "pdmctl.abandoned" not in t.user_attrs]
+
+
 def finished_trials(cwd: Path, name: str) -> list[optuna.trial.FrozenTrial]:
     """The study's finished trials so far (none while the driver has not created it yet)."""
     try:
@@ -57,7 +62,7 @@ def no_config_twice(cwd: Path, name: str) -> None:
     keys = [r.key for r in runs]
     assert len(keys) == len(set(keys))
     assert all(r.attempt == 1 for r in runs), [(r.key, r.attempt) for r in runs]
-    trial_keys = {k for t in study(cwd, name).trials for k in t.user_attrs["pdmctl.keys"]}
+    trial_keys = {k for t in counted(study(cwd, name).trials) for k in t.user_attrs["pdmctl.keys"]}
     assert trial_keys == set(keys)
 
 
@@ -191,10 +196,32 @@ def test_kill_9_of_the_driver_loses_nothing_and_runs_nothing_twice(workdir: Path
     res = pdmctl("tune", *args, cwd=workdir)
     assert res.returncode == 0, res.stdout + res.stderr
     trials = study(workdir, "k9").trials
-    assert len(trials) == 6 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    kept = counted(trials)
+    assert len(kept) == 6 and all(t.state == optuna.trial.TrialState.COMPLETE for t in kept)
+    assert all(t.state == optuna.trial.TrialState.FAIL for t in trials if t not in kept)
     for number, (state, value, params) in before.items():
         assert (trials[number].state, trials[number].value, trials[number].params) == (state, value, params)
     no_config_twice(workdir, "k9")
+
+
+def test_a_trial_left_half_asked_by_a_killed_driver_is_failed_and_asked_anew(workdir: Path):
+    """The kill landed inside Optuna's `ask`: the trial exists, RUNNING, with only some parameters."""
+    args = [*SYNTH, "backend.steps=2", "--seed", "1", "--name", "half"]
+    res = pdmctl("tune", *args, "--trials", "1", cwd=workdir)
+    assert res.returncode == 0, res.stdout + res.stderr
+    storage = study(workdir, "half")._storage
+    study_id = storage.get_study_id_from_name("half")
+    half = storage.create_new_trial(study_id)
+    storage.set_trial_param(half, "delta", 0.1, optuna.distributions.FloatDistribution(0.02, 0.3))
+    res = pdmctl("tune", *args, "--trials", "2", cwd=workdir)
+    assert res.returncode == 0, res.stdout + res.stderr
+    trials = study(workdir, "half").trials
+    assert [t.state.name for t in trials] == ["COMPLETE", "FAIL", "COMPLETE"]
+    assert [t.state.name for t in counted(trials)] == ["COMPLETE", "COMPLETE"]
+    assert "pdmctl.keys" not in trials[1].user_attrs  # nothing ran for it
+    no_config_twice(workdir, "half")
+    res = pdmctl("tune", "status", "half", cwd=workdir)
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_a_trial_whose_config_already_ran_takes_its_result(workdir: Path):

@@ -89,6 +89,10 @@ def test_sweep_trains_both_masks_and_fills_the_ledger(sweep: EngineSweep) -> Non
         mask_frac = _history(sweep.uri, run.info.run_id, "train/mask_frac")
         assert sorted(mask_frac) == [1, 2, 3]
         assert all(0.0 <= v <= 1.0 for v in mask_frac.values())
+        # the preset's later mini-batches are off-policy (lr 1e-2): the mask bites, and says how much
+        assert max(mask_frac.values()) > 0.0, ("no token masked", run.data.params.get("actor_rollout_ref.actor.policy_loss.loss_mode"), mask_frac)
+        for name in ("train/out_of_region_frac", "train/mean_divergence"):
+            assert sorted(_history(sweep.uri, run.info.run_id, name)) == [1, 2, 3], name
         for dataset in ("eval/aime24", "eval/aime25"):
             evals = _history(sweep.uri, run.info.run_id, dataset)
             assert {0, 3} <= set(evals), (dataset, evals)  # before training and at the end

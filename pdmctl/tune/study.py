@@ -49,6 +49,7 @@ TRAIN_METRICS = ("train/reward", "train/response_length", "train/ppo_kl", "train
                  "train/out_of_region_frac", "train/mean_divergence", "train/disagreement_count")  # fmt: skip
 ATTR = "pdmctl.tune"  # study user attribute: the request that defines the study
 KEYS_ATTR = "pdmctl.keys"  # trial user attribute: its runs' keys
+ABANDONED_ATTR = "pdmctl.abandoned"  # a trial whose `ask` a killed driver left half-stored; not counted
 
 
 class TuneError(ValueError):
@@ -194,6 +195,11 @@ def _first_values(space: SearchSpace) -> dict[str, Any]:
 # ---------------------------------------------------------------------------
 
 
+def _counted(trials: list) -> list:
+    """The trials that count against `--trials` (all but those a killed `ask` left half-stored)."""
+    return [t for t in trials if ABANDONED_ATTR not in t.user_attrs]
+
+
 @dataclass
 class Pass:
     """What one pass of the driver saw and did."""
@@ -280,12 +286,21 @@ class Driver:
             for spec in outcome.specs:
                 submit[spec.key] = (spec, trial._trial_id, spec.key == first)
 
+        abandoned = 0
         for trial in trials:
             if trial.state == optuna.trial.TrialState.RUNNING:
                 if KEYS_ATTR not in trial.user_attrs:  # a driver killed right after its `ask`
+                    if set(trial.params) != set(self.plan.space.distributions):
+                        # killed inside `ask`, before all its parameters were stored: nothing ran
+                        # for it (keys are recorded before any submission); it is failed and asked anew
+                        optuna.trial.Trial(self.study, trial._trial_id).set_user_attr(ABANDONED_ATTR, True)
+                        self.study.tell(trial.number, state=optuna.trial.TrialState.FAIL,
+                                        skip_if_finished=True)  # fmt: skip
+                        abandoned += 1
+                        continue
                     self._record_keys(optuna.trial.Trial(self.study, trial._trial_id))
                 settle(trial)
-        total = len(trials)
+        total = len(_counted(trials)) - abandoned
         while result.in_flight < self.options.parallel and total < self.options.trials:
             trial = self.study.ask(self.plan.space.distributions)
             self._record_keys(trial)
@@ -299,9 +314,9 @@ class Driver:
             self._submit([s for s, *_ in submit.values()], links)
         if resume:
             orchestrate.resume(self.ctx, self.plan.name, max_attempts=self.options.max_attempts)
-        if result.asked or result.told:
+        if result.asked or result.told or abandoned:
             trials = self.study.get_trials(deepcopy=False)
-        result.states = Counter(t.state.name for t in trials)
+        result.states = Counter(t.state.name for t in _counted(trials))
         self.seconds += time.perf_counter() - started
         self.cpu_seconds += time.process_time() - cpu_started
         return result
@@ -476,7 +491,7 @@ def study_view(name: str, storage: str, ctx: Context) -> StudyView:
     if ledger_exists(ctx.tracking_uri):
         views = {v.key: v for v in orchestrate.status(ctx, name)}
     trials = []
-    for t in study.get_trials(deepcopy=False):
+    for t in _counted(study.get_trials(deepcopy=False)):
         keys = tuple(t.user_attrs.get(KEYS_ATTR, ()))
         run_states = sorted({str(views[k].state) for k in keys if k in views})
         trials.append(TrialView(t.number, t.state.name.lower(), t.value, dict(t.params), keys,

@@ -63,19 +63,23 @@ class ModelPreset:
     train_file: str = TRAIN_FILE
     micro_batch_size: int | None = None  # None: dynamic batch size by tokens (GPU presets)
     total_training_steps: int | None = None  # None: total_epochs over the train set
+    lr: float = 1e-6  # the run's lr unless it sets one
+    save_freq: int = 10  # VeRL checkpoints every this many steps (and at the last) unless the run says
 
 
 MODEL_PRESETS: dict[str, ModelPreset] = {
     "qwen3-4b-base": ModelPreset("Qwen/Qwen3-4B-Base", False, 8, 128, 32, 8192, 1, 1, 1),
     "qwen3-8b-base": ModelPreset("Qwen/Qwen3-8B-Base", False, 8, 128, 32, 8192, 1, 2, 1),
     "qwen3-30b-a3b-base": ModelPreset("Qwen/Qwen3-30B-A3B-Base", True, 16, 256, 32, 16384, 4, 4, 8),
-    # tiny.py's 2-layer Qwen3 on CPU: 4 prompts x 4 samples per step, one mini-batch in two micro-batches
+    # tiny.py's 2-layer Qwen3 on CPU: 4 prompts x 4 samples per step in 4 mini-batches (each of two
+    # micro-batches), at a learning rate high enough that the later mini-batches are off-policy: the
+    # mask bites (a real train/rollout mismatch). A checkpoint every step: resume is tested on it.
     "qwen3-tiny": ModelPreset(
         hf_path=None,
         moe=False,
         group_size=4,
         train_batch_size=4,
-        ppo_mini_batch_size=4,
+        ppo_mini_batch_size=1,
         max_response_length=16,
         nnodes=1,
         tensor_parallel=1,
@@ -85,6 +89,8 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         train_file=TINY_TRAIN_FILE,
         micro_batch_size=2,
         total_training_steps=3,
+        lr=1e-2,
+        save_freq=1,
     ),  # fmt: skip
 }
 TINY_DIR_ENV = "PDMCTL_TINY_DIR"  # where `model=qwen3-tiny` is built and cached
@@ -107,10 +113,10 @@ DEFAULTS: dict[str, Any] = {
     "ratio_cap": 10.0,
     "loss_agg_mode": "token-mean",
     "seed": 0,
-    "lr": 1e-6,
+    "lr": None,  # None: the model preset's (1e-6 for the Qwen3 presets)
     "temperature": 1.0,
     "val_n": 16,
-    "save_freq": 10,
+    "save_freq": None,  # None: the model preset's (10 for the Qwen3 presets)
     "test_freq": 10,
     "total_epochs": 1,
     "max_prompt_length": 2048,
@@ -135,6 +141,9 @@ def _resolved(run_config: Mapping[str, Any]) -> dict[str, Any]:
             f"model: unknown {cfg['model']!r}; choose from {sorted(MODEL_PRESETS)} "
             "(for other weights of one of these shapes, set model_path)"
         )
+    preset = MODEL_PRESETS[cfg["model"]]
+    cfg["lr"] = preset.lr if cfg["lr"] is None else cfg["lr"]
+    cfg["save_freq"] = preset.save_freq if cfg["save_freq"] is None else cfg["save_freq"]
     if cfg["precision"] not in PRECISIONS:
         raise LaunchConfigError(f"precision: unknown {cfg['precision']!r}; choose from {list(PRECISIONS)}")
     if cfg["strategy"] is None:

@@ -1,0 +1,60 @@
+"""A resumed VeRL job logs no step twice: VeRL's own MLflow adapter, a real MLflow store."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verl")
+
+SCRIPT = """
+import os, sys
+import mlflow
+from verl.utils import tracking
+from pdmctl.backends.verl import resume
+
+resume.install()
+mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+mlflow.start_run(run_id=os.environ["MLFLOW_RUN_ID"])
+adapter = tracking._MlflowLoggingAdapter()
+for step in [int(s) for s in sys.argv[1].split(",")]:
+    adapter.log({"actor/loss": float(step) + float(sys.argv[2]), "val-core/aime24/acc/mean@16": 0.5}, step)
+mlflow.end_run()
+"""
+
+
+def _job(uri: str, run_id: str, steps: str, offset: float) -> None:
+    """One 'job' in its own process, as the TaskRunner is: the guard reads the run afresh."""
+    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run_id, "PATH": "/usr/bin:/bin"}
+    subprocess.run([sys.executable, "-c", SCRIPT, steps, str(offset)], env=env, check=True, timeout=300)
+
+
+def test_a_resumed_job_logs_no_step_twice_and_keeps_the_first_value(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    _job(uri, run_id, "0,1,2,3", 0.0)  # killed after logging step 3; its last checkpoint was step 2
+    _job(uri, run_id, "2,3,4,5", 100.0)  # resumed: validates again at 2, runs 3 again, goes on
+    for key in ("actor/loss", "val-core/aime24/acc/mean_at_16"):  # VeRL's own sanitised name
+        history = client.get_metric_history(run_id, key)
+        steps = [m.step for m in history]
+        assert sorted(steps) == [0, 1, 2, 3, 4, 5], (key, steps)
+    loss = {m.step: m.value for m in client.get_metric_history(run_id, "actor/loss")}
+    assert loss == {0: 0.0, 1: 1.0, 2: 2.0, 3: 3.0, 4: 104.0, 5: 105.0}
+
+
+def test_without_a_ledger_run_nothing_is_patched(monkeypatch: pytest.MonkeyPatch) -> None:
+    from verl.utils import tracking
+
+    from pdmctl.backends.verl import resume
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.setattr(resume, "_INSTALLED", False)
+    before = tracking._MlflowLoggingAdapter.log
+    resume.install()
+    assert tracking._MlflowLoggingAdapter.log is before
