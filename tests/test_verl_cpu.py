@@ -94,3 +94,35 @@ def test_cleanup_ends_the_tagged_processes_and_their_segments_only(tmp_path: Pat
             proc.kill()
             proc.wait()
         segment.unlink(missing_ok=True)
+
+
+def test_the_next_job_ends_what_a_killed_job_left_and_nothing_else(tmp_path: Path) -> None:
+    """kill -9 runs no cleanup: the next engine job ends the processes whose owning job is gone."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    owner = subprocess.Popen([sys.executable, "-c", "from pdmctl.backends.verl import cpu; print(cpu.new_tag())"],
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    dead = owner.communicate(timeout=60)[0].strip()  # its owner has exited: as after kill -9
+    live = cpu.new_tag()  # this process: a live job
+    orphan = subprocess.Popen(sleeper, env={**os.environ, cpu.ENGINE_TAG_ENV: dead})
+    mine = subprocess.Popen(sleeper, env={**os.environ, cpu.ENGINE_TAG_ENV: live})
+    foreign = subprocess.Popen(sleeper, env={**os.environ, cpu.ENGINE_TAG_ENV: "not-a-pdmctl-tag"})
+    bystander = subprocess.Popen(sleeper)
+    segment = Path("/dev/shm") / f"verl_pdmctl_test_{uuid.uuid4().hex}"
+    segment.write_bytes(b"x")
+    try:
+        assert not cpu.owner_alive(dead) and cpu.owner_alive(live)
+        deadline = time.monotonic() + 30
+        while orphan.pid not in cpu.tagged_processes(dead) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert orphan.pid in cpu.orphan_processes()
+        ended, removed = cpu.cleanup_orphans(grace_s=5)
+        assert orphan.wait(timeout=10) is not None
+        assert ended >= 1
+        for proc in (mine, foreign, bystander):
+            assert proc.poll() is None, "ended a process whose job is alive"
+        assert segment.name in removed and not segment.exists()
+    finally:
+        for proc in (orphan, mine, foreign, bystander):
+            proc.kill()
+            proc.wait()
+        segment.unlink(missing_ok=True)

@@ -438,6 +438,66 @@ def tagged_processes(tag: str) -> list[int]:
     return found
 
 
+def _end(find: Any, grace_s: float) -> int:
+    """TERM, then KILL after `grace_s`, whatever `find()` lists; returns how many there were."""
+    pids = find()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while (alive := find()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not alive:
+            break
+    return len(pids)
+
+
+def _start_ticks(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot): with the pid, who it is (pids are reused)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def new_tag() -> str:
+    """An engine job's tag: its owner (this process: pid and start time) and a random part."""
+    import uuid
+
+    return f"{os.getpid()}.{_start_ticks(os.getpid())}.{uuid.uuid4().hex}"
+
+
+def owner_alive(tag: str) -> bool:
+    """Whether the process that made `tag` (`new_tag`) is still running; a tag of another form counts
+    as alive (it is not ours to judge)."""
+    pid, ticks, _ = (tag.split(".", 2) + ["", ""])[:3]
+    if not pid.isdigit() or not ticks:
+        return True
+    return _start_ticks(int(pid)) == ticks
+
+
+def orphan_processes() -> list[int]:
+    """Processes of engine jobs whose owner is gone: what a job killed outright (kill -9, OOM) left."""
+    prefix = f"{ENGINE_TAG_ENV}=".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            for value in (entry / "environ").read_bytes().split(b"\0"):
+                if value.startswith(prefix) and not owner_alive(value[len(prefix):].decode(errors="replace")):
+                    found.append(int(entry.name))
+    return found
+
+
+def cleanup_orphans(grace_s: float = 10.0) -> tuple[int, list[str]]:
+    """End what engine jobs killed outright left (their owner process is gone), and remove the
+    VeRL/torch `/dev/shm` segments no live process maps. Run by each engine job before it starts."""
+    ended = _end(orphan_processes, grace_s)
+    return ended, _remove_unmapped_segments(since=None)
+
+
 def cleanup(tag: str, started: float, grace_s: float = 10.0) -> tuple[int, list[str]]:
     """End the job's processes (TERM, then KILL after `grace_s`), then remove its `/dev/shm` segments.
 
@@ -445,16 +505,11 @@ def cleanup(tag: str, started: float, grace_s: float = 10.0) -> tuple[int, list[
     and no live process still maps it (so a concurrent job's segments stay). Returns the
     number of processes ended and the segments removed.
     """
-    pids = tagged_processes(tag)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + grace_s
-        while (alive := tagged_processes(tag)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if not alive:
-            break
+    ended = _end(lambda: tagged_processes(tag), grace_s)
+    return ended, _remove_unmapped_segments(since=started)
+
+
+def _remove_unmapped_segments(since: float | None) -> list[str]:
     removed = []
     shm = Path("/dev/shm")
     mapped = _mapped_shm()
@@ -462,12 +517,12 @@ def cleanup(tag: str, started: float, grace_s: float = 10.0) -> tuple[int, list[
         with contextlib.suppress(OSError):
             if (
                 segment.name.startswith(SHM_PREFIXES)
-                and segment.stat().st_mtime >= started - 1
+                and (since is None or segment.stat().st_mtime >= since - 1)
                 and segment.name not in mapped
             ):
                 segment.unlink()
                 removed.append(segment.name)
-    return len(pids), removed
+    return removed
 
 
 def _mapped_shm() -> set[str]:

@@ -445,7 +445,6 @@ def run(run_config: Mapping[str, Any], python: str) -> None:
     none of its processes or shared-memory segments behind (vLLM's outlive Ray's teardown).
     """
     import time
-    import uuid
 
     cfg = resolve_local_model(run_config)
     on_slurm = "SLURM_JOB_ID" in os.environ
@@ -455,8 +454,12 @@ def run(run_config: Mapping[str, Any], python: str) -> None:
         return
     from pdmctl.backends.verl import cpu
 
-    tag = uuid.uuid4().hex
+    tag = cpu.new_tag()
     with cpu.machine_lock():
+        ended, segments = cpu.cleanup_orphans()  # of a job killed outright (kill -9, OOM)
+        if ended or segments:
+            print(f"pdmctl: ended {ended} engine process(es) and removed {len(segments)} /dev/shm "
+                  "segment(s) left by an engine job that was killed", flush=True)  # fmt: skip
         started = time.time()
         try:
             _run_trainer(command, {**os.environ, cpu.ENGINE_TAG_ENV: tag})
