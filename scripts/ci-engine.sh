@@ -3,6 +3,8 @@
 # build the tiny Qwen3 once, run the engine tests with the engine environment's Python.
 #
 #   bash scripts/ci-engine.sh            (from .ci/run, after SLURM and the MLflow server are up)
+#   bash scripts/ci-engine.sh --all      (also the tests that start the engine more than once:
+#                                         kill -9 and resume, the SLURM training job)
 #
 # PDMCTL_ENGINE_ENV: where the environment lives (default .venv-engine; reused and repaired if there).
 set -euo pipefail
@@ -18,7 +20,9 @@ export PDMCTL_TINY_DIR="${PDMCTL_TINY_DIR:-$PWD/.cache/qwen3-tiny}"
 step "tiny Qwen3 and its data at $PDMCTL_TINY_DIR"
 "$ENV_DIR/bin/python" -m pdmctl.backends.verl.tiny "$PDMCTL_TINY_DIR"
 
-step "engine tests"
-# -m engine replaces pyproject's `-m "not engine"`; a skip fails (everything is installed above)
-PDMCTL_NO_SKIPS=1 "$ENV_DIR/bin/python" -m pytest -q -m engine --durations=0 tests/test_verl_engine.py
+MARK="engine and not engine_long"
+[ "${1:-}" = "--all" ] && MARK="engine"
+step "engine tests (-m '$MARK')"
+# -m replaces pyproject's `-m "not engine"`; a skip fails (everything is installed above)
+PDMCTL_NO_SKIPS=1 "$ENV_DIR/bin/python" -m pytest -q -m "$MARK" --durations=0 tests/test_verl_engine.py
 step "done"

@@ -10,6 +10,7 @@ ledger, top-K and loss checks; the failure test runs one more, short, job.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import time
@@ -133,23 +134,40 @@ def test_topk_came_from_vllm(sweep: EngineSweep) -> None:
 
 
 def test_loss_inside_verl_equals_masks_policy_loss(sweep: EngineSweep) -> None:
+    """The mask VeRL applied is pdmctl.masks' on the same logits, exactly; the loss is MATH.md's
+    formula on VeRL's own log-probs; and `policy_loss` offline agrees to bf16 precision (VeRL's
+    actor hands the loss its log-probs in bf16 on this CPU, as the logits are)."""
     import torch
 
     from pdmctl import masks
 
-    for logits, loss in _dumps(sweep.dump_dir):
-        settings = logits["settings"]
+    pairs = _dumps(sweep.dump_dir)
+    assert len(pairs) == 2
+    for logits, loss in pairs:
+        s = logits["settings"]
         n = logits["sampled_ids"].shape[0]
-        assert int(loss["response_mask"].sum()) == n, "the two records describe the same micro-batch"
-        offline, _ = masks.policy_loss(
-            logits["logits"].float(), logits["sampled_ids"], logits["topk_ids"], logits["topk_logprobs"],
-            logits["sampled_logprobs"], logits["advantages"], torch.ones(n, dtype=torch.bool),
-            method=settings["method"], divergence=settings["divergence"], estimator=settings["estimator"],
-            delta=settings["delta"], delta_low=settings["delta_low"], eps_low=settings["eps_low"],
-            eps_high=settings["eps_high"], ratio_cap=settings["ratio_cap"], loss_agg_mode="token-mean",
-        )  # fmt: skip
-        inside = (loss["token_loss"] * loss["response_mask"]).sum()
-        torch.testing.assert_close(offline.detach().double() * n, inside.double(), rtol=1e-4, atol=1e-6)
+        inside = loss["response_mask"].bool()
+        assert int(inside.sum()) == n, "the two records describe the same micro-batch"
+        tensors = (logits["logits"].float(), logits["sampled_ids"], logits["topk_ids"], logits["topk_logprobs"],
+                   logits["sampled_logprobs"], logits["advantages"])  # fmt: skip
+        kwargs = dict(method=s["method"], divergence=s["divergence"], estimator=s["estimator"], delta=s["delta"],
+                      delta_low=s["delta_low"], eps_low=s["eps_low"], eps_high=s["eps_high"])  # fmt: skip
+        d = masks.token_diagnostics(*tensors, **kwargs)
+        assert torch.equal(d.keep.bool(), loss["keep"][inside].bool()), "the mask VeRL applied"
+        torch.testing.assert_close(d.ratio.float(), loss["ratio"][inside].float(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(loss["advantages"][inside].float(), logits["advantages"].float())
+        verl_lp = loss["log_prob"][inside].float()
+        offline_lp = torch.log_softmax(logits["logits"].float(), -1).gather(-1, logits["sampled_ids"][:, None])[:, 0]
+        # VeRL takes its log-probs from the model's own forward (bf16 on this CPU), the mask from the bf16
+        # logits handed to the logits processor: they agree to bf16 precision
+        torch.testing.assert_close(verl_lp, offline_lp, rtol=1e-2, atol=8e-3)
+        # L = −A · sg(min(r, C)) · M · log π_k, token by token, on VeRL's log-probs
+        expected = -logits["advantages"].float() * d.ratio.clamp(max=s["ratio_cap"]) * d.keep.float() * verl_lp
+        torch.testing.assert_close(loss["token_loss"][inside].float(), expected.float(), rtol=1e-5, atol=1e-7)
+        offline, _ = masks.policy_loss(*tensors, torch.ones(n, dtype=torch.bool), **kwargs,
+                                       ratio_cap=s["ratio_cap"], loss_agg_mode="token-mean")  # fmt: skip
+        total = (loss["token_loss"] * loss["response_mask"]).sum()
+        torch.testing.assert_close(offline.detach().double() * n, total.double(), rtol=2e-3, atol=1e-5)
 
 
 def _engine_processes(marker: str) -> list[int]:
@@ -184,3 +202,92 @@ def test_failure_in_the_rollout_fails_the_run_and_leaves_nothing(tmp_path: Path)
     assert _engine_processes(marker) == [], "engine processes outlived the job"
     leftover = {p.name for p in SHM.iterdir()} - shm_before
     assert not {n for n in leftover if n.startswith(("verl_", "psm_", "sem.loky-"))}, leftover
+
+
+# ---------------------------------------------------------------------------
+# Longer: more than one engine start each (scripts/ci-engine.sh --all)
+# ---------------------------------------------------------------------------
+
+
+def _job_processes(run_dir: Path) -> list[int]:
+    """The job's processes: its `pdmctl.job` (named by its job file) and every engine process it
+    started (they carry the ledger's MLflow run id in their environment)."""
+    run_id = run_dir.name.encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(run_dir / "job.json").encode() in cmdline or b"MLFLOW_RUN_ID=" + run_id in environ:
+            found.append(int(entry.name))
+    return found
+
+
+def _no_step_twice(uri: str, run_id: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    for name in client.get_run(run_id).data.metrics:
+        steps = [m.step for m in client.get_metric_history(run_id, name)]
+        assert len(steps) == len(set(steps)), f"{name}: steps {sorted(steps)}"
+
+
+@pytest.mark.engine_long
+def test_kill_9_after_the_first_checkpoint_then_resume_continues_the_same_run(tmp_path: Path) -> None:
+    import signal
+
+    env = {"PDMCTL_TINY_DIR": _tiny_dir(tmp_path)}
+    uri = sqlite_uri(tmp_path)
+    args = ["backend=verl", "model=qwen3-tiny", "mask=pdm_agg", "k=5", "--tracking-uri", uri]
+    result = pdmctl("sweep", *args, cwd=tmp_path, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (run_dir,) = [p for p in (tmp_path / "pdmctl-runs").glob("default/*/*") if p.is_dir()]
+    tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + 1800
+    while not tracker.exists() and time.monotonic() < deadline:
+        time.sleep(2)
+    assert tracker.exists(), _job_logs(tmp_path)
+    first_checkpoint = int(tracker.read_text())
+    pids = _job_processes(run_dir)
+    assert pids, "the job's processes"
+    for pid in pids:  # all at once, as the OOM killer or a lost node would
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    status = ""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # the executor sees its job gone
+        status = pdmctl("status", "--tracking-uri", uri, cwd=tmp_path).stdout
+        if "finished" not in status and "running" not in status:
+            break
+        time.sleep(5)
+    result = pdmctl("resume", "--wait", "--tracking-uri", uri, cwd=tmp_path, env=env, timeout=2400)
+    assert result.returncode == 0, result.stdout + result.stderr + _job_logs(tmp_path)
+    (run,) = _runs(uri)
+    assert run.info.status == "FINISHED" and run.info.run_id == run_dir.name  # the same MLflow run
+    second = (run_dir / "logs" / "attempt-2.log").read_text(errors="replace")
+    assert f"global_step_{first_checkpoint}" in second, "VeRL resumed from the checkpoint"
+    _no_step_twice(uri, run.info.run_id)
+    assert sorted(_history(uri, run.info.run_id, "train/mask_frac")) == [1, 2, 3]
+    assert {0, 3} <= set(_history(uri, run.info.run_id, "eval/aime24"))
+    assert _job_processes(run_dir) == [], "processes of the killed attempt outlived the resume"
+
+
+@pytest.mark.engine_long
+def test_on_slurm_the_job_body_starts_ray_in_the_allocation_and_trains(tmp_path: Path) -> None:
+    env = {"PDMCTL_TINY_DIR": _tiny_dir(tmp_path)}
+    uri = sqlite_uri(tmp_path)
+    result = pdmctl(
+        "sweep", "backend=verl", "model=qwen3-tiny", "mask=pdm_agg", "k=5", "--cluster", "slurm-local",
+        "--wait", "--tracking-uri", uri, cwd=tmp_path, env=env, timeout=2400,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr + _job_logs(tmp_path)
+    (run,) = _runs(uri)
+    assert run.info.status == "FINISHED", _job_logs(tmp_path)
+    logs = _job_logs(tmp_path)
+    assert "ray start" in logs or "Ray runtime started" in logs, logs[-3000:]
+    assert sorted(_history(uri, run.info.run_id, "train/mask_frac")) == [1, 2, 3]
+    _no_step_twice(uri, run.info.run_id)

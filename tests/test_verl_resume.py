@@ -22,14 +22,16 @@ mlflow.start_run(run_id=os.environ["MLFLOW_RUN_ID"])
 adapter = tracking._MlflowLoggingAdapter()
 for step in [int(s) for s in sys.argv[1].split(",")]:
     adapter.log({"actor/loss": float(step) + float(sys.argv[2]), "val-core/aime24/acc/mean@16": 0.5}, step)
-mlflow.end_run()
+if sys.argv[3] == "finish":
+    tracking.Tracking.finish(type("T", (), {"logger": {"mlflow": adapter}})())
+# else: the process exits with the run active (MLflow's exit handler would end it FINISHED)
 """
 
 
-def _job(uri: str, run_id: str, steps: str, offset: float) -> None:
+def _job(uri: str, run_id: str, steps: str, offset: float, end: str = "finish") -> None:
     """One 'job' in its own process, as the TaskRunner is: the guard reads the run afresh."""
     env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run_id, "PATH": "/usr/bin:/bin"}
-    subprocess.run([sys.executable, "-c", SCRIPT, steps, str(offset)], env=env, check=True, timeout=300)
+    subprocess.run([sys.executable, "-c", SCRIPT, steps, str(offset), end], env=env, check=True, timeout=300)
 
 
 def test_a_resumed_job_logs_no_step_twice_and_keeps_the_first_value(tmp_path: Path) -> None:
@@ -38,8 +40,10 @@ def test_a_resumed_job_logs_no_step_twice_and_keeps_the_first_value(tmp_path: Pa
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("e")).info.run_id
-    _job(uri, run_id, "0,1,2,3", 0.0)  # killed after logging step 3; its last checkpoint was step 2
+    _job(uri, run_id, "0,1,2,3", 0.0, "exit")  # killed after logging step 3; its last checkpoint was step 2
+    assert client.get_run(run_id).info.status == "RUNNING"  # MLflow's exit handler did not end it
     _job(uri, run_id, "2,3,4,5", 100.0)  # resumed: validates again at 2, runs 3 again, goes on
+    assert client.get_run(run_id).info.status == "RUNNING"  # VeRL's finish left it to the pdmctl job
     for key in ("actor/loss", "val-core/aime24/acc/mean_at_16"):  # VeRL's own sanitised name
         history = client.get_metric_history(run_id, key)
         steps = [m.step for m in history]

@@ -471,7 +471,7 @@ def new_tag() -> str:
 def owner_alive(tag: str) -> bool:
     """Whether the process that made `tag` (`new_tag`) is still running; a tag of another form counts
     as alive (it is not ours to judge)."""
-    pid, ticks, _ = (tag.split(".", 2) + ["", ""])[:3]
+    pid, ticks, _ = [*tag.split(".", 2), "", ""][:3]
     if not pid.isdigit() or not ticks:
         return True
     return _start_ticks(int(pid)) == ticks

@@ -1,5 +1,6 @@
-"""A resumed VeRL job logs no step twice into its MLflow run.
+"""VeRL inside a ledger run: it logs no step twice, and it never ends the run.
 
+**No step twice.**
 VeRL saves a checkpoint *before* it logs that step's metrics, and on resume it
 validates again at the checkpoint's step. A job killed between checkpoint N and
 checkpoint N + save_freq has logged steps N+1.. that the resumed job runs again, and
@@ -12,6 +13,13 @@ TaskRunner logs) wraps VeRL's MLflow adapter: the first time it logs into a run,
 it reads the last step of every metric already there, and from then on drops a
 metric at a step not after that one. What was logged first stays: a step the
 killed job logged (up to `save_freq - 1` of them) keeps that job's value.
+
+**The job ends the run, not VeRL.** VeRL's `finish` (and MLflow's exit handler in
+the TaskRunner) end the active run as FINISHED. The ledger reads that status, so
+`pdmctl status` and `sweep --wait` would call the run finished while its job is
+still copying VeRL's metrics to pdmctl's names, or about to record a failure. The
+wrapped adapter detaches from the run leaving it RUNNING; the pdmctl job sets the
+final status.
 """
 
 from __future__ import annotations
@@ -42,6 +50,23 @@ def install() -> None:
 
     adapter = tracking._MlflowLoggingAdapter
     original = adapter.log
+    original_init = adapter.__init__
+
+    def detach() -> None:
+        import mlflow
+
+        if mlflow.active_run() is not None:
+            mlflow.end_run(status="RUNNING")  # detach; the pdmctl job sets the final status
+
+    @functools.wraps(original_init)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        import atexit
+
+        original_init(self, *args, **kwargs)
+        atexit.register(detach)  # after MLflow's own (registered at start_run), so it runs first
+
+    def finish(self: Any) -> None:
+        detach()
 
     @functools.wraps(original)
     def log(self: Any, data: dict[str, Any], step: int) -> Any:
@@ -63,5 +88,7 @@ def install() -> None:
             return None
         return original(self, fresh, step)
 
+    adapter.__init__ = init
     adapter.log = log
+    adapter.finish = finish
     _INSTALLED = True
