@@ -855,11 +855,33 @@ def _check_sqlite_file(path: Path) -> None:
     """Refuse a file that is not SQLite, or shorter than its header says (truncated), reading 100 bytes.
 
     The header's page count holds only while its "version-valid-for" field matches the change
-    counter (https://www.sqlite.org/fileformat.html#in_header_database_size).
+    counter (https://www.sqlite.org/fileformat.html#in_header_database_size). A live store grows
+    while it is read (a job's write, a WAL checkpoint): the size is taken after the header, and a
+    short file is called truncated only if it stays so, unchanged, over a few reads.
     """
-    size = path.stat().st_size
-    if size == 0:  # SQLite makes an empty file a new database
+    if path.stat().st_size == 0:  # SQLite makes an empty file a new database
         return
+    seen: tuple[int, int] | None = None
+    for attempt in range(8):
+        header = _read_header(path)
+        size = path.stat().st_size
+        if len(header) < 100 or not header.startswith(b"SQLite format 3\0"):
+            raise LedgerError(f"tracking store {path}: not a usable MLflow database (not an SQLite file)")
+        page_size = int.from_bytes(header[16:18], "big")
+        page_size = 65536 if page_size == 1 else page_size
+        pages = int.from_bytes(header[28:32], "big")
+        if not (pages and header[24:28] == header[92:96] and size < page_size * pages):
+            return
+        if seen == (size, page_size * pages) and attempt >= 3:
+            raise LedgerError(f"tracking store {path}: not a usable MLflow database (truncated: {size} bytes "
+                              f"of {page_size * pages})")  # fmt: skip
+        seen = (size, page_size * pages)
+        time.sleep(0.05 * (attempt + 1))
+    raise LedgerError(f"tracking store {path}: not a usable MLflow database (truncated: {size} bytes "
+                      f"of {page_size * pages})")  # fmt: skip
+
+
+def _read_header(path: Path) -> bytes:
     # Read by another process: closing any descriptor of a SQLite file drops every POSIX lock this
     # process holds on it (SQLite's own and MLflow's connections included), and a WAL connection that
     # loses its shared lock lets another process reset the WAL under it ("database disk image is
@@ -868,15 +890,7 @@ def _check_sqlite_file(path: Path) -> None:
     if read.returncode != 0:
         why = (read.stderr.decode(errors="replace").strip().splitlines() or ["head failed"])[-1]
         raise LedgerError(f"tracking store {path}: cannot be read ({why})")
-    header = read.stdout
-    if len(header) < 100 or not header.startswith(b"SQLite format 3\0"):
-        raise LedgerError(f"tracking store {path}: not a usable MLflow database (not an SQLite file)")
-    page_size = int.from_bytes(header[16:18], "big")
-    page_size = 65536 if page_size == 1 else page_size
-    pages = int.from_bytes(header[28:32], "big")
-    if pages and header[24:28] == header[92:96] and size < page_size * pages:
-        raise LedgerError(f"tracking store {path}: not a usable MLflow database (truncated: {size} bytes "
-                          f"of {page_size * pages})")  # fmt: skip
+    return read.stdout
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
