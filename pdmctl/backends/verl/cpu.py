@@ -424,18 +424,23 @@ def machine_lock(path: Path = LOCK_PATH) -> Iterator[None]:
         yield
 
 
-def tagged_processes(tag: str) -> list[int]:
-    """Live processes whose environment carries `ENGINE_TAG_ENV=tag`: an engine job's whole tree,
-    including the vLLM processes that Ray's teardown reparents to init."""
-    needle = f"{ENGINE_TAG_ENV}={tag}".encode()
-    found = []
+def _engine_tags() -> Iterator[tuple[int, str]]:
+    """(pid, engine tag) of every live process (but this one) whose environment carries `ENGINE_TAG_ENV`."""
+    prefix = f"{ENGINE_TAG_ENV}=".encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         with contextlib.suppress(OSError):
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-    return found
+            for value in (entry / "environ").read_bytes().split(b"\0"):
+                if value.startswith(prefix):
+                    yield int(entry.name), value[len(prefix) :].decode(errors="replace")
+                    break
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Live processes whose environment carries `ENGINE_TAG_ENV=tag`: an engine job's whole tree,
+    including the vLLM processes that Ray's teardown reparents to init."""
+    return [pid for pid, value in _engine_tags() if value == tag]
 
 
 def _end(find: Any, grace_s: float) -> int:
@@ -479,16 +484,7 @@ def owner_alive(tag: str) -> bool:
 
 def orphan_processes() -> list[int]:
     """Processes of engine jobs whose owner is gone: what a job killed outright (kill -9, OOM) left."""
-    prefix = f"{ENGINE_TAG_ENV}=".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        with contextlib.suppress(OSError):
-            for value in (entry / "environ").read_bytes().split(b"\0"):
-                if value.startswith(prefix) and not owner_alive(value[len(prefix):].decode(errors="replace")):
-                    found.append(int(entry.name))
-    return found
+    return [pid for pid, value in _engine_tags() if not owner_alive(value)]
 
 
 def cleanup_orphans(grace_s: float = 10.0) -> tuple[int, list[str]]:
