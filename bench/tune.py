@@ -58,7 +58,7 @@ class ForkExecutor(Executor):
         assert _POOL is not None
         ids = []
         for req in requests:
-            job_id = f"fork-{uuid.uuid4().hex[:10]}"
+            job_id = _job_id(req.submission)
             _JOBS[job_id] = _POOL.apply_async(_run_job, (str(req.job_file), str(req.log_file), job_id))
             ids.append(job_id)
         return ids
@@ -77,8 +77,16 @@ class ForkExecutor(Executor):
                 )
         return out
 
+    def find(self, submissions: Sequence[str]) -> Mapping[str, str]:
+        return {s: _job_id(s) for s in submissions if _job_id(s) in _JOBS}
+
     def cancel(self, job_ids: Sequence[str]) -> None:
         return None
+
+
+def _job_id(submission: str) -> str:
+    """As the local executor: a function of the submission the ledger recorded before the submit."""
+    return f"fork-{submission.replace(':', '-')}" if submission else f"fork-{uuid.uuid4().hex[:10]}"
 
 
 def main() -> None:
@@ -125,6 +133,7 @@ def main() -> None:
     result = driver.run(wait=True, on_pass=count_pass)
     wall = time.perf_counter() - started
     _POOL.close()
+    _POOL.join()
 
     best = driver.study.best_trial
     per_trial = driver.cpu_seconds / args.trials
