@@ -279,15 +279,18 @@ def test_scontrol_requeue_resumes_from_the_checkpoint_as_the_next_attempt(tmp_pa
     assert step0_artifact_mtime(ctx, view.record.run_id) < requeued_at
 
 
+@pytest.mark.timeout(1500)
 def test_job_reaching_its_time_limit_is_requeued_and_completes(tmp_path: Path) -> None:
     # slurmctld checks limits every 30 s, so how far a job gets before its limit depends on when it
     # started between two checks. To make the test independent of that and of this machine's speed,
     # the running job's limit is cut to 1 min once it trains, with a USR2 `signal_delay_s` of 60 s: the
     # signal is due at once and comes at slurmctld's next check (within 30 s), submitit checkpoints and
-    # requeues, and the limit goes back to 10 min for the second attempt. 600 steps of this small
-    # config take over a minute on a fast machine, so the job is still training when the signal comes.
+    # requeues, and the limit goes back to 10 min for the second attempt. The job must still be training
+    # when the signal comes: 600 steps were not enough on a quiet 2-core machine (this config ran 200
+    # steps in 16 s there, and a CI run saw the job finish before the signal); 2,000 ran whole in 78 s,
+    # so 4,000 (about 2.5 min there), and the wait for the end allows a machine 4 times slower.
     profile = write_profile(tmp_path, time=10, signal_delay_s=60, max_timeouts=3)
-    ctx, sweep, (job_id,) = start_sweep(tmp_path, ["backend.steps=600"], profile)
+    ctx, sweep, (job_id,) = start_sweep(tmp_path, ["backend.steps=4000"], profile)
     view = wait_for_step(ctx, sweep, 4)
     slurm("scontrol", "update", f"jobid={job_id}", "TimeLimit=1")
     attempt_1 = Path(view.record.run_dir) / "logs" / "attempt-1.log"
@@ -298,11 +301,11 @@ def test_job_reaching_its_time_limit_is_requeued_and_completes(tmp_path: Path) -
     slurm("scontrol", "update", f"jobid={job_id}", "TimeLimit=10")
     assert "this job is timed-out" in attempt_1.read_text()
     (view,) = wait_until(
-        ctx, sweep, lambda vs: vs[0].state not in orchestrate.ACTIVE, 480, "the timed-out run"
+        ctx, sweep, lambda vs: vs[0].state not in orchestrate.ACTIVE, 1200, "the timed-out run"
     )
     assert view.state == RunState.FINISHED, view
     assert view.record.attempt == 2 and view.record.job_id == job_id, view.record
-    assert_complete_history(ctx, view.record.run_id, steps=600)
+    assert_complete_history(ctx, view.record.run_id, steps=4000)
     wait_for_job_states(make_executor(ctx.profile), [job_id], {JobState.COMPLETED})
     records = sacct("-n", "-P", "-X", "-D", "-o", "JobID,State", "-j", job_id).split()
     assert records == [f"{job_id}|REQUEUED", f"{job_id}|COMPLETED"], records

@@ -19,10 +19,10 @@ import optuna
 import pytest
 from typer.testing import CliRunner
 
-from pdmctl.backends.synthetic import OPTIMUM
+from pdmctl.backends.synthetic import OPTIMUM, objective
 from pdmctl.cli import app
 from pdmctl.ledger import open_ledger
-from pdmctl.orchestrate import RunState, make_context, status
+from pdmctl.orchestrate import RunState, make_context, run_state, status
 from tests.conftest import pdmctl, sqlite_uri
 
 SYNTH = [
@@ -171,6 +171,46 @@ def test_tpe_finds_the_known_optimum(workdir: Path):
     assert abs(best.params["delta"] - OPTIMUM["delta"]) < 0.05, best.params
     assert abs(math.log10(best.params["backend.lr"] / OPTIMUM["lr"])) < 0.5, best.params
     assert len(study(workdir, "opt").trials) == 24
+
+
+def test_seeds_per_trial_runs_every_seed_and_tells_their_mean(workdir: Path):
+    """Three seeds per trial; seed s reads f + 0.1·s, so the trial's value is f + 0.1 exactly."""
+    res = pdmctl("tune", *SYNTH, "backend.steps=2", "backend.seed_spread=0.1", "--trials", "3", "--parallel", "2",
+                 "--seeds-per-trial", "3", "--seed", "0", "--pruner", "none", "--name", "seeds", cwd=workdir)  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    trials = study(workdir, "seeds").trials
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 3
+    by_key = {r.key: r for r in ledger_runs(workdir, "seeds")}
+    assert len(by_key) == 9
+    for t in trials:
+        runs = [by_key[k] for k in t.user_attrs["pdmctl.keys"]]
+        assert sorted(r.spec.seed for r in runs) == [0, 1, 2]
+        assert t.value == pytest.approx(objective(t.params["delta"], t.params["backend.lr"]) + 0.1, abs=1e-9)
+    no_config_twice(workdir, "seeds")
+
+
+def test_cmaes_with_hyperband_samples_in_the_space_and_prunes(workdir: Path):
+    """CMA-ES (Optuna's, on the cmaes package) proposes every trial after its first inside the space;
+    Hyperband stops the trials whose curve is low at the early rungs."""
+    res = pdmctl("tune", *SYNTH, "backend.steps=9", "--trials", "12", "--parallel", "2", "--seed", "0",
+                 "--sampler", "cmaes", "--pruner", "hyperband", "--name", "cma", cwd=workdir, timeout=900)  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    trials = counted(study(workdir, "cma").trials)
+    assert len(trials) == 12
+    states = [t.state.name for t in trials]
+    assert set(states) <= {"COMPLETE", "PRUNED"} and "PRUNED" in states, states
+    assert "COMPLETE" in states, states
+    for t in trials:
+        assert 0.02 <= t.params["delta"] <= 0.3 and 1e-5 <= t.params["backend.lr"] <= 1e-2, t.params
+    # a pruned trial's run was stopped by its job, before the last step, and shows as pruned
+    runs = {r.key: r for r in ledger_runs(workdir, "cma")}
+    for t in trials:
+        run = runs[t.user_attrs["pdmctl.keys"][0]]
+        if t.state.name == "PRUNED":
+            assert run_state(run, None) == RunState.PRUNED and run.step < 9, (run.reason, run.step)
+        else:
+            assert run_state(run, None) == RunState.FINISHED and run.step == 9
+    no_config_twice(workdir, "cma")
 
 
 def test_kill_9_of_the_driver_loses_nothing_and_runs_nothing_twice(workdir: Path):

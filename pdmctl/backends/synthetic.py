@@ -6,7 +6,8 @@ For tune's tests and benchmark, where the optimiser, not the training, is under 
 
 is 1 at δ = 0.12, lr = 10^−3.5 and falls off smoothly. The evaluation at step s
 of `steps` reads f·s/steps on both held-out sets (learning curves that rise to
-f, so a pruner sees bad settings early); `step_s` seconds pass per step;
+f, so a pruner sees bad settings early); `seed_spread` adds seed·seed_spread to
+f (seeds that disagree by a known amount); `step_s` seconds pass per step;
 `fail=true` raises at step 1 (a run that fails every attempt).
 """
 
@@ -22,7 +23,7 @@ from pdmctl.backends.base import Tracker
 
 OPTIMUM = {"delta": 0.12, "lr": 10**-3.5}
 EVAL_SETS = ("toy24", "toy25")
-_FIELDS = {"steps": 4, "eval_every": 1, "lr": 1e-3, "step_s": 0.0, "fail": False}
+_FIELDS = {"steps": 4, "eval_every": 1, "lr": 1e-3, "step_s": 0.0, "seed_spread": 0.0, "fail": False}
 
 
 def defaults() -> dict[str, Any]:
@@ -43,6 +44,9 @@ def validate(flat: Mapping[str, Any]) -> None:
         raise ValueError(f"lr: must be a number > 0, got {lr!r}")
     if not _number(step_s) or step_s < 0:
         raise ValueError(f"step_s: must be a number >= 0, got {step_s!r}")
+    spread = flat.get("seed_spread", _FIELDS["seed_spread"])
+    if not _number(spread) or not math.isfinite(spread):
+        raise ValueError(f"seed_spread: must be a finite number, got {spread!r}")
     if not isinstance(flat.get("fail", False), bool):
         raise ValueError(f"fail: must be true or false, got {flat['fail']!r}")
 
@@ -54,7 +58,9 @@ def _number(value: Any) -> bool:
 def run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mapping[str, float]:
     del run_dir  # nothing to checkpoint: a rerun recomputes the same curve
     steps, every = int(flat["steps"]), int(flat["eval_every"])
-    peak = objective(float(flat["delta"]), float(flat["lr"]))
+    peak = objective(float(flat["delta"]), float(flat["lr"])) + float(flat["seed_spread"]) * int(
+        flat.get("seed", 0)
+    )
     final: dict[str, float] = {}
     for step in range(steps + 1):
         if step:

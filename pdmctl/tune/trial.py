@@ -37,6 +37,7 @@ class TrialLink:
     objective: tuple[str, ...]  # the metrics whose mean is the objective at an evaluation point
     pruner: str
     reports: bool = True  # the trial's first seed reports; its other seeds only stop once it is pruned
+    final_step: int | None = None  # the run's last step: its evaluation there is reported, not pruned
 
     def write(self, run_dir: Path) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -123,8 +124,19 @@ class TrialTracker:
         if state != optuna.trial.TrialState.RUNNING or not self.link.reports:
             return  # told already (a run resumed by hand after its trial ended), or another seed reports
         self._trial.report(value, step)
+        if self.link.final_step is not None and step >= self.link.final_step:
+            return  # the run has trained to its end: its value is the trial's, whatever a rung says
         if self._trial.should_prune():
             raise Pruned(f"step {step}: objective {value:.4g}")
+
+
+def final_step(flat: Mapping[str, Any]) -> int | None:
+    """A run's last step from its backend's fields (the testbed's `steps`, VeRL's `total_training_steps`)."""
+    for name in ("steps", "total_training_steps"):
+        value = flat.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 def trial_tracker(tracker: Any, run_dir: Path) -> Any:
