@@ -177,3 +177,19 @@ def test_loss_outside_pdmctl_actor_loss_fails_clearly() -> None:
 def test_policy_loss_config_rejects_unknown_divergence() -> None:
     with pytest.raises(ValueError, match="divergence"):
         plugin.PdmPolicyLossConfig(loss_mode="pdmctl_pdm", divergence="nope")
+
+
+def test_the_mask_profile_has_one_line_per_logits_processor_call(tmp_path, monkeypatch) -> None:
+    """bench/engine.py's source for the mask's share of the actor step: with the profile directory
+    set, every call of the logits processor appends its response tokens and seconds."""
+    import json
+
+    config = actor_config("pdm", "topk_kl", "agg")
+    data, logits, _, valid = micro_batch(2)
+    monkeypatch.setenv(topk.PROFILE_ENV, str(tmp_path / "profile"))
+    for _ in range(2):
+        verl_actor_step(config, data, logits)
+    (log,) = (tmp_path / "profile").iterdir()
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [line["rows"] for line in lines] == [int(valid.sum())] * 2
+    assert all(0 < line["s"] < 60 for line in lines)

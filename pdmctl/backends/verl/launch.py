@@ -42,6 +42,7 @@ PDM_CONFIG_TARGET = "pdmctl.backends.verl.plugin.PdmPolicyLossConfig"
 TOPK_ENV = "PDMCTL_VERL_TOPK"  # same name as topk.TOPK_ENV (topk imports verl; this module must not)
 DUMP_ENV = "PDMCTL_VERL_DUMP_DIR"  # topk.DUMP_ENV
 FAIL_ENV = "PDMCTL_VERL_FAIL"  # topk.FAIL_ENV
+PROFILE_ENV = "PDMCTL_VERL_PROFILE_DIR"  # topk.PROFILE_ENV
 TRAIN_FILE = "dapo_math_17k.parquet"
 VAL_FILES = ("aime24.parquet", "aime25.parquet")
 CPU_MODULE = "pdmctl.backends.verl.cpu"
@@ -301,7 +302,7 @@ def job_env(run_config: Mapping[str, Any]) -> dict[str, str]:
         ),
         "MLFLOW_ALLOW_FILE_STORE": "true",
     }
-    for debug in (DUMP_ENV, FAIL_ENV):  # the engine tests' dump and failure injection reach every worker
+    for debug in (DUMP_ENV, FAIL_ENV, PROFILE_ENV):  # the tests' dump, failure injection, bench's profile
         if os.environ.get(debug):
             env[debug] = os.environ[debug]
     if cfg.get("tracking_uri"):

@@ -30,8 +30,10 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import json
 import math
 import os
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +55,7 @@ _OUTPUT_PREFIX = "pdmctl_"
 LOSS_PREFIX = "pdmctl_"  # VeRL loss modes `pdmctl_<method>`, registered by plugin.py
 DUMP_ENV = "PDMCTL_VERL_DUMP_DIR"  # debug: each actor process saves its first micro-batch here
 FAIL_ENV = "PDMCTL_VERL_FAIL"  # test: "rollout" raises in the vLLM server's generate (failure injection)
+PROFILE_ENV = "PDMCTL_VERL_PROFILE_DIR"  # bench: each actor process logs the time its mask takes here
 
 
 def loss_name(method: str) -> str:
@@ -88,6 +91,17 @@ def dump_once(kind: str, **tensors: Any) -> None:
     values = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
     torch.save(values, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").rename(path)  # a reader never sees half a file
+
+
+def _profile(started: float, rows: int) -> None:
+    """With `PDMCTL_VERL_PROFILE_DIR` set: one JSON line per mask computation (bench/engine.py sums them
+    against VeRL's `timing_s/*` to give the share of the actor's step spent in the mask)."""
+    ended = time.perf_counter()
+    directory = os.environ[PROFILE_ENV]
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"pid": os.getpid(), "end": time.time(), "s": ended - started, "rows": rows})
+    with open(Path(directory) / f"mask-{os.getpid()}.jsonl", "a") as fh:
+        fh.write(line + "\n")
 
 
 class VerlVersionError(RuntimeError):
@@ -300,6 +314,7 @@ def diagnose_rows(
 
     With a `shard`, every rank of its group must call this with the same rows and tokens.
     """
+    started = time.perf_counter()
     outputs = {
         name: torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
         for name in DIAGNOSTIC_KEYS
@@ -316,6 +331,10 @@ def diagnose_rows(
             )  # fmt: skip
             for name in DIAGNOSTIC_KEYS:
                 outputs[name][rows[chunk]] = getattr(d, name).float()
+    if os.environ.get(PROFILE_ENV):
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)  # time the work, not its launch (profiling only)
+        _profile(started, rows.numel())
     return {_OUTPUT_PREFIX + name: value.unsqueeze(0) for name, value in outputs.items()}
 
 
