@@ -41,6 +41,27 @@ def test_every_model_precision_and_mask_composes() -> None:
             assert tf.fp8_recipe == "blockwise"
 
 
+def test_the_gpu_tiny_preset_is_the_tiny_model_on_cuda(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """What scripts/gpu-check.sh runs first: qwen3-tiny's model, data and batch shape, none of the CPU
+    settings, and as many GPUs per node as PDMCTL_GPUS_PER_NODE says (8, an H20 node, by default)."""
+    monkeypatch.setenv(launch.TINY_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(launch.GPUS_ENV, raising=False)
+    cpu_run, gpu_run = ({**BASE, "model": m, "k": 5} for m in ("qwen3-tiny", "qwen3-tiny-gpu"))
+    cpu_cfg, gpu_cfg = launch.compose(launch.verl_overrides(cpu_run)), launch.compose(launch.verl_overrides(gpu_run))
+    assert cpu_cfg.trainer.device == "cpu" and gpu_cfg.trainer.device == "cuda"
+    assert gpu_cfg.actor_rollout_ref.model.path == cpu_cfg.actor_rollout_ref.model.path
+    assert gpu_cfg.data.train_files == cpu_cfg.data.train_files
+    assert gpu_cfg.actor_rollout_ref.actor.optim.lr == cpu_cfg.actor_rollout_ref.actor.optim.lr == 1e-2
+    assert (cpu_cfg.trainer.n_gpus_per_node, gpu_cfg.trainer.n_gpus_per_node) == (1, 8)
+    modules = {run["model"]: launch.job_env(run)["VERL_USE_EXTERNAL_MODULES"] for run in (cpu_run, gpu_run)}
+    assert launch.CPU_MODULE in modules["qwen3-tiny"] and launch.CPU_MODULE not in modules["qwen3-tiny-gpu"]
+    monkeypatch.setenv(launch.GPUS_ENV, "1")
+    assert launch.compose(launch.verl_overrides(gpu_run)).trainer.n_gpus_per_node == 1
+    monkeypatch.setenv(launch.GPUS_ENV, "one")
+    with pytest.raises(launch.LaunchConfigError, match="PDMCTL_GPUS_PER_NODE: must be a whole number"):
+        launch.verl_overrides(gpu_run)
+
+
 def test_mask_values_reach_the_config() -> None:
     run = {**BASE, "model": "qwen3-8b-base", "method": "pdm", "divergence": "topk_tv", "estimator": "exact",
            "delta": 0.2, "delta_low": 0.1, "k": 50, "eps_low": 0.2, "eps_high": 0.28, "ratio_cap": 5.0}  # fmt: skip

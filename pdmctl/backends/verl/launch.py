@@ -25,6 +25,7 @@ Training defaults and where each comes from (DPPO = arXiv 2602.04879 and VeRL's
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -94,6 +95,10 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         save_freq=1,
     ),  # fmt: skip
 }
+# The same tiny model and data on a GPU with CUDA vLLM: the first check on a GPU machine
+# (scripts/gpu-check.sh); PDMCTL_GPUS_PER_NODE says how many GPUs the machine has.
+MODEL_PRESETS["qwen3-tiny-gpu"] = dataclasses.replace(MODEL_PRESETS["qwen3-tiny"], device="cuda")
+GPUS_ENV = "PDMCTL_GPUS_PER_NODE"  # GPUs per node where it is not an 8-GPU H20 node (also the job body's)
 TINY_DIR_ENV = "PDMCTL_TINY_DIR"  # where `model=qwen3-tiny` is built and cached
 PRECISIONS = ("bf16", "fp8_rollout", "fp8_e2e")
 STRATEGIES = ("fsdp2", "megatron")
@@ -161,6 +166,18 @@ def _resolved(run_config: Mapping[str, Any]) -> dict[str, Any]:
     if int(cfg["k"]) < 1:
         raise LaunchConfigError(f"k: must be >= 1, got {cfg['k']}")
     return cfg
+
+
+def gpus_per_node(preset: ModelPreset) -> int:
+    """H20 nodes have 8 GPUs (PDMCTL_GPUS_PER_NODE says otherwise); a CPU run is one logical GPU."""
+    if preset.device != "cuda":
+        return 1
+    given = os.environ.get(GPUS_ENV, "").strip()
+    if not given:
+        return GPUS_PER_NODE
+    if not given.isdigit() or int(given) < 1:
+        raise LaunchConfigError(f"{GPUS_ENV}: must be a whole number >= 1, got {given!r}")
+    return int(given)
 
 
 def verl_overrides(run_config: Mapping[str, Any]) -> list[str]:
@@ -233,7 +250,7 @@ def verl_overrides(run_config: Mapping[str, Any]) -> list[str]:
         f"trainer.total_epochs={cfg['total_epochs']}",
         f"trainer.total_training_steps={cfg['total_training_steps'] or preset.total_training_steps or 'null'}",
         f"trainer.nnodes={preset.nnodes}",
-        f"trainer.n_gpus_per_node={GPUS_PER_NODE if preset.device == 'cuda' else 1}",  # CPU: one logical GPU
+        f"trainer.n_gpus_per_node={gpus_per_node(preset)}",
         "trainer.critic_warmup=0",
     ]
     out += _precision_overrides(cfg["precision"], megatron)
