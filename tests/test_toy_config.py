@@ -16,6 +16,16 @@ def test_defaults_are_the_default_config() -> None:
     assert ToyConfig().eval_samples == 16
 
 
+def test_the_testbed_default_is_the_config_tree_default() -> None:
+    """One set of defaults: `pdmctl sweep` and `pdmctl analyze` (the config tree) and ToyConfig()
+    (bench/testbed.py, the tests) describe the same run, δ included (it was 0.15 against 0.05)."""
+    from pdmctl import grid
+    from pdmctl.backends.registry import flat_config
+
+    (spec,) = grid.expand([], sweep="defaults")
+    assert ToyConfig.from_mapping(flat_config(spec.config)) == ToyConfig()
+
+
 def test_from_mapping_coerces_plain_values() -> None:
     cfg = ToyConfig.from_mapping({"k": 50.0, "delta": 1, "lr": "3e-4", "delta_low": None, "method": "grpo"})
     assert (cfg.k, cfg.delta, cfg.lr, cfg.delta_low, cfg.method) == (50, 1.0, 3e-4, None, "grpo")
