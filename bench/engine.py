@@ -8,14 +8,16 @@ Python, the local executor, an embedded ledger in a fresh directory) and prints:
 - wall: the sweep command from start to end;
 - start-up: from the command's start to the first training step's start (Ray, the actor, vLLM,
   the validation before training), then the first step, which warms up;
-- step: VeRL's `timing_s/step` after the first, without its validation and checkpoint time
-  (median and range), and the phases of that median step (generation, old log-prob, actor update);
-- peak memory: the machine's (MemTotal − MemAvailable, less what was in use before) and the sum of
-  the resident sets of the job's engine processes (those with its `PDMCTL_ENGINE_TAG`), sampled
-  every 0.5 s;
+- step: VeRL's `timing_s/step` of the steps between the first (warm-up) and the last (which
+  validates and checkpoints): median and range, and the phases of the median step (generation,
+  old log-prob, actor update);
+- peak memory: the machine's (MemTotal − MemAvailable, less what was in use before) and the summed
+  proportional set size (PSS: shared pages split between their processes, unlike RSS) of the job's
+  engine processes (those with its `PDMCTL_ENGINE_TAG`), sampled every 0.5 s;
 - the mask's share of the actor: the seconds in `topk.diagnose_rows`, written by each actor process
   (`PDMCTL_VERL_PROFILE_DIR`), within the steps after the first, against VeRL's `timing_s/old_log_prob
   + timing_s/update_actor` for the same steps (the logits processor runs in both forward passes).
+  The steps measured are those between the first and the last.
 
 The model and data are the cached tiny Qwen3 (`PDMCTL_TINY_DIR`, else built on first use). One engine
 job at a time per machine: the bench waits on the machine lock like any engine job.
@@ -54,10 +56,10 @@ def _used() -> int:
     return info["MemTotal"] - info["MemAvailable"]
 
 
-def _rss(pid: int) -> int:
+def _pss(pid: int) -> int:
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -65,7 +67,7 @@ def _rss(pid: int) -> int:
 
 
 class MemorySampler(threading.Thread):
-    """Peak machine memory in use (above the baseline) and peak summed RSS of engine processes."""
+    """Peak machine memory in use (above the baseline) and peak summed PSS of engine processes."""
 
     def __init__(self, period_s: float = 0.5) -> None:
         super().__init__(daemon=True)
@@ -80,7 +82,7 @@ class MemorySampler(threading.Thread):
             self.machine_peak = max(self.machine_peak, _used() - self.baseline)
             by_tag: dict[str, int] = {}
             for pid, tag in cpu._engine_tags():
-                by_tag[tag] = by_tag.get(tag, 0) + _rss(pid)
+                by_tag[tag] = by_tag.get(tag, 0) + _pss(pid)
             if by_tag:
                 self.engine_peak = max(self.engine_peak, max(by_tag.values()))
             self.stop.wait(self.period_s)
@@ -119,7 +121,9 @@ def main() -> None:
     sampler.stop.set()
     sampler.join()
     if result.returncode != 0:
-        sys.exit(f"bench/engine.py: the sweep failed ({result.returncode}); see {work}\n{result.stderr[-2000:]}")
+        sys.exit(
+            f"bench/engine.py: the sweep failed ({result.returncode}); see {work}\n{result.stderr[-2000:]}"
+        )
 
     from mlflow.tracking import MlflowClient
 
@@ -135,17 +139,20 @@ def main() -> None:
     step_s, step_end = phases["step"][first]
     startup = step_end / 1000 - step_s - started
 
-    def train_s(step: int) -> float:
-        extra = sum(phases[p][step][0] for p in ("testing", "save_checkpoint") if step in phases[p])
-        return phases["step"][step][0] - extra
-
-    later = steps[1:]
-    train = [train_s(s) for s in later]
-    median_step = min(later, key=lambda s: abs(train_s(s) - statistics.median(train)))
+    last_s = phases["step"][steps[-1]][0]
+    later = steps[1:-1]  # between the warm-up and the validating, checkpointing last step
+    train = [phases["step"][s][0] for s in later]
+    median_step = min(later, key=lambda s: abs(phases["step"][s][0] - statistics.median(train)))
 
     # the mask's seconds inside the later steps, against the actor's two forward passes in them
-    windows = [(phases["step"][s][1] / 1000 - phases["step"][s][0], phases["step"][s][1] / 1000) for s in later]
-    lines = [json.loads(line) for f in sorted(profile_dir.glob("mask-*.jsonl")) for line in f.read_text().splitlines()]
+    windows = [
+        (phases["step"][s][1] / 1000 - phases["step"][s][0], phases["step"][s][1] / 1000) for s in later
+    ]
+    lines = [
+        json.loads(line)
+        for f in sorted(profile_dir.glob("mask-*.jsonl"))
+        for line in f.read_text().splitlines()
+    ]
     in_steps = [x for x in lines if any(a <= x["end"] <= b for a, b in windows)]
     mask_s = sum(x["s"] for x in in_steps)
     actor_s = sum(phases[p][s][0] for s in later for p in ("old_log_prob", "update_actor") if s in phases[p])
@@ -154,15 +161,15 @@ def main() -> None:
           f"{os.cpu_count()} CPUs")  # fmt: skip
     print(f"wall: {wall:.0f} s; start-up {startup:.0f} s (to the first step's start, incl. Ray, vLLM and "
           f"the validation before training); first step {step_s:.1f} s")  # fmt: skip
-    print(f"step after the first: median {statistics.median(train):.2f} s (range {min(train):.2f}-{max(train):.2f}, "
-          f"{len(train)} steps, without validation and checkpoint); in the median step: generation "
+    print(f"step: median {statistics.median(train):.2f} s (range {min(train):.2f}-{max(train):.2f}, steps "
+          f"{later[0]}-{later[-1]}; the last, with validation and checkpoint, {last_s:.1f} s); in the median step: generation "
           f"{phases['gen'][median_step][0]:.2f} s, old log-prob {phases['old_log_prob'].get(median_step, (0.0,))[0]:.2f} s, "
           f"actor update {phases['update_actor'][median_step][0]:.2f} s")  # fmt: skip
     print(f"peak memory: machine {sampler.machine_peak / GB:.1f} GB above the {sampler.baseline / GB:.1f} GB in use "
-          f"before; engine processes' summed RSS {sampler.engine_peak / GB:.1f} GB")  # fmt: skip
+          f"before; engine processes' summed PSS {sampler.engine_peak / GB:.1f} GB")  # fmt: skip
     share = mask_s / actor_s if actor_s else float("nan")
     print(f"mask: {mask_s:.3f} s in {len(in_steps)} calls ({sum(x['rows'] for x in in_steps)} response tokens) of "
-          f"{actor_s:.2f} s actor time (old log-prob + update) in the steps after the first: {share:.1%}")  # fmt: skip
+          f"{actor_s:.2f} s actor time (old log-prob + update) in steps {later[0]}-{later[-1]}: {share:.1%}")  # fmt: skip
     if args.keep:
         print(f"workdir: {work}")
     else:
