@@ -299,7 +299,10 @@ def test_on_slurm_the_job_body_starts_ray_in_the_allocation_and_trains(tmp_path:
     assert result.returncode == 0, result.stdout + result.stderr + _job_logs(tmp_path)
     (run,) = _runs(uri)
     assert run.info.status == "FINISHED", _job_logs(tmp_path)
-    logs = _job_logs(tmp_path)
-    assert "ray start" in logs or "Ray runtime started" in logs, logs[-3000:]
+    # the whole log (`_job_logs` keeps each file's tail): the job body started Ray's head in the
+    # allocation, and the trainer joined that cluster rather than starting one of its own
+    logs = "\n".join(p.read_text(errors="replace") for p in tmp_path.rglob("attempt-*.log"))
+    assert "Ray runtime started" in logs and "pdmctl: 1 Ray node(s) up" in logs, logs[-3000:]
+    assert "Connecting to existing Ray cluster" in logs, logs[-3000:]
     assert sorted(_history(uri, run.info.run_id, "train/mask_frac")) == [1, 2, 3]
     _no_step_twice(uri, run.info.run_id)
