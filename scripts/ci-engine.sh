@@ -3,8 +3,7 @@
 # build the tiny Qwen3 once, run the engine tests with the engine environment's Python.
 #
 #   bash scripts/ci-engine.sh            (from .ci/run, after SLURM and the MLflow server are up)
-#   bash scripts/ci-engine.sh --all      (also the tests that start the engine more than once:
-#                                         kill -9 and resume, the SLURM training job)
+#   bash scripts/ci-engine.sh --all      (also kill -9 and resume, which starts the engine twice)
 #
 # PDMCTL_ENGINE_ENV: where the environment lives (default .venv-engine; reused and repaired if there).
 set -euo pipefail
