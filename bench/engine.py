@@ -140,6 +140,7 @@ def main() -> None:
     startup = step_end / 1000 - step_s - started
 
     last_s = phases["step"][steps[-1]][0]
+    last_val = phases["testing"].get(steps[-1], (0.0,))[0]  # VeRL times the final validation apart
     later = steps[1:-1]  # between the warm-up and the validating, checkpointing last step
     train = [phases["step"][s][0] for s in later]
     median_step = min(later, key=lambda s: abs(phases["step"][s][0] - statistics.median(train)))
@@ -162,7 +163,7 @@ def main() -> None:
     print(f"wall: {wall:.0f} s; start-up {startup:.0f} s (to the first step's start, incl. Ray, vLLM and "
           f"the validation before training); first step {step_s:.1f} s")  # fmt: skip
     print(f"step: median {statistics.median(train):.2f} s (range {min(train):.2f}-{max(train):.2f}, steps "
-          f"{later[0]}-{later[-1]}; the last, with validation and checkpoint, {last_s:.1f} s); in the median step: generation "
+          f"{later[0]}-{later[-1]}; the last {last_s:.1f} s with its checkpoint, then validation {last_val:.1f} s); in the median step: generation "
           f"{phases['gen'][median_step][0]:.2f} s, old log-prob {phases['old_log_prob'].get(median_step, (0.0,))[0]:.2f} s, "
           f"actor update {phases['update_actor'][median_step][0]:.2f} s")  # fmt: skip
     print(f"peak memory: machine {sampler.machine_peak / GB:.1f} GB above the {sampler.baseline / GB:.1f} GB in use "
