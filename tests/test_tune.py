@@ -384,3 +384,34 @@ def test_on_a_postgres_ledger_the_study_lives_in_its_own_schema_of_the_same_data
     assert {"studies", "trials", "alembic_version"} <= set(tables.get_table_names(schema=OPTUNA_SCHEMA))
     assert "runs" in tables.get_table_names() and "studies" not in tables.get_table_names()
     assert not (workdir / "mlflow.optuna.db").exists()
+
+
+def test_an_engine_logging_by_itself_reports_evaluations_and_is_pruned(tmp_path: Path):
+    """VeRL logs into MLflow itself; its job hands each validation to `report_evaluation` (from the
+    lines VeRL prints). Against a real study with the median pruner: a trial below the median at
+    step 1 is pruned there, the same value at the run's final step is reported, not pruned."""
+    from pdmctl.tune.trial import Pruned, TrialLink, TrialTracker, make_pruner, open_storage
+
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    s = optuna.create_study(study_name="engine", storage=open_storage(url), pruner=make_pruner("median"),
+                            direction="maximize")  # fmt: skip
+    for _ in range(2):  # two finished trials that scored 0.5 at steps 0 and 1
+        t = s.ask()
+        t.report(0.5, 0)
+        t.report(0.5, 1)
+        s.tell(t, 0.5)
+    objective = ("eval/aime24", "eval/aime25")
+    low = {"eval/aime24": 0.1, "eval/aime25": 0.1}
+
+    last = s.ask()
+    tracker = TrialTracker(object(), TrialLink(url, "engine", last._trial_id, objective, "median"))
+    tracker.report_evaluation(low, 0, final_step=1)  # the base model's evaluation: no evidence yet
+    tracker.report_evaluation({"eval/aime24": 0.1}, 1, final_step=1)  # one set only: not an evaluation
+    tracker.report_evaluation(low, 1, final_step=1)  # the run's last: reported, never pruned
+    assert s.trials[-1].intermediate_values == {0: 0.1, 1: 0.1}
+
+    pruned = s.ask()
+    tracker = TrialTracker(object(), TrialLink(url, "engine", pruned._trial_id, objective, "median"))
+    tracker.report_evaluation(low, 0, final_step=3)
+    with pytest.raises(Pruned, match="step 1"):
+        tracker.report_evaluation(low, 1, final_step=3)

@@ -307,3 +307,26 @@ def test_on_slurm_the_job_body_starts_ray_in_the_allocation_and_trains(tmp_path:
     assert "Connecting to existing Ray cluster" in logs, logs[-3000:]
     assert sorted(_history(uri, run.info.run_id, "train/mask_frac")) == [1, 2, 3]
     _no_step_twice(uri, run.info.run_id)
+
+
+@pytest.mark.engine_long
+def test_a_tune_trial_on_the_engine_reports_every_validation(tmp_path: Path) -> None:
+    """`pdmctl tune` on VeRL: the job reads each validation VeRL prints and reports it to its trial
+    (what the pruner decides on), and the trial's value is the final evaluation in the ledger."""
+    import optuna
+
+    env = {"PDMCTL_TINY_DIR": _tiny_dir(tmp_path)}
+    uri = sqlite_uri(tmp_path)
+    result = pdmctl(
+        "tune", "backend=verl", f"model={MODEL}", "k=5", "delta=interval(0.05,0.3)", "backend.test_freq=1",
+        "--trials", "1", "--pruner", "median", "--name", "vt", "--tracking-uri", uri,
+        cwd=tmp_path, env=env, timeout=2400,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr + _job_logs(tmp_path)
+    (trial,) = optuna.load_study(study_name="vt", storage=f"sqlite:///{tmp_path / 'mlflow.optuna.db'}").trials
+    assert trial.state == optuna.trial.TrialState.COMPLETE, _job_logs(tmp_path)
+    assert sorted(trial.intermediate_values) == [0, 1, 2, 3]
+    (run,) = _runs(uri)
+    final = [_history(uri, run.info.run_id, f"eval/{s}")[3] for s in ("aime24", "aime25")]
+    assert trial.value == pytest.approx(sum(final) / 2)
+    assert trial.intermediate_values[3] == pytest.approx(trial.value)

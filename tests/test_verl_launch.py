@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -244,3 +245,45 @@ def test_a_value_hydra_would_read_as_a_sweep_is_refused_at_submit(tmp_path) -> N
         refused.stderr
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written
+
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_a_validation_line_verl_prints_gives_the_trial_its_evaluation() -> None:
+    """The lines are VeRL 0.9.1's own console output from an engine job on the CI's SLURM (2026-12-01):
+    step 0's validation (val-core avg@16 of both held-out sets) and a training step (no validation)."""
+    validation = (DATA / "verl_step0_validation_line.txt").read_text()
+    training = (DATA / "verl_step1_training_line.txt").read_text()
+    assert launch.evaluation_from_line(validation) == (0, {"eval/aime24": 0.26171875, "eval/aime25": 0.14453125})
+    assert launch.evaluation_from_line(training) is None
+    assert launch.evaluation_from_line("step:3 - val-core/other/acc/mean@16:0.5") is None  # not a held-out set
+    assert launch.evaluation_from_line("val-core/aime24/acc/mean@16:0.5") is None  # no step
+    assert launch.final_step({"model": "qwen3-tiny"}) == 3
+    assert launch.final_step({"model": "qwen3-tiny", "total_training_steps": 5}) == 5
+    assert launch.final_step({"model": "qwen3-4b-base"}) is None  # by epochs
+
+
+def test_an_exception_from_the_line_hook_ends_the_trainer_and_propagates(tmp_path) -> None:
+    """How a pruned trial stops VeRL: the hook raises on a line, the trainer process is ended
+    (not waited for), the exception reaches the job."""
+    import sys
+    import time
+
+    script = tmp_path / "trainer.py"
+    script.write_text("import time\nfor i in range(600):\n    print(f'step:{i} - x:1', flush=True)\n    time.sleep(0.1)\n")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def hook(line: str) -> None:
+        seen.append(line)
+        if line.startswith("step:3 "):
+            raise Stop(line)
+
+    started = time.monotonic()
+    with pytest.raises(Stop):
+        launch._run_trainer([sys.executable, str(script)], {}, hook)
+    assert time.monotonic() - started < 30  # the 60 s script was ended, not waited for
+    assert [line.split()[0] for line in seen] == ["step:0", "step:1", "step:2", "step:3"]

@@ -6,6 +6,7 @@ each backend lives in its own package and is imported when first used.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import sys
@@ -119,7 +120,21 @@ def _verl_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mappi
     if uri is None or run_id is None:
         raise ValueError("backend: verl logs through MLflow itself and needs the job's ledger tracker")
     cfg = {**_verl_job_config(flat, run_dir), "tracking_uri": uri, "mlflow_run_id": run_id}
-    launch.run(cfg, python=sys.executable)
+    on_line = None
+    report = getattr(tracker, "report_evaluation", None)  # a tune trial's (pdmctl.tune.trial)
+    if report is not None:
+        last = launch.final_step(cfg)
+
+        def on_line(line: str) -> None:  # each validation VeRL prints goes to the trial, which may prune
+            if (found := launch.evaluation_from_line(line)) is not None:
+                report(found[1], found[0], final_step=last)
+
+    try:
+        launch.run(cfg, python=sys.executable, on_line=on_line)
+    except BaseException:
+        with contextlib.suppress(Exception):  # what VeRL logged so far, under pdmctl's names too
+            tracker.copy_metrics(launch.pdmctl_metric_name)
+        raise
     return tracker.copy_metrics(launch.pdmctl_metric_name)  # VeRL's names -> eval/aime24, train/reward, ...
 
 

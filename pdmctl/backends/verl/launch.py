@@ -29,7 +29,7 @@ import dataclasses
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -456,8 +456,11 @@ def resolve_local_model(run_config: Mapping[str, Any]) -> dict[str, Any]:
     return {**cfg, "model_path": str(root / "model"), "data_dir": str(root / "data")}
 
 
-def run(run_config: Mapping[str, Any], python: str) -> None:
+def run(run_config: Mapping[str, Any], python: str, on_line: Callable[[str], None] | None = None) -> None:
     """Run one VeRL job to its end: on SLURM through the job body, elsewhere VeRL's own local Ray.
+
+    `on_line` sees every line the trainer prints (a tune trial reads its evaluations there); an
+    exception it raises ends the trainer as a cancel does, and propagates.
 
     A CPU engine job takes this machine's lock (one at a time) and, however it ends, leaves
     none of its processes or shared-memory segments behind (vLLM's outlive Ray's teardown).
@@ -468,7 +471,7 @@ def run(run_config: Mapping[str, Any], python: str) -> None:
     on_slurm = "SLURM_JOB_ID" in os.environ
     command = build_job_command(cfg, python) if on_slurm else build_local_command(cfg, python)
     if MODEL_PRESETS[cfg["model"]].device != "cpu":
-        _run_trainer(command, dict(os.environ))
+        _run_trainer(command, dict(os.environ), on_line)
         return
     from pdmctl.backends.verl import cpu
 
@@ -480,7 +483,7 @@ def run(run_config: Mapping[str, Any], python: str) -> None:
                   "segment(s) left by an engine job that was killed", flush=True)  # fmt: skip
         started = time.time()
         try:
-            _run_trainer(command, {**os.environ, cpu.ENGINE_TAG_ENV: tag})
+            _run_trainer(command, {**os.environ, cpu.ENGINE_TAG_ENV: tag}, on_line)
         finally:
             ended, segments = cpu.cleanup(tag, started)
             if ended or segments:
@@ -495,7 +498,7 @@ class EngineJobError(RuntimeError):
 _ERROR_LINE = re.compile(r"^(?:\w+\.)*\w*(?:Error|Exception|Interrupt)\b: .+")
 
 
-def _run_trainer(command: list[str], env: dict[str, str]) -> None:
+def _run_trainer(command: list[str], env: dict[str, str], on_line: Callable[[str], None] | None = None) -> None:
     """Run the trainer, its output passed through to the job log; a failure raises with its reason.
 
     The reason is the last `SomethingError: message` line the trainer printed (Ray prints the
@@ -512,7 +515,9 @@ def _run_trainer(command: list[str], env: dict[str, str]) -> None:
                 sys.stdout.write(line)
                 if _ERROR_LINE.match(line.strip()):
                     last_error = line.strip()
-        except BaseException:  # a cancel (SIGTERM -> job.Cancelled) must end the trainer, not wait on it
+                if on_line is not None:
+                    on_line(line)
+        except BaseException:  # a cancel (SIGTERM -> job.Cancelled), a pruned trial: end the trainer, then raise
             proc.terminate()
             try:
                 proc.wait(timeout=30)
@@ -547,6 +552,25 @@ def pdmctl_metric_name(verl_name: str) -> str | None:
         if name == f"val-core/{source}/acc/mean@16":
             return f"eval/{report}"
     return TRAIN_METRICS.get(name)
+
+
+_STEP_LINE = re.compile(r"\bstep:(\d+) - ")
+_VAL_METRIC = re.compile(r"\bval-core/([\w.-]+)/acc/mean@16:(?:np\.float\d*\()?([-+0-9.eE]+|nan)")
+
+
+def evaluation_from_line(line: str) -> tuple[int, dict[str, float]] | None:
+    """(step, {eval/aime24: avg@16, ...}) from the metrics line VeRL's console logger prints after a
+    validation (`step:N - ... - val-core/aime24/acc/mean@16:np.float64(0.26) - ...`); None otherwise."""
+    if "val-core/" not in line or not (step := _STEP_LINE.search(line)):
+        return None
+    found = {f"eval/{VAL_DATA_SOURCES[src]}": float(v) for src, v in _VAL_METRIC.findall(line) if src in VAL_DATA_SOURCES}
+    return (int(step.group(1)), found) if found else None
+
+
+def final_step(run_config: Mapping[str, Any]) -> int | None:
+    """The run's last training step where it is fixed (its own or its preset's); None: by epochs."""
+    steps = run_config.get("total_training_steps") or MODEL_PRESETS[run_config["model"]].total_training_steps
+    return int(steps) if steps else None
 
 
 def map_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
