@@ -190,12 +190,26 @@ def compose(overrides: Sequence[str]) -> dict[str, Any]:
     groups, values = [], []
     for o in overrides:
         (groups if _override_key(o).split(".")[0] in _config_groups() else values).append(o)
+    groups += _implied_data(groups)
     config = _copy(_compose_groups(tuple(groups)))
     for override in _parse(values):
         _apply(config, override)
     validate(config)
     _validate_backend(config)
     return config
+
+
+def _implied_data(groups: Sequence[str]) -> list[str]:
+    """`data=<the model's data>` where a model names its data (`data:` in configs/model/<m>.yaml: a
+    VeRL model's held-out sets are AIME-named, not the testbed's) and the job chose none."""
+    keys = {_override_key(g): g for g in groups}
+    if "data" in keys or "model" not in keys:
+        return []
+    (override,) = _parse([keys["model"]])
+    option = override.value()
+    node = _plain_option("model", option) if isinstance(option, str) else None
+    data = (node or {}).get("data")
+    return [f"data={data}"] if isinstance(data, str) else []
 
 
 def _apply(config: dict[str, Any], override) -> None:

@@ -117,3 +117,18 @@ def test_bad_grids_fail_with_one_line(overrides, message):
 def test_unknown_sweep_file():
     with pytest.raises(GridError, match=r"^sweep file: 'nope' not found"):
         load_sweep_file("nope")
+
+
+def test_a_verl_model_brings_its_data_unless_the_run_names_one() -> None:
+    """The held-out sets avg@16 is read from (data.eval) follow the model: the testbed's toy24/25 by
+    default, AIME-named sets for the VeRL models; `data=...` on the command line still wins."""
+    def data(*overrides: str) -> tuple[str, list[str]]:
+        (spec,) = expand(list(overrides), None, "d")
+        return spec.config["data"]["name"], spec.config["data"]["eval"]
+
+    assert data() == ("toy", ["toy24", "toy25"])
+    assert data("backend=verl", "model=qwen3-tiny") == ("tiny-sums", ["aime24", "aime25"])
+    assert data("backend=verl", "model=qwen3-4b-base") == ("dapo-math", ["aime24", "aime25"])
+    assert data("backend=verl", "model=qwen3-tiny", "data=dapo-math")[0] == "dapo-math"
+    specs = expand(["backend=verl", "model=qwen3-tiny,qwen3-8b-base"], None, "d")
+    assert [s.config["data"]["name"] for s in specs] == ["tiny-sums", "dapo-math"]
