@@ -211,3 +211,18 @@ def test_the_warm_up_gives_the_same_weights_on_one_and_two_threads() -> None:
         for threads in (1, 2)
     }
     assert digests[1] == digests[2] and len(digests[1].strip()) == 64
+
+
+def test_the_warm_up_gives_the_same_weights_with_one_and_two_threads() -> None:
+    """The base model is the same on every machine: built by a caller on 1 thread or on 2, the
+    weights are equal bit for bit (the cache key cannot tell those apart, so they must not differ)."""
+    threads = torch.get_num_threads()
+    built = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            built.append(basemodel.warm_up("toy-small").state_dict())
+    finally:
+        torch.set_num_threads(threads)
+    assert built[0].keys() == built[1].keys()
+    assert all(torch.equal(built[0][k], built[1][k]) for k in built[0])
