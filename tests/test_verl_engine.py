@@ -330,3 +330,26 @@ def test_a_tune_trial_on_the_engine_reports_every_validation(tmp_path: Path) -> 
     final = [_history(uri, run.info.run_id, f"eval/{s}")[3] for s in ("aime24", "aime25")]
     assert trial.value == pytest.approx(sum(final) / 2)
     assert trial.intermediate_values[3] == pytest.approx(trial.value)
+
+
+@pytest.mark.engine_long
+def test_a_failure_in_the_weight_sync_ends_the_job_in_bounded_time(tmp_path: Path) -> None:
+    """The hazard of the first experiment: an exception in a vLLM worker during the weight sync hung
+    the job. Injected there, the job ends (VeRL reports it, or pdmctl's watchdog ends the silent
+    trainer after PDMCTL_ENGINE_STALL_S), the run is FAILED with a reason, nothing is left behind."""
+    marker = "PDMCTL_VERL_FAIL=weight-sync"
+    env = {"PDMCTL_VERL_FAIL": "weight-sync", "PDMCTL_TINY_DIR": _tiny_dir(tmp_path), "PDMCTL_ENGINE_STALL_S": "300"}
+    started = time.monotonic()
+    result = pdmctl(
+        "sweep", "backend=verl", f"model={MODEL}", "mask=pdm_agg", "k=5", "--wait",
+        "--tracking-uri", sqlite_uri(tmp_path), cwd=tmp_path, env=env, timeout=2400,
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    (run,) = _runs(sqlite_uri(tmp_path))
+    assert run.info.status == "FAILED", (run.info.status, _job_logs(tmp_path))
+    reason = " ".join(v for k, v in run.data.tags.items() if "reason" in k)
+    assert "failure injected in the weight sync" in reason or "printed nothing for 300 s" in reason, reason
+    print(f"weight-sync failure: ended after {elapsed:.0f} s; reason: {reason}")
+    assert result.returncode != 0 or "FAILED" in result.stdout
+    if ON_CPU:
+        assert _engine_processes(marker) == [], "engine processes outlived the job"

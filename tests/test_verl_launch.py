@@ -287,3 +287,26 @@ def test_an_exception_from_the_line_hook_ends_the_trainer_and_propagates(tmp_pat
         launch._run_trainer([sys.executable, str(script)], {}, hook)
     assert time.monotonic() - started < 30  # the 60 s script was ended, not waited for
     assert [line.split()[0] for line in seen] == ["step:0", "step:1", "step:2", "step:3"]
+
+
+def test_a_trainer_that_prints_nothing_for_too_long_is_ended_as_hung(tmp_path, monkeypatch) -> None:
+    """A worker that dies inside a collective (the weight sync) leaves the trainer waiting for ever:
+    silence past PDMCTL_ENGINE_STALL_S ends it, with the reason and the last error line it printed."""
+    import sys
+    import time
+
+    script = tmp_path / "hung.py"
+    script.write_text("import time\nprint('RuntimeError: a worker died', flush=True)\ntime.sleep(600)\n")
+    started = time.monotonic()
+    with pytest.raises(launch.EngineJobError, match=r"printed nothing for 2 s .*RuntimeError: a worker died"):
+        launch._run_trainer([sys.executable, str(script)], {}, stall_s=2)
+    assert time.monotonic() - started < 40
+    failing = tmp_path / "failing.py"
+    failing.write_text("print('step:0 - x:1')\nprint('ValueError: bad batch')\nraise SystemExit(3)\n")
+    with pytest.raises(launch.EngineJobError, match=r"^ValueError: bad batch$"):
+        launch._run_trainer([sys.executable, str(failing)], {}, stall_s=60)
+    monkeypatch.setenv(launch.STALL_ENV, "soon")
+    with pytest.raises(launch.LaunchConfigError, match="PDMCTL_ENGINE_STALL_S: must be a number of seconds > 0"):
+        launch.stall_seconds()
+    monkeypatch.setenv(launch.STALL_ENV, "90")
+    assert launch.stall_seconds() == 90.0

