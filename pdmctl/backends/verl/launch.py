@@ -583,6 +583,7 @@ def _run_trainer(
             raise EngineJobError(f"the trainer printed nothing for {stall_s:.0f} s and was ended as hung{after}") from None
         raise
     proc.wait()
+    stream.close()  # the pump has seen the end of it
     sys.stdout.flush()
     if proc.returncode != 0:
         raise EngineJobError(last_error or f"the VeRL trainer exited with status {proc.returncode}")
