@@ -248,8 +248,10 @@ def test_an_interrupt_between_sbatch_and_the_ledger_never_submits_twice(tmp_path
 
 
 def test_scontrol_requeue_resumes_from_the_checkpoint_as_the_next_attempt(tmp_path: Path) -> None:
+    # 400 steps: a quiet 2-core machine runs this config at about 20 steps/s, and with 40 the first
+    # attempt once ended between the test's look at step 6 and its requeue (a CI rehearsal, 2026-12-01)
     profile = write_profile(tmp_path)
-    ctx, sweep, (job_id,) = start_sweep(tmp_path, ["backend.steps=40"], profile)
+    ctx, sweep, (job_id,) = start_sweep(tmp_path, ["backend.steps=400"], profile)
     view = wait_for_step(ctx, sweep, 6)
     requeued_at = time.time()
     slurm("scontrol", "requeue", job_id)
@@ -275,7 +277,7 @@ def test_scontrol_requeue_resumes_from_the_checkpoint_as_the_next_attempt(tmp_pa
     )
     assert view.state == RunState.FINISHED, view
     assert view.record.attempt == 2 and view.record.job_id == job_id  # same job, second attempt
-    assert_complete_history(ctx, view.record.run_id, steps=40)
+    assert_complete_history(ctx, view.record.run_id, steps=400)
     assert step0_artifact_mtime(ctx, view.record.run_id) < requeued_at
 
 
