@@ -388,7 +388,7 @@ def test_on_a_postgres_ledger_the_study_lives_in_its_own_schema_of_the_same_data
 
 def test_an_engine_logging_by_itself_reports_evaluations_and_is_pruned(tmp_path: Path):
     """VeRL logs into MLflow itself; its job hands each validation to `report_evaluation` (from the
-    lines VeRL prints). Against a real study with the median pruner: a trial below the median at
+    lines VeRL prints); the driver puts the run's final step (the backend's `final_step`) in the link. Against a real study with the median pruner: a trial below the median at
     step 1 is pruned there, the same value at the run's final step is reported, not pruned."""
     from pdmctl.tune.trial import Pruned, TrialLink, TrialTracker, make_pruner, open_storage
 
@@ -404,14 +404,14 @@ def test_an_engine_logging_by_itself_reports_evaluations_and_is_pruned(tmp_path:
     low = {"eval/aime24": 0.1, "eval/aime25": 0.1}
 
     last = s.ask()
-    tracker = TrialTracker(object(), TrialLink(url, "engine", last._trial_id, objective, "median"))
-    tracker.report_evaluation(low, 0, final_step=1)  # the base model's evaluation: no evidence yet
-    tracker.report_evaluation({"eval/aime24": 0.1}, 1, final_step=1)  # one set only: not an evaluation
-    tracker.report_evaluation(low, 1, final_step=1)  # the run's last: reported, never pruned
+    tracker = TrialTracker(object(), TrialLink(url, "engine", last._trial_id, objective, "median", final_step=1))
+    tracker.report_evaluation(low, 0)  # the base model's evaluation: no evidence yet
+    tracker.report_evaluation({"eval/aime24": 0.1}, 1)  # one set only: not an evaluation
+    tracker.report_evaluation(low, 1)  # the run's last: reported, never pruned
     assert s.trials[-1].intermediate_values == {0: 0.1, 1: 0.1}
 
     pruned = s.ask()
-    tracker = TrialTracker(object(), TrialLink(url, "engine", pruned._trial_id, objective, "median"))
-    tracker.report_evaluation(low, 0, final_step=3)
+    tracker = TrialTracker(object(), TrialLink(url, "engine", pruned._trial_id, objective, "median", final_step=3))
+    tracker.report_evaluation(low, 0)
     with pytest.raises(Pruned, match="step 1"):
-        tracker.report_evaluation(low, 1, final_step=3)
+        tracker.report_evaluation(low, 1)

@@ -194,22 +194,28 @@ def _engine_processes(marker: str) -> list[int]:
     return found
 
 
-def test_failure_in_the_rollout_fails_the_run_and_leaves_nothing(tmp_path: Path) -> None:
-    shm_before = {p.name for p in SHM.iterdir()}
-    marker = "PDMCTL_VERL_FAIL=rollout"
-    env = {"PDMCTL_VERL_FAIL": "rollout", "PDMCTL_TINY_DIR": _tiny_dir(tmp_path)}
+def _failing_sweep(tmp_path: Path, failure: str, timeout: int, **env: str) -> tuple[float, str]:
+    """One PDM run with `PDMCTL_VERL_FAIL=failure` through `pdmctl sweep --wait`: it must end FAILED;
+    returns how long it took and the run's reason."""
+    env = {"PDMCTL_VERL_FAIL": failure, "PDMCTL_TINY_DIR": _tiny_dir(tmp_path), **env}
     started = time.monotonic()
     result = pdmctl(
         "sweep", "backend=verl", f"model={MODEL}", "mask=pdm_agg", "k=5", "--wait",
-        "--tracking-uri", sqlite_uri(tmp_path), cwd=tmp_path, env=env, timeout=1800,
+        "--tracking-uri", sqlite_uri(tmp_path), cwd=tmp_path, env=env, timeout=timeout,
     )  # fmt: skip
     elapsed = time.monotonic() - started
-    assert elapsed < 1500, f"a failed engine job took {elapsed:.0f} s to end"
     assert result.returncode != 0 or "FAILED" in result.stdout
     (run,) = _runs(sqlite_uri(tmp_path))
-    assert run.info.status == "FAILED"
-    reason = " ".join(v for k, v in run.data.tags.items() if "reason" in k)
-    assert "failure injected in the rollout worker" in reason, run.data.tags
+    assert run.info.status == "FAILED", (run.info.status, _job_logs(tmp_path))
+    return elapsed, " ".join(v for k, v in run.data.tags.items() if "reason" in k)
+
+
+def test_failure_in_the_rollout_fails_the_run_and_leaves_nothing(tmp_path: Path) -> None:
+    shm_before = {p.name for p in SHM.iterdir()}
+    marker = "PDMCTL_VERL_FAIL=rollout"
+    elapsed, reason = _failing_sweep(tmp_path, "rollout", timeout=1800)
+    assert elapsed < 1500, f"a failed engine job took {elapsed:.0f} s to end"
+    assert "failure injected in the rollout worker" in reason, reason
     if not ON_CPU:
         pytest.xfail("leftover engine processes and /dev/shm segments: pdmctl cleans them up on CPU only")
     assert _engine_processes(marker) == [], "engine processes outlived the job"
@@ -338,18 +344,8 @@ def test_a_failure_in_the_weight_sync_ends_the_job_in_bounded_time(tmp_path: Pat
     the job. Injected there, the job ends (VeRL reports it, or pdmctl's watchdog ends the silent
     trainer after PDMCTL_ENGINE_STALL_S), the run is FAILED with a reason, nothing is left behind."""
     marker = "PDMCTL_VERL_FAIL=weight-sync"
-    env = {"PDMCTL_VERL_FAIL": "weight-sync", "PDMCTL_TINY_DIR": _tiny_dir(tmp_path), "PDMCTL_ENGINE_STALL_S": "300"}
-    started = time.monotonic()
-    result = pdmctl(
-        "sweep", "backend=verl", f"model={MODEL}", "mask=pdm_agg", "k=5", "--wait",
-        "--tracking-uri", sqlite_uri(tmp_path), cwd=tmp_path, env=env, timeout=2400,
-    )  # fmt: skip
-    elapsed = time.monotonic() - started
-    (run,) = _runs(sqlite_uri(tmp_path))
-    assert run.info.status == "FAILED", (run.info.status, _job_logs(tmp_path))
-    reason = " ".join(v for k, v in run.data.tags.items() if "reason" in k)
+    elapsed, reason = _failing_sweep(tmp_path, "weight-sync", timeout=2400, PDMCTL_ENGINE_STALL_S="300")
     assert "failure injected in the weight sync" in reason or "printed nothing for 300 s" in reason, reason
     print(f"weight-sync failure: ended after {elapsed:.0f} s; reason: {reason}")
-    assert result.returncode != 0 or "FAILED" in result.stdout
     if ON_CPU:
         assert _engine_processes(marker) == [], "engine processes outlived the job"

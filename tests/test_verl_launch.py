@@ -310,3 +310,11 @@ def test_a_trainer_that_prints_nothing_for_too_long_is_ended_as_hung(tmp_path, m
         launch.stall_seconds()
     monkeypatch.setenv(launch.STALL_ENV, "90")
     assert launch.stall_seconds() == 90.0
+
+
+def test_each_backend_names_the_final_step_a_tune_trial_never_prunes() -> None:
+    from pdmctl.backends.registry import get_backend
+
+    assert get_backend("verl").final_step({"model": "qwen3-tiny", "total_training_steps": None}) == 3
+    assert get_backend("toy").final_step({"steps": 40}) == 40
+    assert get_backend("synthetic").final_step({"steps": 9}) == 9

@@ -28,6 +28,8 @@ class Backend:
     defaults: Callable[[], dict[str, Any]]  # the backend group's own fields (backend.<field>=...)
     validate: Callable[[Mapping[str, Any]], None]  # raises ValueError naming the field
     run: Callable[[Mapping[str, Any], Path, Tracker], Mapping[str, float]]  # (flat config, run dir, tracker)
+    final_step: Callable[[Mapping[str, Any]], int | None] = lambda flat: int(flat["steps"])  # a tune trial's
+    # last evaluation, reported but never pruned (None: not known before the run)
 
 
 def flat_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -123,11 +125,10 @@ def _verl_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mappi
     on_line = None
     report = getattr(tracker, "report_evaluation", None)  # a tune trial's (pdmctl.tune.trial)
     if report is not None:
-        last = launch.final_step(cfg)
 
         def on_line(line: str) -> None:  # each validation VeRL prints goes to the trial, which may prune
             if (found := launch.evaluation_from_line(line)) is not None:
-                report(found[1], found[0], final_step=last)
+                report(found[1], found[0])
 
     try:
         launch.run(cfg, python=sys.executable, on_line=on_line)
@@ -146,7 +147,7 @@ def _synthetic() -> Backend:
 
 BACKENDS: dict[str, Backend] = {
     "toy": Backend("toy", _toy_defaults, _toy_validate, _toy_run),
-    "verl": Backend("verl", _verl_defaults, _verl_validate, _verl_run),
+    "verl": Backend("verl", _verl_defaults, _verl_validate, _verl_run, lambda flat: _verl_module().final_step(flat)),
     "synthetic": _synthetic(),  # a known objective for pdmctl tune's tests and benchmark
 }
 

@@ -33,13 +33,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pdmctl import orchestrate
-from pdmctl.backends.registry import flat_config
+from pdmctl.backends.registry import flat_config, get_backend
 from pdmctl.grid import check_sweep_name
 from pdmctl.ledger import is_database_uri, ledger_exists, open_ledger, sqlite_path
 from pdmctl.orchestrate import Context, RunState, RunView
 from pdmctl.spec import RunSpec
 from pdmctl.tune.space import SearchSpace, hydra_session, parse_space
-from pdmctl.tune.trial import OPTUNA_SCHEMA, PRUNERS, TrialLink, final_step, make_pruner, open_storage
+from pdmctl.tune.trial import OPTUNA_SCHEMA, PRUNERS, TrialLink, make_pruner, open_storage
 
 SAMPLERS = ("tpe", "cmaes", "random", "grid")
 DIRECTIONS = ("maximize", "minimize")
@@ -310,7 +310,7 @@ class Driver:
             settle(trial)
         if submit:
             links = {spec.key: TrialLink(self.plan.storage, self.plan.name, trial_id, self.plan.metrics,
-                                         self.plan.request.pruner, reports, final_step(flat_config(spec.config)))
+                                         self.plan.request.pruner, reports, _final_step(spec))
                      for spec, trial_id, reports in submit.values()}  # fmt: skip
             self._submit([s for s, *_ in submit.values()], links)
         if resume:
@@ -398,6 +398,10 @@ class Driver:
             except BlockingIOError:
                 raise TuneError(f"study {self.plan.name!r}: another pdmctl tune is driving it now") from None
             yield
+
+
+def _final_step(spec: RunSpec) -> int | None:
+    return get_backend(spec.backend).final_step(flat_config(spec.config))
 
 
 def run_objective(history: dict[str, list[tuple[int, float]]], metrics: Sequence[str], at: str,

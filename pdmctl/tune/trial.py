@@ -102,18 +102,18 @@ class TrialTracker:
         self.inner.log_metrics(metrics, step)
         value = objective_value(metrics, self.link.objective)
         if value is not None:
-            self._report(value, step, self.link.final_step)
+            self._report(value, step)
 
-    def report_evaluation(self, metrics: Mapping[str, float], step: int, final_step: int | None = None) -> None:
+    def report_evaluation(self, metrics: Mapping[str, float], step: int) -> None:
         """An evaluation a backend logs by itself (VeRL into MLflow): reported to the trial, not logged."""
         value = objective_value(metrics, self.link.objective)
         if value is not None:
-            self._report(value, step, self.link.final_step if final_step is None else final_step)
+            self._report(value, step)
 
     def log_per_problem(self, dataset: str, step: int, accuracies: Sequence[float]) -> None:
         self.inner.log_per_problem(dataset, step, accuracies)
 
-    def _report(self, value: float, step: int, final_step: int | None) -> None:
+    def _report(self, value: float, step: int) -> None:
         import optuna
 
         if self._trial is None:
@@ -130,19 +130,10 @@ class TrialTracker:
         if state != optuna.trial.TrialState.RUNNING or not self.link.reports:
             return  # told already (a run resumed by hand after its trial ended), or another seed reports
         self._trial.report(value, step)
-        if final_step is not None and step >= final_step:
+        if self.link.final_step is not None and step >= self.link.final_step:
             return  # the run has trained to its end: its value is the trial's, whatever a rung says
         if self._trial.should_prune():
             raise Pruned(f"step {step}: objective {value:.4g}")
-
-
-def final_step(flat: Mapping[str, Any]) -> int | None:
-    """A run's last step from its backend's fields (the testbed's `steps`, VeRL's `total_training_steps`)."""
-    for name in ("steps", "total_training_steps"):
-        value = flat.get(name)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
 
 
 def trial_tracker(tracker: Any, run_dir: Path) -> Any:

@@ -26,6 +26,7 @@ Training defaults and where each comes from (DPPO = arXiv 2602.04879 and VeRL's
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -511,7 +512,7 @@ def stall_seconds() -> float:
         value = float(given)
     except ValueError:
         value = float("nan")
-    if not (value > 0 and value != float("inf")):
+    if not (math.isfinite(value) and value > 0):
         raise LaunchConfigError(f"{STALL_ENV}: must be a number of seconds > 0, got {given!r}")
     return value
 
