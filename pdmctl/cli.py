@@ -347,12 +347,13 @@ def analyze(
         if spec.backend != "toy":
             fail("analyze: runs on the CPU testbed (backend=toy)")
         from pdmctl.backends.toy import ToyConfig
-        from pdmctl.backends.toy.analysis import render_analysis_table, run_analysis
+        from pdmctl.backends.toy.analysis import render_analysis_table, render_difference_table, run_analysis
 
         cfg = ToyConfig.from_mapping(flat_config(spec.config))
     with console.status(f"analysing {seeds} seed(s) ..."):
         result = run_analysis(cfg, list(range(first_seed, first_seed + seeds)))
     console.print(render_analysis_table(result))
+    console.print(render_difference_table(result))
     if json_out is not None:
         json_out.write_text(result.to_json())
         console.print(f"wrote {json_out}", highlight=False)

@@ -76,7 +76,7 @@ def test_sweep_files(tmp_path: Path):
     assert len(specs) == 4
 
 
-@pytest.mark.parametrize("name", ["paper-main", "paper-tight", "k-ablation", "smoke"])
+@pytest.mark.parametrize("name", ["paper-main", "paper-tight", "k-ablation", "k-ablation-qwen3", "smoke"])
 def test_named_sweeps_expand(name):
     specs = expand([], load_sweep_file(name))
     assert specs
@@ -87,7 +87,7 @@ def test_named_sweeps_expand(name):
         assert settings == {("qwen3-4b-base", "bf16"), ("qwen3-8b-base", "bf16"),
                             ("qwen3-30b-a3b-base", "fp8_e2e"), ("qwen3-30b-a3b-base", "fp8_rollout")}  # fmt: skip
         assert {s.config["delta"] for s in specs} == {0.15}
-    if name == "k-ablation":
+    if name.startswith("k-ablation"):
         assert {s.config["k"] for s in specs} == {10, 20, 50}
 
 

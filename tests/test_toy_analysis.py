@@ -7,7 +7,13 @@ import json
 from rich.console import Console
 
 from pdmctl.backends.toy import ToyConfig
-from pdmctl.backends.toy.analysis import ESTIMATORS, analysis_rows, render_analysis_table, run_analysis
+from pdmctl.backends.toy.analysis import (
+    ESTIMATORS,
+    analysis_rows,
+    render_analysis_table,
+    render_difference_table,
+    run_analysis,
+)
 
 
 def test_analysis_reports_each_estimator_against_the_ratio_criterion() -> None:
@@ -25,9 +31,22 @@ def test_analysis_reports_each_estimator_against_the_ratio_criterion() -> None:
     assert json.loads(result.to_json())["comparisons"][0]["estimator"] == "agg"
     rows = analysis_rows(result)
     assert len(rows) == 2 * len(ESTIMATORS)
+    # the paired differences between estimators: per seed, the predictive criterion's rates
+    pairs = [(d.measure, d.first, d.second) for d in result.estimator_differences]
+    assert pairs == [(m, a, b) for m in ("unsafe-keep", "corrective")
+                     for a, b in (("uni", "agg"), ("exact", "agg"), ("exact", "uni"))]  # fmt: skip
+    by_estimator = {c.estimator: c.predictive for c in result.comparisons}
+    for d in result.estimator_differences:
+        field = "unsafe_keep_per_seed" if d.measure == "unsafe-keep" else "corrective_per_seed"
+        diffs = [a - b for a, b in zip(getattr(by_estimator[d.first], field), getattr(by_estimator[d.second], field),
+                                      strict=True) if a is not None and b is not None]  # fmt: skip
+        assert d.seeds == len(diffs) == 2
+        assert abs(d.mean - sum(diffs) / 2) < 1e-12 and d.low <= d.mean <= d.high
     console = Console(width=200, record=True)
     console.print(render_analysis_table(result))
-    assert "unsafe-keep" in console.export_text()
+    console.print(render_difference_table(result))
+    text = console.export_text()
+    assert "unsafe-keep" in text and "exact − uni" in text and "95% t-interval" in text
 
 
 def test_analysis_is_reproducible() -> None:

@@ -11,24 +11,35 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdmctl.backends.toy import MODEL_PRESETS, basemodel, task
+from pdmctl.backends.toy import MODEL_PRESETS, ToyConfig, basemodel, task
 from pdmctl.backends.toy.model import PRECISIONS, forward, to_fp8
-from pdmctl.backends.toy.rollout import RolloutEngine
+from pdmctl.backends.toy.rollout import RolloutEngine, sample
+from pdmctl.backends.toy.tails import k_and_estimator_effects, tail_profile
 
 
 def test_answers_and_scoring() -> None:
-    problems = task.encode(torch.tensor([[7, 5], [99, 99], [0, 0]]))
+    problems = task.encode(torch.tensor([[7, 5], [49, 49], [0, 0]]))
     assert problems.prompts[0].tolist() == [0, 7, task.PLUS, 0, 5, task.EQUALS]
-    assert problems.answers.tolist() == [
-        [1, 2, task.EOS, task.EOS],
-        [1, 9, 8, task.EOS],
-        [0, task.EOS, task.EOS, task.EOS],
-    ]
-    filler = 200  # tokens sampled past EOS do not count
-    responses = torch.tensor([[1, 2, task.EOS, filler], [1, 9, 8, 7], [0, 0, task.EOS, task.EOS]])
-    assert task.score(problems, responses).tolist() == [1.0, 0.0, 0.0]
-    assert task.response_lengths(responses).tolist() == [3, 4, 3]
-    assert task.response_mask(responses)[0].tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert problems.answers.tolist() == [[1, 2, task.EOS], [9, 8, task.EOS], [0, 0, task.EOS]]
+    word, filler = task.FIRST_WORD + 5, task.VOCAB_SIZE - 1  # tokens sampled past EOS do not count
+    one_in_a_form = task.form(torch.tensor(1), torch.tensor(task.VARIANTS - 1))
+    assert int(task.digit_of(one_in_a_form)) == 1 and one_in_a_form >= task.FIRST_FORM
+    responses = torch.tensor(
+        [
+            [word, one_in_a_form, 2, task.EOS, filler],  # the first digit in another form: right
+            [word, 9, 8, 7, task.EOS],  # an extra digit: wrong
+            [task.FIRST_WORD, 0, 0, task.EOS, task.EOS],  # any word opens: right
+            [word, task.form(torch.tensor(0), torch.tensor(3)), 0, task.EOS, 3],  # 0 in a form, not 1
+        ]
+    )[:, : task.MAX_RESPONSE_LEN]
+    problems = task.encode(torch.tensor([[7, 5], [49, 49], [0, 0], [7, 5]]))
+    assert task.score(problems, responses).tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert task.response_lengths(responses).tolist() == [4, 4, 4, 4]
+    assert task.response_mask(responses)[0].tolist() == [1.0] * 4
+    # what stands for a digit: the plain digits and their forms, nothing else
+    read = task.digit_of(torch.tensor([0, 9, task.PLUS, task.EOS, task.FIRST_FORM, task.FIRST_WORD - 1,
+                                       task.FIRST_WORD, task.VOCAB_SIZE - 1]))  # fmt: skip
+    assert read.tolist() == [0, 9, -1, -1, 0, 9, -1, -1]
 
 
 def test_heldout_sets_are_fixed_disjoint_and_never_trained_on() -> None:
@@ -63,12 +74,42 @@ def _sample(model: torch.nn.Module, precision: str, k: int, n_samples: int = 16)
     return problems, engine.generate(problems.prompts, torch.Generator().manual_seed(0))
 
 
-def test_base_model_has_a_real_tail_and_a_low_but_nonzero_score(base_model) -> None:
+def test_base_model_has_an_llm_like_tail_and_a_middling_score(base_model) -> None:
+    """The guard against the tail collapsing again (issue 12): the forking positions (the opening word
+    and the answer's first digit) keep a long tail over the 4,096-token vocabulary, beyond any K the
+    masks use; the other positions are near-deterministic."""
+    profile = tail_profile(base_model)
+    word, lead, *rest = profile.top20_by_position
+    assert task.VOCAB_SIZE >= 4096
+    assert word < 0.6 and 0.3 < lead < 0.8  # top-20 holds far from all of a forking position's mass
+    assert all(top20 > 0.95 for top20 in rest)
+    assert profile.topk_mass_mean[50] - profile.topk_mass_mean[10] > 0.05  # K = 10 and 50 see different mass
+    assert 0.3 < profile.high_entropy_share < 0.7
     problems, rollout = _sample(base_model, "bf16", k=10)
-    response = task.response_mask(rollout.sampled_ids).bool()
-    top10_mass = rollout.topk_logprobs.exp().sum(-1)[response]
-    assert 0.95 <= float(top10_mass.median()) <= 0.995
-    assert 0.05 <= float(task.score(problems, rollout.sampled_ids).mean()) <= 0.3
+    assert 0.2 <= float(task.score(problems, rollout.sampled_ids).mean()) <= 0.7
+
+
+def test_k_and_the_estimator_change_the_masks_decisions() -> None:
+    """On stale batches of the default preset (4 seeds, a quarter of the batch), the issue's thresholds
+    with margin: K = 10 against 50 moves mean D on the out-of-region tokens by > 10% and flips > 5% of
+    their keep decisions; agg and uni disagree on the sign of Ḋ on > 1% of them."""
+    effects = k_and_estimator_effects(ToyConfig(prompts_per_step=32), seeds=[1, 2, 3, 4])
+    assert effects.out_of_region > 100
+    assert effects.mean_d_change > 0.10
+    assert effects.keep_differs_k > 0.05
+    assert effects.sign_differs["agg/uni"] > 0.01
+
+
+def test_the_engine_samples_each_token_with_its_probability() -> None:
+    """Inverse-CDF sampling (rollout.sample) draws like torch.multinomial: frequencies within 4
+    standard errors of the probabilities, never a token of probability 0, reproducible."""
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2, 0.0]] * 100_000 + [[0.0, 0.0, 0.0, 0.0, 1.0]])
+    ids = sample(probs, torch.Generator().manual_seed(0)).squeeze(1)
+    assert ids[-1] == 4
+    freq = torch.bincount(ids[:-1], minlength=5).double() / 100_000
+    expected = probs[0].double()
+    assert torch.all((freq - expected).abs() <= 4 * (expected * (1 - expected) / 100_000).sqrt())
+    assert torch.equal(ids, sample(probs, torch.Generator().manual_seed(0)).squeeze(1))
 
 
 @pytest.mark.parametrize("k", [1, 10, 50])

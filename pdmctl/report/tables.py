@@ -135,11 +135,15 @@ def direction_table(analysis: dict) -> TextTable:
 
 
 def _analysis_result(data: dict):
-    from pdmctl.backends.toy.analysis import AnalysisResult, Comparison, CriterionStats
+    from pdmctl.backends.toy.analysis import AnalysisResult, Comparison, CriterionStats, EstimatorDifference
 
-    comparisons = [Comparison(**{**c, "ratio": CriterionStats(**c["ratio"]),
-                                 "predictive": CriterionStats(**c["predictive"])}) for c in data["comparisons"]]  # fmt: skip
-    return AnalysisResult(**{**data, "comparisons": comparisons})
+    def criterion(values: dict) -> CriterionStats:  # written before per-seed corrective rates: none
+        return CriterionStats(**{"corrective_per_seed": [], **values})
+
+    comparisons = [Comparison(**{**c, "ratio": criterion(c["ratio"]), "predictive": criterion(c["predictive"])})
+                   for c in data["comparisons"]]  # fmt: skip
+    differences = [EstimatorDifference(**d) for d in data.get("estimator_differences", [])]
+    return AnalysisResult(**{**data, "comparisons": comparisons, "estimator_differences": differences})
 
 
 # ---------------------------------------------------------------------------

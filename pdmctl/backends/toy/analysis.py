@@ -40,6 +40,21 @@ class CriterionStats:
     unsafe_keep_se: float | None
     corrective_pooled: float | None  # ΔD < 0 among the kept disagreement tokens of all seeds together
     kept_pooled: int
+    corrective_per_seed: list[float | None]  # ΔD < 0 among each seed's kept disagreement tokens
+
+
+@dataclass(frozen=True)
+class EstimatorDifference:
+    """The predictive criterion with one estimator minus with another, paired by seed: the mean of the
+    per-seed differences and its Student's t interval (report.stats.paired_difference)."""
+
+    measure: str  # "unsafe-keep" or "corrective"
+    first: str  # estimator
+    second: str
+    mean: float | None  # None where no seed has both rates
+    low: float | None  # None below two seeds
+    high: float | None
+    seeds: int  # seeds where both rates exist
 
 
 @dataclass(frozen=True)
@@ -65,6 +80,8 @@ class AnalysisResult:
     tokens_per_seed: list[int]  # response tokens
     out_of_region_per_seed: list[int]
     comparisons: list[Comparison]
+    estimator_differences: list[EstimatorDifference]
+    level: float = 0.95
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, allow_nan=False)
@@ -96,21 +113,59 @@ def run_analysis(cfg: ToyConfig, seeds: list[int]) -> AnalysisResult:
         precision=cfg.precision,
         tokens_per_seed=tokens,
         out_of_region_per_seed=outside,
-        comparisons=[_compare(e, [s[e] for s in per_seed]) for e in ESTIMATORS],
+        comparisons=(comparisons := [_compare(e, [s[e] for s in per_seed]) for e in ESTIMATORS]),
+        estimator_differences=_estimator_differences(comparisons),
     )
 
 
-def _analyse_seed(cfg: ToyConfig) -> tuple[int, int, dict[str, _SeedTokens]]:
+ESTIMATOR_PAIRS = (("uni", "agg"), ("exact", "agg"), ("exact", "uni"))
+
+
+def _estimator_differences(comparisons: list[Comparison], level: float = 0.95) -> list[EstimatorDifference]:
+    from pdmctl.report.stats import paired_difference
+
+    by_estimator = {c.estimator: c.predictive for c in comparisons}
+    found = []
+    for measure, field in (("unsafe-keep", "unsafe_keep_per_seed"), ("corrective", "corrective_per_seed")):
+        for first, second in ESTIMATOR_PAIRS:
+            pairs = [
+                (a, b)
+                for a, b in zip(getattr(by_estimator[first], field), getattr(by_estimator[second], field), strict=True)
+                if a is not None and b is not None
+            ]
+            estimate = paired_difference([a for a, _ in pairs], [b for _, b in pairs], level) if pairs else None
+            interval = estimate.interval if estimate is not None else None
+            found.append(
+                EstimatorDifference(
+                    measure=measure,
+                    first=first,
+                    second=second,
+                    mean=estimate.mean if estimate is not None else None,
+                    low=interval.low if interval is not None else None,
+                    high=interval.high if interval is not None else None,
+                    seeds=len(pairs),
+                )
+            )
+    return found
+
+
+def stale_batch(cfg: ToyConfig) -> tuple[Learner, Rollout, torch.Tensor]:
+    """A fresh rollout batch from the base model and its advantages, with the learner moved on by all
+    mini-batch updates of the step but the last: the staleness of a step's last mini-batch."""
     learner = Learner.from_base(cfg)
     problems = task.sample_train(cfg.prompts_per_step, learner.generator).repeat(cfg.group_size)
     batch = learner.rollout(problems)
     advantages = grpo_advantages(task.score(problems, batch.sampled_ids), cfg.group_size)
     order = torch.randperm(len(problems), generator=learner.generator)
-    for rows in order.tensor_split(cfg.minibatches)[:-1]:  # the staleness of the last mini-batch
+    for rows in order.tensor_split(cfg.minibatches)[:-1]:
         learner.update(batch.select(rows), advantages[rows], cfg)
+    return learner, batch, advantages
 
+
+def _analyse_seed(cfg: ToyConfig) -> tuple[int, int, dict[str, _SeedTokens]]:
+    learner, batch, advantages = stale_batch(cfg)
     response = task.response_mask(batch.sampled_ids).bool()
-    pre = {e: _diagnostics(learner, batch, advantages, cfg, e) for e in ESTIMATORS}
+    pre = {e: diagnostics(learner, batch, advantages, cfg, e) for e in ESTIMATORS}
     d_pre = pre["agg"].divergence  # D does not depend on the estimator
     outside = pre["agg"].out_of_region & response
     ratio_keep = advantages.unsqueeze(1) * (pre["agg"].ratio - 1) <= 0
@@ -121,7 +176,7 @@ def _analyse_seed(cfg: ToyConfig) -> tuple[int, int, dict[str, _SeedTokens]]:
         learner.policy.load_state_dict(start[0])
         learner.optimizer.load_state_dict(start[1])
         learner.update(batch, advantages, criterion)
-        return _diagnostics(learner, batch, advantages, cfg, "agg").divergence - d_pre
+        return diagnostics(learner, batch, advantages, cfg, "agg").divergence - d_pre
 
     delta_ratio = delta_d_after(dataclasses.replace(cfg, method="dppo"))
     found: dict[str, _SeedTokens] = {}
@@ -137,7 +192,7 @@ def _analyse_seed(cfg: ToyConfig) -> tuple[int, int, dict[str, _SeedTokens]]:
     return int(response.sum()), int(outside.sum()), found
 
 
-def _diagnostics(
+def diagnostics(
     learner: Learner, batch: Rollout, advantages: torch.Tensor, cfg: ToyConfig, estimator: str
 ) -> masks.Diagnostics:
     """D, Ḋ and r of every generated token ([B, T] each) at the learner's current weights."""
@@ -149,8 +204,8 @@ def _diagnostics(
     d = masks.token_diagnostics(
         logits.reshape(-1, logits.shape[-1]),
         batch.sampled_ids.reshape(-1),
-        batch.topk_ids.reshape(-1, cfg.k),
-        batch.topk_logprobs.reshape(-1, cfg.k),
+        batch.topk_ids.reshape(-1, batch.topk_ids.shape[-1]),
+        batch.topk_logprobs.reshape(-1, batch.topk_ids.shape[-1]),
         batch.sampled_logprobs.reshape(-1),
         advantages.unsqueeze(1).expand(shape).reshape(-1),
         method="pdm",
@@ -175,6 +230,7 @@ def _criterion(kept_delta_d: list[torch.Tensor]) -> CriterionStats:
     )
     pooled = torch.cat(kept_delta_d)
     return CriterionStats(
+        corrective_per_seed=[float((dd < 0).float().mean()) if dd.numel() else None for dd in kept_delta_d],
         unsafe_keep_per_seed=rates,
         unsafe_keep_mean=mean,
         unsafe_keep_se=se,
@@ -254,5 +310,40 @@ def render_analysis_table(result: AnalysisResult) -> Table:
     for column in ANALYSIS_COLUMNS:
         table.add_column(column, justify="left" if column in ("criterion", "estimator") else "right")
     for row in analysis_rows(result):
+        table.add_row(*row)
+    return table
+
+
+DIFFERENCE_COLUMNS = ("measure", "estimators", "mean difference", "95% interval", "seeds")
+
+
+def difference_rows(result: AnalysisResult) -> list[tuple[str, ...]]:
+    """The paired differences between estimators, in percentage points."""
+
+    def points(value: float | None) -> str:
+        return "—" if value is None else f"{100 * value:+.1f}"
+
+    return [
+        (
+            d.measure,
+            f"{d.first} − {d.second}",
+            points(d.mean),
+            "n/a" if d.low is None else f"[{points(d.low)}, {points(d.high)}]",
+            str(d.seeds),
+        )
+        for d in result.estimator_differences
+    ]
+
+
+def render_difference_table(result: AnalysisResult) -> Table:
+    table = Table(
+        title=(
+            f"Estimators compared, predictive criterion: per-seed differences, mean and "
+            f"{100 * result.level:.0f}% t-interval over {len(result.seeds)} seeds (percentage points)"
+        )
+    )
+    for column in DIFFERENCE_COLUMNS:
+        table.add_column(column, justify="left" if column in ("measure", "estimators") else "right")
+    for row in difference_rows(result):
         table.add_row(*row)
     return table

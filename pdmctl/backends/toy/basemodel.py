@@ -1,8 +1,9 @@
 """The base model: a short, deterministic supervised warm-up, cached on disk by its preset.
 
 The warm-up is stopped early on purpose, so that held-out avg@16 starts low
-but not at zero and RL has something to sharpen; label smoothing keeps a few
-percent of the mass on the whole vocabulary, the tail the masks must see.
+but not at zero and RL has something to sharpen. The forms of the answer's first
+digit give that position a long tail (task.py), and label smoothing keeps a
+little mass on the whole vocabulary everywhere: the tails the masks must see.
 
 The cache is shared by every run on the machine: eight jobs may ask for the
 same base model at once, so one builds it under an exclusive file lock while
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from pdmctl.backends.toy import model as model_module
 from pdmctl.backends.toy import task as task_module
 from pdmctl.backends.toy.model import MODEL_PRESETS, TinyTransformer, build_model
-from pdmctl.backends.toy.task import sample_train
+from pdmctl.backends.toy.task import FREE_LEN, demonstrations, is_careful, sample_train, sample_words
 
 _CODE = (Path(__file__), Path(model_module.__file__), Path(task_module.__file__))  # what the warm-up runs
 
@@ -90,13 +91,15 @@ def _load(path: Path, preset_name: str, key: str) -> TinyTransformer | None:
 def warm_up(
     preset_name: str, on_step: Callable[[int, TinyTransformer], None] | None = None
 ) -> TinyTransformer:
-    """Supervised training on noisy demonstrations: answers whose digits are sometimes wrong.
+    """Supervised training on noisy demonstrations (task.demonstrations): a Zipf-drawn word, then
+    the answer, its first digit in a Zipf-drawn form.
 
-    Each answer digit is replaced by a random digit with probability
-    `label_noise`, so the model learns the right answer as its mode but puts
-    real mass on other digits: its samples at temperature 1.0 are often
-    wrong, its greedy answers often right, and RL gains by sharpening, as it
-    does for an LLM.
+    The first digit is replaced by a random digit with probability
+    `careful_lead_label_noise` after a careful word and `lead_label_noise`
+    after the others, the second with probability `label_noise`; so the model
+    learns the right answer as its mode but puts real mass on other digits:
+    its samples at temperature 1.0 are often wrong, and RL gains by choosing
+    words and sharpening digits, as it does for an LLM.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a multi-threaded reduction may sum in another order: other weights
@@ -113,13 +116,16 @@ def _warm_up(preset_name: str, on_step: Callable[[int, TinyTransformer], None] |
     optimizer = torch.optim.Adam(model.parameters(), lr=preset.warmup_lr)
     for step in range(preset.warmup_steps):
         problems = sample_train(preset.warmup_batch, generator)
+        words = sample_words(len(problems), generator)
         is_digit = problems.answers < 10
-        noisy = is_digit & (torch.rand(is_digit.shape, generator=generator) < preset.label_noise)
+        noise = torch.full(is_digit.shape, preset.label_noise)
+        noise[:, 0] = torch.where(is_careful(words), preset.careful_lead_label_noise, preset.lead_label_noise)
+        noisy = is_digit & (torch.rand(is_digit.shape, generator=generator) < noise)
         random_digits = torch.randint(10, is_digit.shape, generator=generator)
-        targets = torch.where(noisy, random_digits, problems.answers)
+        targets = demonstrations(words, torch.where(noisy, random_digits, problems.answers), generator)
         tokens = torch.cat([problems.prompts, targets], dim=1)
         logits = model(tokens[:, :-1], last=targets.shape[1])  # the positions that predict the answer
-        in_answer = torch.arange(targets.shape[1]) < problems.answer_lens.unsqueeze(1)
+        in_answer = torch.arange(targets.shape[1]) < FREE_LEN + problems.answer_lens.unsqueeze(1)
         token_loss = F.cross_entropy(
             logits.reshape(-1, preset.vocab_size),
             targets.reshape(-1),

@@ -31,8 +31,8 @@ class ToyConfig:
     steps: int = 40
     prompts_per_step: int = 128
     group_size: int = 8
-    minibatches: int = 4  # updates per rollout batch: the source of staleness
-    lr: float = 1e-3
+    minibatches: int = 8  # updates per rollout batch: the source of staleness
+    lr: float = 2e-3
     grad_clip: float = 1.0
     eval_every: int = 10
     eval_samples: int = 16

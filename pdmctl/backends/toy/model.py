@@ -32,8 +32,10 @@ class ModelPreset:
     warmup_steps: int
     warmup_batch: int
     warmup_lr: float
-    label_smoothing: float  # keeps a real tail beyond the top-K, as an LLM's distribution has
-    label_noise: float  # share of demonstration digits replaced at random (see basemodel.warm_up)
+    label_smoothing: float  # a little mass on the whole vocabulary at every position
+    label_noise: float  # share of the second answer digits replaced at random (basemodel.warm_up)
+    lead_label_noise: float  # the same for the first digit after a word that is not careful
+    careful_lead_label_noise: float  # the same after a careful word (task.is_careful)
     warmup_seed: int = 0
     vocab_size: int = VOCAB_SIZE
 
@@ -43,11 +45,13 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         d_model=32,
         n_layers=2,
         n_heads=2,
-        warmup_steps=500,
+        warmup_steps=1000,
         warmup_batch=256,
         warmup_lr=1e-2,
-        label_smoothing=0.03,
-        label_noise=0.3,
+        label_smoothing=0.01,
+        label_noise=0.15,
+        lead_label_noise=0.5,
+        careful_lead_label_noise=0.1,
     ),
 }
 

@@ -62,7 +62,7 @@ class RolloutEngine:
             sampled, sampled_lp, topk_ids, topk_lp = [], [], [], []
             for _ in range(MAX_RESPONSE_LEN):
                 log_mu = torch.log_softmax(self.model(tokens)[:, -1].float(), dim=-1)
-                ids = torch.multinomial(log_mu.exp(), 1, generator=generator)
+                ids = sample(log_mu.exp(), generator)
                 top = log_mu.topk(self.k, dim=-1)
                 sampled.append(ids.squeeze(1))
                 sampled_lp.append(log_mu.gather(1, ids).squeeze(1))
@@ -77,3 +77,12 @@ class RolloutEngine:
             topk_ids=torch.stack(topk_ids, 1).clone(),
             topk_logprobs=torch.stack(topk_lp, 1).clone(),
         )
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One id per row of probs [B, V], long [B, 1], by inverting the cumulative distribution at a
+    uniform draw: what torch.multinomial does, at a fraction of its cost over a 4,096-token vocabulary
+    on CPU (it was a quarter of a training step)."""
+    cdf = probs.cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_max(probs.shape[-1] - 1)
