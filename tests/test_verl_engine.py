@@ -116,10 +116,14 @@ def _dumps(dump_dir: Path) -> list[tuple[dict, dict]]:
 
 
 def test_topk_came_from_vllm(sweep: EngineSweep) -> None:
-    import torch
-
     pairs = _dumps(sweep.dump_dir)
     assert len(pairs) == 2, "one actor micro-batch per run"
+    _check_topk_from_vllm(pairs)
+
+
+def _check_topk_from_vllm(pairs: list[tuple[dict, dict]]) -> None:
+    import torch
+
     for logits, _ in pairs:
         ids, logprobs, sampled = logits["topk_ids"], logits["topk_logprobs"], logits["sampled_ids"]
         k = ids.shape[-1] - 1
@@ -349,3 +353,29 @@ def test_a_failure_in_the_weight_sync_ends_the_job_in_bounded_time(tmp_path: Pat
     print(f"weight-sync failure: ended after {elapsed:.0f} s; reason: {reason}")
     if ON_CPU:
         assert _engine_processes(marker) == [], "engine processes outlived the job"
+
+
+def test_the_v1_trainer_carries_topk_through_transferqueue(tmp_path: Path) -> None:
+    """VeRL 0.9.1's default trainer (V1) moves samples through TransferQueue, not a DataProto: the top-K
+    travels as two per-sample fields there (topk._patch_agent_loop_tq). One PDM run with
+    PDMCTL_VERL_TRAINER=v1 trains its 3 steps, masks, and its actor's micro-batch holds vLLM's top-K."""
+    dump_dir = tmp_path / "dump"
+    env = {"PDMCTL_VERL_TRAINER": "v1", "PDMCTL_VERL_DUMP_DIR": str(dump_dir),
+           "PDMCTL_TINY_DIR": _tiny_dir(tmp_path)}  # fmt: skip
+    started = time.monotonic()
+    result = pdmctl(
+        "sweep", "backend=verl", f"model={MODEL}", "mask=pdm_agg", "k=5", "--wait",
+        "--tracking-uri", sqlite_uri(tmp_path), cwd=tmp_path, env=env, timeout=SWEEP_TIMEOUT_S,
+    )  # fmt: skip
+    print(f"engine V1 run: {time.monotonic() - started:.0f} s")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (run,) = _runs(sqlite_uri(tmp_path))
+    assert run.info.status == "FINISHED", (run.data.tags, _job_logs(tmp_path))
+    logs = "\n".join(p.read_text(errors="replace") for p in tmp_path.rglob("*.log"))
+    assert "pdmctl: VeRL's V1 trainer (TransferQueue)" in logs and "main_ppo_v0" not in logs, "ran V0"
+    mask_frac = _history(sqlite_uri(tmp_path), run.info.run_id, "train/mask_frac")
+    assert sorted(mask_frac) == [1, 2, 3] and max(mask_frac.values()) > 0.0, mask_frac
+    assert {0, 3} <= set(_history(sqlite_uri(tmp_path), run.info.run_id, "eval/aime24"))
+    pairs = _dumps(dump_dir)
+    assert len(pairs) == 1, "one actor micro-batch"
+    _check_topk_from_vllm(pairs)

@@ -15,6 +15,7 @@ from verl.utils.config import omega_conf_to_dataclass
 
 from pdmctl import masks
 from pdmctl.backends.verl import launch, plugin, topk
+from tests.conftest import pdmctl
 
 pytestmark = pytest.mark.verl
 
@@ -61,6 +62,30 @@ def test_the_gpu_tiny_preset_is_the_tiny_model_on_cuda(monkeypatch: pytest.Monke
     monkeypatch.setenv(launch.GPUS_ENV, "one")
     with pytest.raises(launch.LaunchConfigError, match="PDMCTL_GPUS_PER_NODE: must be a whole number"):
         launch.verl_overrides(gpu_run)
+
+
+def test_the_v1_trainer_is_chosen_by_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """V0 (VeRL's DataProto trainer) unless PDMCTL_VERL_TRAINER=v1; on CPU V1 gets one TransferQueue
+    storage unit (8 deadlock 2 cores); the choice reaches the job's environment; a bad value is one
+    line naming the variable."""
+    monkeypatch.setenv(launch.TINY_DIR_ENV, str(tmp_path))
+    run = {**BASE, "model": "qwen3-tiny", "k": 5}
+    monkeypatch.delenv(launch.TRAINER_ENV, raising=False)
+    v0 = launch.compose(launch.verl_overrides(run))
+    assert v0.trainer.use_v1 is False and v0.transfer_queue.backend.SimpleStorage.num_data_storage_units == 8
+    monkeypatch.setenv(launch.TRAINER_ENV, "V1")
+    v1 = launch.compose(launch.verl_overrides(run))
+    assert v1.trainer.use_v1 is True and v1.transfer_queue.backend.SimpleStorage.num_data_storage_units == 1
+    assert launch.job_env(run)[launch.TRAINER_ENV] == "V1"
+    gpu = launch.compose(launch.verl_overrides({**run, "model": "qwen3-4b-base"}))
+    assert gpu.trainer.use_v1 is True and gpu.transfer_queue.backend.SimpleStorage.num_data_storage_units == 8
+    monkeypatch.setenv(launch.TRAINER_ENV, "v2")
+    with pytest.raises(launch.LaunchConfigError, match=r"^PDMCTL_VERL_TRAINER: must be v0 or v1, got 'v2'$"):
+        launch.verl_overrides(run)
+    # at the command line: one line, exit 2, nothing written
+    res = pdmctl("sweep", "backend=verl", "model=qwen3-tiny", cwd=tmp_path, env={launch.TRAINER_ENV: "v2"})
+    assert res.returncode == 2 and res.stderr.strip() == "error: PDMCTL_VERL_TRAINER: must be v0 or v1, got 'v2'"
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "pdmctl-runs").exists()
 
 
 def test_mask_values_reach_the_config() -> None:
@@ -147,6 +172,16 @@ def test_fail_fast_rejects(monkeypatch: pytest.MonkeyPatch, changes: dict, messa
     monkeypatch.setenv(topk.TOPK_ENV, "20")
     with pytest.raises((plugin.PluginCheckError, ValueError), match=message):
         plugin.check_run_config(_config(**changes))
+
+
+def test_fail_fast_takes_the_v1_trainer_only_where_transferqueue_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(topk.TOPK_ENV, "20")
+    config = _config(**{"trainer.use_v1": True})
+    if topk.v1_available():  # the engine environment installs TransferQueue
+        plugin.check_run_config(config)
+    else:
+        with pytest.raises(plugin.PluginCheckError, match=r"V1 trainer needs TransferQueue==0\.1\.11"):
+            plugin.check_run_config(config)
 
 
 def test_fail_fast_accepts_megatron_fp8_e2e(monkeypatch: pytest.MonkeyPatch) -> None:

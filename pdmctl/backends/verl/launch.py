@@ -169,6 +169,17 @@ def _resolved(run_config: Mapping[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+TRAINER_ENV = "PDMCTL_VERL_TRAINER"  # v0 (default: VeRL's DataProto trainer) or v1 (TransferQueue)
+
+
+def use_v1_trainer() -> bool:
+    """VeRL's V1 trainer where PDMCTL_VERL_TRAINER=v1; V0 by default, the path every test runs."""
+    given = os.environ.get(TRAINER_ENV, "").strip().lower() or "v0"
+    if given not in ("v0", "v1"):
+        raise LaunchConfigError(f"{TRAINER_ENV}: must be v0 or v1, got {given!r}")
+    return given == "v1"
+
+
 def gpus_per_node(preset: ModelPreset) -> int:
     """H20 nodes have 8 GPUs (PDMCTL_GPUS_PER_NODE says otherwise); a CPU run is one logical GPU."""
     if preset.device != "cuda":
@@ -192,10 +203,11 @@ def verl_overrides(run_config: Mapping[str, Any]) -> list[str]:
     data_dir = Path(str(cfg["data_dir"]))
     prompt_length = preset.max_prompt_length or cfg["max_prompt_length"]
     token_budget = prompt_length + preset.max_response_length
+    v1 = use_v1_trainer()
     out = [
         # engine: model_engine picks the actor/ref/critic config groups (dp = fsdp/fsdp2)
         f"model_engine={'megatron' if megatron else 'dp'}",
-        "trainer.use_v1=false",  # the top-K carry is wired for the V0 (DataProto) trainer
+        f"trainer.use_v1={str(v1).lower()}",  # V0 unless PDMCTL_VERL_TRAINER=v1
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=false",
         # data
@@ -259,6 +271,8 @@ def verl_overrides(run_config: Mapping[str, Any]) -> list[str]:
         from pdmctl.backends.verl import cpu
 
         out += cpu.overrides(max_model_len=token_budget)
+        if v1:  # TransferQueue's default 8 storage actors (1 CPU, ~800 MB each) deadlock 2 cores
+            out.append("transfer_queue.backend.SimpleStorage.num_data_storage_units=1")
     if megatron:
         out += [
             f"{actor}.megatron.tensor_model_parallel_size={preset.tensor_parallel}",
@@ -320,7 +334,7 @@ def job_env(run_config: Mapping[str, Any]) -> dict[str, str]:
         ),
         "MLFLOW_ALLOW_FILE_STORE": "true",
     }
-    for debug in (DUMP_ENV, FAIL_ENV, PROFILE_ENV):  # the tests' dump, failure injection, bench's profile
+    for debug in (DUMP_ENV, FAIL_ENV, PROFILE_ENV, TRAINER_ENV):  # tests' dump, failures, profile; V1
         if os.environ.get(debug):
             env[debug] = os.environ[debug]
     if cfg.get("tracking_uri"):
@@ -709,13 +723,13 @@ def probe() -> None:
 def train(overrides: list[str]) -> None:
     """VeRL's `main_ppo`, with pdmctl's fail-fast check before Ray starts the first rollout."""
     from verl.trainer.main_ppo import (
+        TaskRunnerV1,
         auto_set_device,
         need_critic,
         need_reference_policy,
         run_ppo,
         validate_config,
     )
-    from verl.trainer.main_ppo_v0 import TaskRunner
 
     from pdmctl.backends.verl.plugin import check_run_config
 
@@ -725,7 +739,13 @@ def train(overrides: list[str]) -> None:
     validate_config(
         config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config)
     )
-    run_ppo(config, task_runner_class=TaskRunner)
+    if config.trainer.use_v1:  # as VeRL's own main_ppo chooses
+        print("pdmctl: VeRL's V1 trainer (TransferQueue)", flush=True)
+        run_ppo(config, task_runner_class=TaskRunnerV1)
+    else:
+        from verl.trainer.main_ppo_v0 import TaskRunner
+
+        run_ppo(config, task_runner_class=TaskRunner)
 
 
 def main(argv: list[str] | None = None) -> None:

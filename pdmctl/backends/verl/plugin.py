@@ -168,9 +168,10 @@ def check_run_config(config: Mapping[str, Any] | Any) -> None:
         raise PluginCheckError(f"{name!r}: ulysses_sequence_parallel_size must be 1")
     if not OmegaConf.select(config, "actor_rollout_ref.rollout.calculate_log_probs"):
         raise PluginCheckError(f"{name!r}: set actor_rollout_ref.rollout.calculate_log_probs=true (μ_k)")
-    if OmegaConf.select(config, "trainer.use_v1"):
+    if OmegaConf.select(config, "trainer.use_v1") and not topk.v1_available():
         raise PluginCheckError(
-            f"{name!r}: the top-K carry is wired for the V0 trainer; set trainer.use_v1=false"
+            f"{name!r}: VeRL's V1 trainer needs TransferQueue==0.1.11 (scripts/engine-env.sh installs it); "
+            "or set trainer.use_v1=false"
         )
     k = topk.configured_topk()
     if k != int(policy_loss.topk):

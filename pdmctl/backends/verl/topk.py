@@ -30,9 +30,11 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import importlib.util
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -266,8 +268,13 @@ def response_rows(data: Any, total_rows: int) -> torch.Tensor:
 
 
 def _dense(data: Any, key: str) -> torch.Tensor:
+    """A field as one right-padded tensor. A nested field is padded from its samples' own lengths:
+    `to_padded_tensor` pads to the jagged tensor's cached maximum, which a micro-batch sliced out of
+    V1's batch keeps from the whole batch (a [2, 4, 6] top-K came out [2, 8, 6])."""
     value = data[key]
-    return value.to_padded_tensor(0.0) if value.is_nested else value
+    if not value.is_nested:
+        return value
+    return torch.nn.utils.rnn.pad_sequence(list(value.unbind()), batch_first=True, padding_value=0)
 
 
 @dataclass(frozen=True)
@@ -491,6 +498,7 @@ def install(k: int | None = None) -> None:
     _K[0] = k
     _patch_actor_worker()
     _patch_agent_loop()
+    _patch_agent_loop_tq()
     _patch_vllm_server()
 
 
@@ -552,6 +560,52 @@ def _patch_agent_loop() -> None:
 
     agent_loop.AgentLoopWorker._postprocess = _postprocess
     _INSTALLED.add("agent_loop")
+
+
+def v1_available() -> bool:
+    """Whether VeRL's V1 trainer can run here: its agent loop needs TransferQueue. Looked up, not
+    imported: importing VeRL's trainer from a worker's plugin import would ask for the device
+    platform before cpu.py has registered it."""
+    return importlib.util.find_spec("transfer_queue") is not None
+
+
+def _patch_agent_loop_tq() -> None:
+    """The V1 trainer: each output's top-K becomes two per-sample tensor fields in TransferQueue.
+
+    V1's `_agent_loop_postprocess` turns every AgentLoopOutput into a dict of per-sample fields
+    (`responses` [T], `rollout_log_probs` [T], ...) and stores them with one
+    `list_of_dict_to_tensordict` call; the actor's `update_actor` then fetches every field of its
+    keys. pdmctl moves the top-K lists from `extra_fields` into `rollout_topk_ids` /
+    `rollout_topk_logprobs` [T, K+1] there, checked against the sample's tokens as in V0. The
+    function is wrapped where VeRL defines it (a light module), before the V1 agent loop imports
+    it by name; dicts without top-K lists pass through untouched.
+    """
+    if "agent_loop_tq" in _INSTALLED:
+        return
+    from verl.utils import tensordict_utils
+
+    original = tensordict_utils.list_of_dict_to_tensordict
+
+    @functools.wraps(original)
+    def list_of_dict_to_tensordict(fields: list[dict[str, Any]], *args: Any, **kwargs: Any) -> Any:
+        for field in fields:
+            extra = field.get("extra_fields")
+            if isinstance(extra, dict) and TOPK_IDS_KEY in extra and "responses" in field:
+                support = _support_from_extra_fields(extra)
+                responses = field["responses"]
+                padded = pad_topk([support], responses.shape[0], _K[0])
+                check_alignment(padded, responses.unsqueeze(0), field["response_mask"].unsqueeze(0))
+                field[TOPK_IDS_KEY], field[TOPK_LOGPROBS_KEY] = padded.ids[0], padded.logprobs[0]
+                for key in (TOPK_IDS_KEY, TOPK_LOGPROBS_KEY):
+                    extra.pop(key, None)
+        return original(fields, *args, **kwargs)
+
+    tensordict_utils.list_of_dict_to_tensordict = list_of_dict_to_tensordict
+    for name in ("verl.trainer.ppo.v1.agent_loop_tq", "verl.trainer.ppo.padding_utils"):
+        module = sys.modules.get(name)  # imported before this patch: rebind its copy of the name
+        if module is not None:
+            module.list_of_dict_to_tensordict = list_of_dict_to_tensordict
+    _INSTALLED.add("agent_loop_tq")
 
 
 def check_alignment(padded: RolloutTopK, responses: torch.Tensor, response_mask: torch.Tensor) -> None:
