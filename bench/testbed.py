@@ -43,7 +43,7 @@ def run(cfg: ToyConfig, keep: dict | None = None) -> tuple[float, InMemoryTracke
 
 def print_tails(cfg: ToyConfig, final_policy) -> None:
     """The figures of issue 12: tail shape, what K and the estimator change, the direction analysis."""
-    from pdmctl.backends.toy.analysis import run_analysis
+    from pdmctl.backends.toy.analysis import difference_rows, run_analysis
     from pdmctl.backends.toy.tails import (
         DPPO_TOP20_MEAN,
         PROFILE_KS,
@@ -87,17 +87,12 @@ def print_tails(cfg: ToyConfig, final_policy) -> None:
         for c in result.comparisons:
             print(f"  {c.estimator:5} unsafe-keep: ratio {_pct(c.ratio.unsafe_keep_mean)}, "
                   f"predictive {_pct(c.predictive.unsafe_keep_mean)}")  # fmt: skip
-        for d in result.estimator_differences:
-            interval = "n/a" if d.low is None else f"[{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
-            print(f"  {d.measure:11} {d.first} − {d.second}: {_pp(d.mean)} pp, 95% {interval} ({d.seeds} seeds)")
+        for measure, pair, mean, interval, n in difference_rows(result):
+            print(f"  {measure:11} {pair}: {mean} pp, 95% {interval} ({n} seeds)")
 
 
 def _pct(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:.1f}%"
-
-
-def _pp(value: float | None) -> str:
-    return "—" if value is None else f"{100 * value:+.1f}"
 
 
 def mean(tracker: InMemoryTracker, name: str) -> float:

@@ -298,37 +298,41 @@ def analysis_rows(result: AnalysisResult) -> list[tuple[str, ...]]:
     return rows
 
 
-def render_analysis_table(result: AnalysisResult) -> Table:
-    n = max(len(result.seeds), 1)
-    table = Table(
-        title=(
-            f"Direction analysis: {len(result.seeds)} seeds, {result.divergence} δ={result.delta} K={result.k} "
-            f"{result.precision}; {sum(result.out_of_region_per_seed) / n:.0f} of "
-            f"{sum(result.tokens_per_seed) / n:.0f} tokens per seed outside the region"
-        )
-    )
-    for column in ANALYSIS_COLUMNS:
-        table.add_column(column, justify="left" if column in ("criterion", "estimator") else "right")
-    for row in analysis_rows(result):
+def _table(title: str, columns: tuple[str, ...], text_columns: int, rows: list[tuple[str, ...]]) -> Table:
+    """A rich table: the first `text_columns` columns left-aligned, the numbers right-aligned."""
+    table = Table(title=title)
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i < text_columns else "right")
+    for row in rows:
         table.add_row(*row)
     return table
+
+
+def render_analysis_table(result: AnalysisResult) -> Table:
+    n = max(len(result.seeds), 1)
+    title = (
+        f"Direction analysis: {len(result.seeds)} seeds, {result.divergence} δ={result.delta} K={result.k} "
+        f"{result.precision}; {sum(result.out_of_region_per_seed) / n:.0f} of "
+        f"{sum(result.tokens_per_seed) / n:.0f} tokens per seed outside the region"
+    )
+    return _table(title, ANALYSIS_COLUMNS, 2, analysis_rows(result))
 
 
 DIFFERENCE_COLUMNS = ("measure", "estimators", "mean difference", "95% interval", "seeds")
 
 
+def _points(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:+.1f}"
+
+
 def difference_rows(result: AnalysisResult) -> list[tuple[str, ...]]:
     """The paired differences between estimators, in percentage points."""
-
-    def points(value: float | None) -> str:
-        return "—" if value is None else f"{100 * value:+.1f}"
-
     return [
         (
             d.measure,
             f"{d.first} − {d.second}",
-            points(d.mean),
-            "n/a" if d.low is None else f"[{points(d.low)}, {points(d.high)}]",
+            _points(d.mean),
+            "n/a" if d.low is None else f"[{_points(d.low)}, {_points(d.high)}]",
             str(d.seeds),
         )
         for d in result.estimator_differences
@@ -336,14 +340,8 @@ def difference_rows(result: AnalysisResult) -> list[tuple[str, ...]]:
 
 
 def render_difference_table(result: AnalysisResult) -> Table:
-    table = Table(
-        title=(
-            f"Estimators compared, predictive criterion: per-seed differences, mean and "
-            f"{100 * result.level:.0f}% t-interval over {len(result.seeds)} seeds (percentage points)"
-        )
+    title = (
+        f"Estimators compared, predictive criterion: per-seed differences, mean and "
+        f"{100 * result.level:.0f}% t-interval over {len(result.seeds)} seeds (percentage points)"
     )
-    for column in DIFFERENCE_COLUMNS:
-        table.add_column(column, justify="left" if column in ("measure", "estimators") else "right")
-    for row in difference_rows(result):
-        table.add_row(*row)
-    return table
+    return _table(title, DIFFERENCE_COLUMNS, 2, difference_rows(result))
