@@ -74,19 +74,69 @@ def _sample(model: torch.nn.Module, precision: str, k: int, n_samples: int = 16)
     return problems, engine.generate(problems.prompts, torch.Generator().manual_seed(0))
 
 
-def test_base_model_has_an_llm_like_tail_and_a_middling_score(base_model) -> None:
-    """The guard against the tail collapsing again (issue 12): the forking positions (the opening word
-    and the answer's first digit) keep a long tail over the 4,096-token vocabulary, beyond any K the
-    masks use; the other positions are near-deterministic."""
-    profile = tail_profile(base_model)
+def _assert_in_the_band(model: torch.nn.Module) -> None:
+    """The base model's band (docs/TESTBED.md), with margins measured on bases built under the scalar,
+    AVX2 and AVX-512 kernels: the forking positions (the opening word and the answer's first digit)
+    keep a long tail over the 4,096-token vocabulary, beyond any K the masks use; the other positions
+    are near-deterministic; the held-out score is middling, so RL has room to raise it."""
+    profile = tail_profile(model)
     word, lead, *rest = profile.top20_by_position
     assert task.VOCAB_SIZE >= 4096
-    assert word < 0.6 and 0.3 < lead < 0.8  # top-20 holds far from all of a forking position's mass
-    assert all(top20 > 0.95 for top20 in rest)
+    assert word < 0.6 and 0.3 < lead < 0.8, profile.top20_by_position  # far from all of a fork's mass
+    assert all(top20 > 0.95 for top20 in rest), profile.top20_by_position
     assert profile.topk_mass_mean[50] - profile.topk_mass_mean[10] > 0.05  # K = 10 and 50 see different mass
-    assert 0.3 < profile.high_entropy_share < 0.7
-    problems, rollout = _sample(base_model, "bf16", k=10)
-    assert 0.2 <= float(task.score(problems, rollout.sampled_ids).mean()) <= 0.7
+    assert 0.3 < profile.high_entropy_share < 0.7, profile.high_entropy_share
+    problems, rollout = _sample(model, "bf16", k=10)
+    assert 0.35 <= float(task.score(problems, rollout.sampled_ids).mean()) <= 0.75
+
+
+def test_base_model_has_an_llm_like_tail_and_a_middling_score(base_model) -> None:
+    """The guard against the tail collapsing again (issue 12) and against a base that did not learn the
+    task (issue 17): the base every run starts from (the shipped one, or PDMCTL_TOY_BASE's) is in the band."""
+    _assert_in_the_band(base_model)
+
+
+def test_the_warm_up_rebuilds_a_base_in_the_band(tmp_path, monkeypatch) -> None:
+    """The warm-up is the tested way to rebuild the shipped weights: on this machine's kernels it meets
+    its criterion well before its step limit and lands in the band (CI runs it again under other kernels)."""
+    monkeypatch.setenv("PDMCTL_TOY_BASE", "warmup")
+    rebuilt = basemodel.load_base_model("toy-small")  # PDMCTL_CACHE's entry, built here if there is none
+    report = basemodel.cached_warm_up_report("toy-small")
+    preset = MODEL_PRESETS["toy-small"]
+    assert report is not None and report.criterion_step <= preset.warmup_steps / 2, report
+    assert min(report.first_digit_accuracy, report.second_digit_accuracy) >= preset.warmup_criterion
+    _assert_in_the_band(rebuilt)
+
+
+def test_the_shipped_base_model_is_the_recorded_file_of_the_current_recipe() -> None:
+    path = basemodel.shipped_path("toy-small")
+    assert basemodel.sha256_of(path) == basemodel.SHIPPED_SHA256["toy-small"]
+    entry = torch.load(path, weights_only=True)
+    assert entry["recipe"] == basemodel.recipe_of("toy-small")  # a changed recipe needs a rebuilt file
+    assert entry["built_with"]["criterion_step"] <= MODEL_PRESETS["toy-small"].warmup_steps / 2
+    model = basemodel.load_shipped("toy-small")
+    assert all(torch.equal(p, entry["state_dict"][n]) for n, p in model.state_dict().items())
+
+
+def test_a_damaged_or_missing_shipped_file_is_refused_in_one_line(tmp_path) -> None:
+    damaged = tmp_path / "toy-small.pt"
+    good = basemodel.shipped_path("toy-small").read_bytes()
+    damaged.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])
+    with pytest.raises(basemodel.BaseModelError, match=r"SHA-256 .* is not the recorded") as caught:
+        basemodel.load_shipped("toy-small", damaged)
+    assert "\n" not in str(caught.value)
+    with pytest.raises(basemodel.BaseModelError, match="missing"):
+        basemodel.load_shipped("toy-small", tmp_path / "nothing.pt")
+
+
+def test_an_unknown_base_source_is_refused_at_submit(monkeypatch) -> None:
+    from pdmctl.backends.registry import get_backend
+
+    monkeypatch.setenv("PDMCTL_TOY_BASE", "bogus")
+    with pytest.raises(basemodel.BaseModelError, match="PDMCTL_TOY_BASE: unknown 'bogus'"):
+        basemodel.load_base_model("toy-small")
+    with pytest.raises(ValueError, match="PDMCTL_TOY_BASE"):
+        get_backend("toy").validate({**ToyConfig().__dict__})
 
 
 def test_k_and_the_estimator_change_the_masks_decisions() -> None:
@@ -161,14 +211,25 @@ def test_fp8_e2e_trains_through_fp8_weights_straight_through(base_model) -> None
     assert all(torch.allclose(a, b) for a, b in zip(through_masters, through_fp8, strict=True))
 
 
+def _short_warm_up(monkeypatch: pytest.MonkeyPatch, steps: int = 3) -> None:
+    """A warm-up of `steps` steps in all (the criterion met at the first probe): for the cache's
+    mechanics, which do not depend on what the model learns."""
+    monkeypatch.setenv("PDMCTL_TOY_BASE", "warmup")
+    monkeypatch.setitem(
+        MODEL_PRESETS,
+        "toy-small",
+        dataclasses.replace(
+            MODEL_PRESETS["toy-small"], warmup_criterion=0.0, warmup_check_every=1, warmup_anneal_steps=steps - 1
+        ),
+    )
+
+
 def test_base_model_cache_is_built_once_under_concurrency(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PDMCTL_CACHE", str(tmp_path))
-    monkeypatch.setitem(
-        MODEL_PRESETS, "toy-small", dataclasses.replace(MODEL_PRESETS["toy-small"], warmup_steps=3)
-    )
+    _short_warm_up(monkeypatch)
     builds = []
-    real_warm_up = basemodel.warm_up
-    monkeypatch.setattr(basemodel, "warm_up", lambda name: builds.append(name) or real_warm_up(name))
+    real_warm_up = basemodel.warm_up_with_report
+    monkeypatch.setattr(basemodel, "warm_up_with_report", lambda name: builds.append(name) or real_warm_up(name))
     models: list[torch.nn.Module] = []
     threads = [
         threading.Thread(target=lambda: models.append(basemodel.load_base_model("toy-small")))
@@ -184,22 +245,16 @@ def test_base_model_cache_is_built_once_under_concurrency(tmp_path, monkeypatch)
     first = models[0].state_dict()
     assert all(all(torch.equal(first[k], m.state_dict()[k]) for k in first) for m in models)
     # deterministic: a second build from scratch gives the same weights
-    again = real_warm_up("toy-small").state_dict()
+    again = real_warm_up("toy-small")[0].state_dict()
     assert all(torch.equal(first[k], again[k]) for k in first)
-
-
-def _short_warm_up(monkeypatch: pytest.MonkeyPatch, steps: int = 3) -> None:
-    monkeypatch.setitem(
-        MODEL_PRESETS, "toy-small", dataclasses.replace(MODEL_PRESETS["toy-small"], warmup_steps=steps)
-    )
 
 
 def test_a_stale_or_corrupt_cache_entry_is_rebuilt(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PDMCTL_CACHE", str(tmp_path))
     _short_warm_up(monkeypatch)
     builds = []
-    real_warm_up = basemodel.warm_up
-    monkeypatch.setattr(basemodel, "warm_up", lambda name: builds.append(name) or real_warm_up(name))
+    real_warm_up = basemodel.warm_up_with_report
+    monkeypatch.setattr(basemodel, "warm_up_with_report", lambda name: builds.append(name) or real_warm_up(name))
     path = basemodel.base_model_path("toy-small")
     fresh = basemodel.load_base_model("toy-small").state_dict()
     assert len(builds) == 1
@@ -237,7 +292,9 @@ _WARM_UP_DIGEST = """
 import dataclasses, hashlib, sys, torch
 from pdmctl.backends.toy import MODEL_PRESETS, basemodel
 torch.set_num_threads(int(sys.argv[1]))
-MODEL_PRESETS["toy-small"] = dataclasses.replace(MODEL_PRESETS["toy-small"], warmup_steps=20)
+MODEL_PRESETS["toy-small"] = dataclasses.replace(
+    MODEL_PRESETS["toy-small"], warmup_criterion=0.0, warmup_check_every=1, warmup_anneal_steps=19
+)
 state = basemodel.warm_up("toy-small").state_dict()
 assert torch.get_num_threads() == int(sys.argv[1])
 print(hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state))).hexdigest())
@@ -254,9 +311,10 @@ def test_the_warm_up_gives_the_same_weights_on_one_and_two_threads() -> None:
     assert digests[1] == digests[2] and len(digests[1].strip()) == 64
 
 
-def test_the_warm_up_gives_the_same_weights_with_one_and_two_threads() -> None:
-    """The base model is the same on every machine: built by a caller on 1 thread or on 2, the
+def test_the_warm_up_gives_the_same_weights_with_one_and_two_threads(monkeypatch) -> None:
+    """The warm-up is the same on every machine's core count: built by a caller on 1 thread or on 2, the
     weights are equal bit for bit (the cache key cannot tell those apart, so they must not differ)."""
+    _short_warm_up(monkeypatch, steps=30)
     threads = torch.get_num_threads()
     built = []
     try:

@@ -70,9 +70,14 @@ def _toy_defaults() -> dict[str, Any]:
 
 
 def _toy_validate(flat: Mapping[str, Any]) -> None:
-    from pdmctl.backends.toy import ToyConfig
+    from pdmctl.backends.toy import ToyConfig, basemodel
 
-    ToyConfig.from_mapping(flat)
+    cfg = ToyConfig.from_mapping(flat)
+    try:  # the base model every job would start from: a bad source or a damaged file fails here, not in 8 jobs
+        if basemodel.base_source() == "shipped":
+            basemodel.check_shipped(cfg.model)
+    except basemodel.BaseModelError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _toy_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mapping[str, float]:

@@ -1,20 +1,29 @@
-"""The base model: a short, deterministic supervised warm-up, cached on disk by its preset.
+"""The base model: weights shipped with the package, and the warm-up that makes them.
 
-The warm-up is stopped early on purpose, so that held-out avg@16 starts low
-but not at zero and RL has something to sharpen. The forms of the answer's first
-digit give that position a long tail (task.py), and label smoothing keeps a
-little mass on the whole vocabulary everywhere: the tails the masks must see.
+Every run starts from the same base on every machine: the weights of each preset
+are a small file in the package (`weights/<preset>.pt`, about 1.2 MB), checked
+against the SHA-256 digest recorded here before use. The warm-up that wrote them
+is the documented way to rebuild them (`python -m
+pdmctl.backends.toy.rebuild_base`), and `PDMCTL_TOY_BASE=warmup` makes every run use a base rebuilt on this
+machine instead (CI runs the testbed's tests that way under other CPU kernels).
 
-The cache is shared by every run on the machine: eight jobs may ask for the
-same base model at once, so one builds it under an exclusive file lock while
-the others wait, and the file appears by an atomic rename, whole or not at all.
+Why ship weights: a fixed-length warm-up was stopped where rounding decided the
+outcome. The second answer digit is learned in a sudden transition whose step
+moves by hundreds of steps with the CPU's summation order (AVX-512, AVX2 or
+scalar kernels), so the same code gave a base scoring 0.06 on one machine and
+0.45 on another. The warm-up now trains to a criterion (both answer digits
+greedy-correct on a probe set of training problems), then anneals the learning
+rate to 0, so its outcome is the recipe's converged model on any machine; and
+the shipped file makes it the same model bit for bit (docs/TESTBED.md).
 
-The cache key is everything that decides the weights: the preset, the source
-of the modules that build and train the model (this one, `model`, `task`) and
-the torch version. A base built by other code therefore gets another file
-instead of being reused, and an entry that does not load, or whose recorded key
-is not the one asked for, is rebuilt. The warm-up runs on one thread so the
-weights do not depend on the machine's core count.
+A rebuilt base is cached on disk (`PDMCTL_CACHE`), shared by every run on the
+machine: eight jobs may ask for it at once, so one builds it under an exclusive
+file lock while the others wait, and the file appears by an atomic rename. Its
+cache key is everything that decides the weights: the preset, the source of the
+modules that build and train the model (this one, `model`, `task`) and the torch
+version; an entry that does not load, or whose recorded key is not the one asked
+for, is rebuilt. The warm-up runs on one thread so the weights do not depend on
+the machine's core count.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,10 +43,117 @@ import torch.nn.functional as F
 
 from pdmctl.backends.toy import model as model_module
 from pdmctl.backends.toy import task as task_module
-from pdmctl.backends.toy.model import MODEL_PRESETS, TinyTransformer, build_model
-from pdmctl.backends.toy.task import FREE_LEN, demonstrations, is_careful, sample_train, sample_words
+from pdmctl.backends.toy.model import MODEL_PRESETS, ModelPreset, TinyTransformer, build_model
+from pdmctl.backends.toy.task import (
+    FREE_LEN,
+    VARIANTS,
+    demonstrations,
+    form,
+    is_careful,
+    sample_train,
+    sample_words,
+)
 
 _CODE = (Path(__file__), Path(model_module.__file__), Path(task_module.__file__))  # what the warm-up runs
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+SHIPPED_FORMAT = 1
+# The digest of each shipped file: a file that does not match (damaged, or replaced without updating
+# this line) is refused, never trained from.
+SHIPPED_SHA256 = {
+    "toy-small": "4872ae51c589ab9e0d35b260eb74c151fbfe64129f7695bf7bf5a6201bb9d71f",
+}
+SOURCES = ("shipped", "warmup")  # PDMCTL_TOY_BASE
+PROBE_SIZE = 1024
+
+
+class BaseModelError(RuntimeError):
+    """The base model cannot be had: a damaged shipped file, an unknown source, a warm-up that failed."""
+
+
+def base_source() -> str:
+    source = os.environ.get("PDMCTL_TOY_BASE", "").strip() or "shipped"
+    if source not in SOURCES:
+        raise BaseModelError(f"PDMCTL_TOY_BASE: unknown {source!r}; choose from {', '.join(SOURCES)}")
+    return source
+
+
+def load_base_model(preset_name: str) -> TinyTransformer:
+    """The base model of a preset: the shipped weights, or (PDMCTL_TOY_BASE=warmup) the warm-up's."""
+    if base_source() == "shipped":
+        return load_shipped(preset_name)
+    return load_warmed_up(preset_name)
+
+
+# ---------------------------------------------------------------------------
+# The shipped weights
+# ---------------------------------------------------------------------------
+
+
+def shipped_path(preset_name: str) -> Path:
+    return WEIGHTS_DIR / f"{preset_name}.pt"
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def recipe_of(preset_name: str) -> dict:
+    """What decides a base model's weights, as the shipped file records it."""
+    return {"preset": preset_name, **dataclasses.asdict(MODEL_PRESETS[preset_name])}
+
+
+def check_shipped(preset_name: str, path: Path | None = None) -> Path:
+    """The shipped file of a preset, its digest checked; BaseModelError in one line if it is not the one."""
+    path = path or shipped_path(preset_name)
+    expected = SHIPPED_SHA256.get(preset_name)
+    if not path.is_file():
+        raise BaseModelError(f"{path}: the shipped base model of {preset_name!r} is missing; reinstall pdmctl")
+    digest = sha256_of(path)
+    if digest != expected:
+        raise BaseModelError(
+            f"{path}: SHA-256 {digest[:12]}… is not the recorded {str(expected)[:12]}…: the shipped base "
+            "model is damaged or was replaced; reinstall pdmctl, or rebuild it with "
+            "`python -m pdmctl.backends.toy.rebuild_base`"
+        )
+    return path
+
+
+def load_shipped(preset_name: str, path: Path | None = None) -> TinyTransformer:
+    path = check_shipped(preset_name, path)
+    entry = torch.load(path, weights_only=True)
+    if entry.get("recipe") != recipe_of(preset_name):
+        raise BaseModelError(
+            f"{path}: written by another warm-up recipe than {preset_name!r}'s; rebuild it with "
+            "`python -m pdmctl.backends.toy.rebuild_base`"
+        )
+    model = TinyTransformer(MODEL_PRESETS[preset_name])
+    model.load_state_dict(entry["state_dict"])
+    return model
+
+
+def write_shipped(preset_name: str) -> tuple[Path, str, WarmUpReport]:
+    """Run the warm-up and write its weights as the shipped file; its path, digest and report."""
+    model, report = warm_up_with_report(preset_name)
+    path = shipped_path(preset_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entry = {
+        "format": SHIPPED_FORMAT,
+        "recipe": recipe_of(preset_name),
+        "built_with": {
+            "torch": str(torch.__version__),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            **dataclasses.asdict(report),
+        },
+        "state_dict": model.state_dict(),
+    }
+    save_atomically(entry, path)
+    path.chmod(0o644)  # a package file, not a private temporary one
+    return path, sha256_of(path), report
+
+
+# ---------------------------------------------------------------------------
+# The warm-up, and its cache
+# ---------------------------------------------------------------------------
 
 
 def cache_dir() -> Path:
@@ -46,8 +163,7 @@ def cache_dir() -> Path:
 def cache_key(preset_name: str) -> str:
     """A digest of everything that decides the base model's weights."""
     digest = hashlib.sha256()
-    preset = {"preset": preset_name, **dataclasses.asdict(MODEL_PRESETS[preset_name])}
-    digest.update(json.dumps(preset, sort_keys=True).encode())
+    digest.update(json.dumps(recipe_of(preset_name), sort_keys=True).encode())
     digest.update(torch.__version__.encode())
     for source in _CODE:
         digest.update(source.read_bytes())
@@ -58,8 +174,8 @@ def base_model_path(preset_name: str) -> Path:
     return cache_dir() / f"{preset_name}-{cache_key(preset_name)}.pt"
 
 
-def load_base_model(preset_name: str) -> TinyTransformer:
-    """The base model of a preset, built on first use and rebuilt when its entry is stale or corrupt."""
+def load_warmed_up(preset_name: str) -> TinyTransformer:
+    """The warm-up's model of a preset, built on first use and rebuilt when its entry is stale or corrupt."""
     key, path = cache_key(preset_name), base_model_path(preset_name)
     model = _load(path, preset_name, key)
     if model is None:
@@ -68,9 +184,20 @@ def load_base_model(preset_name: str) -> TinyTransformer:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
             model = _load(path, preset_name, key)  # another process may have built it while we waited
             if model is None:
-                model = warm_up(preset_name)
-                save_atomically({"key": key, "state_dict": model.state_dict()}, path)
+                model, report = warm_up_with_report(preset_name)
+                save_atomically(
+                    {"key": key, "state_dict": model.state_dict(), "report": dataclasses.asdict(report)}, path
+                )
     return model
+
+
+def cached_warm_up_report(preset_name: str) -> WarmUpReport | None:
+    """How the cached warm-up of a preset went (None when there is none, or it predates reports)."""
+    try:
+        entry = torch.load(base_model_path(preset_name), weights_only=True)
+        return WarmUpReport(**entry["report"])
+    except Exception:
+        return None
 
 
 def _load(path: Path, preset_name: str, key: str) -> TinyTransformer | None:
@@ -88,9 +215,23 @@ def _load(path: Path, preset_name: str, key: str) -> TinyTransformer | None:
     return model
 
 
+@dataclass(frozen=True)
+class WarmUpReport:
+    criterion_step: int  # the step at which the probe first met the criterion (phase 1's end)
+    steps: int  # all steps, the anneal included
+    first_digit_accuracy: float  # the probe's greedy accuracies at the end
+    second_digit_accuracy: float
+
+
 def warm_up(
     preset_name: str, on_step: Callable[[int, TinyTransformer], None] | None = None
 ) -> TinyTransformer:
+    return warm_up_with_report(preset_name, on_step)[0]
+
+
+def warm_up_with_report(
+    preset_name: str, on_step: Callable[[int, TinyTransformer], None] | None = None
+) -> tuple[TinyTransformer, WarmUpReport]:
     """Supervised training on noisy demonstrations (task.demonstrations): a Zipf-drawn word, then
     the answer, its first digit in a Zipf-drawn form.
 
@@ -100,6 +241,12 @@ def warm_up(
     learns the right answer as its mode but puts real mass on other digits:
     its samples at temperature 1.0 are often wrong, and RL gains by choosing
     words and sharpening digits, as it does for an LLM.
+
+    Phase 1 trains at a constant learning rate until the greedy answer of both
+    digits is right on `warmup_criterion` of a fixed probe set of training
+    problems (checked every `warmup_check_every` steps; BaseModelError past
+    `warmup_steps`); phase 2 decays the learning rate linearly to 0 over
+    `warmup_anneal_steps`, so the model settles where the label noise puts it.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a multi-threaded reduction may sum in another order: other weights
@@ -109,36 +256,94 @@ def warm_up(
         torch.set_num_threads(threads)
 
 
-def _warm_up(preset_name: str, on_step: Callable[[int, TinyTransformer], None] | None) -> TinyTransformer:
+def _warm_up(
+    preset_name: str, on_step: Callable[[int, TinyTransformer], None] | None
+) -> tuple[TinyTransformer, WarmUpReport]:
     preset = MODEL_PRESETS[preset_name]
     model = build_model(preset, preset.warmup_seed)
     generator = torch.Generator().manual_seed(preset.warmup_seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=preset.warmup_lr)
-    for step in range(preset.warmup_steps):
-        problems = sample_train(preset.warmup_batch, generator)
-        words = sample_words(len(problems), generator)
-        is_digit = problems.answers < 10
-        noise = torch.full(is_digit.shape, preset.label_noise)
-        noise[:, 0] = torch.where(is_careful(words), preset.careful_lead_label_noise, preset.lead_label_noise)
-        noisy = is_digit & (torch.rand(is_digit.shape, generator=generator) < noise)
-        random_digits = torch.randint(10, is_digit.shape, generator=generator)
-        targets = demonstrations(words, torch.where(noisy, random_digits, problems.answers), generator)
-        tokens = torch.cat([problems.prompts, targets], dim=1)
-        logits = model(tokens[:, :-1], last=targets.shape[1])  # the positions that predict the answer
-        in_answer = torch.arange(targets.shape[1]) < FREE_LEN + problems.answer_lens.unsqueeze(1)
-        token_loss = F.cross_entropy(
-            logits.reshape(-1, preset.vocab_size),
-            targets.reshape(-1),
-            label_smoothing=preset.label_smoothing,
-            reduction="none",
-        )
-        loss = (token_loss * in_answer.reshape(-1)).sum() / in_answer.sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    probe = _probe_set(preset)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=preset.warmup_lr, weight_decay=preset.warmup_weight_decay)
+    step, criterion_step = 0, None
+    while criterion_step is None:
+        if step >= preset.warmup_steps:
+            first, second = probe_accuracy(model, probe)
+            raise BaseModelError(
+                f"{preset_name}: the warm-up did not reach its criterion ({preset.warmup_criterion:.0%} greedy-"
+                f"correct answer digits) in {preset.warmup_steps} steps: first digit {first:.1%}, second "
+                f"{second:.1%}"
+            )
+        _warm_up_step(model, optimizer, preset, generator)
+        step += 1
         if on_step is not None:
-            on_step(step + 1, model)
-    return model
+            on_step(step, model)
+        if step % preset.warmup_check_every == 0 and min(probe_accuracy(model, probe)) >= preset.warmup_criterion:
+            criterion_step = step
+    for i in range(preset.warmup_anneal_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = preset.warmup_lr * (1 - i / preset.warmup_anneal_steps)
+        _warm_up_step(model, optimizer, preset, generator)
+        step += 1
+        if on_step is not None:
+            on_step(step, model)
+    first, second = probe_accuracy(model, probe)
+    return model, WarmUpReport(criterion_step, step, first, second)
+
+
+def _warm_up_step(
+    model: TinyTransformer, optimizer: torch.optim.Optimizer, preset: ModelPreset, generator: torch.Generator
+) -> None:
+    problems = sample_train(preset.warmup_batch, generator)
+    words = sample_words(len(problems), generator)
+    is_digit = problems.answers < 10
+    noise = torch.full(is_digit.shape, preset.label_noise)
+    noise[:, 0] = torch.where(is_careful(words), preset.careful_lead_label_noise, preset.lead_label_noise)
+    noisy = is_digit & (torch.rand(is_digit.shape, generator=generator) < noise)
+    random_digits = torch.randint(10, is_digit.shape, generator=generator)
+    targets = demonstrations(words, torch.where(noisy, random_digits, problems.answers), generator)
+    tokens = torch.cat([problems.prompts, targets], dim=1)
+    logits = model(tokens[:, :-1], last=targets.shape[1])  # the positions that predict the answer
+    in_answer = torch.arange(targets.shape[1]) < FREE_LEN + problems.answer_lens.unsqueeze(1)
+    token_loss = F.cross_entropy(
+        logits.reshape(-1, preset.vocab_size),
+        targets.reshape(-1),
+        label_smoothing=preset.label_smoothing,
+        reduction="none",
+    )
+    loss = (token_loss * in_answer.reshape(-1)).sum() / in_answer.sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+@dataclass(frozen=True)
+class _Probe:
+    tokens: torch.Tensor  # long [N, P + 3]: prompt, word, the plain first digit, the second digit
+    answers: torch.Tensor  # long [N, 2]
+
+
+def _probe_set(preset: ModelPreset) -> _Probe:
+    """A fixed set of training problems (a generator of its own: the training stream is unchanged),
+    each behind a Zipf-drawn word, answered correctly: what the probe reads the greedy answer from."""
+    generator = torch.Generator().manual_seed(preset.warmup_seed + 1_000_003)
+    problems = sample_train(PROBE_SIZE, generator)
+    words = sample_words(PROBE_SIZE, generator)
+    answers = problems.answers[:, :2]
+    tokens = torch.cat([problems.prompts, words.unsqueeze(1), answers], dim=1)
+    return _Probe(tokens, answers)
+
+
+@torch.no_grad()
+def probe_accuracy(model: TinyTransformer, probe: _Probe) -> tuple[float, float]:
+    """Greedy accuracy on the probe of the first digit (the digit whose forms hold the most mass,
+    teacher-forced after the word) and of the second (the most likely token after the right first)."""
+    logits = model(probe.tokens[:, :-1], last=2)  # predicting the first digit, then the second
+    probs = logits[:, 0].softmax(-1)
+    forms = form(torch.arange(10).unsqueeze(1), torch.arange(VARIANTS).unsqueeze(0))  # [10, VARIANTS]
+    by_digit = probs[:, forms.reshape(-1)].view(-1, 10, VARIANTS).sum(-1)
+    first = (by_digit.argmax(-1) == probe.answers[:, 0]).float().mean()
+    second = (logits[:, 1].argmax(-1) == probe.answers[:, 1]).float().mean()
+    return float(first), float(second)
 
 
 def save_atomically(obj: object, path: Path) -> None:
