@@ -33,7 +33,7 @@ from pdmctl.report.stats import (
     values_at,
     welch_interval,
 )
-from pdmctl.report.tables import comparison_csv, excluded_table, results_csv, results_table
+from pdmctl.report.tables import comparison_csv, excluded_table, results_csv, results_table, seeds_csv
 from pdmctl.report.write import write_report
 
 sys.path.insert(0, str(Path(__file__).parent))  # the synthetic-sweep helpers beside this file
@@ -278,8 +278,15 @@ def test_partial_sweep_one_seed_rows_and_nan_metrics(store: str, tmp_path: Path)
     excluded = excluded_table(report)
     assert {r[-3] for r in excluded.rows} == {"failed", "finished"}
     written = write_report(report, tmp_path / "out")
-    assert {p.name for p in written} >= {"index.html", "results.md", "results.csv", "results.tex", "comparison.csv"}
+    assert {p.name for p in written} >= {"index.html", "results.md", "results.csv", "results.tex", "comparison.csv",
+                                         "seeds.csv"}  # fmt: skip
     assert "[n/a]" in (tmp_path / "out" / "results.md").read_text()
+    # seeds.csv: the value behind each mean, one line per row and seed; the table's means are theirs
+    per_seed = list(csv.DictReader(io.StringIO(seeds_csv(report))))
+    agg = [r for r in per_seed if r["mask"] == "pdm_agg"]
+    assert [r["seed"] for r in agg] == ["0", "1"]
+    assert sum(float(r["AIME24 (%)"]) for r in agg) / 2 == pytest.approx(100 * by_mask["pdm_agg"].cells["AIME24"].mean)
+    assert len(per_seed) == sum(len(r.seeds) for r in report.rows)
 
 
 def test_rows_split_by_varying_delta_k_and_other_fields(store: str) -> None:
@@ -397,7 +404,7 @@ def test_report_command_writes_every_output_and_rejects_mistakes_in_one_line(sto
     out = tmp_path / "reports" / "cli"
     assert "avg@16 (cli)" in result.output and "vs dppo_topk_kl" in result.output
     names = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
-    assert names == {"index.html", "results.md", "results.csv", "results.tex", "comparison.csv",
+    assert names == {"index.html", "results.md", "results.csv", "results.tex", "comparison.csv", "seeds.csv",
                      "figures/curves_toy-small_bf16.png", "figures/dynamics_toy-small_bf16.png"}  # fmt: skip
     tex = (out / "results.tex").read_text()
     assert r"\toprule" in tex and r"\midrule" in tex and r"\bottomrule" in tex and "dppo\\_topk\\_kl" in tex

@@ -87,7 +87,7 @@ def _assert_in_the_band(model: torch.nn.Module) -> None:
     assert profile.topk_mass_mean[50] - profile.topk_mass_mean[10] > 0.05  # K = 10 and 50 see different mass
     assert 0.3 < profile.high_entropy_share < 0.7, profile.high_entropy_share
     problems, rollout = _sample(model, "bf16", k=10)
-    assert 0.35 <= float(task.score(problems, rollout.sampled_ids).mean()) <= 0.75
+    assert 0.5 <= float(task.score(problems, rollout.sampled_ids).mean()) <= 0.75
 
 
 def test_base_model_has_an_llm_like_tail_and_a_middling_score(base_model) -> None:

@@ -27,6 +27,7 @@ class TableRow:
     seeds: tuple[int, ...]
     cells: dict[str, Estimate]  # column label (and the average's) -> mean over seeds with its interval
     two_level: dict[str, bool] = field(default_factory=dict)  # column label -> seeds and problems resampled
+    per_seed: dict[str, tuple[float, ...]] = field(default_factory=dict)  # column label -> the value of each seed
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,9 @@ def table_rows(data: Collected, definition: Definition, labels: Sequence[str]) -
         values = [_run_values(p, labels, definition.average) for p in data.by_row[row]]
         samples += [[v[label] for v in values] for label in labels]
     estimates = iter(intervals.seed_intervals(samples, definition.confidence))
-    return [TableRow(row, tuple(p.seed for p in data.by_row[row]), {label: next(estimates) for label in labels})
+    per_seed = iter(samples)
+    return [TableRow(row, tuple(p.seed for p in data.by_row[row]), {label: next(estimates) for label in labels},
+                     per_seed={label: tuple(next(per_seed)) for label in labels})
             for row in data.rows]  # fmt: skip
 
 
@@ -137,7 +140,7 @@ def with_two_level(row: TableRow, points: list[RunPoint], uri: str, definition: 
             estimate = resample.two_level_interval(parts, definition.confidence)
             cells[label] = Estimate(row.cells[label].mean, estimate.n, estimate.interval)
             flags[label] = True
-    return TableRow(row.row, row.seeds, cells, flags)
+    return TableRow(row.row, row.seeds, cells, flags, row.per_seed)
 
 
 def _per_problem(points: list[RunPoint], label: str, uri: str) -> np.ndarray | None:

@@ -239,6 +239,20 @@ def results_csv(report: Report) -> str:
     return buf.getvalue()
 
 
+def seeds_csv(report: Report) -> str:
+    """The value behind every mean of the table: one line per row and seed (what a reader needs to
+    check the table, or to compare a re-run seed by seed)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["setting", "mask", *report.dims, "seed", *(f"{label} (%)" for label in report.labels)])
+    for r in report.rows:
+        for i, seed in enumerate(r.seeds):
+            values = [r.per_seed[label][i] for label in report.labels] if r.per_seed else []
+            writer.writerow([r.row.setting, r.row.mask, *(r.row.dim(d) for d in report.dims), seed,
+                             *(f"{100 * v:.4f}" for v in values)])  # fmt: skip
+    return buf.getvalue()
+
+
 def comparison_csv(report: Report) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf)

@@ -20,6 +20,7 @@ from pdmctl.report.tables import (
     excluded_table,
     results_csv,
     results_table,
+    seeds_csv,
     to_html,
     to_latex,
     to_markdown,
@@ -99,6 +100,7 @@ def write_report(report: Report, out_dir: Path) -> list[Path]:
     for fig in figs:
         put(f"figures/{fig.name}", fig.png)
     put("results.csv", results_csv(report))
+    put("seeds.csv", seeds_csv(report))
     put("comparison.csv", comparison_csv(report))
     put("results.md", markdown_page(report, grids, figs))
     put("results.tex", "\n".join(to_latex(t) for t in grids))
