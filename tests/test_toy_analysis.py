@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import torch
 from rich.console import Console
 
 from pdmctl.backends.toy import ToyConfig
@@ -52,3 +53,40 @@ def test_analysis_reports_each_estimator_against_the_ratio_criterion() -> None:
 def test_analysis_is_reproducible() -> None:
     cfg = ToyConfig(prompts_per_step=32)
     assert run_analysis(cfg, [3]).to_json() == run_analysis(cfg, [3]).to_json()
+
+
+def test_every_criterion_starts_from_the_same_weights_and_optimizer_state(monkeypatch) -> None:
+    """Issue 19 item 1: each criterion's update starts bit for bit from the stale learner's weights and Adam
+    state (restoring the optimizer from the snapshot itself let Adam advance the snapshot: step 7, 8, 9, 10)."""
+    from pdmctl.backends.toy.trainer import Learner
+
+    starts: list[tuple[dict, dict]] = []
+    update = Learner.update
+
+    def recording_update(self, batch, advantages, cfg):
+        weights = {k: v.clone() for k, v in self.policy.state_dict().items()}
+        state = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                 for i, s in self.optimizer.state_dict()["state"].items()}  # fmt: skip
+        starts.append((weights, state))
+        return update(self, batch, advantages, cfg)
+
+    monkeypatch.setattr(Learner, "update", recording_update)
+    cfg = ToyConfig(prompts_per_step=16)
+    run_analysis(cfg, [5])
+    criteria = starts[
+        cfg.minibatches - 1 :
+    ]  # after the stale mini-batch updates: dppo, then pdm per estimator
+    assert len(criteria) == 1 + len(ESTIMATORS)
+    first_weights, first_state = criteria[0]
+    assert first_state and all(int(s["step"]) == cfg.minibatches - 1 for s in first_state.values())
+    for weights, state in criteria[1:]:
+        assert weights.keys() == first_weights.keys() and state.keys() == first_state.keys()
+        assert all(torch.equal(weights[k], first_weights[k]) for k in weights)
+        for i, s in state.items():
+            assert s.keys() == first_state[i].keys()
+            for k, v in s.items():
+                assert (
+                    torch.equal(v, first_state[i][k])
+                    if isinstance(v, torch.Tensor)
+                    else v == first_state[i][k]
+                )

@@ -130,10 +130,14 @@ def _estimator_differences(comparisons: list[Comparison], level: float = 0.95) -
         for first, second in ESTIMATOR_PAIRS:
             pairs = [
                 (a, b)
-                for a, b in zip(getattr(by_estimator[first], field), getattr(by_estimator[second], field), strict=True)
+                for a, b in zip(
+                    getattr(by_estimator[first], field), getattr(by_estimator[second], field), strict=True
+                )
                 if a is not None and b is not None
             ]
-            estimate = paired_difference([a for a, _ in pairs], [b for _, b in pairs], level) if pairs else None
+            estimate = (
+                paired_difference([a for a, _ in pairs], [b for _, b in pairs], level) if pairs else None
+            )
             interval = estimate.interval if estimate is not None else None
             found.append(
                 EstimatorDifference(
@@ -170,11 +174,10 @@ def _analyse_seed(cfg: ToyConfig) -> tuple[int, int, dict[str, _SeedTokens]]:
     outside = pre["agg"].out_of_region & response
     ratio_keep = advantages.unsqueeze(1) * (pre["agg"].ratio - 1) <= 0
 
-    start = (copy.deepcopy(learner.policy.state_dict()), copy.deepcopy(learner.optimizer.state_dict()))
+    start = snapshot(learner)
 
     def delta_d_after(criterion: ToyConfig) -> torch.Tensor:
-        learner.policy.load_state_dict(start[0])
-        learner.optimizer.load_state_dict(start[1])
+        restore(learner, start)
         learner.update(batch, advantages, criterion)
         return diagnostics(learner, batch, advantages, cfg, "agg").divergence - d_pre
 
@@ -190,6 +193,30 @@ def _analyse_seed(cfg: ToyConfig) -> tuple[int, int, dict[str, _SeedTokens]]:
             disagreements=int(disagree.sum()),
         )
     return int(response.sum()), int(outside.sum()), found
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The weights and the optimizer state every criterion's update starts from."""
+
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, object]
+
+
+def snapshot(learner: Learner) -> Snapshot:
+    return Snapshot(copy.deepcopy(learner.policy.state_dict()), copy.deepcopy(learner.optimizer.state_dict()))
+
+
+def restore(learner: Learner, start: Snapshot) -> None:
+    """Put the learner back to `start`, bit for bit, leaving `start` as it was.
+
+    `Module.load_state_dict` copies into the parameters, but `Optimizer.load_state_dict` keeps the
+    tensors it is given (same dtype and device) and Adam then updates them in place: restoring
+    `start.optimizer` itself would let every update move the snapshot on (issue 19: the ratio update
+    started at Adam step 7, the next criterion at step 8 with the ratio update in its momentum). So
+    the optimizer gets a copy of the snapshot at each use."""
+    learner.policy.load_state_dict(start.weights)
+    learner.optimizer.load_state_dict(copy.deepcopy(start.optimizer))
 
 
 def diagnostics(
