@@ -156,10 +156,14 @@ def _analysis_result(data: dict):
     def criterion(values: dict) -> CriterionStats:  # written before per-seed corrective rates: none
         return CriterionStats(**{"corrective_per_seed": [], **values})
 
-    comparisons = [Comparison(**{**c, "ratio": criterion(c["ratio"]), "predictive": criterion(c["predictive"])})
-                   for c in data["comparisons"]]  # fmt: skip
+    def comparison(c: dict) -> Comparison:
+        return Comparison(**{**c, "ratio": criterion(c["ratio"]), "predictive": criterion(c["predictive"])})
+
+    comparisons = [comparison(c) for c in data["comparisons"]]
     differences = [EstimatorDifference(**d) for d in data.get("estimator_differences", [])]
-    return AnalysisResult(**{**data, "comparisons": comparisons, "estimator_differences": differences})
+    by_protocol = {p: [comparison(c) for c in cs] for p, cs in data.get("protocol_comparisons", {}).items()}
+    return AnalysisResult(**{**data, "comparisons": comparisons, "estimator_differences": differences,
+                             "protocol_comparisons": by_protocol})  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
