@@ -335,6 +335,14 @@ def analyze(
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Also write the result as JSON here.")
     ] = None,
+    protocols: Annotated[
+        str,
+        typer.Option(
+            help="How the update that ΔD measures is taken, comma-separated; the first is the main table's, "
+            "the others are printed beside it: carried (the Adam state the stale mini-batches left), "
+            "fresh-adam, sgd (see docs/MATH.md)."
+        ),
+    ] = "carried,fresh-adam,sgd",
 ) -> None:
     """The token-level direction analysis (MATH.md): ratio vs predictive direction, on the CPU testbed."""
     from pdmctl import grid
@@ -347,13 +355,25 @@ def analyze(
         if spec.backend != "toy":
             fail("analyze: runs on the CPU testbed (backend=toy)")
         from pdmctl.backends.toy import ToyConfig
-        from pdmctl.backends.toy.analysis import render_analysis_table, render_difference_table, run_analysis
+        from pdmctl.backends.toy.analysis import (
+            PROTOCOLS,
+            render_analysis_table,
+            render_difference_table,
+            render_protocol_table,
+            run_analysis,
+        )
 
+        chosen = tuple(p.strip() for p in protocols.split(",") if p.strip())
+        unknown = [p for p in chosen if p not in PROTOCOLS]
+        if unknown or not chosen or len(set(chosen)) != len(chosen):
+            fail(f"--protocols: {protocols!r}: name each of {', '.join(PROTOCOLS)} at most once")
         cfg = ToyConfig.from_mapping(flat_config(spec.config))
     with console.status(f"analysing {seeds} seed(s) ..."):
-        result = run_analysis(cfg, list(range(first_seed, first_seed + seeds)))
+        result = run_analysis(cfg, list(range(first_seed, first_seed + seeds)), chosen)
     console.print(render_analysis_table(result))
     console.print(render_difference_table(result))
+    if len(chosen) > 1:
+        console.print(render_protocol_table(result))
     if json_out is not None:
         json_out.write_text(result.to_json())
         console.print(f"wrote {json_out}", highlight=False)

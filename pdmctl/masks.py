@@ -72,7 +72,7 @@ class Support:
 class DivergenceFamily:
     name: str
     divergence: Callable[[Support], torch.Tensor]  # D, [N]
-    ddot: Callable[[Support, torch.Tensor, torch.Tensor], torch.Tensor]  # (support, q_tail, q) -> Ḋ, [N]
+    ddot: Callable[[Support, torch.Tensor], torch.Tensor]  # (support, q_tail) -> Ḋ, [N]
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class MaskInputs:
     ratio: torch.Tensor
     divergence: torch.Tensor | None
     ddot: torch.Tensor | None
-    delta: torch.Tensor  # δ_high where A > 0, δ_low where A < 0
+    delta: torch.Tensor  # δ_high where A ≥ 0 (A = 0 included: MATH.md, "At A = 0"), δ_low where A < 0
     eps_low: float
     eps_high: float
 
@@ -118,7 +118,7 @@ METHODS: dict[str, MethodSpec] = {}
 AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
 
 
-def register_family(name: str, ddot: Callable[[Support, torch.Tensor, torch.Tensor], torch.Tensor]):
+def register_family(name: str, ddot: Callable[[Support, torch.Tensor], torch.Tensor]):
     def wrap(fn: Callable[[Support], torch.Tensor]) -> Callable[[Support], torch.Tensor]:
         FAMILIES[name] = DivergenceFamily(name, fn, ddot)
         return fn
@@ -162,33 +162,43 @@ def register_aggregation(name: str):
 
 
 def ddot_from_gradient(
-    s: Support, g: torch.Tensor, g_tail: torch.Tensor, q_tail: torch.Tensor, q: torch.Tensor
+    s: Support, g: torch.Tensor, g_tail: torch.Tensor, q_tail: torch.Tensor
 ) -> torch.Tensor:
-    """MATH.md, for any D that sees the unseen tokens only through π_tail:
+    """MATH.md, for any D that sees the unseen tokens only through π_tail (gradient g_i on S, g_tail):
 
-    Ḋ = g_k π_k − Σ_S g_i π_i² − g_tail Q_tail − (π_k − Q)(Σ_S g_i π_i + g_tail π_tail)
+    Ḋ = Σ_S (g_i − g_tail) π_i w_i,   w_i = 1[i=k] − π_i − ⟨π, v⟩ = dπ_i/dη / π_i
+
+    (the tail's own change is −Σ_S dπ_i, so g_tail enters only as the offset). Every quantity is a sum
+    of positive terms: 1 − π_k = π_tail + Σ_{S∖k} π_i, Q − π_k² = Σ_{S∖k} π_i² + Q_tail, so
+    ⟨π, v⟩ = π_k (1 − π_k) − (Q − π_k²), w_k = (1 − π_k)² + Q − π_k², w_i = −π_i − ⟨π, v⟩ (i ≠ k).
+    No term of size 1 cancels, so Ḋ keeps its sign when it is of the size of π_k ≪ 1e-16 (binary TV).
     """
-    g = torch.where(s.valid, g, torch.zeros_like(g))
-    g_k = (g * s.is_k).sum(-1)
-    sum_g_pi2 = (g * s.pi * s.pi).sum(-1)
-    sum_g_pi = (g * s.pi).sum(-1) + g_tail * s.pi_tail
-    return g_k * s.pi_k - sum_g_pi2 - g_tail * q_tail - (s.pi_k - q) * sum_g_pi
+    others = s.valid & ~s.is_k
+    rest = s.pi_tail + (s.pi * others).sum(-1)  # 1 − π_k
+    q_rest = (s.pi * s.pi * others).sum(-1) + q_tail  # Q − π_k²
+    pi_dot_v = s.pi_k * rest - q_rest  # ⟨π, v⟩ = π_k − Q
+    w = torch.where(s.is_k, (rest * rest + q_rest)[:, None], -s.pi - pi_dot_v[:, None])
+    h = torch.where(s.valid, (g - g_tail[:, None]) * s.pi, torch.zeros_like(s.pi))
+    return (h * w).sum(-1)
 
 
-def _ddot_kl(s: Support, q_tail: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    # Ḋ_KL = (π_k − μ_k) + Σ_S π_i (μ_i − π_i) + Q_tail (μ_tail/π_tail − 1)
-    # (the general formula with g_i = −μ_i/π_i, simplified so that no π_i is divided by)
-    local = s.pi_k - s.mu_k
-    coupling = (s.pi * (s.mu - s.pi)).sum(-1)
-    tail = q_tail * (s.mu_tail / s.pi_tail - 1.0)
+def _ddot_kl(s: Support, q_tail: torch.Tensor) -> torch.Tensor:
+    # Ḋ_KL = (μ_tot π_k − μ_k) + Σ_S π_i (μ_i − μ_tot π_i) + Q_tail (μ_tail/π_tail − μ_tot),  μ_tot = Σ_S μ_i + μ_tail
+    # (the general formula with g_i = −μ_i/π_i, simplified so that no π_i is divided by). μ_tot is 1
+    # unless the rollout's top-K sums above 1 (rounded log-probabilities) and μ_tail is clamped to ε:
+    # then this is still the derivative of the D that is thresholded, with that clamped μ_tail.
+    mu_total = s.mu.sum(-1) + s.mu_tail
+    local = mu_total * s.pi_k - s.mu_k
+    coupling = (s.pi * (s.mu - mu_total[:, None] * s.pi)).sum(-1)
+    tail = q_tail * (s.mu_tail / s.pi_tail - mu_total)
     return local + coupling + tail
 
 
-def _ddot_tv(s: Support, q_tail: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def _ddot_tv(s: Support, q_tail: torch.Tensor) -> torch.Tensor:
     # g_i = ½ sign(π_i − μ_i), g_tail = ½ sign(π_tail − μ_tail)
     g = 0.5 * torch.sign(s.pi - s.mu)
     g_tail = 0.5 * torch.sign(s.pi_tail - s.mu_tail)
-    return ddot_from_gradient(s, g, g_tail, q_tail, q)
+    return ddot_from_gradient(s, g, g_tail, q_tail)
 
 
 @register_family("kl", ddot=_ddot_kl)
@@ -381,15 +391,15 @@ def token_diagnostics(
             need_tail_sum_sq=est.needs_tail_sum_sq, shard=shard,
         )  # fmt: skip
         q_tail = est.q_tail(s, tail_sum_sq)
-        q = (s.pi * s.pi).sum(-1) + q_tail  # Q = Σ_S π_i² + Q_tail
         d_value = div.family.divergence(s)
-        ddot = div.family.ddot(s, q_tail, q)
+        ddot = div.family.ddot(s, q_tail)
 
         log_ratio = (s.log_pi_k - rollout_sampled_logprobs.double()).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         ratio = log_ratio.exp()
         adv = advantages.double()
         delta_high = float(delta)
         delta_neg = float(delta if delta_low is None else delta_low)
+        # A = 0 takes δ_high and no method masks it (MATH.md, "At A = 0"; VeRL's DPPO takes the A < 0 branch)
         delta_t = torch.where(adv < 0, torch.full_like(adv, delta_neg), torch.full_like(adv, delta_high))
         inputs = MaskInputs(adv, ratio, d_value, ddot, delta_t, eps_low, eps_high)
         masked = METHODS[method].masked(inputs)

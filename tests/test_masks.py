@@ -44,7 +44,7 @@ def reference_divergence(z, mu_full_lp, support_ids, family):
     pi = torch.softmax(z, -1)
     mu = mu_full_lp.exp()
     pi_s, mu_s = pi[support_ids], mu[support_ids]
-    pi_tail, mu_tail = 1 - pi_s.sum(), 1 - mu_s.sum()
+    pi_tail, mu_tail = (1 - pi_s.sum()).clamp_min(1e-12), (1 - mu_s.sum()).clamp_min(1e-12)
     if family == "kl":
         return (mu_s * (mu_s / pi_s).log()).sum() + mu_tail * (mu_tail / pi_tail).log()
     return 0.5 * ((mu_s - pi_s).abs().sum() + (mu_tail - pi_tail).abs())
@@ -99,9 +99,7 @@ def _ddot64(z, sampled, top, sampled_lp, divergence, estimator):
     est = ESTIMATORS[estimator]
     s, tail_sum_sq = masks.token_support(z, sampled, top.indices, top.values, sampled_lp, spec.support,
                                          need_tail_sum_sq=est.needs_tail_sum_sq)  # fmt: skip
-    q_tail = est.q_tail(s, tail_sum_sq)
-    q = (s.pi * s.pi).sum(-1) + q_tail
-    return spec.family.ddot(s, q_tail, q).tolist()
+    return spec.family.ddot(s, est.q_tail(s, tail_sum_sq)).tolist()
 
 
 def test_kl_simplification_equals_general_formula():
@@ -109,9 +107,108 @@ def test_kl_simplification_equals_general_formula():
 
     z, sampled, ids, lps, slp, _ = make_batch(n=32, vocab=50, k=6, seed=3)
     s, q_tail = masks.token_support(z, sampled, ids, lps, slp, "topk", need_tail_sum_sq=True)
-    q = (s.pi**2).sum(-1) + q_tail
-    general = masks.ddot_from_gradient(s, -s.mu / s.pi, -s.mu_tail / s.pi_tail, q_tail, q)
-    torch.testing.assert_close(masks._ddot_kl(s, q_tail, q), general, rtol=1e-10, atol=1e-13)
+    general = masks.ddot_from_gradient(s, -s.mu / s.pi, -s.mu_tail / s.pi_tail, q_tail)
+    torch.testing.assert_close(masks._ddot_kl(s, q_tail), general, rtol=1e-10, atol=1e-13)
+
+
+# ---------------------------------------------------------------------------
+# Corner cases (issue 19 item 7)
+# ---------------------------------------------------------------------------
+
+
+def _jvp_ddot(z_row, log_mu_row, support_ids, k, family):
+    """D and its derivative along v = e_k − π by autograd, D as MATH.md writes it (μ_tail clamped to ε)."""
+    v = torch.nn.functional.one_hot(torch.tensor(k), z_row.shape[-1]).double() - torch.softmax(z_row, -1)
+    d, ddot = torch.func.jvp(
+        lambda zz: reference_divergence(zz, log_mu_row, support_ids, family), (z_row,), (v,)
+    )
+    return float(d), float(ddot)
+
+
+def test_kl_ddot_when_the_rollout_top_k_sums_above_one():
+    """Issue 19: bf16-rounded top-K log-probabilities can sum above 1; μ_tail is then clamped to ε and
+    Ḋ must still be the derivative of that D (it was −1.0e-05 here, the derivative +3.8e-05: kept, not masked)."""
+    pi = torch.tensor([[0.5, 0.3, 0.2]], dtype=torch.float64)
+    mu_s = torch.tensor([[0.5251625, 0.4752375]], dtype=torch.float64)  # Σ_S μ = 1.0004
+    args = (pi.log(), torch.tensor([0]), torch.tensor([[0, 1]]), mu_s.log(), mu_s.log()[:, 0],
+            torch.tensor([1.0], dtype=torch.float64))  # fmt: skip
+    log_mu_full = torch.cat([mu_s.log()[0], torch.tensor([-math.inf], dtype=torch.float64)])
+    d_ref, ddot_ref = _jvp_ddot(pi.log()[0], log_mu_full, torch.tensor([0, 1]), 0, "kl")
+    assert ddot_ref == pytest.approx(3.8e-5, rel=1e-3)
+    for estimator in ESTIMATORS:  # the tail {2} is one token: every estimator is exact here
+        d = token_diagnostics(*args, estimator=estimator, delta=0.15)
+        assert float(d.divergence[0]) == pytest.approx(d_ref, rel=1e-6)
+        assert float(d.divergence[0]) == pytest.approx(0.2444, abs=1e-4)
+        top = torch.return_types.topk((args[3], args[2]))
+        assert _ddot64(args[0], args[1], top, args[4], "topk_kl", estimator)[0] == pytest.approx(
+            ddot_ref, rel=1e-8
+        )
+        assert not bool(compute_mask(*args, method="pdm", estimator=estimator, delta=0.15).keep[0])
+
+
+@pytest.mark.parametrize("divergence", ["topk_kl", "topk_tv"])
+@pytest.mark.parametrize("k_outside", [False, True])
+def test_ddot_is_the_jvp_whatever_the_rollout_sum(divergence, k_outside):
+    """μ on S scaled so that Σ_S μ_i = 1 + 1e-4 … 1e-2 (μ_tail clamped): Ḋ is still the jvp of D."""
+    n, vocab, k = 8, 30, 4
+    g = torch.Generator().manual_seed(19)
+    z = torch.randn(n, vocab, generator=g, dtype=torch.float64) * 1.5
+    log_mu = torch.log_softmax(z + 0.7 * torch.randn(n, vocab, generator=g, dtype=torch.float64), -1)
+    order = log_mu.argsort(-1, descending=True)
+    sampled = order[:, -3] if k_outside else order[:, 1]
+    top_ids = order[:, :k]
+    support = torch.zeros(n, vocab, dtype=torch.bool)
+    support[torch.arange(n)[:, None], top_ids] = True
+    support[torch.arange(n), sampled] = True
+    excess = 10 ** torch.empty(n, dtype=torch.float64).uniform_(-4, -2, generator=g)
+    scale = (1 + excess) / (log_mu.exp() * support).sum(-1)  # Σ_S μ = 1 + excess
+    log_mu = torch.where(support, log_mu + scale.log()[:, None], -math.inf)
+    top = torch.return_types.topk((log_mu.gather(-1, top_ids), top_ids))
+    sampled_lp = log_mu.gather(-1, sampled[:, None]).squeeze(-1)
+    ddot64 = _ddot64(z, sampled, top, sampled_lp, divergence, "exact")
+    for t in range(n):
+        ids = support[t].nonzero().squeeze(-1)
+        _, ddot_ref = _jvp_ddot(z[t], log_mu[t], ids, int(sampled[t]), DIVERGENCES[divergence].family.name)
+        assert abs(ddot64[t] - ddot_ref) <= 1e-8 * max(abs(ddot_ref), 1e-12), (t, ddot64[t], ddot_ref)
+
+
+def _tiny_pi_k_batch(tail_logit: float, mu_top: float):
+    """V = 1,000: z = 40 at id 0, `tail_logit` elsewhere, 2 at the sampled id 1 (π_k ≈ 3e-17); μ_k = 0.5, A = −1."""
+    z = torch.full((1, 1000), tail_logit, dtype=torch.float64)
+    z[0, 0], z[0, 1] = 40.0, 2.0
+    lp = lambda x: torch.tensor([x], dtype=torch.float64).log()  # noqa: E731
+    return z, torch.tensor([1]), torch.tensor([[0]]), lp(mu_top)[None], lp(0.5), torch.tensor([-1.0]).double()
+
+
+@pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
+def test_binary_tv_ddot_keeps_its_sign_at_tiny_pi_k(estimator):
+    """Issue 19: with π_k ≈ 3e-17 binary TV's Ḋ cancelled to 0 (agg, exact: kept where DPPO masks).
+    On a binary support Ḋ = (g_k − g_tail) π_k ((1 − π_k)² + Q_tail), here −π_k (1 + Q_tail)."""
+    args = _tiny_pi_k_batch(2.0, 0.4)
+    d = token_diagnostics(*args, divergence="binary_tv", estimator=estimator)
+    pi = torch.softmax(args[0][0], -1)
+    pi_k, pi_tail = float(pi[1]), float(1 - pi[1])
+    q_tail = {"agg": pi_tail**2, "uni": pi_tail**2 / 999, "exact": float((pi**2).sum() - pi[1] ** 2)}[
+        estimator
+    ]
+    assert float(d.ddot[0]) == pytest.approx(-pi_k * (pi_tail**2 + q_tail), rel=1e-6, abs=0)
+    for method in ("pdm", "dppo"):  # A < 0, r < 1, D = 0.5 > δ: both mask
+        assert not bool(
+            compute_mask(*args, method=method, divergence="binary_tv", estimator=estimator).keep[0]
+        )
+
+
+def test_topk_tv_ddot_at_tiny_pi_k():
+    """The same on a top-K support where only k's slot moves D: S = {0, k}, π_0 > μ_0, π_tail > μ_tail, so
+    g_0 = g_tail and Ḋ = −π_k ((1 − π_k)² + π_0² + Q_tail) ≈ −5.0e-17 (it came out −5.6e-17)."""
+    args = _tiny_pi_k_batch(31.0, 0.45)
+    pi = torch.softmax(args[0][0], -1)
+    q_tail = float((pi[2:] ** 2).sum())
+    expected = -float(pi[1]) * (float(1 - pi[1]) ** 2 + float(pi[0]) ** 2 + q_tail)
+    top = torch.return_types.topk((args[3], args[2]))
+    assert _ddot64(args[0], args[1], top, args[4], "topk_tv", "exact")[0] == pytest.approx(
+        expected, rel=1e-9, abs=0
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -154,6 +251,28 @@ def test_worked_example_corrected():
     assert float(uni.ddot[0]) == pytest.approx(0.025, abs=1e-7)
     res = compute_mask(*args, method="pdm", estimator="agg", delta=1e-3)
     assert not bool(res.keep[0])  # A > 0, D > δ, Ḋ > 0: masked
+
+
+@pytest.mark.parametrize("divergence", sorted(DIVERGENCES))
+def test_zero_advantage_convention(divergence):
+    """MATH.md, "At A = 0": A = 0 is on the A ≥ 0 side (δ_high), no method masks it, it never disagrees.
+    (DPPO's code and VeRL's dppo_kl/dppo_tv send A = 0 down the A < 0 branch, δ_low and `r < 1` masks.)"""
+    z, sampled, ids, lps, slp, _ = make_batch(n=256, vocab=60, k=8, seed=5, drift=1.5)
+    kw = dict(divergence=divergence, estimator="exact", delta=0.05, delta_low=0.5)
+    sides = {a: token_diagnostics(z, sampled, ids, lps, slp, torch.full((256,), a, dtype=torch.float64), **kw)
+             for a in (0.0, 1.0, -1.0)}  # fmt: skip
+    zero = sides[0.0]
+    assert torch.equal(zero.out_of_region, sides[1.0].out_of_region)  # δ_high = 0.05
+    assert not torch.equal(zero.out_of_region, sides[-1.0].out_of_region)  # δ_low = 0.5 would differ
+    assert zero.out_of_region.any() and not zero.disagree.any()
+    for method in METHODS:
+        adv = torch.zeros(256, dtype=torch.float64)
+        assert compute_mask(z, sampled, ids, lps, slp, adv, method=method, **kw).keep.all()
+        logits = z.clone().requires_grad_(True)
+        loss, metrics = policy_loss(logits, sampled, ids, lps, slp, adv, torch.ones(256), method=method, **kw)
+        loss.backward()
+        assert metrics["mask_frac"] == 0.0 and metrics["disagreement_count"] == 0.0
+        assert not logits.grad.any()  # whichever convention: the token's loss is 0 · log π_k
 
 
 # ---------------------------------------------------------------------------

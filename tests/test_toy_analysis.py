@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
 from rich.console import Console
 
 from pdmctl.backends.toy import ToyConfig
 from pdmctl.backends.toy.analysis import (
+    DEFAULT_PROTOCOLS,
     ESTIMATORS,
     analysis_rows,
     render_analysis_table,
     render_difference_table,
+    render_protocol_table,
     run_analysis,
 )
 
@@ -50,5 +54,80 @@ def test_analysis_reports_each_estimator_against_the_ratio_criterion() -> None:
 
 
 def test_analysis_is_reproducible() -> None:
+    from pdmctl.report.tables import _analysis_result
+
     cfg = ToyConfig(prompts_per_step=32)
-    assert run_analysis(cfg, [3]).to_json() == run_analysis(cfg, [3]).to_json()
+    first = run_analysis(cfg, [3], DEFAULT_PROTOCOLS)
+    assert first.to_json() == run_analysis(cfg, [3], DEFAULT_PROTOCOLS).to_json()
+    assert list(first.protocol_comparisons) == list(DEFAULT_PROTOCOLS)
+    assert _analysis_result(json.loads(first.to_json())) == first  # the report reads back what analyze wrote
+    console = Console(width=250, record=True)
+    console.print(render_protocol_table(first))
+    text = console.export_text()
+    assert "carried (main)" in text and "fresh-adam" in text and "sgd" in text
+
+
+def _recording_updates(monkeypatch) -> list[tuple[str, dict, dict]]:
+    """Every Learner.update's starting optimizer type, weights and optimizer state, in call order."""
+    from pdmctl.backends.toy.trainer import Learner
+
+    starts: list[tuple[str, dict, dict]] = []
+    update = Learner.update
+
+    def recording_update(self, batch, advantages, cfg):
+        weights = {k: v.clone() for k, v in self.policy.state_dict().items()}
+        state = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                 for i, s in self.optimizer.state_dict()["state"].items()}  # fmt: skip
+        starts.append((type(self.optimizer).__name__, weights, state))
+        return update(self, batch, advantages, cfg)
+
+    monkeypatch.setattr(Learner, "update", recording_update)
+    return starts
+
+
+def _same(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    return all(_same(a[k], b[k]) if isinstance(a[k], dict) else
+               torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)  # fmt: skip
+
+
+def test_every_criterion_starts_from_the_same_weights_and_optimizer_state(monkeypatch) -> None:
+    """Issue 19 item 1: each criterion's update starts bit for bit from the stale learner's weights and, under
+    `carried`, its Adam state (restoring the optimizer from the snapshot itself let Adam advance the snapshot:
+    step 7, 8, 9, 10); `fresh-adam` and `sgd` start from the same weights with no optimizer state."""
+    starts = _recording_updates(monkeypatch)
+    cfg = ToyConfig(prompts_per_step=16)
+    result = run_analysis(cfg, [5], DEFAULT_PROTOCOLS)
+    assert result.protocol == "carried" and result.comparisons == result.protocol_comparisons["carried"]
+    criteria = starts[cfg.minibatches - 1 :]  # after the stale mini-batch updates
+    per_criterion = 1 + len(ESTIMATORS)  # dppo, then pdm with each estimator
+    assert (
+        len(criteria) == per_criterion * 4
+    )  # carried, fresh-adam, sgd (a fresh Adam step, then the SGD one)
+    carried, others = criteria[:per_criterion], criteria[per_criterion:]
+    _, first_weights, first_state = carried[0]
+    assert first_state and all(int(s["step"]) == cfg.minibatches - 1 for s in first_state.values())
+    assert all(kind == "Adam" and _same(state, first_state) for kind, _, state in carried)
+    assert all(state == {} for _, _, state in others)
+    assert [kind for kind, _, _ in others].count("SGD") == per_criterion
+    assert all(_same(weights, first_weights) for _, weights, _ in criteria)
+
+
+def test_sgd_protocol_is_a_gradient_step_as_long_as_the_fresh_adam_step() -> None:
+    from pdmctl.backends.toy.analysis import snapshot, stale_batch, take_update
+
+    cfg = ToyConfig(prompts_per_step=16)
+    learner, batch, advantages = stale_batch(cfg)
+    start = snapshot(learner)
+    kept = {k: v.clone() for k, v in start.weights.items()}
+    params = list(learner.policy.parameters())
+    theta0 = torch.nn.utils.parameters_to_vector(params).detach().clone()
+    steps = {}
+    for protocol in ("fresh-adam", "sgd", "carried"):
+        take_update(learner, start, batch, advantages, cfg, protocol)
+        steps[protocol] = torch.nn.utils.parameters_to_vector(params).detach() - theta0
+    lengths = {p: float(torch.linalg.vector_norm(v)) for p, v in steps.items()}
+    assert lengths["sgd"] == pytest.approx(lengths["fresh-adam"], rel=1e-4) and lengths["sgd"] > 0
+    assert not torch.allclose(steps["sgd"], steps["fresh-adam"])
+    assert _same(start.weights, kept)  # taking updates never moves the snapshot

@@ -6,7 +6,9 @@ turns it into files. Nothing here draws or formats.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,7 +20,16 @@ from pdmctl.ledger import Ledger, load_per_problem
 from pdmctl.report import intervals, resample
 from pdmctl.report.collect import Collected, Exclusion, RowKey, RunPoint, collect
 from pdmctl.report.definition import Definition, ReportError
-from pdmctl.report.stats import Comparison, Estimate, Series, mean, probability_of_improvement_paired
+from pdmctl.report.stats import (
+    Comparison,
+    Estimate,
+    Series,
+    holm,
+    mean,
+    paired_p_value,
+    probability_of_improvement_paired,
+    welch_p_value,
+)
 
 
 @dataclass(frozen=True)
@@ -196,14 +207,34 @@ def comparisons(data: Collected, definition: Definition, labels: Sequence[str]) 
         cells = {}
         for label in labels:
             d, estimate = next(results)
-            cells[label] = Comparison(estimate, probability_of_improvement_paired(d), True, len(matched))
+            cells[label] = Comparison(estimate, probability_of_improvement_paired(d), True, len(matched),
+                                      p_value=paired_p_value(d))  # fmt: skip
         out[row] = ComparisonRow(row, base, matched, cells)
     for row, base, _, mine, theirs in unpaired:
-        cells = {label: intervals.compare_unpaired([v[label] for v in mine.values()],
-                                                   [v[label] for v in theirs.values()], definition.confidence)
-                 for label in labels}  # fmt: skip
+        cells = {}
+        for label in labels:
+            x, y = [v[label] for v in mine.values()], [v[label] for v in theirs.values()]
+            comparison = intervals.compare_unpaired(x, y, definition.confidence)
+            cells[label] = dataclasses.replace(comparison, p_value=welch_p_value(x, y))
         out[row] = ComparisonRow(row, base, (), cells)
-    return [out[row] for row in with_points if row in out]
+    return with_holm([out[row] for row in with_points if row in out], labels)
+
+
+def with_holm(rows: list[ComparisonRow], labels: Sequence[str]) -> list[ComparisonRow]:
+    """Holm-adjusted p-values, one family per column: every row's comparison with the baseline there."""
+    adjusted = {label: holm([r.cells[label].p_value for r in rows]) for label in labels}
+    return [
+        dataclasses.replace(
+            r,
+            cells={label: dataclasses.replace(r.cells[label], p_holm=adjusted[label][i]) for label in labels},
+        )  # fmt: skip
+        for i, r in enumerate(rows)
+    ]
+
+
+def family_sizes(rows: list[ComparisonRow], labels: Sequence[str]) -> dict[str, int]:
+    """The number of tests in each column's family (comparisons with a p-value)."""
+    return {label: sum(math.isfinite(r.cells[label].p_value) for r in rows) for label in labels}
 
 
 def plotted_rows(setting_rows: list[TableRow], definition: Definition) -> tuple[list[RowKey], bool]:

@@ -52,6 +52,8 @@ class Comparison:
     probability_of_improvement: float
     paired: bool  # matched by seed (otherwise: all pairs of runs)
     n_baseline: int
+    p_value: float = math.nan  # two-sided t-test of no difference (paired t, or Welch's); NaN: no test
+    p_holm: float = math.nan  # p adjusted by Holm's procedure over the table's family (one column)
 
 
 def mean(values: Sequence[float]) -> float:
@@ -154,6 +156,62 @@ def paired_difference(x: Sequence[float], y: Sequence[float], level: float = 0.9
     if len(x) != len(y):
         raise ValueError(f"paired_difference: {len(x)} values against {len(y)}; pairs need equal lengths")
     return t_estimates([[a - b for a, b in zip(x, y, strict=True)]], level)[0]
+
+
+def _t_test_p(t: float, df: float, difference: float) -> float:
+    """Two-sided p of a t statistic; with no spread at all the difference is 0 (p = 1) or certain (p = 0)."""
+    if not math.isfinite(t):
+        return 1.0 if difference == 0 else 0.0
+    return float(2 * sps.t.sf(abs(t), df))
+
+
+def paired_p_value(differences: Sequence[float]) -> float:
+    """Two-sided one-sample t-test of mean 0 on the per-seed differences; NaN below two pairs."""
+    d = np.asarray(differences, dtype=float)
+    if d.size < 2:
+        return math.nan
+    sd = d.std(ddof=1)
+    t = d.mean() / (sd / math.sqrt(d.size)) if sd > 0 else math.inf
+    return _t_test_p(t, d.size - 1, float(d.mean()))
+
+
+def welch_p_value(x: Sequence[float], y: Sequence[float]) -> float:
+    """Two-sided Welch's t-test of equal means (no seed in common); NaN below two runs on a side."""
+    a, b = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if a.size < 2 or b.size < 2:
+        return math.nan
+    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+    difference = float(a.mean() - b.mean())
+    if va + vb == 0:
+        return _t_test_p(math.inf, 1, difference)
+    df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1))  # Welch–Satterthwaite
+    return _t_test_p(difference / math.sqrt(va + vb), df, difference)
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (Holm 1979) for one family of tests; NaN entries are no test and
+    stay NaN (they do not count in the family's size m).
+
+    With the m p-values sorted, p_(1) ≤ … ≤ p_(m): adjusted p_(i) = max_{j ≤ i} min(1, (m − j + 1) p_(j)).
+    Rejecting where the adjusted p ≤ α keeps the chance of any false rejection in the family (the
+    family-wise error rate) ≤ α, whatever the dependence between the tests (the comparisons of a column
+    share the baseline's runs). scipy has no Holm; `scipy.stats.false_discovery_control` is
+    Benjamini–Hochberg, which bounds the expected share of false rejections, a weaker guarantee.
+    """
+    tested = sorted((p, i) for i, p in enumerate(p_values) if math.isfinite(p))
+    m = len(tested)
+    adjusted = [math.nan] * len(p_values)
+    running = 0.0
+    for rank, (p, i) in enumerate(tested):
+        running = max(running, min(1.0, (m - rank) * p))
+        adjusted[i] = running
+    return adjusted
+
+
+def format_p(value: float) -> str:
+    if not math.isfinite(value):
+        return "n/a"
+    return f"{value:.2g}" if value < 0.001 else f"{value:.3f}"
 
 
 def pct(value: float, digits: int = 1) -> str:

@@ -9,10 +9,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdmctl.report.build import Report
+from pdmctl.report.build import Report, family_sizes
 from pdmctl.report.collect import RowKey
 from pdmctl.report.intervals import describe, describe_unpaired, short_name
-from pdmctl.report.stats import Comparison, Estimate, format_estimate
+from pdmctl.report.stats import Comparison, Estimate, format_estimate, format_p
 
 TWO_LEVEL_MARK = "‡"
 
@@ -74,13 +74,29 @@ def comparison_note(report: Report) -> str:
         f"{describe_unpaired(c)}. P, the probability of improvement, is an estimate, not an interval: the "
         f"share of matched seeds on which the mask scores higher (paired), or of all pairs of runs (unpaired), "
         f"a tie counting half; it estimates the chance that the mask beats the baseline on a new seed, and "
-        f"with n seeds it moves in steps of 1/(2n). [n/a]: fewer than 2 (matched) seeds."
+        f"with n seeds it moves in steps of 1/(2n). [n/a]: fewer than 2 (matched) seeds. "
+        f"{holm_note(report)}"
+    )
+
+
+def holm_note(report: Report) -> str:
+    """Names the p-values' test and the family Holm's procedure adjusts over."""
+    sizes = family_sizes(report.comparisons, report.labels)
+    counts = set(sizes.values())
+    family = (f"the {counts.pop()} comparisons of each column" if len(counts) == 1
+              else "each column's comparisons (" + ", ".join(f"{label}: {m}" for label, m in sizes.items()) + ")")  # fmt: skip
+    return (
+        "p: two-sided t-test of no difference (paired: one-sample t on the per-seed differences; unpaired: "
+        f"Welch's), whatever the interval. Holm: p adjusted by Holm's step-down procedure over {family}, "
+        "every row against the baseline; a column's differences with Holm ≤ 0.05 are significant at 5% "
+        "together (family-wise error rate ≤ 5%), a raw p ≤ 0.05 alone is not. A claim across columns "
+        "makes a larger family."
     )
 
 
 def _comparison_cell(c: Comparison) -> str:
     p = "n/a" if math.isnan(c.probability_of_improvement) else f"{c.probability_of_improvement:.2f}"
-    return f"{format_estimate(c.difference, signed=True)} P={p}"
+    return f"{format_estimate(c.difference, signed=True)} P={p} p={format_p(c.p_value)} Holm={format_p(c.p_holm)}"
 
 
 def comparison_table(report: Report) -> TextTable:
@@ -140,10 +156,14 @@ def _analysis_result(data: dict):
     def criterion(values: dict) -> CriterionStats:  # written before per-seed corrective rates: none
         return CriterionStats(**{"corrective_per_seed": [], **values})
 
-    comparisons = [Comparison(**{**c, "ratio": criterion(c["ratio"]), "predictive": criterion(c["predictive"])})
-                   for c in data["comparisons"]]  # fmt: skip
+    def comparison(c: dict) -> Comparison:
+        return Comparison(**{**c, "ratio": criterion(c["ratio"]), "predictive": criterion(c["predictive"])})
+
+    comparisons = [comparison(c) for c in data["comparisons"]]
     differences = [EstimatorDifference(**d) for d in data.get("estimator_differences", [])]
-    return AnalysisResult(**{**data, "comparisons": comparisons, "estimator_differences": differences})
+    by_protocol = {p: [comparison(c) for c in cs] for p, cs in data.get("protocol_comparisons", {}).items()}
+    return AnalysisResult(**{**data, "comparisons": comparisons, "estimator_differences": differences,
+                             "protocol_comparisons": by_protocol})  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -258,7 +278,7 @@ def comparison_csv(report: Report) -> str:
     writer = csv.writer(buf)
     writer.writerow(["setting", "mask", *report.dims, "baseline",
                      *(f"{label} {part}" for label in report.labels
-                       for part in ("diff (pp)", "low (pp)", "high (pp)", "P(improve)")),
+                       for part in ("diff (pp)", "low (pp)", "high (pp)", "P(improve)", "p", "p Holm")),
                      "paired", "seeds", "interval"])  # fmt: skip
     conf = report.definition.confidence
     for comp in report.comparisons:
@@ -266,7 +286,8 @@ def comparison_csv(report: Report) -> str:
         for label in report.labels:
             c = comp.cells[label]
             p = c.probability_of_improvement
-            fields += [*_estimate_fields(c.difference), "" if math.isnan(p) else f"{p:.4f}"]
+            fields += [*_estimate_fields(c.difference), "" if math.isnan(p) else f"{p:.4f}",
+                       *("" if math.isnan(v) else f"{v:.6g}" for v in (c.p_value, c.p_holm))]  # fmt: skip
         writer.writerow([comp.row.setting, comp.row.mask, *(comp.row.dim(d) for d in report.dims),
                          comp.baseline.label, *fields, bool(comp.seeds), " ".join(map(str, comp.seeds)),
                          f"{short_name(conf)} over the per-seed differences" if comp.seeds

@@ -8,6 +8,13 @@ A(r − 1) ≤ 0, the predictive one when A·Ḋ ≤ 0; they disagree on a few. 
 criterion then takes one real update on the whole batch from the same weights
 and optimizer state, and D is recomputed on the same tokens: ΔD > 0 on a kept
 disagreement token is an unsafe keep, ΔD < 0 a corrective one.
+
+How the update is taken is a protocol (`PROTOCOLS`): with the Adam state the
+stale mini-batch updates left (`carried`, the default: the paper's "one actual
+update on the same batch" is the step training takes next), with a fresh Adam
+(`fresh-adam`), or as a plain gradient step (`sgd`). The verdict can depend on
+it (issue 19: carried momentum is most of ΔD), so the others are measured and
+printed beside the default.
 """
 
 from __future__ import annotations
@@ -29,6 +36,12 @@ from pdmctl.backends.toy.rollout import Rollout
 from pdmctl.backends.toy.trainer import Learner, grpo_advantages
 
 ESTIMATORS = ("agg", "uni", "exact")
+PROTOCOLS = {  # how the update that ΔD measures is taken, from the same weights
+    "carried": "Adam with the state the stale mini-batch updates left (the step training takes next)",
+    "fresh-adam": "a fresh Adam: the first step of a run, no momentum",
+    "sgd": "the plain (clipped) gradient, no preconditioning, scaled to the fresh Adam step's length",
+}
+DEFAULT_PROTOCOLS = ("carried", "fresh-adam", "sgd")  # the first is the main table's
 
 
 @dataclass(frozen=True)
@@ -79,9 +92,13 @@ class AnalysisResult:
     precision: str
     tokens_per_seed: list[int]  # response tokens
     out_of_region_per_seed: list[int]
-    comparisons: list[Comparison]
+    comparisons: list[Comparison]  # under `protocol`
     estimator_differences: list[EstimatorDifference]
     level: float = 0.95
+    protocol: str = "carried"
+    protocol_comparisons: dict[str, list[Comparison]] = dataclasses.field(
+        default_factory=dict
+    )  # every one run
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, allow_nan=False)
@@ -96,15 +113,23 @@ class _SeedTokens:
     disagreements: int
 
 
-def run_analysis(cfg: ToyConfig, seeds: list[int]) -> AnalysisResult:
-    """The direction analysis on `seeds` (each a fresh rollout batch) with the config's mask settings."""
-    per_seed: list[dict[str, _SeedTokens]] = []
+def run_analysis(
+    cfg: ToyConfig, seeds: list[int], protocols: tuple[str, ...] = ("carried",)
+) -> AnalysisResult:
+    """The direction analysis on `seeds` (each a fresh rollout batch) with the config's mask settings, ΔD
+    measured under each of `protocols` (the first is the main table's)."""
+    unknown = [p for p in protocols if p not in PROTOCOLS]
+    if unknown or not protocols:
+        raise ValueError(f"protocols: unknown {unknown or 'none given'}; choose from {sorted(PROTOCOLS)}")
+    per_seed: list[dict[str, dict[str, _SeedTokens]]] = []
     tokens, outside = [], []
     for seed in seeds:
-        n_tokens, n_out, by_estimator = _analyse_seed(dataclasses.replace(cfg, seed=seed))
+        n_tokens, n_out, by_protocol = _analyse_seed(dataclasses.replace(cfg, seed=seed), protocols)
         tokens.append(n_tokens)
         outside.append(n_out)
-        per_seed.append(by_estimator)
+        per_seed.append(by_protocol)
+    by_protocol = {p: [_compare(e, [s[p][e] for s in per_seed]) for e in ESTIMATORS] for p in protocols}
+    comparisons = by_protocol[protocols[0]]
     return AnalysisResult(
         seeds=list(seeds),
         delta=cfg.delta,
@@ -113,8 +138,10 @@ def run_analysis(cfg: ToyConfig, seeds: list[int]) -> AnalysisResult:
         precision=cfg.precision,
         tokens_per_seed=tokens,
         out_of_region_per_seed=outside,
-        comparisons=(comparisons := [_compare(e, [s[e] for s in per_seed]) for e in ESTIMATORS]),
+        comparisons=comparisons,
         estimator_differences=_estimator_differences(comparisons),
+        protocol=protocols[0],
+        protocol_comparisons=by_protocol,
     )
 
 
@@ -130,10 +157,14 @@ def _estimator_differences(comparisons: list[Comparison], level: float = 0.95) -
         for first, second in ESTIMATOR_PAIRS:
             pairs = [
                 (a, b)
-                for a, b in zip(getattr(by_estimator[first], field), getattr(by_estimator[second], field), strict=True)
+                for a, b in zip(
+                    getattr(by_estimator[first], field), getattr(by_estimator[second], field), strict=True
+                )
                 if a is not None and b is not None
             ]
-            estimate = paired_difference([a for a, _ in pairs], [b for _, b in pairs], level) if pairs else None
+            estimate = (
+                paired_difference([a for a, _ in pairs], [b for _, b in pairs], level) if pairs else None
+            )
             interval = estimate.interval if estimate is not None else None
             found.append(
                 EstimatorDifference(
@@ -162,34 +193,91 @@ def stale_batch(cfg: ToyConfig) -> tuple[Learner, Rollout, torch.Tensor]:
     return learner, batch, advantages
 
 
-def _analyse_seed(cfg: ToyConfig) -> tuple[int, int, dict[str, _SeedTokens]]:
+def _analyse_seed(
+    cfg: ToyConfig, protocols: tuple[str, ...]
+) -> tuple[int, int, dict[str, dict[str, _SeedTokens]]]:
     learner, batch, advantages = stale_batch(cfg)
     response = task.response_mask(batch.sampled_ids).bool()
     pre = {e: diagnostics(learner, batch, advantages, cfg, e) for e in ESTIMATORS}
     d_pre = pre["agg"].divergence  # D does not depend on the estimator
     outside = pre["agg"].out_of_region & response
     ratio_keep = advantages.unsqueeze(1) * (pre["agg"].ratio - 1) <= 0
+    start = snapshot(learner)
 
-    start = (copy.deepcopy(learner.policy.state_dict()), copy.deepcopy(learner.optimizer.state_dict()))
-
-    def delta_d_after(criterion: ToyConfig) -> torch.Tensor:
-        learner.policy.load_state_dict(start[0])
-        learner.optimizer.load_state_dict(start[1])
-        learner.update(batch, advantages, criterion)
+    def delta_d_after(criterion: ToyConfig, protocol: str) -> torch.Tensor:
+        take_update(learner, start, batch, advantages, criterion, protocol)
         return diagnostics(learner, batch, advantages, cfg, "agg").divergence - d_pre
 
-    delta_ratio = delta_d_after(dataclasses.replace(cfg, method="dppo"))
-    found: dict[str, _SeedTokens] = {}
-    for e in ESTIMATORS:
-        predictive_keep = advantages.unsqueeze(1) * pre[e].ddot <= 0
-        disagree = outside & (ratio_keep != predictive_keep)
-        delta_pred = delta_d_after(dataclasses.replace(cfg, method="pdm", estimator=e))
-        found[e] = _SeedTokens(
-            ratio_kept_delta_d=delta_ratio[disagree & ratio_keep],
-            predictive_kept_delta_d=delta_pred[disagree & predictive_keep],
-            disagreements=int(disagree.sum()),
-        )
+    found: dict[str, dict[str, _SeedTokens]] = {}
+    for protocol in protocols:
+        delta_ratio = delta_d_after(dataclasses.replace(cfg, method="dppo"), protocol)
+        found[protocol] = {}
+        for e in ESTIMATORS:
+            predictive_keep = advantages.unsqueeze(1) * pre[e].ddot <= 0
+            disagree = outside & (ratio_keep != predictive_keep)
+            delta_pred = delta_d_after(dataclasses.replace(cfg, method="pdm", estimator=e), protocol)
+            found[protocol][e] = _SeedTokens(
+                ratio_kept_delta_d=delta_ratio[disagree & ratio_keep],
+                predictive_kept_delta_d=delta_pred[disagree & predictive_keep],
+                disagreements=int(disagree.sum()),
+            )
     return int(response.sum()), int(outside.sum()), found
+
+
+def take_update(
+    learner: Learner,
+    start: Snapshot,
+    batch: Rollout,
+    advantages: torch.Tensor,
+    criterion: ToyConfig,
+    protocol: str,
+) -> None:
+    """One update with `criterion`'s mask on the whole batch from `start`, taken as `protocol` says."""
+    restore(learner, start)
+    if protocol == "carried":
+        learner.update(batch, advantages, criterion)
+        return
+    params = list(learner.policy.parameters())
+    fresh = dataclasses.replace(learner, optimizer=torch.optim.Adam(params, lr=criterion.lr))
+    fresh.update(batch, advantages, criterion)
+    if protocol == "fresh-adam":
+        return
+    # sgd: the clipped gradient itself (an SGD step of lr 1), rescaled to the fresh Adam step's length
+    theta_adam = torch.nn.utils.parameters_to_vector(params).detach()
+    restore(learner, start)
+    theta = torch.nn.utils.parameters_to_vector(params).detach()
+    dataclasses.replace(learner, optimizer=torch.optim.SGD(params, lr=1.0)).update(
+        batch, advantages, criterion
+    )
+    with torch.no_grad():
+        step = torch.nn.utils.parameters_to_vector(params) - theta
+        norm = torch.linalg.vector_norm(step)
+        scale = torch.linalg.vector_norm(theta_adam - theta) / norm if norm > 0 else torch.ones(())
+        torch.nn.utils.vector_to_parameters(theta + step * scale, params)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The weights and the optimizer state every criterion's update starts from."""
+
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, object]
+
+
+def snapshot(learner: Learner) -> Snapshot:
+    return Snapshot(copy.deepcopy(learner.policy.state_dict()), copy.deepcopy(learner.optimizer.state_dict()))
+
+
+def restore(learner: Learner, start: Snapshot) -> None:
+    """Put the learner back to `start`, bit for bit, leaving `start` as it was.
+
+    `Module.load_state_dict` copies into the parameters, but `Optimizer.load_state_dict` keeps the
+    tensors it is given (same dtype and device) and Adam then updates them in place: restoring
+    `start.optimizer` itself would let every update move the snapshot on (issue 19: the ratio update
+    started at Adam step 7, the next criterion at step 8 with the ratio update in its momentum). So
+    the optimizer gets a copy of the snapshot at each use."""
+    learner.policy.load_state_dict(start.weights)
+    learner.optimizer.load_state_dict(copy.deepcopy(start.optimizer))
 
 
 def diagnostics(
@@ -312,7 +400,7 @@ def render_analysis_table(result: AnalysisResult) -> Table:
     n = max(len(result.seeds), 1)
     title = (
         f"Direction analysis: {len(result.seeds)} seeds, {result.divergence} δ={result.delta} K={result.k} "
-        f"{result.precision}; {sum(result.out_of_region_per_seed) / n:.0f} of "
+        f"{result.precision}, ΔD after a {result.protocol} update; {sum(result.out_of_region_per_seed) / n:.0f} of "
         f"{sum(result.tokens_per_seed) / n:.0f} tokens per seed outside the region"
     )
     return _table(title, ANALYSIS_COLUMNS, 2, analysis_rows(result))
@@ -345,3 +433,41 @@ def render_difference_table(result: AnalysisResult) -> Table:
         f"{100 * result.level:.0f}% t-interval over {len(result.seeds)} seeds (percentage points)"
     )
     return _table(title, DIFFERENCE_COLUMNS, 2, difference_rows(result))
+
+
+PROTOCOL_COLUMNS = (
+    "estimator",
+    "protocol",
+    "unsafe-keep ratio",
+    "unsafe-keep predictive",
+    "corrective ratio",
+    "corrective predictive",
+    "wins ratio/predictive",
+)
+
+
+def protocol_rows(result: AnalysisResult) -> list[tuple[str, ...]]:
+    """Each estimator's comparison under every protocol, side by side (the main one first)."""
+    rows: list[tuple[str, ...]] = []
+    for i, estimator in enumerate(ESTIMATORS):
+        for protocol, comparisons in result.protocol_comparisons.items():
+            c = comparisons[i]
+            rows.append(
+                (
+                    estimator,
+                    protocol + (" (main)" if protocol == result.protocol else ""),
+                    _pct(c.ratio.unsafe_keep_mean, c.ratio.unsafe_keep_se),
+                    _pct(c.predictive.unsafe_keep_mean, c.predictive.unsafe_keep_se),
+                    _pct(c.ratio.corrective_pooled),
+                    _pct(c.predictive.corrective_pooled),
+                    f"{c.ratio_wins}/{c.predictive_wins} of {c.seeds_compared}",
+                )
+            )
+    return rows
+
+
+def render_protocol_table(result: AnalysisResult) -> Table:
+    title = "ΔD under each update protocol, same disagreement tokens: " + "; ".join(
+        f"{p}: {PROTOCOLS[p]}" for p in result.protocol_comparisons
+    )
+    return _table(title, PROTOCOL_COLUMNS, 2, protocol_rows(result))

@@ -50,7 +50,7 @@ class PdmPolicyLossConfig(PolicyLossConfig):
     """
 
     topk: int = 20  # K: vLLM's default max_logprobs, DPPO's choice
-    delta: float = 0.15  # δ (δ_high where A > 0)
+    delta: float = 0.15  # δ (δ_high where A ≥ 0)
     delta_low: float | None = None  # δ_low where A < 0; None = δ
     divergence: str = "topk_kl"
     estimator: str = "agg"
