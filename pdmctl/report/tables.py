@@ -178,8 +178,13 @@ def to_rich(table: TextTable):
     # Text, not markup: "[n/a]" and "[31.0, 37.5]" would otherwise read as rich tags
     out = Table(title=Text(table.title), caption=Text(table.note), caption_justify="left")
     for i, header in enumerate(table.headers):
-        numeric = i >= table.numeric_from  # never wrapped: a number broken over two lines misreads
-        out.add_column(Text(header), justify="right" if numeric else "left", no_wrap=numeric)
+        numeric = i >= table.numeric_from
+        # Each column at least as wide as its longest word: a narrow terminal wraps cells between words
+        # (a long comparison cell goes over two lines), never inside a number or a name, and no column
+        # is squeezed to nothing by its neighbours.
+        words = [w for cell in (header, *(row[i] for row in table.rows)) for w in cell.split()]
+        out.add_column(Text(header), justify="right" if numeric else "left",
+                       min_width=min(max(map(len, words), default=1), 40), overflow="fold")  # fmt: skip
     for row in table.rows:
         out.add_row(*map(Text, row))
     return out
