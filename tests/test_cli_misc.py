@@ -12,8 +12,9 @@ def test_analyze_prints_table_and_json(workdir: Path):
     res = pdmctl("analyze", "--seeds", "2", "--json", "analysis.json", cwd=workdir)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "unsafe" in res.stdout.lower()
+    assert "carried (main)" in res.stdout and "fresh-adam" in res.stdout  # the protocols, side by side
     data = json.loads((workdir / "analysis.json").read_text())
-    assert data  # the same result as the table, machine-readable
+    assert data["protocol"] == "carried" and list(data["protocol_comparisons"]) == ["carried", "fresh-adam", "sgd"]
 
 
 def test_analyze_bad_input(workdir: Path):
@@ -21,6 +22,9 @@ def test_analyze_bad_input(workdir: Path):
     assert res.returncode == 2 and "--seeds" in res.stderr
     res = pdmctl("analyze", "k=0", cwd=workdir)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "k:" in res.stderr
+    for protocols in ("carried,nope", "sgd,sgd", ","):
+        res = pdmctl("analyze", "--protocols", protocols, cwd=workdir)
+        assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--protocols" in res.stderr
 
 
 def test_status_and_logs_on_an_empty_store(workdir: Path):

@@ -95,10 +95,9 @@ class AnalysisResult:
     comparisons: list[Comparison]  # under `protocol`
     estimator_differences: list[EstimatorDifference]
     level: float = 0.95
-    protocol: str = "carried"
-    protocol_comparisons: dict[str, list[Comparison]] = dataclasses.field(
-        default_factory=dict
-    )  # every one run
+    protocol: str = "carried"  # how the update that ΔD measures was taken (PROTOCOLS)
+    # every protocol measured, the main one included: protocol -> one Comparison per estimator
+    protocol_comparisons: dict[str, list[Comparison]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, allow_nan=False)
