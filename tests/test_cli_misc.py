@@ -9,7 +9,7 @@ from tests.conftest import pdmctl
 
 
 def test_analyze_prints_table_and_json(workdir: Path):
-    res = pdmctl("analyze", "--seeds", "2", "--json", "analysis.json", cwd=workdir)
+    res = pdmctl("analyze", "--seeds", "2", "backend.prompts_per_step=32", "--json", "analysis.json", cwd=workdir)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "unsafe" in res.stdout.lower()
     assert "carried (main)" in res.stdout and "fresh-adam" in res.stdout  # the protocols, side by side
