@@ -861,11 +861,10 @@ def describe_jobs(runs: list[tuple[str, dict[str, Any]]], nodes: int, environ: M
     other runs change in it, and the checkpoints they keep. `runs`: (summary, job config)."""
     import shlex
 
+    shown = 20  # a paper-size sweep has dozens of runs: the first ones tell the pattern
     lines = []
-    commands = []
-    for _, cfg in runs:
-        overrides = verl_overrides(cfg, nnodes=nodes, environ=environ) + ray_env_overrides(job_env(cfg))
-        commands.append(overrides)
+    commands = [verl_overrides(cfg, nnodes=nodes, environ=environ) + ray_env_overrides(job_env(cfg))
+                for _, cfg in runs[:shown]]  # fmt: skip
     first_env = {**job_env(runs[0][1]), **environ}
     lines.append(f"VeRL job of run 1 ({runs[0][0]}) on {nodes} node(s), after the job body has started Ray "
                  "(launch.JOB_BODY):")  # fmt: skip
@@ -873,11 +872,13 @@ def describe_jobs(runs: list[tuple[str, dict[str, Any]]], nodes: int, environ: M
         ["env " + " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(first_env.items())),
          "python -m pdmctl.backends.verl.launch train", *(shlex.quote(o) for o in commands[0])]))  # fmt: skip
     first = dict(o.split("=", 1) for o in commands[0])
-    for i, ((summary, _), overrides) in enumerate(zip(runs[1:], commands[1:], strict=True), 2):
+    for i, ((summary, _), overrides) in enumerate(zip(runs[1:shown], commands[1:], strict=True), 2):
         mine = dict(o.split("=", 1) for o in overrides)
         changed = [f"{k}={v}" for k, v in mine.items() if first.get(k) != v]
         dropped = [f"~{k}" for k in first if k not in mine]
         lines.append(f"run {i} ({summary}) differs in: {' '.join(changed + dropped) or 'nothing'}")
+    if len(runs) > shown:
+        lines.append(f"(and {len(runs) - shown} more run(s), not listed here)")
     total = sum(size * kept for size, kept, _ in (checkpoint_bytes(cfg) for _, cfg in runs))
     size, kept, saves = checkpoint_bytes(runs[0][1])
     preset = MODEL_PRESETS[runs[0][1]["model"]]
