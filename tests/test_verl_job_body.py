@@ -31,7 +31,9 @@ case "$1" in
     echo "ray start on $FAKE_NODE" >> "$FAKE_LOG"
     if [ "$FAKE_NODE" = "${FAKE_FAIL_NODE:-}" ]; then echo "ray start failed on $FAKE_NODE"; exit 1; fi
     echo $$ >> "$FAKE_PIDS"
-    exec sleep 1001 ;;
+    trap 'echo "ray ended on $FAKE_NODE" >> "$FAKE_LOG"; kill $!; exit 0' TERM
+    sleep 1001 &
+    wait ;;
   stop) echo "ray stop on $FAKE_NODE" >> "$FAKE_LOG" ;;
 esac
 """
@@ -104,7 +106,8 @@ def test_a_finished_trainer_stops_ray_on_every_node_and_releases_the_pipe(nodes:
     assert time.monotonic() - started < 30
     log = _log(nodes)
     assert "ray start on nodeA" in log and "ray start on nodeB" in log
-    assert "srun[all] " in log and "ray stop" in log  # one `ray stop` step across all nodes
+    assert "ray ended on nodeA" in log and "ray ended on nodeB" in log  # each node's own step, TERM'd
+    assert "ray stop" not in log  # which would end every Ray on the node, another job's too
     assert _all_ended(nodes)
 
 
@@ -116,7 +119,7 @@ def test_a_failed_ray_start_ends_the_job_at_once_with_its_reason(nodes: dict[str
     with pytest.raises(launch.EngineJobError, match="a Ray node step ended while the cluster was starting"):
         launch._run_trainer(_body(), env, stall_s=60)
     assert time.monotonic() - started < 30
-    assert "ray stop" in _log(nodes) and " train" not in _log(nodes)
+    assert "ray ended on nodeA" in _log(nodes) and " train" not in _log(nodes)
     assert _all_ended(nodes)
 
 
@@ -125,7 +128,7 @@ def test_a_failed_wait_for_ray_stops_ray_and_fails_the_run(nodes: dict[str, str]
     env = {**os.environ, **nodes, "FAKE_WAIT": "echo 'TimeoutError: only 1 of 2 Ray nodes came up within 120s'; exit 1"}
     with pytest.raises(launch.EngineJobError, match="only 1 of 2 Ray nodes"):
         launch._run_trainer(_body(), env, stall_s=60)
-    assert "ray stop" in _log(nodes)
+    assert "ray ended on nodeA" in _log(nodes) and "ray ended on nodeB" in _log(nodes)
     assert _all_ended(nodes)
 
 
@@ -133,7 +136,7 @@ def test_a_dead_trainer_fails_the_run_with_its_error_and_stops_ray(nodes: dict[s
     env = {**os.environ, **nodes, "FAKE_TRAIN": "echo 'ValueError: the actor died'; exit 1"}
     with pytest.raises(launch.EngineJobError, match="ValueError: the actor died"):
         launch._run_trainer(_body(), env, stall_s=60)
-    assert "ray stop" in _log(nodes)
+    assert "ray ended on nodeA" in _log(nodes) and "ray ended on nodeB" in _log(nodes)
     assert _all_ended(nodes)
 
 
@@ -190,7 +193,7 @@ def test_a_job_that_blocks_sigterm_can_still_end_its_trainer(nodes: dict[str, st
                           timeout=120)  # fmt: skip
     assert "ended in" in proc.stdout, proc.stdout + proc.stderr
     assert float(proc.stdout.split("ended in")[1]) < 25, proc.stdout  # not the 30 s terminate() waits
-    assert "ray stop" in _log(nodes)
+    assert "ray ended on nodeA" in _log(nodes) and "ray ended on nodeB" in _log(nodes)
     assert _all_ended(nodes)
 
 

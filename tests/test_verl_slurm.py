@@ -42,9 +42,12 @@ def test_job_body_starts_ray_and_the_probe_reaches_it(tmp_path: Path, stray_toke
         check=False,
         timeout=600,
     )
+    # the job's Ray ended with its `ray start` step (no `ray stop`, which would end every Ray here)
+    leftover = subprocess.run(["pgrep", "-f", ray_tmp], capture_output=True, text=True).stdout.split()
     shutil.rmtree(ray_tmp, ignore_errors=True)
     text = log.read_text() if log.exists() else ""
     assert "PDMCTL_PROBE_OK" in text and "nodes=1" in text, text[-4000:]
+    assert not leftover, (leftover, text[-4000:])
 
 
 @pytest.mark.skipif(shutil.which("sinfo") is None, reason="no SLURM here (sinfo absent)")

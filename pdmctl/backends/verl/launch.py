@@ -439,8 +439,8 @@ MAIN=""  # wait-ray, then the trainer: each the leader of a process group of its
 # that what it started ends with it and no stray child keeps the trainer's output pipe open
 SETSID="$(command -v setsid || true)"
 STATUS=0
-# However the job ends (a failed start, the trainer's exit, a signal): end the trainer, stop Ray on
-# every node (each node's own `ray stop`, bounded), end the background steps, keep the job's status.
+# However the job ends (a failed start, the trainer's exit, a signal): end the trainer, end Ray on
+# every node (this job's `ray start` steps, bounded), keep the job's status.
 cleanup() {
   STATUS=$?
   trap - EXIT INT TERM
@@ -450,12 +450,15 @@ cleanup() {
     for _ in $(seq 30); do kill -0 -- "-$MAIN" 2>/dev/null || break; sleep 1; done
     kill -KILL -- "-$MAIN" 2>/dev/null
   fi
-  if [ "${STARTED_RAY:-0}" = "1" ]; then
-    timeout "${PDMCTL_RAY_STOP_S:-60}" srun --nodes="$N" --ntasks="$N" --ntasks-per-node=1 --overlap \
-      "$RAY" stop --force >&3 2>&1
-  fi
+  # Each node's Ray is its `ray start --block` step: srun passes the TERM to it, and Ray's reaper ends
+  # that node's raylet and workers. Not `ray stop`, which ends every Ray on the node, another job's too.
   for pid in "${BACKGROUND[@]}"; do kill -TERM "$pid" 2>/dev/null; done
-  sleep 1
+  for _ in $(seq "${PDMCTL_RAY_STOP_S:-60}"); do
+    alive=0
+    for pid in "${BACKGROUND[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && break
+    sleep 1
+  done
   for pid in "${BACKGROUND[@]}"; do kill -KILL "$pid" 2>/dev/null; done
   exit "$STATUS"
 }
@@ -496,7 +499,6 @@ export RAY_AUTH_TOKEN
 # The package must import on every node before any Ray worker starts.
 srun --nodes="$N" --ntasks="$N" --ntasks-per-node=1 --overlap \
   "$PDMCTL_PYTHON" -c "import pdmctl.backends.verl.launch"
-STARTED_RAY=1
 # Since Slurm 22.05 a step does not inherit --cpus-per-task: each Ray node step asks for the job's CPUs.
 STEP_CPUS=(${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"})
 srun --nodes=1 --ntasks=1 -w "$HEAD" --overlap "${STEP_CPUS[@]}" \
