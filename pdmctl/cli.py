@@ -81,8 +81,11 @@ def sweep(
         if dry_run:
             executor = orchestrate.make_executor(ctx.profile)
             executor.check()
+            orchestrate.check_runs(specs, ctx, executor)
             plan = orchestrate.plan(specs, ctx, read_only=True)
             _print_plan(plan, ctx, executor)
+            for line in orchestrate.describe_runs(plan.to_submit, ctx, executor):
+                console.print(line, highlight=False, markup=False, soft_wrap=True)
             return
         plan, job_ids = orchestrate.sweep(specs, ctx)
     counts = plan.counts()

@@ -254,6 +254,37 @@ def check_before_submit(ctx: Context) -> Executor:
     return executor
 
 
+def check_runs(specs: Sequence[RunSpec], ctx: Context, executor: Executor) -> None:
+    """Refuse runs the cluster cannot serve as profiled (a backend's node count; on an offline cluster, weights
+    and data that are not on its storage), before anything is written."""
+    from pdmctl.backends.registry import flat_config, get_backend
+
+    given, cluster = executor.nodes_per_job(), executor.job_settings()
+    for spec in specs:
+        backend, flat = get_backend(spec.backend), flat_config(spec.config)
+        try:
+            needed = backend.nodes(flat)
+            backend.check_cluster(flat, cluster)
+        except ValueError as exc:
+            raise ExecutorError(f"run {spec.key} ({spec.summary}): {exc}") from exc
+        if needed != given:
+            raise ExecutorError(
+                f"run {spec.key} ({spec.summary}) trains on {needed} node(s) but cluster {ctx.profile.name} gives "
+                f"{given} per job: set `nodes: {needed}` in the profile, or backend.nnodes={given} for the run"
+            )
+
+
+def describe_runs(specs: Sequence[RunSpec], ctx: Context, executor: Executor) -> list[str]:
+    """What --dry-run prints of the jobs themselves, per backend (VeRL: the command each job runs)."""
+    from pdmctl.backends.registry import flat_config, get_backend
+
+    cluster = {**executor.job_settings(), "nodes": executor.nodes_per_job(), "tracking_uri": ctx.tracking_uri}
+    by_backend: dict[str, list[tuple[str, dict, Path]]] = defaultdict(list)
+    for spec in specs:
+        by_backend[spec.backend].append((spec.summary, flat_config(spec.config), ctx.run_dir_parent(spec) / "RUN_ID"))
+    return [line for name, runs in by_backend.items() for line in get_backend(name).describe(runs, cluster)]
+
+
 def _check_writable(path: Path) -> None:
     """The directory, or the nearest of its parents that exists, takes new files (else RunDirError)."""
     try:
@@ -269,6 +300,7 @@ def _check_writable(path: Path) -> None:
 def sweep(specs: list[RunSpec], ctx: Context) -> tuple[SweepPlan, list[str]]:
     """Register the grid in the ledger and submit the runs no job serves. Returns the plan and the job ids."""
     executor = check_before_submit(ctx)
+    check_runs(specs, ctx, executor)
     ledger = open_ledger(ctx.tracking_uri)
     with ledger.lock():
         ledger.register(specs, {s.key: str(ctx.run_dir_parent(s)) for s in specs})
@@ -303,6 +335,7 @@ def resume(ctx: Context, sweep_name: str | None = None, *, max_attempts: int | N
         views = status(ctx, sweep_name)
         chosen = [v for v in views if v.state in RESUMABLE and v.record is not None
                   and (max_attempts is None or v.record.attempt < max_attempts)]  # fmt: skip
+        check_runs([spec for v in chosen if v.record and (spec := v.record.spec)], ctx, executor)
         if dry_run:
             return chosen, []
         job_ids = _submit([v.record for v in chosen if v.record], ledger, executor, ctx)

@@ -45,7 +45,7 @@ if [ -n "$WEIGHTS" ]; then
   step "one step of Qwen3-4B-Base from $WEIGHTS (work directory $WORK)"
   (cd "$WORK" && "$ENV_DIR/bin/pdmctl" sweep backend=verl model=qwen3-4b-base mask=pdm_agg k=20 \
      "backend.model_path=$WEIGHTS" "backend.data_dir=$PDMCTL_TINY_DIR/data" backend.total_training_steps=1 \
-     backend.save_freq=1 --name gpu-check --wait \
+     backend.save_freq=1 backend.nnodes=1 --name gpu-check --wait \
    && "$ENV_DIR/bin/pdmctl" status gpu-check)
 fi
 step "done"

@@ -106,3 +106,37 @@ def test_slurm_local_profile_loads() -> None:
     executor = make_executor(load_profile("slurm-local"))
     assert isinstance(executor, SlurmExecutor)
     assert executor.options.partition == "debug"
+
+
+# --- a profile against its schema (issue 20, item 15) -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("workdir: 5", r"^cluster p: workdir: must be a string or null, got 5$"),
+     ("tracking_uri: 7", r"^cluster p: tracking_uri: must be a string or null, got 7$"),
+     ("max_concurrent: true", r"max_concurrent: must be an integer or null, got True"),
+     ("name: [a]", r"name: must be a string, got \['a'\]"),
+     ("workdir: ~nosuchuser/x", r"^cluster p: workdir: '~nosuchuser/x': "),
+     ("max_concurent: 1", r"^cluster p: unknown key 'max_concurent' for the local executor"),
+     ("executor: slurm\nmax_concurent: 1", r"^cluster p: unknown option 'max_concurent' for the slurm executor"),
+     ("executor: slurm\nnodes: four", r"^cluster p: nodes: must be an integer >= 1, got 'four'$")],
+)  # fmt: skip
+def test_a_profile_is_validated_against_its_schema(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ExecutorError, match=message) as info:
+        load_profile(str(path))
+    assert "\n" not in str(info.value)
+
+
+def test_a_bad_profile_is_one_line_and_exit_2_at_the_cli(tmp_path: Path) -> None:
+    from tests.conftest import pdmctl
+
+    for name, content in (("typo.yaml", b"max_concurent: 1\n"), ("latin1.yaml", "name: caf\xe9\n".encode("latin-1")),
+                          ("home.yaml", b"workdir: ~nosuchuser/x\n")):  # fmt: skip
+        (tmp_path / name).write_bytes(content)
+        result = pdmctl("sweep", "--dry-run", "--cluster", str(tmp_path / name), cwd=tmp_path)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, (name, result.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home.yaml", "latin1.yaml", "typo.yaml"]

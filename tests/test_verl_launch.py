@@ -271,7 +271,7 @@ def test_a_value_hydra_would_read_as_a_sweep_is_refused_at_submit(tmp_path) -> N
 
     def sweep(*overrides: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "pdmctl.cli", "sweep", "backend=verl", "model=qwen3-4b-base",
-                               *overrides, "--dry-run"], cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+                               "backend.nnodes=1", *overrides, "--dry-run"], cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
 
     accepted = sweep('backend.data_dir="/d/a,b"')
     assert accepted.returncode == 0, accepted.stderr

@@ -42,6 +42,39 @@ def test_job_body_starts_ray_and_the_probe_reaches_it(tmp_path: Path, stray_toke
         check=False,
         timeout=600,
     )
+    # the job's Ray ended with its `ray start` step (no `ray stop`, which would end every Ray here)
+    leftover = subprocess.run(["pgrep", "-f", ray_tmp], capture_output=True, text=True).stdout.split()
     shutil.rmtree(ray_tmp, ignore_errors=True)
     text = log.read_text() if log.exists() else ""
     assert "PDMCTL_PROBE_OK" in text and "nodes=1" in text, text[-4000:]
+    assert not leftover, (leftover, text[-4000:])
+
+
+@pytest.mark.skipif(shutil.which("sinfo") is None, reason="no SLURM here (sinfo absent)")
+def test_a_failed_ray_start_ends_the_job_fast_and_stops_ray(tmp_path: Path) -> None:
+    """The head's `ray start` fails (an invalid port): the job ends in well under the 2 minutes the
+    issue allows (not at the wait's timeout, not at the stall watchdog's 30 minutes), with the reason
+    in its output and no Ray process of the job left."""
+    import time
+
+    run = {"model": "qwen3-tiny", "checkpoint_dir": str(tmp_path / "ckpt"), "data_dir": str(tmp_path)}
+    cmd = launch.build_job_command(run, python=sys.executable)
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    cmd[1:1] = [f"HOME={tmp_path}", f"{launch.PROBE_ENV}=1", "PDMCTL_GPUS_PER_NODE=0", f"PDMCTL_RAY_TMP={ray_tmp}",
+                "PDMCTL_RAY_HEAD_IP=127.0.0.1", "PDMCTL_RAY_PORT=99999", "PDMCTL_RAY_WAIT_S=300"]  # fmt: skip
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n" + shlex.join(cmd) + "\n")
+    log = tmp_path / "job.log"
+    started = time.monotonic()
+    proc = subprocess.run(
+        ["sbatch", "--wait", "--nodes=1", "--ntasks=1", "--cpus-per-task=2", f"--output={log}", str(script)],
+        check=False, timeout=600,
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    text = log.read_text() if log.exists() else ""
+    assert proc.returncode != 0, text[-4000:]
+    assert "a Ray node step ended while the cluster was starting" in text, text[-4000:]
+    assert elapsed < 120, (elapsed, text[-4000:])
+    leftover = subprocess.run(["pgrep", "-f", ray_tmp], capture_output=True, text=True).stdout.split()
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert not leftover, leftover

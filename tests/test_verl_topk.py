@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("verl")
 
 import torch
 
 from pdmctl.backends.verl import topk
+from tests.topk_reference import Logprob, reference_extract_topk, vllm_response
 
 pytestmark = pytest.mark.verl
-
-
-@dataclass
-class Logprob:  # the fields of vllm.sequence.Logprob
-    logprob: float
-    rank: int | None
-    decoded_token: str | None = None
 
 
 def position(entries: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
@@ -58,6 +54,51 @@ def test_entries_ranked_beyond_k_are_not_top_k() -> None:
 def test_missing_sampled_logprob_is_an_error() -> None:
     with pytest.raises(ValueError, match="sampled token"):
         topk.extract_topk([99], [position({1: (-0.1, 1)})], k=1)
+
+
+def _same_as_reference(token_ids, positions, k: int) -> None:
+    """The vectorised extraction gives the per-token loop's tensors, or raises its error."""
+    try:
+        want = reference_extract_topk(token_ids, positions, k)
+    except ValueError as exc:
+        with pytest.raises(ValueError) as info:
+            topk.extract_topk(token_ids, positions, k)
+        assert str(info.value) == str(exc)
+        return
+    got = topk.extract_topk(token_ids, positions, k)
+    assert got.ids.dtype == want.ids.dtype and got.logprobs.dtype == want.logprobs.dtype
+    assert torch.equal(got.ids, want.ids)
+    assert torch.equal(got.logprobs, want.logprobs)
+
+
+@pytest.mark.parametrize(("k", "length", "seed"), [(1, 50, 0), (3, 200, 1), (20, 500, 2), (50, 64, 3), (20, 0, 4)])
+def test_vectorised_extraction_matches_the_per_token_loop_on_vllm_shaped_output(k, length, seed) -> None:
+    token_ids, positions = vllm_response(random.Random(seed), length, k, vocab=1000, p_outside=0.3)
+    _same_as_reference(token_ids, positions, k)
+
+
+_entry = st.tuples(
+    st.sampled_from([0.0, -0.5, -1.0, -1.0, -2.5, -math.inf]),  # repeats: ties on log-prob
+    st.one_of(st.none(), st.integers(-1, 8)),  # missing, repeated, beyond K, below 1 (vLLM's start at 1)
+)
+_position = st.dictionaries(st.integers(0, 9), _entry, max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), _position), max_size=12), st.integers(1, 6))
+def test_vectorised_extraction_matches_the_per_token_loop_on_any_input(rows, k) -> None:
+    """Ties in rank and log-prob, unranked entries, more or fewer entries than K, a sampled token
+    missing from its position: the same tensors (dict order breaking ties) or the same error."""
+    token_ids = [sampled for sampled, _ in rows]
+    positions = [{tid: Logprob(lp, rank) for tid, (lp, rank) in entries.items()} for _, entries in rows]
+    _same_as_reference(token_ids, positions, k)
+
+
+def test_mismatched_lengths_and_bad_k_are_refused() -> None:
+    with pytest.raises(ValueError, match="differ in length"):
+        topk.extract_topk([1, 2], [position({1: (-0.1, 1)})], k=1)
+    with pytest.raises(ValueError, match="k: must be >= 1"):
+        topk.extract_topk([1], [position({1: (-0.1, 1)})], k=0)
 
 
 def test_pad_to_response_length() -> None:
@@ -138,6 +179,32 @@ def test_agent_loop_patch_puts_padded_top_k_in_the_batch() -> None:
         assert torch.isneginf(lps[i, len(response) :]).all()  # padding past the response
         # the sampled token is in every generated position's TopK ∪ {k}
         assert ((ids[i] == batch["responses"][i, :, None]) & lps[i].isfinite()).any(-1)[: len(response)].all()
+
+
+def test_the_agent_loop_takes_top_k_carried_as_tensors() -> None:
+    """The vLLM server patch puts the extraction's tensors in `extra_fields` (not lists): VeRL's own
+    pydantic outputs keep them through Ray's pickling, and the padded batch is the same."""
+    import pickle
+
+    from verl.experimental.agent_loop import agent_loop
+    from verl.workers.rollout.replica import TokenOutput
+
+    k = 3
+    topk.install(k=k)
+    worker = object.__new__(agent_loop.AgentLoopWorker)
+    worker.reward_loop_worker_handles = None
+    as_lists = _internal_output([1, 2], [5, 7, 11, 2], 4, 6, k, seed=0)
+    fields = as_lists.extra_fields
+    carried = {topk.TOPK_IDS_KEY: torch.tensor(fields[topk.TOPK_IDS_KEY]),
+               topk.TOPK_LOGPROBS_KEY: torch.tensor(fields[topk.TOPK_LOGPROBS_KEY])}  # fmt: skip
+    server_output = pickle.loads(pickle.dumps(TokenOutput(token_ids=[5, 7, 11, 2], extra_fields=carried)))
+    as_tensors = _internal_output([1, 2], [5, 7, 11, 2], 4, 6, k, seed=0)
+    as_tensors.extra_fields.update(server_output.extra_fields)
+    assert isinstance(as_tensors.extra_fields[topk.TOPK_IDS_KEY], torch.Tensor)
+    want = agent_loop.AgentLoopWorker._postprocess(worker, [as_lists]).batch
+    got = agent_loop.AgentLoopWorker._postprocess(worker, [as_tensors]).batch
+    for key in (topk.TOPK_IDS_KEY, topk.TOPK_LOGPROBS_KEY):
+        assert torch.equal(got[key], want[key])
 
 
 def test_agent_loop_patch_refuses_top_k_rows_that_do_not_line_up() -> None:

