@@ -1,0 +1,109 @@
+"""A hostile user's input, round two (issue 20): one line naming the problem, exit 2, nothing written.
+
+Each test names the item of issue 20 it covers. `refused` (from test_bad_input) runs the command in this
+process and checks the store and run directories byte for byte.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdmctl.grid import expand, load_sweep_file
+from tests.test_bad_input import refused, store  # noqa: F401 (a fixture)
+
+SYN = ["backend=synthetic", "model=synthetic"]
+
+
+# -- 3: an empty or falsy grid ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("name: ablation\ngrid:\n#  k: 10,20,50\n", "grid: is empty"),
+        ("name: ablation\ngrid: 0\n", "grid: must be a mapping of key: values, got 0"),
+        ("name: ablation\ngrid: false\n", "grid: must be a mapping of key: values, got False"),
+        ('name: ablation\ngrid: ""\n', "grid: must be a mapping of key: values, got ''"),
+        ("name: ablation\ngrid: {}\n", "grid: is empty"),
+        ("name: ablation\nsettings: []\n", "settings: is an empty list"),
+        ("name: ablation\n", "no grid: or settings:"),
+    ],
+)
+def test_an_empty_or_falsy_grid_is_refused(store: Path, text: str, needle: str) -> None:  # noqa: F811
+    (store / "a.yaml").write_text(text)
+    refused(store, ["sweep", "--file", "a.yaml"], needle)
+
+
+# -- 4: seeds=3 seed=7 -------------------------------------------------------------------------------
+
+
+def test_seeds_and_seed_together_are_refused(store: Path) -> None:  # noqa: F811
+    refused(store, ["sweep", "seeds=3", "seed=7", *SYN], "seed: given twice ('seeds=3' and 'seed=7')")
+
+
+def test_seed_on_the_command_line_wins_over_seeds_in_the_file(tmp_path: Path) -> None:
+    (tmp_path / "s.yaml").write_text("name: s\ngrid:\n  seeds: 3\n  k: 10\n")
+    specs = expand(["seed=7", *SYN], load_sweep_file(str(tmp_path / "s.yaml")))
+    assert [s.seed for s in specs] == [7]
+
+
+# -- 13: config-group options are names in their group -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "needle"),
+    [
+        ("mask=/some/dir/evil", "mask: unknown option '/some/dir/evil'; choose from dppo_binary_kl"),
+        ("mask=../configs/mask/pdm_agg", "mask: unknown option '../configs/mask/pdm_agg'"),
+        ("precision=" + "x" * 300, "precision: unknown option 'xxxx"),
+        ("model=" + "y" * 300, "model: unknown option 'yyyy"),
+    ],
+)
+def test_a_config_group_option_is_a_name_not_a_path(store: Path, option: str, needle: str, tmp_path: Path) -> None:  # noqa: F811
+    evil = Path("/some/dir")
+    assert not (evil / "evil.yaml").exists()
+    refused(store, ["sweep", option, "--dry-run"], needle)
+
+
+def test_an_option_outside_configs_is_never_read(store: Path, tmp_path: Path) -> None:  # noqa: F811
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "evil.yaml").write_text("name: evil\nmethod: pdm\ndivergence: topk_kl\nestimator: agg\n")
+    refused(store, ["sweep", f"mask={outside / 'evil'}", *SYN], "mask: unknown option")
+
+
+# -- 14: files that are not UTF-8 ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["sweep", "--file"], ["sweep", "--cluster"], ["report", "--definition"]])
+def test_a_file_that_is_not_utf8_is_one_line(store: Path, command: list[str]) -> None:  # noqa: F811
+    (store / "s.yaml").write_bytes(b"\xff\xfegrid:\n")
+    refused(store, [*command, "s.yaml"], "s.yaml is not UTF-8 text (byte 0: b'\\xff')")
+
+
+def test_a_file_name_too_long_is_not_found(store: Path) -> None:  # noqa: F811
+    refused(store, ["sweep", "--file", "f" * 300], "sweep file: 'ffff")
+
+
+# -- 16: interval() and glob() in a sweep ----------------------------------------------------------
+
+
+def test_interval_in_a_sweep_points_to_tune(store: Path) -> None:  # noqa: F811
+    refused(store, ["sweep", "delta=interval(0,1)"], "interval() is a search range for `pdmctl tune`")
+    refused(store, ["sweep", "backend.lr=tag(log,interval(1e-4,1e-3))"], "for `pdmctl tune`")
+
+
+def test_glob_selects_a_groups_options() -> None:
+    specs = expand(["mask=glob(pdm_*,exclude=pdm_topk*)", *SYN])
+    assert sorted(s.config["mask"]["name"] for s in specs) == ["pdm_agg", "pdm_exact", "pdm_uni"]
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [("mask=glob(zz*)", "sweeps over no values (no mask option matches"),
+     ("k=glob(1*)", "glob() selects options of a config group")],
+)
+def test_a_glob_that_selects_nothing_is_refused(store: Path, override: str, needle: str) -> None:  # noqa: F811
+    refused(store, ["sweep", override], needle)
