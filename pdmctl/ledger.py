@@ -130,10 +130,16 @@ def default_tracking_uri(cwd: Path | None = None) -> str:
 
 def resolve_tracking_uri(cli_uri: str | None, profile_uri: str | None) -> str:
     """--tracking-uri, then MLFLOW_TRACKING_URI, then the cluster profile, then ./mlflow.db; checked."""
+    if cli_uri is not None and not cli_uri.strip():  # `--tracking-uri "$UNSET"`: not ./mlflow.db by surprise
+        raise LedgerError("--tracking-uri: empty (an unset variable?); give a URI, or leave the option out "
+                          "for the default")  # fmt: skip
     uri = cli_uri or os.environ.get("MLFLOW_TRACKING_URI") or profile_uri or default_tracking_uri()
     check_uri(uri)
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):  # make relative paths absolute
-        uri = f"sqlite:///{Path(uri.removeprefix('sqlite:///')).resolve()}"
+        try:
+            uri = f"sqlite:///{Path(uri.removeprefix('sqlite:///')).resolve()}"
+        except (RuntimeError, OSError) as exc:  # a loop of symbolic links
+            raise LedgerError(f"tracking URI {uri}: cannot be resolved ({exc})") from exc
     return uri
 
 

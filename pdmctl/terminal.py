@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -22,6 +23,31 @@ EXIT_BAD_INPUT = 2
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
     err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def check_output(path: Path, what: str, *, directory: bool) -> None:
+    """Refuse (one line, exit 2) an output path that could not be written, before any work is done.
+
+    `directory`: the path is a directory to write into (made if missing), else a file to (over)write.
+    """
+    import os
+
+    try:
+        if directory and path.exists() and not path.is_dir():
+            fail(f"{what} {path}: a file is there, not a directory")
+        if not directory and path.is_dir():
+            fail(f"{what} {path}: is a directory")
+        parent = path if directory else path.parent
+        existing = next((p for p in (parent, *parent.parents) if p.exists()), None)
+        if not directory and existing != parent:
+            fail(f"{what} {path}: directory {parent} does not exist")
+        if existing is None or not existing.is_dir():
+            fail(f"{what} {path}: {existing} is not a directory")
+        target = path if path.exists() else existing
+        if not os.access(target, os.W_OK) or (target.is_dir() and not os.access(target, os.X_OK)):
+            fail(f"{what} {path}: {target} is not writable")
+    except OSError as exc:  # a name too long, a loop of links
+        fail(f"{what} {path}: {exc.strerror or exc}")
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from pdmctl.cli import app
 from pdmctl.grid import expand, load_sweep_file
 from tests.test_bad_input import refused, store  # noqa: F401 (a fixture)
 
@@ -107,3 +109,82 @@ def test_glob_selects_a_groups_options() -> None:
 )
 def test_a_glob_that_selects_nothing_is_refused(store: Path, override: str, needle: str) -> None:  # noqa: F811
     refused(store, ["sweep", override], needle)
+
+
+# -- 11: an empty --tracking-uri -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["sweep", "seed=0", *SYN], ["status"], ["resume"], ["report"]])
+def test_an_empty_tracking_uri_is_refused(store: Path, command: list[str]) -> None:  # noqa: F811
+    refused(store, [*command, "--tracking-uri", ""], "--tracking-uri: empty (an unset variable?)")
+
+
+# -- 17: a symlink loop as the run root ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["sweep", "seed=0", *SYN], ["resume"], ["sweep", "seed=0", "--dry-run"]])
+def test_a_symlink_loop_as_the_run_root(store: Path, command: list[str]) -> None:  # noqa: F811
+    (store / "pdmctl-runs").symlink_to("pdmctl-runs")
+    refused(store, command, "run directory pdmctl-runs: cannot be resolved (Symlink loop")
+
+
+# -- 18, 19: output paths checked first ------------------------------------------------------------
+
+
+def test_report_out_onto_a_file(store: Path) -> None:  # noqa: F811
+    (store / "afile").write_text("mine\n")
+    refused(store, ["report", "--out", "afile"], "--out afile: a file is there, not a directory")
+    (store / "reports").write_text("mine\n")  # the default directory's parent: known once the sweep is
+    result = CliRunner().invoke(app, ["report"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == "error: report directory reports/kept: reports is not a directory"
+    assert (store / "reports").read_text() == "mine\n"
+
+
+def test_analyze_checks_its_json_destination_before_the_analysis(workdir: Path) -> None:
+    refused(workdir, ["analyze", "--seeds", "1", "--json", "missing/dir/out.json"],
+            "--json missing/dir/out.json: directory missing/dir does not exist")  # fmt: skip
+    (workdir / "adir").mkdir()
+    refused(workdir, ["analyze", "--seeds", "1", "--json", "adir"], "--json adir: is a directory")
+
+
+# -- 20: status --watch --interval ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "0", "inf", "-inf"])
+def test_watch_interval_must_be_a_pause(store: Path, value: str) -> None:  # noqa: F811
+    refused(store, ["status", "--watch", "--interval", value], "--interval: must be a number of seconds >= 0.5")
+
+
+# -- 21: tune --storage ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("storage", "needle"),
+    [("foo://bar", "--storage foo://bar: unsupported database 'foo'"),
+     ("not a url", "--storage not a url: not a database URL"),
+     ("", "--storage: empty"),
+     ("sqlite://", "a SQLite storage is sqlite:///PATH")],
+)
+def test_tune_refuses_a_storage_it_cannot_open(store: Path, storage: str, needle: str) -> None:  # noqa: F811
+    refused(store, ["tune", "delta=interval(0.05,0.3)", *SYN, "--trials", "2", "--storage", storage], needle)
+    refused(store, ["tune", "status", "--storage", storage], needle)
+
+
+# -- the console script: click's usage errors are one line too -------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [(["sweep", "--max-runs", "abc"], "error: pdmctl sweep: Invalid value for '--max-runs'"),
+     (["status", "--nope"], "error: pdmctl status: No such option: --nope"),
+     (["logs"], "error: pdmctl logs: Missing argument 'RUN'."),
+     (["bogus"], "error: pdmctl: No such command 'bogus'.")],
+)
+def test_usage_errors_are_one_line(workdir: Path, args: list[str], needle: str) -> None:
+    from tests.conftest import pdmctl
+
+    result = pdmctl(*args, cwd=workdir, timeout=120)
+    assert result.returncode == 2, result
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and result.stderr.startswith(needle)
+    assert not list(workdir.iterdir())
