@@ -101,7 +101,14 @@ class RunRecord:
 
     @property
     def spec(self) -> RunSpec | None:
-        return RunSpec.from_json(self.spec_json) if self.spec_json else None
+        """The run's spec; None where none is recorded or the record cannot be read (an older pdmctl cut
+        long specs at MLflow's tag limit)."""
+        if not self.spec_json:
+            return None
+        try:
+            return RunSpec.from_json(self.spec_json)
+        except (ValueError, KeyError, TypeError):
+            return None
 
     @property
     def step(self) -> int | None:
@@ -298,10 +305,28 @@ def _tags_for(spec: RunSpec, run_dir: str) -> dict[str, str]:
         TAG_KEY: spec.key,
         TAG_BACKEND: spec.backend,
         TAG_ATTEMPT: "0",
-        TAG_SPEC: spec.to_json()[:_TAG_VALUE_MAX],
-        TAG_SUMMARY: spec.summary,
+        **spec_tags(spec.to_json()),
+        TAG_SUMMARY: spec.summary[:_TAG_VALUE_MAX],
         TAG_RUN_DIR: run_dir,
     }
+
+
+def spec_tags(spec_json: str) -> dict[str, str]:
+    """A spec of any length as tags within MLflow's limit on a tag's value: `pdmctl.spec` holds the
+    first part, `pdmctl.spec.1`, `pdmctl.spec.2`, ... the rest (the config round-trips whole)."""
+    parts = [spec_json[i : i + _TAG_VALUE_MAX] for i in range(0, len(spec_json), _TAG_VALUE_MAX)] or [""]
+    return {TAG_SPEC if i == 0 else f"{TAG_SPEC}.{i}": part for i, part in enumerate(parts)}
+
+
+def _spec_json(tags: Mapping[str, str]) -> str | None:
+    first = tags.get(TAG_SPEC)
+    if first is None:
+        return None
+    parts, i = [first], 1
+    while (part := tags.get(f"{TAG_SPEC}.{i}")) is not None:
+        parts.append(part)
+        i += 1
+    return "".join(parts)
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -326,7 +351,7 @@ def _record(run_id: str, status: str, start: int | None, end: int | None, tags: 
         attempt=int(tags.get(TAG_ATTEMPT) or 0),
         job_id=tags.get(TAG_JOB) or None,
         executor=tags.get(TAG_EXECUTOR) or None,
-        spec_json=tags.get(TAG_SPEC),
+        spec_json=_spec_json(tags),
         summary=tags.get(TAG_SUMMARY, ""),
         run_dir=tags.get(TAG_RUN_DIR),
         reason=tags.get(TAG_REASON) or None,

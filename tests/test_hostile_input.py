@@ -188,3 +188,63 @@ def test_usage_errors_are_one_line(workdir: Path, args: list[str], needle: str) 
     assert result.returncode == 2, result
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and result.stderr.startswith(needle)
     assert not list(workdir.iterdir())
+
+
+# -- 1: a long config round-trips whole ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", ["one long value", "a thousand overrides"])
+def test_a_long_config_runs_reports_and_resumes(workdir: Path, size: str) -> None:
+    from pdmctl.ledger import open_ledger
+    from tests.conftest import pdmctl, sqlite_uri
+
+    extra = ["+note=" + "x" * 9000] if size == "one long value" else [f"+p{i}=12345" for i in range(1000)]
+    res = pdmctl("sweep", *extra, *SYN, "--name", "long", "--wait", cwd=workdir, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    (run,) = open_ledger(sqlite_uri(workdir)).runs("long")
+    assert run.status == "FINISHED", run
+    config = run.spec.config  # type: ignore[union-attr]
+    assert config.get("note") == "x" * 9000 or config.get("p999") == 12345
+    status = pdmctl("status", "long", cwd=workdir, timeout=120)
+    assert status.returncode == 0 and "finished" in status.stdout, status.stdout + status.stderr
+    report = pdmctl("report", "long", cwd=workdir, timeout=300)
+    assert report.returncode == 0 and "Traceback" not in report.stderr, report.stdout + report.stderr
+    resumed = pdmctl("resume", "long", cwd=workdir, timeout=120)
+    assert resumed.returncode == 0 and "0 run(s) resubmitted" in resumed.stdout, resumed.stdout
+
+
+# -- 2: a job that dies at start-up says why -------------------------------------------------------
+
+
+@pytest.mark.parametrize("log", ["a traceback", "nothing"])
+def test_a_job_that_died_at_start_up_shows_its_error(workdir: Path, log: str) -> None:
+    import json
+
+    from pdmctl import orchestrate
+    from pdmctl.ledger import Submission, open_ledger
+    from tests.conftest import sqlite_uri
+
+    ctx = orchestrate.make_context("local", sqlite_uri(workdir))
+    ledger = open_ledger(ctx.tracking_uri)
+    specs = expand(["seed=0", *SYN], sweep="dies")
+    ids = ledger.register(specs, {s.key: str(ctx.run_dir_parent(s)) for s in specs})
+    run_id, job_id = ids[specs[0].key], "local-abc-0-1"
+    ledger.mark_intent({run_id: "abc:0:1"}, ctx.executor_tag())
+    ledger.mark_submitted([Submission(run_id, job_id, ctx.executor_tag(), 1, "abc:0:1")])
+    done = ctx.run_root / ".local" / "done"  # what the worker records when the job process exits 1
+    done.mkdir(parents=True)
+    (done / f"{job_id}.json").write_text(json.dumps({"state": "FAILED", "returncode": 1}))
+    (record,) = ledger.runs("dies")
+    path = orchestrate.log_file(record, ctx)
+    path.parent.mkdir(parents=True)
+    path.write_text("Traceback (most recent call last):\n  File \"x.py\", line 1\njson.decoder.JSONDecodeError: "
+                    "Unterminated string starting at: line 1 column 7 (char 6)\n" if log == "a traceback" else "")  # fmt: skip
+    result = CliRunner().invoke(app, ["status", "dies", "--tracking-uri", ctx.tracking_uri])
+    assert result.exit_code == 0, result.output
+    (record,) = ledger.runs("dies")
+    if log == "a traceback":
+        assert record.reason == ("the job died at start-up: json.decoder.JSONDecodeError: Unterminated string "
+                                 "starting at: line 1 column 7 (char 6)")  # fmt: skip
+        assert "1 failed" in result.stdout and "JSONDecodeE" in result.stdout
+    else:
+        assert record.reason == "lost: the job process died"
