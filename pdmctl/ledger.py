@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import subprocess
+import sys
 import time
 import uuid
 from collections import defaultdict
@@ -341,6 +342,15 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+def metric_value(value: Any, is_nan: Any = False) -> float:
+    """A metric as it was logged. MLflow stores NaN as 0 with is_nan set, and ±inf as ±sys.float_info.max
+    (is_nan unset); both are non-finite again here, never a huge number that would be averaged."""
+    if is_nan:
+        return math.nan
+    number = float(value)
+    return math.copysign(math.inf, number) if abs(number) >= sys.float_info.max else number
+
+
 def _record(run_id: str, status: str, start: int | None, end: int | None, tags: Mapping[str, str],
             latest: dict[str, tuple[int, float]]) -> RunRecord:  # fmt: skip
     return RunRecord(
@@ -450,7 +460,7 @@ class SqlLedger(Ledger):
             run_tags[run_id][key] = value
         run_latest: dict[str, dict[str, tuple[int, float]]] = defaultdict(dict)
         for run_id, key, step, value, is_nan in metric_rows:  # MLflow stores NaN as 0 with is_nan set
-            run_latest[run_id][key] = (int(step), math.nan if is_nan else float(value))
+            run_latest[run_id][key] = (int(step), metric_value(value, is_nan))
         return [_record(r[0], r[1], r[2], r[3], run_tags[r[0]], run_latest[r[0]]) for r in rows]
 
     def metric_histories(self, run_ids, keys=None):
@@ -464,7 +474,7 @@ class SqlLedger(Ledger):
                 if keys is not None:
                     query = query.where(metrics.c.key.in_(list(keys)))
                 for run_id, key, step, value, is_nan in conn.execute(query):
-                    out[run_id][key].append((int(step), math.nan if is_nan else float(value)))
+                    out[run_id][key].append((int(step), metric_value(value, is_nan)))
                 self.queries += 1
         for per_run in out.values():
             for series in per_run.values():
@@ -641,7 +651,7 @@ class ClientLedger(Ledger):
             latest = {}
             for key in STATUS_METRICS:
                 if key in run.data.metrics:
-                    latest[key] = (self._latest_step(run, key), float(run.data.metrics[key]))
+                    latest[key] = (self._latest_step(run, key), metric_value(run.data.metrics[key]))
             out.append(
                 _record(
                     run.info.run_id, run.info.status, run.info.start_time, run.info.end_time, tags, latest
@@ -733,7 +743,8 @@ class ClientLedger(Ledger):
         def one(run_id: str) -> tuple[str, dict[str, list[tuple[int, float]]]]:
             names = keys if keys is not None else list(self.client.get_run(run_id).data.metrics)
             return run_id, {
-                k: sorted((m.step, m.value) for m in self.client.get_metric_history(run_id, k)) for k in names
+                k: sorted((m.step, metric_value(m.value)) for m in self.client.get_metric_history(run_id, k))
+                for k in names
             }
 
         with ThreadPoolExecutor(16) as pool:

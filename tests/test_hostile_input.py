@@ -248,3 +248,35 @@ def test_a_job_that_died_at_start_up_shows_its_error(workdir: Path, log: str) ->
         assert "1 failed" in result.stdout and "JSONDecodeE" in result.stdout
     else:
         assert record.reason == "lost: the job process died"
+
+
+# -- 5: a non-finite evaluation is a failed run's data ---------------------------------------------
+
+
+@pytest.mark.parametrize("at", ["final", "last-2"])  # best skips non-finite steps (stats.select_steps)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_a_non_finite_evaluation_is_listed_never_averaged(workdir: Path, bad: float, at: str) -> None:
+    import math
+
+    from pdmctl.ledger import FINISHED, RunLogger, open_ledger
+    from pdmctl.report.collect import collect
+    from pdmctl.report.definition import load_definition
+    from tests.conftest import sqlite_uri
+    from tests.test_report_synthetic import make_sweep
+
+    uri = sqlite_uri(workdir)
+    sweep = make_sweep(uri, "inf", [*SYN, "seed=0,1"])
+    for run_id, spec in sweep.specs.items():  # through MLflow's own client, as a job logs
+        logger = RunLogger(uri, run_id)
+        for step in range(5):
+            value = bad if (spec.seed == 1 and step == 4) else 0.1 * step
+            logger.log_metrics({"eval/toy24": value, "eval/toy25": value}, step)
+        logger.finish(FINISHED)
+    records = {r.run_id: r for r in open_ledger(uri).runs("inf")}
+    sick = sweep.run_id("pdm_agg", 1)
+    assert all(not math.isfinite(v) and (math.isnan(v) or v == bad) for _, v in records[sick].latest.values())
+    collected = collect(open_ledger(uri), ["inf"], load_definition("default").with_options(at=at))
+    ((_row, points),) = collected.by_row.items()
+    assert [p.seed for p in points] == [0]  # the healthy seed counts, never pushed out as partial
+    (excluded,) = [e for e in collected.excluded if e.run_id == sick]
+    assert "not finite" in excluded.reason
