@@ -280,3 +280,96 @@ def test_a_non_finite_evaluation_is_listed_never_averaged(workdir: Path, bad: fl
     assert [p.seed for p in points] == [0]  # the healthy seed counts, never pushed out as partial
     (excluded,) = [e for e in collected.excluded if e.run_id == sick]
     assert "not finite" in excluded.reason
+
+
+# -- 6: the local queue's directory as a file, or read-only ----------------------------------------
+
+
+def test_the_local_queue_as_a_file_is_refused_before_anything_is_registered(store: Path) -> None:  # noqa: F811
+    runs = store / "pdmctl-runs"
+    runs.mkdir()
+    (runs / ".local").write_text("not a directory\n")
+    refused(store, ["sweep", "seed=0", *SYN], f"local executor: {runs / '.local'} is not a directory")
+    refused(store, ["resume"], f"local executor: {runs / '.local'} is not a directory")
+    result = CliRunner().invoke(app, ["status"])  # reading never writes: it still answers
+    assert result.exit_code == 0, result.output
+    assert (runs / ".local").read_text() == "not a directory\n"
+
+
+def test_status_never_makes_the_queue(store: Path) -> None:  # noqa: F811
+    from pdmctl.executors import load_profile, make_executor
+
+    executor = make_executor(load_profile("local"))
+    assert executor.states(["local-x"]) == {"local-x": "LOST"} and executor.find(["a:0:1"]) == {}
+    assert not (store / "pdmctl-runs").exists()
+
+
+def test_a_read_only_queue_is_refused(tmp_path: Path) -> None:
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.test_bad_input import snapshot
+
+    as_root = os.geteuid() == 0  # as root, run as nobody, for whom 0o555 means read-only
+    work = Path(tempfile.mkdtemp(dir="/tmp" if as_root else tmp_path))
+    try:
+        work.chmod(0o777)
+        (work / "pdmctl-runs" / ".local").mkdir(parents=True)
+        (work / "pdmctl-runs").chmod(0o777)
+        (work / "pdmctl-runs" / ".local").chmod(0o555)
+        before = snapshot(work)
+        command = [sys.executable, "-m", "pdmctl.cli", "sweep", "seed=0", *SYN]
+        if as_root:
+            command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *command]
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HOME": str(work)}
+        env.pop("MLFLOW_TRACKING_URI", None)
+        proc = subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=300, env=env)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert lines == [f"error: local executor: {work / 'pdmctl-runs' / '.local'} is not writable (the job "
+                         f"queue goes in {work / 'pdmctl-runs' / '.local'})"], proc.stderr  # fmt: skip
+        assert snapshot(work) == before
+    finally:
+        shutil.rmtree(work)
+
+
+# -- 12: the worker-lock check cannot be fooled by the heartbeat file ------------------------------
+
+
+@pytest.mark.parametrize("beat", ["in the future", "just now, by a worker that has ended"])
+def test_a_stray_lock_holder_is_named_whatever_the_heartbeat_says(workdir: Path, beat: str) -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.test_bad_input import snapshot
+
+    root = workdir / "pdmctl-runs" / ".local"
+    root.mkdir(parents=True)
+    (root / "worker.lock").touch()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1]); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+                               str(root / "worker.lock")], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        heartbeat = root / "worker.heartbeat"
+        if beat == "in the future":
+            heartbeat.write_text(str(holder.pid))
+            os.utime(heartbeat, (time.time() + 3600, time.time() + 3600))
+        else:
+            ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                                   text=True, check=True)  # fmt: skip
+            heartbeat.write_text(ended.stdout.strip())
+        before = snapshot(workdir)
+        result = CliRunner().invoke(app, ["sweep", "seed=0", *SYN])
+        assert result.exit_code == 2, result.output
+        (line,) = result.stderr.strip().splitlines()
+        assert f"is held by a process that is not a working pdmctl worker (pid {holder.pid}:" in line
+        assert snapshot(workdir) == before
+    finally:
+        holder.kill()
+        holder.wait()
