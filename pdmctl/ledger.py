@@ -192,6 +192,14 @@ def check_reachable(uri: str, *, timeout: float = 5.0) -> None:
 
         try:
             engine = sqlalchemy.create_engine(uri, connect_args=_connect_args(uri, timeout))
+        except ImportError as exc:
+            hint = ("name one that is, e.g. postgresql+psycopg2:// (pip install 'pdmctl[cluster]')"
+                    if uri.startswith("postgresql") else "install it")  # fmt: skip
+            raise LedgerError(f"tracking URI {_redact(uri)}: its database driver is not installed "
+                              f"({_first_line(exc)}); {hint}") from exc  # fmt: skip
+        except Exception as exc:
+            raise LedgerError(f"tracking URI {_redact(uri)}: cannot be used ({_first_line(exc)})") from exc
+        try:
             with engine.connect() as conn:
                 conn.execute(sqlalchemy.text("SELECT 1"))
         except Exception as exc:
@@ -388,7 +396,9 @@ class SqlLedger(Ledger):
         path = sqlite_path(uri)
         if path is not None and path.exists():
             _check_sqlite_file(path)  # before connecting: SQLite's WAL pragma would add files beside it
-        self.engine = sqlalchemy.create_engine(uri, connect_args=_connect_args(uri, 60.0))
+        if path is None:  # a server database: its driver and the server answer, or one line says which not
+            check_reachable(uri, timeout=HTTP_TIMEOUT_S)
+        self.engine = sqlalchemy.create_engine(uri, connect_args=_connect_args(uri, busy_seconds()))
         if uri.startswith("sqlite"):
             sqlalchemy.event.listen(self.engine, "connect", _sqlite_pragmas)
         with self._usable():
@@ -415,9 +425,13 @@ class SqlLedger(Ledger):
         try:
             yield
         except self._sa.exc.DatabaseError as exc:
-            if "locked" in str(exc).lower():  # busy, not broken: the caller's retry decides
-                raise
             where = sqlite_path(self.uri) or _redact(self.uri)
+            if "locked" in str(exc).lower() or "busy" in str(exc).lower():  # busy, not broken
+                held = _holders(sqlite_path(self.uri))
+                raise LedgerError(
+                    f"tracking store {where}: busy: another process has held its write lock for "
+                    f"{busy_seconds():g} s{f' ({held})' if held else ''}; try again when it is done"
+                ) from exc
             raise LedgerError(
                 f"tracking store {where}: not a usable MLflow database ({_first_line(exc.orig or exc)})"
             ) from exc
@@ -484,6 +498,10 @@ class SqlLedger(Ledger):
     # -- writing --------------------------------------------------------------------------
 
     def _create_runs(self, sweep, specs, run_dir):
+        with self._usable():
+            return self._insert_runs(sweep, specs, run_dir)
+
+    def _insert_runs(self, sweep, specs, run_dir):
         exp_id, artifact_root = self._experiment(sweep)
         now = _now_ms()
         user = getpass.getuser()
@@ -523,7 +541,7 @@ class SqlLedger(Ledger):
                      dict(key=TAG_REASON, value="", run_uuid=s.run_id),
                      dict(key=TAG_SUBMITTED, value=s.submission, run_uuid=s.run_id)]  # fmt: skip
         ids = [s.run_id for s in submissions]
-        with self.engine.begin() as conn:
+        with self._usable(), self.engine.begin() as conn:
             self._replace_tags(conn, ids, rows)
             self._update_status(conn, ids, SCHEDULED, end_time=None)
 
@@ -532,7 +550,7 @@ class SqlLedger(Ledger):
         for run_id, submission in submissions.items():
             rows += [dict(key=TAG_SUBMISSION, value=submission, run_uuid=run_id),
                      dict(key=TAG_EXECUTOR, value=executor, run_uuid=run_id)]  # fmt: skip
-        with self.engine.begin() as conn:
+        with self._usable(), self.engine.begin() as conn:
             self._replace_tags(conn, list(submissions), rows)
 
     def _replace_tags(self, conn, run_ids: list[str], rows: list[dict[str, str]]) -> None:
@@ -547,7 +565,7 @@ class SqlLedger(Ledger):
         if not run_ids:
             return
         tags, runs = self.t["tags"], self.t["runs"]
-        with self.engine.begin() as conn:
+        with self._usable(), self.engine.begin() as conn:
             if only_unfinished:  # a job may have reported its end since the caller looked
                 ended = {r for (r,) in conn.execute(self._sa.select(runs.c.run_uuid).where(
                     runs.c.run_uuid.in_(list(run_ids)), runs.c.status.in_(list(TERMINAL))))}  # fmt: skip
@@ -612,11 +630,30 @@ class SqlLedger(Ledger):
 # ---------------------------------------------------------------------------
 
 
+def _server_call(method):
+    """A tracking server that fails a call (500, a hung API past the timeout, a dropped connection) is one
+    line naming the server and the first line of what went wrong, never MLflow's traceback."""
+    import functools
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except LedgerError:
+            raise
+        except Exception as exc:
+            raise LedgerError(f"tracking server {_redact(self.uri)}: {method.__name__.strip('_')} failed "
+                              f"({_first_line(exc)[:300]})") from exc  # fmt: skip
+
+    return call
+
+
 class ClientLedger(Ledger):
     def __init__(self, uri: str) -> None:
         check_reachable(uri, timeout=HTTP_TIMEOUT_S)
-        # MLflow's own defaults retry a dead server for minutes; a command answers within seconds
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        # MLflow's own defaults retry a dead server for minutes (and a hung one for as long): a command
+        # answers within seconds, its first failed call one line (`_server`)
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(HTTP_TIMEOUT_S)))
         self.uri = uri
         self.client = _mlflow_client(uri)
@@ -644,6 +681,7 @@ class ClientLedger(Ledger):
             if not token:
                 return runs
 
+    @_server_call
     def runs(self, sweep=None):
         out = []
         for run in self._search(sweep):
@@ -664,6 +702,7 @@ class ClientLedger(Ledger):
         self.queries += 1
         return max((m.step for m in hist), default=0)
 
+    @_server_call
     def _create_runs(self, sweep, specs, run_dir):
         from mlflow.entities import Param, RunTag
 
@@ -701,6 +740,7 @@ class ClientLedger(Ledger):
                 raise
             return exp.experiment_id
 
+    @_server_call
     def mark_submitted(self, submissions):
         from mlflow.entities import RunTag
 
@@ -713,6 +753,7 @@ class ClientLedger(Ledger):
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(mark, submissions))
 
+    @_server_call
     def mark_intent(self, submissions, executor):
         from mlflow.entities import RunTag
 
@@ -725,6 +766,7 @@ class ClientLedger(Ledger):
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(mark, submissions.items()))
 
+    @_server_call
     def set_status(self, run_ids, status, reason=None, *, only_unfinished=False):
         def update(run_id: str) -> None:
             if only_unfinished and self.client.get_run(run_id).info.status in TERMINAL:
@@ -739,6 +781,7 @@ class ClientLedger(Ledger):
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(update, run_ids))
 
+    @_server_call
     def metric_histories(self, run_ids, keys=None):
         def one(run_id: str) -> tuple[str, dict[str, list[tuple[int, float]]]]:
             names = keys if keys is not None else list(self.client.get_run(run_id).data.metrics)
@@ -885,6 +928,35 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+BUSY_ENV = "PDMCTL_STORE_BUSY_S"  # how long a command waits for another writer's lock on a SQLite store
+
+
+def busy_seconds() -> float:
+    try:
+        value = float(os.environ.get(BUSY_ENV, "60"))
+    except ValueError:
+        value = 60.0
+    return value if math.isfinite(value) and value >= 0 else 60.0
+
+
+def _holders(path: Path | None) -> str:
+    """Who has a SQLite store open, as far as /proc tells this user: "pid N: command", or ''."""
+    if path is None:
+        return ""
+    names = {str(path), f"{path}-wal", f"{path}-shm"}
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        if proc.name == str(os.getpid()):
+            continue
+        try:
+            if any(os.readlink(fd) in names for fd in (proc / "fd").iterdir()):
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                found.append(f"pid {proc.name}: {cmd[:80]}")
+        except OSError:
+            continue
+    return "; ".join(found[:3]) + (f"; {len(found) - 3} more" if len(found) > 3 else "")
+
+
 def _connect_args(uri: str, timeout: float) -> dict[str, Any]:
     if uri.startswith("sqlite"):
         return {"timeout": timeout}
@@ -903,6 +975,8 @@ def _check_sqlite_file(path: Path) -> None:
     """
     if path.stat().st_size == 0:  # SQLite makes an empty file a new database
         return
+    wal = path.with_name(path.name + "-wal")
+    wal_pages = wal.exists() and wal.stat().st_size > 32  # frames past the WAL's 32-byte header
     seen: tuple[int, int] | None = None
     for attempt in range(8):
         header = _read_header(path)
@@ -913,6 +987,8 @@ def _check_sqlite_file(path: Path) -> None:
         page_size = 65536 if page_size == 1 else page_size
         pages = int.from_bytes(header[28:32], "big")
         if not (pages and header[24:28] == header[92:96] and size < page_size * pages):
+            return
+        if wal_pages:  # committed pages not yet copied back live in the -wal (SQLite reads them there)
             return
         if seen == (size, page_size * pages) and attempt >= 3:
             raise LedgerError(f"tracking store {path}: not a usable MLflow database (truncated: {size} bytes "
@@ -938,7 +1014,7 @@ def _read_header(path: Path) -> bytes:
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")  # readers (status) never block the jobs' writers
-    cur.execute("PRAGMA busy_timeout=60000")
+    cur.execute(f"PRAGMA busy_timeout={int(busy_seconds() * 1000)}")
     cur.close()
 
 

@@ -21,7 +21,9 @@ EXIT_BAD_INPUT = 2
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)  # [x] is text here
     raise typer.Exit(code)
 
 

@@ -373,3 +373,159 @@ def test_a_stray_lock_holder_is_named_whatever_the_heartbeat_says(workdir: Path,
     finally:
         holder.kill()
         holder.wait()
+
+
+# -- 7: another writer holds the SQLite lock ------------------------------------------------------
+
+
+def test_a_busy_store_is_one_line_naming_who_holds_it(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    import subprocess
+    import sys
+    import time
+
+    from pdmctl.ledger import open_ledger
+    from tests.conftest import sqlite_uri
+
+    monkeypatch.setenv("PDMCTL_STORE_BUSY_S", "1")
+    db = store / "mlflow.db"
+    holder = subprocess.Popen([sys.executable, "-c", "import sqlite3, sys, time; c = sqlite3.connect(sys.argv[1], "
+                               "isolation_level=None); c.execute('PRAGMA journal_mode=WAL'); c.execute('BEGIN "
+                               "IMMEDIATE'); print('held', flush=True); time.sleep(60)", str(db)],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        started = time.perf_counter()
+        result = CliRunner().invoke(app, ["sweep", "seed=0", *SYN])
+        assert time.perf_counter() - started < 30
+        assert result.exit_code == 2, result.output
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith(f"error: tracking store {db}: busy: another process has held its write lock"), line
+        assert f"pid {holder.pid}:" in line
+    finally:
+        holder.kill()
+        holder.wait()
+    assert [r.sweep for r in open_ledger(sqlite_uri(store)).runs()] == ["kept"]  # nothing registered
+    assert not (store / "pdmctl-runs").exists()
+
+
+# -- 8: committed pages still in the -wal are not a truncated store -------------------------------
+
+
+def test_pages_in_the_wal_are_not_truncation(store: Path) -> None:  # noqa: F811
+    import shutil
+    import sqlite3
+
+    db, copy = store / "mlflow.db", store / "copy"
+    copy.mkdir()
+    live = sqlite3.connect(db, isolation_level=None)  # open while copied: the -wal holds committed pages
+    live.execute("PRAGMA journal_mode=WAL")
+    live.execute("PRAGMA wal_autocheckpoint=0")
+    live.execute("CREATE TABLE filler (x)")
+    live.execute("INSERT INTO filler VALUES (zeroblob(200000))")
+    for name in ("mlflow.db", "mlflow.db-wal"):
+        shutil.copy(store / name, copy / name)
+    live.close()
+    data = bytearray((copy / "mlflow.db").read_bytes())
+    pages = int.from_bytes(data[28:32], "big")  # as a full disk leaves it: the header counts pages that the
+    data[28:32] = (pages + 20).to_bytes(4, "big")  # main file lacks; the -wal holds them
+    (copy / "mlflow.db").write_bytes(bytes(data))
+    check = sqlite3.connect(copy / "mlflow.db")
+    assert check.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    check.close()
+    result = CliRunner().invoke(app, ["status", "--tracking-uri", f"sqlite:///{copy / 'mlflow.db'}"])
+    assert result.exit_code == 0, result.output
+    assert "kept" in result.stdout
+
+
+# -- 9: a tracking server whose API hangs or fails ------------------------------------------------
+
+
+class _Server:
+    """A tiny tracking server on 127.0.0.1: /health answers OK, the API answers 500 or hangs (bounded)."""
+
+    def __init__(self, api: str) -> None:
+        import http.server
+        import threading
+
+        stop = self.stop = threading.Event()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _answer(self) -> None:
+                if self.path.rstrip("/").endswith("/health"):
+                    body, code = b"OK", 200
+                elif api == "500":
+                    body, code = b'{"error_code": "INTERNAL_ERROR", "message": "boom"}', 500
+                else:
+                    stop.wait(30)  # hangs until the test ends (30 s at most)
+                    return
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.uri = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.stop.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize("api", ["500", "hangs"])
+@pytest.mark.parametrize("command", [["status"], ["sweep", "seed=0", *SYN]])
+def test_a_server_whose_api_fails_is_one_line_within_10_s(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, api: str, command: list[str]
+) -> None:
+    import time
+
+    import mlflow.tracking  # noqa: F401 (imported before the clock starts: on a loaded machine it takes seconds)
+
+    expand(["seed=0", *SYN])  # so is torch, for the run keys: the clock times the server, not the imports
+
+    for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)  # the ledger sets them; undone after the test
+    server = _Server(api)
+    try:
+        started = time.perf_counter()
+        result = CliRunner().invoke(app, [*command, "--tracking-uri", server.uri])
+        took = time.perf_counter() - started
+    finally:
+        server.close()
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: tracking server {server.uri}: "), line
+    assert took < 10, (took, line)
+    assert not (workdir / "pdmctl-runs").exists()
+
+
+# -- 10: a PostgreSQL URI with no server, or no driver --------------------------------------------
+
+
+@pytest.mark.parametrize("driver", ["installed", "missing"])
+@pytest.mark.parametrize("command", [["status"], ["cancel"], ["logs", "abc"], ["report"], ["sweep", "seed=0", *SYN],
+                                     ["resume"]])  # fmt: skip
+def test_a_bare_postgresql_uri_is_one_line(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, driver: str, command: list[str]
+) -> None:
+    import sys
+
+    # a bare postgresql:// is SQLAlchemy 2.1's psycopg (3), which [cluster] does not install; psycopg2 it does
+    scheme = "postgresql+psycopg2" if driver == "installed" else "postgresql"
+    if driver == "missing":
+        monkeypatch.setitem(sys.modules, "psycopg", None)  # an import of it fails, as where it is not installed
+    uri = f"{scheme}://u:p@127.0.0.1:9/db"
+    result = CliRunner().invoke(app, [*command, "--tracking-uri", uri])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: tracking URI {scheme}://u:***@127.0.0.1:9/db: "), line
+    assert ("driver is not installed" if driver == "missing" else "cannot connect") in line, line
+    assert not list(workdir.iterdir())
