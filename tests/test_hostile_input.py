@@ -529,3 +529,32 @@ def test_a_bare_postgresql_uri_is_one_line(
     assert line.startswith(f"error: tracking URI {scheme}://u:***@127.0.0.1:9/db: "), line
     assert ("driver is not installed" if driver == "missing" else "cannot connect") in line, line
     assert not list(workdir.iterdir())
+
+
+# -- 22: VeRL's fields checked at submit ----------------------------------------------------------
+
+
+VERL = ["backend=verl", "model=qwen3-4b-base"]
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [("backend.lr=abc", "backend.lr: "), ("backend.temperature=hot", "backend.temperature: "),
+     ("backend.val_n=-3", "backend.val_n: must be an integer >= 1"), ("backend.lr=-1e-6", "backend.lr: must be"),
+     ("backend.temperature=0", "backend.temperature: must be a number > 0"),
+     ("mask.loss_agg_mode=bogus", "mask.loss_agg_mode: unknown 'bogus'; VeRL takes token-mean")],
+)
+def test_verl_fields_are_checked_at_submit(store: Path, override: str, needle: str) -> None:  # noqa: F811
+    refused(store, ["sweep", *VERL, override], needle)
+
+
+@pytest.mark.verl
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [("backend.lr=abc", "backend.lr: 'abc' does not fit VeRL's FSDPOptimizerConfig.lr"),
+     ("backend.temperature=hot", "backend.temperature: 'hot' does not fit VeRL's RolloutConfig.temperature"),
+     ("backend.val_n=2.5", "backend.val_n: 2.5 does not fit VeRL's SamplingConfig.n")],
+)
+def test_verl_fields_are_checked_against_verls_own_schema(store: Path, override: str, needle: str) -> None:  # noqa: F811
+    pytest.importorskip("verl")
+    refused(store, ["sweep", *VERL, override], needle)
