@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 import uuid
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -399,6 +400,7 @@ class SqlLedger(Ledger):
         if path is None:  # a server database: its driver and the server answer, or one line says which not
             check_reachable(uri, timeout=HTTP_TIMEOUT_S)
         self.engine = sqlalchemy.create_engine(uri, connect_args=_connect_args(uri, busy_seconds()))
+        _ENGINES.add(self.engine)
         if uri.startswith("sqlite"):
             sqlalchemy.event.listen(self.engine, "connect", _sqlite_pragmas)
         with self._usable():
@@ -926,6 +928,17 @@ def _file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+_ENGINES: weakref.WeakSet = weakref.WeakSet()  # every SqlLedger's engine, closed when a command ends
+
+
+def close_stores() -> None:
+    """Close every store connection this process holds. The last connection to close a SQLite store in
+    WAL mode removes its -wal/-shm files: a command that only read the store leaves it as it found it."""
+    for engine in list(_ENGINES):
+        with contextlib.suppress(Exception):
+            engine.dispose()
 
 
 BUSY_ENV = "PDMCTL_STORE_BUSY_S"  # how long a command waits for another writer's lock on a SQLite store

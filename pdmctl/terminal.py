@@ -71,3 +71,6 @@ def guard() -> Iterator[None]:
     except _user_errors() as exc:
         text = str(exc).strip()
         fail(text.splitlines()[0] if text else type(exc).__name__)
+    finally:
+        if "pdmctl.ledger" in sys.modules:  # a refusal after reading leaves no -wal/-shm beside the store
+            sys.modules["pdmctl.ledger"].close_stores()
