@@ -414,8 +414,9 @@ def main() -> None:
             fail(f"{command}: {message}", code=exc.exit_code)
         except typer.Exit as ended:
             code = ended.exit_code
-    except click_exceptions.Abort:  # Ctrl-C at a prompt
-        code = 130
+    except typer.Abort:  # end of input at a prompt: as typer's own standalone mode ends it
+        print("Aborted!", file=sys.stderr)
+        code = 1
     sys.exit(code if isinstance(code, int) else 0)
 
 
