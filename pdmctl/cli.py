@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections import Counter
@@ -15,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pdmctl.grid import MAX_RUNS
-from pdmctl.terminal import console, fail
+from pdmctl.terminal import check_output, console, fail
 from pdmctl.terminal import guard as _guard
 
 app = typer.Typer(
@@ -206,6 +207,9 @@ def _plain_table(rows: list[tuple[list[str], str]], title: str, caption: str) ->
     return out
 
 
+MIN_INTERVAL_S = 0.5  # --watch polls the store and the executor: not in a busy loop
+
+
 @app.command()
 def status(
     sweep_name: Annotated[
@@ -222,6 +226,8 @@ def status(
     from pdmctl import orchestrate
 
     with _guard():
+        if not (math.isfinite(interval) and interval >= MIN_INTERVAL_S):
+            fail(f"--interval: must be a number of seconds >= {MIN_INTERVAL_S:g}, got {interval:g}")
         ctx = orchestrate.make_context(cluster, tracking_uri)
         views = orchestrate.status(ctx, sweep_name)
         if sweep_name and not views:
@@ -354,6 +360,8 @@ def analyze(
     with _guard():
         if seeds < 1:
             fail(f"--seeds: must be >= 1, got {seeds}")
+        if json_out is not None:  # before the analysis, not after it
+            check_output(json_out, "--json", directory=False)
         (spec,) = grid.expand(overrides or [], sweep="analysis")[:1]
         if spec.backend != "toy":
             fail("analyze: runs on the CPU testbed (backend=toy)")
@@ -408,7 +416,31 @@ _mount_optional()
 
 
 def main() -> None:
-    app()
+    """The console script: a mistyped option or argument is one line and exit code 2, like any bad input
+    (click's own report is a usage block, or a boxed panel under rich)."""
+    try:  # typer >= 0.24 carries its own click
+        from typer._click import exceptions as click_exceptions
+    except ImportError:  # pragma: no cover (older typer: click itself)
+        from click import exceptions as click_exceptions
+
+    try:
+        code = app(standalone_mode=False)
+    except click_exceptions.NoArgsIsHelpError as exc:
+        if exc.ctx is not None:
+            console.print(exc.ctx.get_help(), highlight=False, markup=False)
+        code = 0 if exc.ctx is not None and exc.ctx.invoked_subcommand is None and not sys.argv[1:] else 2
+    except click_exceptions.ClickException as exc:  # UsageError, BadParameter, NoSuchOption, FileError
+        message = " ".join(exc.format_message().split())
+        ctx = getattr(exc, "ctx", None)
+        command = f"pdmctl {ctx.info_name}" if ctx is not None and ctx.parent is not None else "pdmctl"
+        try:
+            fail(f"{command}: {message}", code=exc.exit_code)
+        except typer.Exit as ended:
+            code = ended.exit_code
+    except typer.Abort:  # end of input at a prompt: as typer's own standalone mode ends it
+        print("Aborted!", file=sys.stderr)
+        code = 1
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -52,11 +52,19 @@ def load_sweep_file(path_or_name: str) -> SweepFile:
     unknown = set(data) - {"name", "description", "grid", "settings", "tune"}  # tune: for pdmctl tune
     if unknown:
         raise GridError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
-    raw_grid, raw_settings = data.get("grid") or {}, data.get("settings") or []
-    if not isinstance(raw_grid, dict):
+    if "grid" not in data and "settings" not in data:  # name: alone would sweep the default config
+        raise GridError(f"{where}: no grid: or settings: (it would run the default config only)")
+    raw_grid, raw_settings = data.get("grid", {}), data.get("settings", [])
+    if raw_grid is None:  # `grid:` with every line under it commented out
+        raise GridError(f"{where}: grid: is empty (it would run the default config only)")
+    if not isinstance(raw_grid, dict):  # 0, false, "": not a grid
         raise GridError(f"{where}: grid: must be a mapping of key: values, got {raw_grid!r}")
     if not isinstance(raw_settings, list) or not all(isinstance(s, dict) for s in raw_settings):
         raise GridError(f"{where}: settings: must be a list of key: value mappings, got {raw_settings!r}")
+    if "grid" in data and not raw_grid:
+        raise GridError(f"{where}: grid: is empty (it would run the default config only)")
+    if "settings" in data and not raw_settings:
+        raise GridError(f"{where}: settings: is an empty list (it would run the default config only)")
     grid = {str(k): _hydra_value(v, f"{where}: grid: {k}") for k, v in raw_grid.items()}
     settings = [
         {str(k): _hydra_value(v, f"{where}: settings: {k}") for k, v in s.items()} for s in raw_settings
@@ -109,12 +117,13 @@ def expand(
     grid = dict(sweep_file.grid) if sweep_file else {}
     settings = [dict(s) for s in (sweep_file.settings if sweep_file else [])] or [{}]
     cli_keys = {_override_key(o) for o in cli}
-    for key in cli_keys:  # the command line wins over the file
-        grid.pop(key, None)
-        for s in settings:
-            s.pop(key, None)
+    for key in cli_keys:  # the command line wins over the file (`seeds:` in the file is `seed` too)
+        for mapping in (grid, *settings):
+            for k in [k for k in mapping if _same_key(k) == key]:
+                mapping.pop(k)
     base = [_expand_seeds(f"{k}={v}") for k, v in grid.items()] + cli
-    per_setting = [_parse([*(f"{k}={v}" for k, v in s.items()), *base]) for s in _unique(settings)]
+    per_setting = [_parse(_special_sweeps([*(_expand_seeds(f"{k}={v}") for k, v in s.items()), *base]))
+                   for s in _unique(settings)]  # fmt: skip
     _check_size(per_setting, max_runs)
     jobs: list[list[str]] = []
     for parsed in per_setting:
@@ -170,12 +179,68 @@ def _refuse_repeated_keys(overrides: Sequence[str]) -> None:
     """`k=10 k=20` would silently keep k=20: a key is given once, with all its values."""
     seen: dict[str, str] = {}
     for override in overrides:
-        key = _override_key(override)
+        key = _same_key(_override_key(override))  # `seeds=3 seed=7` set one field twice
         if key in seen:
             values = f"{seen[key].partition('=')[2]},{override.partition('=')[2]}"
             raise GridError(f"{key}: given twice ({seen[key]!r} and {override!r}); give its values once, "
                             f"e.g. {key}={values}")  # fmt: skip
         seen[key] = override
+
+
+def _same_key(key: str) -> str:
+    """The field an override key sets: `seeds` sets `seed`."""
+    return "seed" if key == "seeds" else key
+
+
+def _special_sweeps(overrides: Sequence[str]) -> list[str]:
+    """Hydra sweeps the basic sweeper cannot expand: `glob()` over a config group's options becomes the
+    list of matching options; `interval()` (a search range, not a grid) is refused for `pdmctl tune`."""
+    from hydra.core.override_parser.types import Glob, IntervalSweep
+
+    out = []
+    for text in overrides:
+        override = _parse_one(text)
+        value = override._value  # Hydra has no public accessor that does not enumerate the sweep
+        if isinstance(value, IntervalSweep):
+            raise GridError(f"override {text!r}: interval() is a search range for `pdmctl tune`, not a grid; "
+                            "list the values (a,b,c) or use range(start,stop,step)")  # fmt: skip
+        if isinstance(value, Glob):
+            group = override.key_or_group
+            if group not in _config_groups() or override.is_delete():
+                raise GridError(f"override {text!r}: glob() selects options of a config group "
+                                f"({', '.join(sorted(_config_groups()))}), not values of {group}")  # fmt: skip
+            matches = value.filter(group_options(group))
+            if not matches:
+                raise GridError(f"override {text!r}: sweeps over no values (no {group} option matches; "
+                                f"choose from {', '.join(group_options(group))})")  # fmt: skip
+            prefix = text[: len(text) - len(text.lstrip("+~"))]
+            text = f"{prefix}{group}={','.join(matches)}"
+        out.append(text)
+    return out
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group: its files under configs/ (and, for backend, the backends)."""
+    options = {p.stem for p in (CONFIG_DIR / group).glob("*.yaml")}
+    if group == "backend":
+        from pdmctl.backends.registry import BACKENDS
+
+        options |= set(BACKENDS)
+    return sorted(options)
+
+
+def _check_options(groups: Sequence[str]) -> None:
+    """A config-group option is a name in its group, never a path (`mask=/elsewhere/evil` would load
+    /elsewhere/evil.yaml from outside configs/) nor a name the file system cannot hold."""
+    for override in _parse(groups):
+        group = override.key_or_group
+        if group not in _config_groups() or override.is_delete():
+            continue  # `mask.eps_low=...`: a value override inside the group's node
+        option = override.value()
+        options = group_options(group)
+        if not isinstance(option, str) or option not in options:
+            shown = repr(option) if len(repr(option)) <= 80 else f"{repr(option)[:80]}..."
+            raise GridError(f"{group}: unknown option {shown}; choose from {', '.join(options)}")
 
 
 def compose(overrides: Sequence[str]) -> dict[str, Any]:
@@ -190,6 +255,7 @@ def compose(overrides: Sequence[str]) -> dict[str, Any]:
     groups, values = [], []
     for o in overrides:
         (groups if _override_key(o).split(".")[0] in _config_groups() else values).append(o)
+    _check_options(groups)
     groups += _implied_data(groups)
     config = _copy(_compose_groups(tuple(groups)))
     for override in _parse(values):

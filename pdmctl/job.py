@@ -68,14 +68,19 @@ def job_id_from_env() -> str:
 
 def run(job_file: Path) -> int:
     job = JobFile.read(job_file)
-    spec = RunSpec.from_json(job.spec_json)
-    threads = int(os.environ.get("PDMCTL_NUM_THREADS", "0"))
-    if threads > 0:
-        import torch
-
-        torch.set_num_threads(threads)
-    attempt = job.attempt + int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     logger = RunLogger(job.tracking_uri, job.run_id)
+    try:  # a run that cannot even start says why in the ledger, not only in its log
+        spec = RunSpec.from_json(job.spec_json)
+        threads = int(os.environ.get("PDMCTL_NUM_THREADS", "0"))
+        if threads > 0:
+            import torch
+
+            torch.set_num_threads(threads)
+        attempt = job.attempt + int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    except Exception as exc:
+        traceback.print_exc()
+        logger.finish(FAILED, reason=f"job start-up: {type(exc).__name__}: {exc}".splitlines()[0])
+        return 1
     signal.signal(signal.SIGTERM, _on_sigterm)
     logger.start(attempt=attempt, job_id=job_id_from_env(), executor=job.executor, submission=job.submission)
     print(f"pdmctl job: run {spec.key} ({spec.summary}) attempt {attempt} in {job.run_dir}", flush=True)

@@ -29,8 +29,10 @@ import logging
 import math
 import os
 import subprocess
+import sys
 import time
 import uuid
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -101,7 +103,14 @@ class RunRecord:
 
     @property
     def spec(self) -> RunSpec | None:
-        return RunSpec.from_json(self.spec_json) if self.spec_json else None
+        """The run's spec; None where none is recorded or the record cannot be read (an older pdmctl cut
+        long specs at MLflow's tag limit)."""
+        if not self.spec_json:
+            return None
+        try:
+            return RunSpec.from_json(self.spec_json)
+        except (ValueError, KeyError, TypeError):
+            return None
 
     @property
     def step(self) -> int | None:
@@ -130,10 +139,16 @@ def default_tracking_uri(cwd: Path | None = None) -> str:
 
 def resolve_tracking_uri(cli_uri: str | None, profile_uri: str | None) -> str:
     """--tracking-uri, then MLFLOW_TRACKING_URI, then the cluster profile, then ./mlflow.db; checked."""
+    if cli_uri is not None and not cli_uri.strip():  # `--tracking-uri "$UNSET"`: not ./mlflow.db by surprise
+        raise LedgerError("--tracking-uri: empty (an unset variable?); give a URI, or leave the option out "
+                          "for the default")  # fmt: skip
     uri = cli_uri or os.environ.get("MLFLOW_TRACKING_URI") or profile_uri or default_tracking_uri()
     check_uri(uri)
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):  # make relative paths absolute
-        uri = f"sqlite:///{Path(uri.removeprefix('sqlite:///')).resolve()}"
+        try:
+            uri = f"sqlite:///{Path(uri.removeprefix('sqlite:///')).resolve()}"
+        except (RuntimeError, OSError) as exc:  # a loop of symbolic links
+            raise LedgerError(f"tracking URI {uri}: cannot be resolved ({exc})") from exc
     return uri
 
 
@@ -178,6 +193,14 @@ def check_reachable(uri: str, *, timeout: float = 5.0) -> None:
 
         try:
             engine = sqlalchemy.create_engine(uri, connect_args=_connect_args(uri, timeout))
+        except ImportError as exc:
+            hint = ("name one that is, e.g. postgresql+psycopg2:// (pip install 'pdmctl[cluster]')"
+                    if uri.startswith("postgresql") else "install it")  # fmt: skip
+            raise LedgerError(f"tracking URI {_redact(uri)}: its database driver is not installed "
+                              f"({_first_line(exc)}); {hint}") from exc  # fmt: skip
+        except Exception as exc:
+            raise LedgerError(f"tracking URI {_redact(uri)}: cannot be used ({_first_line(exc)})") from exc
+        try:
             with engine.connect() as conn:
                 conn.execute(sqlalchemy.text("SELECT 1"))
         except Exception as exc:
@@ -292,10 +315,28 @@ def _tags_for(spec: RunSpec, run_dir: str) -> dict[str, str]:
         TAG_KEY: spec.key,
         TAG_BACKEND: spec.backend,
         TAG_ATTEMPT: "0",
-        TAG_SPEC: spec.to_json()[:_TAG_VALUE_MAX],
-        TAG_SUMMARY: spec.summary,
+        **spec_tags(spec.to_json()),
+        TAG_SUMMARY: spec.summary[:_TAG_VALUE_MAX],
         TAG_RUN_DIR: run_dir,
     }
+
+
+def spec_tags(spec_json: str) -> dict[str, str]:
+    """A spec of any length as tags within MLflow's limit on a tag's value: `pdmctl.spec` holds the
+    first part, `pdmctl.spec.1`, `pdmctl.spec.2`, ... the rest (the config round-trips whole)."""
+    parts = [spec_json[i : i + _TAG_VALUE_MAX] for i in range(0, len(spec_json), _TAG_VALUE_MAX)] or [""]
+    return {TAG_SPEC if i == 0 else f"{TAG_SPEC}.{i}": part for i, part in enumerate(parts)}
+
+
+def _spec_json(tags: Mapping[str, str]) -> str | None:
+    first = tags.get(TAG_SPEC)
+    if first is None:
+        return None
+    parts, i = [first], 1
+    while (part := tags.get(f"{TAG_SPEC}.{i}")) is not None:
+        parts.append(part)
+        i += 1
+    return "".join(parts)
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -310,6 +351,15 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+def metric_value(value: Any, is_nan: Any = False) -> float:
+    """A metric as it was logged. MLflow stores NaN as 0 with is_nan set, and ±inf as ±sys.float_info.max
+    (is_nan unset); both are non-finite again here, never a huge number that would be averaged."""
+    if is_nan:
+        return math.nan
+    number = float(value)
+    return math.copysign(math.inf, number) if abs(number) >= sys.float_info.max else number
+
+
 def _record(run_id: str, status: str, start: int | None, end: int | None, tags: Mapping[str, str],
             latest: dict[str, tuple[int, float]]) -> RunRecord:  # fmt: skip
     return RunRecord(
@@ -320,7 +370,7 @@ def _record(run_id: str, status: str, start: int | None, end: int | None, tags: 
         attempt=int(tags.get(TAG_ATTEMPT) or 0),
         job_id=tags.get(TAG_JOB) or None,
         executor=tags.get(TAG_EXECUTOR) or None,
-        spec_json=tags.get(TAG_SPEC),
+        spec_json=_spec_json(tags),
         summary=tags.get(TAG_SUMMARY, ""),
         run_dir=tags.get(TAG_RUN_DIR),
         reason=tags.get(TAG_REASON) or None,
@@ -347,7 +397,10 @@ class SqlLedger(Ledger):
         path = sqlite_path(uri)
         if path is not None and path.exists():
             _check_sqlite_file(path)  # before connecting: SQLite's WAL pragma would add files beside it
-        self.engine = sqlalchemy.create_engine(uri, connect_args=_connect_args(uri, 60.0))
+        if path is None:  # a server database: its driver and the server answer, or one line says which not
+            check_reachable(uri, timeout=HTTP_TIMEOUT_S)
+        self.engine = sqlalchemy.create_engine(uri, connect_args=_connect_args(uri, busy_seconds()))
+        _ENGINES.add(self.engine)
         if uri.startswith("sqlite"):
             sqlalchemy.event.listen(self.engine, "connect", _sqlite_pragmas)
         with self._usable():
@@ -374,9 +427,13 @@ class SqlLedger(Ledger):
         try:
             yield
         except self._sa.exc.DatabaseError as exc:
-            if "locked" in str(exc).lower():  # busy, not broken: the caller's retry decides
-                raise
             where = sqlite_path(self.uri) or _redact(self.uri)
+            if "locked" in str(exc).lower() or "busy" in str(exc).lower():  # busy, not broken
+                held = _holders(sqlite_path(self.uri))
+                raise LedgerError(
+                    f"tracking store {where}: busy: another process has held its write lock for "
+                    f"{busy_seconds():g} s{f' ({held})' if held else ''}; try again when it is done"
+                ) from exc
             raise LedgerError(
                 f"tracking store {where}: not a usable MLflow database ({_first_line(exc.orig or exc)})"
             ) from exc
@@ -419,7 +476,7 @@ class SqlLedger(Ledger):
             run_tags[run_id][key] = value
         run_latest: dict[str, dict[str, tuple[int, float]]] = defaultdict(dict)
         for run_id, key, step, value, is_nan in metric_rows:  # MLflow stores NaN as 0 with is_nan set
-            run_latest[run_id][key] = (int(step), math.nan if is_nan else float(value))
+            run_latest[run_id][key] = (int(step), metric_value(value, is_nan))
         return [_record(r[0], r[1], r[2], r[3], run_tags[r[0]], run_latest[r[0]]) for r in rows]
 
     def metric_histories(self, run_ids, keys=None):
@@ -433,7 +490,7 @@ class SqlLedger(Ledger):
                 if keys is not None:
                     query = query.where(metrics.c.key.in_(list(keys)))
                 for run_id, key, step, value, is_nan in conn.execute(query):
-                    out[run_id][key].append((int(step), math.nan if is_nan else float(value)))
+                    out[run_id][key].append((int(step), metric_value(value, is_nan)))
                 self.queries += 1
         for per_run in out.values():
             for series in per_run.values():
@@ -443,6 +500,10 @@ class SqlLedger(Ledger):
     # -- writing --------------------------------------------------------------------------
 
     def _create_runs(self, sweep, specs, run_dir):
+        with self._usable():
+            return self._insert_runs(sweep, specs, run_dir)
+
+    def _insert_runs(self, sweep, specs, run_dir):
         exp_id, artifact_root = self._experiment(sweep)
         now = _now_ms()
         user = getpass.getuser()
@@ -482,7 +543,7 @@ class SqlLedger(Ledger):
                      dict(key=TAG_REASON, value="", run_uuid=s.run_id),
                      dict(key=TAG_SUBMITTED, value=s.submission, run_uuid=s.run_id)]  # fmt: skip
         ids = [s.run_id for s in submissions]
-        with self.engine.begin() as conn:
+        with self._usable(), self.engine.begin() as conn:
             self._replace_tags(conn, ids, rows)
             self._update_status(conn, ids, SCHEDULED, end_time=None)
 
@@ -491,7 +552,7 @@ class SqlLedger(Ledger):
         for run_id, submission in submissions.items():
             rows += [dict(key=TAG_SUBMISSION, value=submission, run_uuid=run_id),
                      dict(key=TAG_EXECUTOR, value=executor, run_uuid=run_id)]  # fmt: skip
-        with self.engine.begin() as conn:
+        with self._usable(), self.engine.begin() as conn:
             self._replace_tags(conn, list(submissions), rows)
 
     def _replace_tags(self, conn, run_ids: list[str], rows: list[dict[str, str]]) -> None:
@@ -506,7 +567,7 @@ class SqlLedger(Ledger):
         if not run_ids:
             return
         tags, runs = self.t["tags"], self.t["runs"]
-        with self.engine.begin() as conn:
+        with self._usable(), self.engine.begin() as conn:
             if only_unfinished:  # a job may have reported its end since the caller looked
                 ended = {r for (r,) in conn.execute(self._sa.select(runs.c.run_uuid).where(
                     runs.c.run_uuid.in_(list(run_ids)), runs.c.status.in_(list(TERMINAL))))}  # fmt: skip
@@ -571,11 +632,30 @@ class SqlLedger(Ledger):
 # ---------------------------------------------------------------------------
 
 
+def _server_call(method):
+    """A tracking server that fails a call (500, a hung API past the timeout, a dropped connection) is one
+    line naming the server and the first line of what went wrong, never MLflow's traceback."""
+    import functools
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except LedgerError:
+            raise
+        except Exception as exc:
+            raise LedgerError(f"tracking server {_redact(self.uri)}: {method.__name__.strip('_')} failed "
+                              f"({_first_line(exc)[:300]})") from exc  # fmt: skip
+
+    return call
+
+
 class ClientLedger(Ledger):
     def __init__(self, uri: str) -> None:
         check_reachable(uri, timeout=HTTP_TIMEOUT_S)
-        # MLflow's own defaults retry a dead server for minutes; a command answers within seconds
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        # MLflow's own defaults retry a dead server for minutes (and a hung one for as long): a command
+        # answers within seconds, its first failed call one line (`_server`)
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(HTTP_TIMEOUT_S)))
         self.uri = uri
         self.client = _mlflow_client(uri)
@@ -603,6 +683,7 @@ class ClientLedger(Ledger):
             if not token:
                 return runs
 
+    @_server_call
     def runs(self, sweep=None):
         out = []
         for run in self._search(sweep):
@@ -610,7 +691,7 @@ class ClientLedger(Ledger):
             latest = {}
             for key in STATUS_METRICS:
                 if key in run.data.metrics:
-                    latest[key] = (self._latest_step(run, key), float(run.data.metrics[key]))
+                    latest[key] = (self._latest_step(run, key), metric_value(run.data.metrics[key]))
             out.append(
                 _record(
                     run.info.run_id, run.info.status, run.info.start_time, run.info.end_time, tags, latest
@@ -623,6 +704,7 @@ class ClientLedger(Ledger):
         self.queries += 1
         return max((m.step for m in hist), default=0)
 
+    @_server_call
     def _create_runs(self, sweep, specs, run_dir):
         from mlflow.entities import Param, RunTag
 
@@ -660,6 +742,7 @@ class ClientLedger(Ledger):
                 raise
             return exp.experiment_id
 
+    @_server_call
     def mark_submitted(self, submissions):
         from mlflow.entities import RunTag
 
@@ -672,6 +755,7 @@ class ClientLedger(Ledger):
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(mark, submissions))
 
+    @_server_call
     def mark_intent(self, submissions, executor):
         from mlflow.entities import RunTag
 
@@ -684,6 +768,7 @@ class ClientLedger(Ledger):
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(mark, submissions.items()))
 
+    @_server_call
     def set_status(self, run_ids, status, reason=None, *, only_unfinished=False):
         def update(run_id: str) -> None:
             if only_unfinished and self.client.get_run(run_id).info.status in TERMINAL:
@@ -698,11 +783,13 @@ class ClientLedger(Ledger):
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(update, run_ids))
 
+    @_server_call
     def metric_histories(self, run_ids, keys=None):
         def one(run_id: str) -> tuple[str, dict[str, list[tuple[int, float]]]]:
             names = keys if keys is not None else list(self.client.get_run(run_id).data.metrics)
             return run_id, {
-                k: sorted((m.step, m.value) for m in self.client.get_metric_history(run_id, k)) for k in names
+                k: sorted((m.step, metric_value(m.value)) for m in self.client.get_metric_history(run_id, k))
+                for k in names
             }
 
         with ThreadPoolExecutor(16) as pool:
@@ -843,6 +930,46 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+_ENGINES: weakref.WeakSet = weakref.WeakSet()  # every SqlLedger's engine, closed when a command ends
+
+
+def close_stores() -> None:
+    """Close every store connection this process holds. The last connection to close a SQLite store in
+    WAL mode removes its -wal/-shm files: a command that only read the store leaves it as it found it."""
+    for engine in list(_ENGINES):
+        with contextlib.suppress(Exception):
+            engine.dispose()
+
+
+BUSY_ENV = "PDMCTL_STORE_BUSY_S"  # how long a command waits for another writer's lock on a SQLite store
+
+
+def busy_seconds() -> float:
+    try:
+        value = float(os.environ.get(BUSY_ENV, "60"))
+    except ValueError:
+        value = 60.0
+    return value if math.isfinite(value) and value >= 0 else 60.0
+
+
+def _holders(path: Path | None) -> str:
+    """Who has a SQLite store open, as far as /proc tells this user: "pid N: command", or ''."""
+    if path is None:
+        return ""
+    names = {str(path), f"{path}-wal", f"{path}-shm"}
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        if proc.name == str(os.getpid()):
+            continue
+        try:
+            if any(os.readlink(fd) in names for fd in (proc / "fd").iterdir()):
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                found.append(f"pid {proc.name}: {cmd[:80]}")
+        except OSError:
+            continue
+    return "; ".join(found[:3]) + (f"; {len(found) - 3} more" if len(found) > 3 else "")
+
+
 def _connect_args(uri: str, timeout: float) -> dict[str, Any]:
     if uri.startswith("sqlite"):
         return {"timeout": timeout}
@@ -861,6 +988,8 @@ def _check_sqlite_file(path: Path) -> None:
     """
     if path.stat().st_size == 0:  # SQLite makes an empty file a new database
         return
+    wal = path.with_name(path.name + "-wal")
+    wal_pages = wal.exists() and wal.stat().st_size > 32  # frames past the WAL's 32-byte header
     seen: tuple[int, int] | None = None
     for attempt in range(8):
         header = _read_header(path)
@@ -871,6 +1000,8 @@ def _check_sqlite_file(path: Path) -> None:
         page_size = 65536 if page_size == 1 else page_size
         pages = int.from_bytes(header[28:32], "big")
         if not (pages and header[24:28] == header[92:96] and size < page_size * pages):
+            return
+        if wal_pages:  # committed pages not yet copied back live in the -wal (SQLite reads them there)
             return
         if seen == (size, page_size * pages) and attempt >= 3:
             raise LedgerError(f"tracking store {path}: not a usable MLflow database (truncated: {size} bytes "
@@ -896,7 +1027,7 @@ def _read_header(path: Path) -> bytes:
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")  # readers (status) never block the jobs' writers
-    cur.execute("PRAGMA busy_timeout=60000")
+    cur.execute(f"PRAGMA busy_timeout={int(busy_seconds() * 1000)}")
     cur.close()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -193,6 +194,11 @@ def reconcile(
         job = states.get(r.run_id)
         if job is not None and job in _ENDED:
             status, reason = _ENDED[job]
+            if job in (JobState.FAILED, JobState.COMPLETED):  # the log may say why it never reported
+                error = last_error_line(log_file(r, ctx))
+                if error is not None:
+                    when = "" if r.status == "RUNNING" else " at start-up"
+                    status, reason = FAILED, f"the job died{when}: {error}"
             updates[(status, reason)].append(r.run_id)
     for (status, reason), ids in updates.items():
         ledger.set_status(ids, status, reason=reason, only_unfinished=True)
@@ -200,6 +206,22 @@ def reconcile(
         fresh = {r.run_id: r for r in ledger.runs(records[0].sweep if _one_sweep(records) else None)}
         records = [fresh.get(r.run_id, r) for r in records]
     return [(r, states.get(r.run_id)) for r in records]
+
+
+_ERROR_LINE = re.compile(r"^(?:\w+\.)*\w*(?:Error|Exception|Interrupt|Exit)\b(?:: .+)?$")
+_LOG_TAIL_BYTES = 64 * 1024
+
+
+def last_error_line(path: Path) -> str | None:
+    """The last line of a job's log that names an exception (`ValueError: ...`), if any; reads its tail."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES))
+            tail = fh.read().decode(errors="replace")
+    except OSError:
+        return None
+    found = [line.strip() for line in tail.splitlines() if _ERROR_LINE.match(line.strip())]
+    return found[-1][:500] if found else None
 
 
 def _one_sweep(records: Sequence[RunRecord]) -> bool:
@@ -333,7 +355,9 @@ def resume(ctx: Context, sweep_name: str | None = None, *, max_attempts: int | N
         return [], []
     with ledger.lock():
         views = status(ctx, sweep_name)
+        # a run whose recorded config cannot be read (cut by an older pdmctl) would only die again
         chosen = [v for v in views if v.state in RESUMABLE and v.record is not None
+                  and v.record.spec is not None
                   and (max_attempts is None or v.record.attempt < max_attempts)]  # fmt: skip
         check_runs([spec for v in chosen if v.record and (spec := v.record.spec)], ctx, executor)
         if dry_run:

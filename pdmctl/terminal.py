@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -20,8 +21,35 @@ EXIT_BAD_INPUT = 2
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)  # [x] is text here
     raise typer.Exit(code)
+
+
+def check_output(path: Path, what: str, *, directory: bool) -> None:
+    """Refuse (one line, exit 2) an output path that could not be written, before any work is done.
+
+    `directory`: the path is a directory to write into (made if missing), else a file to (over)write.
+    """
+    import os
+
+    try:
+        if directory and path.exists() and not path.is_dir():
+            fail(f"{what} {path}: a file is there, not a directory")
+        if not directory and path.is_dir():
+            fail(f"{what} {path}: is a directory")
+        parent = path if directory else path.parent
+        existing = next((p for p in (parent, *parent.parents) if p.exists()), None)
+        if not directory and existing != parent:
+            fail(f"{what} {path}: directory {parent} does not exist")
+        if existing is None or not existing.is_dir():
+            fail(f"{what} {path}: {existing} is not a directory")
+        target = path if path.exists() else existing
+        if not os.access(target, os.W_OK) or (target.is_dir() and not os.access(target, os.X_OK)):
+            fail(f"{what} {path}: {target} is not writable")
+    except OSError as exc:  # a name too long, a loop of links
+        fail(f"{what} {path}: {exc.strerror or exc}")
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -43,3 +71,6 @@ def guard() -> Iterator[None]:
     except _user_errors() as exc:
         text = str(exc).strip()
         fail(text.splitlines()[0] if text else type(exc).__name__)
+    finally:
+        if "pdmctl.ledger" in sys.modules:  # a refusal after reading leaves no -wal/-shm beside the store
+            sys.modules["pdmctl.ledger"].close_stores()

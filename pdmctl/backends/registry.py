@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
+import math
 import os
 import sys
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,11 +120,76 @@ def _verl_job_config(flat: Mapping[str, Any], run_dir: Path) -> dict[str, Any]:
     return {**flat, "data_dir": str(data_dir), "checkpoint_dir": str(run_dir.resolve() / "checkpoints")}
 
 
+# VeRL's ActorConfig.__post_init__ (verl 0.9.1, verl/workers/config/actor.py) accepts these and no other
+VERL_LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                       "seq-mean-token-sum-norm")  # fmt: skip
+# a run field -> (how the user names it, VeRL's dataclass, its field there): typed by VeRL's own schema
+VERL_SCHEMA = {
+    "lr": ("backend.lr", "verl.workers.config.FSDPOptimizerConfig", "lr"),
+    "temperature": ("backend.temperature", "verl.workers.config.RolloutConfig", "temperature"),
+    "val_n": ("backend.val_n", "verl.workers.config.SamplingConfig", "n"),
+    "loss_agg_mode": ("mask.loss_agg_mode", "verl.workers.config.FSDPActorConfig", "loss_agg_mode"),
+}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _verl_fields(flat: Mapping[str, Any]) -> None:
+    """The run fields VeRL reads only on the allocation, checked at submit: first against VeRL's own config
+    schema (its dataclasses, typed by OmegaConf as VeRL types them) where VeRL is installed, then the values
+    VeRL or vLLM would refuse after the queue wait."""
+    for field, (name, target, verl_field) in VERL_SCHEMA.items():
+        value = flat.get(field)
+        if value is not None:
+            _verl_schema_check(name, value, target, verl_field)
+    lr, temperature, val_n = flat.get("lr"), flat.get("temperature", 1.0), flat.get("val_n", 16)
+    if lr is not None and not (_number(lr) and lr > 0):
+        raise ValueError(f"backend.lr: must be a number > 0 (or null: the model's), got {lr!r}")
+    if not (_number(temperature) and temperature > 0):  # the masks divide the logits by it
+        raise ValueError(f"backend.temperature: must be a number > 0, got {temperature!r}")
+    if not isinstance(val_n, int) or isinstance(val_n, bool) or val_n < 1:
+        raise ValueError(f"backend.val_n: must be an integer >= 1 (samples per held-out problem), got {val_n!r}")
+    mode = flat.get("loss_agg_mode", "token-mean")
+    if mode not in VERL_LOSS_AGG_MODES:
+        raise ValueError(f"mask.loss_agg_mode: unknown {mode!r}; VeRL takes {', '.join(VERL_LOSS_AGG_MODES)}")
+
+
+def _verl_schema_check(name: str, value: Any, target: str, verl_field: str) -> None:
+    field_schema = _verl_field_schema(target, verl_field)
+    if field_schema is None:  # VeRL is not installed where the sweep is submitted: pdmctl's own checks only
+        return
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        OmegaConf.merge(field_schema, {verl_field: value})
+    except OmegaConfBaseException as exc:
+        why = str(exc).splitlines()[0]
+        raise ValueError(f"{name}: {value!r} does not fit VeRL's {target.rsplit('.', 1)[1]}.{verl_field} ({why})") from None
+
+
+@functools.lru_cache(maxsize=32)
+def _verl_field_schema(target: str, verl_field: str):
+    """An OmegaConf schema of one field of one of VeRL's config dataclasses, typed as VeRL types it."""
+    module, _, name = target.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except ImportError:
+        return None
+    from omegaconf import MISSING, OmegaConf
+
+    hint = typing.get_type_hints(cls)[verl_field]
+    return OmegaConf.structured(dataclasses.make_dataclass(f"{name}_{verl_field}", [(verl_field, hint, MISSING)]))
+
+
 def _verl_validate(flat: Mapping[str, Any]) -> None:
     """Build the job's overrides and parse each with Hydra's own parser, as the job will after the queue wait."""
     from pdmctl.backends.verl.quoting import OverrideError, check_overrides
 
     launch = _verl_module()
+    _verl_fields(flat)
     cfg = _verl_job_config(flat, Path("/pdmctl-validate"))
     try:
         check_overrides(launch.verl_overrides(cfg) + launch.ray_env_overrides(launch.job_env(cfg)))

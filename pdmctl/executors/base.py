@@ -65,7 +65,11 @@ class ClusterProfile:
 
     @property
     def run_root(self) -> Path:
-        return Path(self.workdir or "pdmctl-runs").expanduser().resolve()
+        given = Path(self.workdir or "pdmctl-runs").expanduser()
+        try:
+            return given.resolve()
+        except (RuntimeError, OSError) as exc:  # a loop of symbolic links (RuntimeError before 3.13)
+            raise ExecutorError(f"run directory {given}: cannot be resolved ({exc})") from exc
 
 
 # the keys every profile may have, with the types they take (None: the key may be null)

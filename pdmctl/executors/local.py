@@ -16,6 +16,7 @@ empty. Any later `pdmctl` call restarts a worker if jobs wait without one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import os
@@ -31,6 +32,7 @@ from pdmctl.executors.base import ClusterProfile, Executor, ExecutorError, JobRe
 
 _POLL_S = 0.25
 _HEARTBEAT_STALE_S = 30.0  # a worker touches its heartbeat every _POLL_S; this much silence is not a worker
+_CLOCK_SLACK_S = 5.0  # a heartbeat further in the future was touched by hand, not by a worker
 
 
 class LocalExecutor(Executor):
@@ -41,14 +43,38 @@ class LocalExecutor(Executor):
         self.root = profile.run_root / ".local"
         self.cap = profile.max_concurrent or os.cpu_count() or 1
 
-    def _dirs(self) -> tuple[Path, Path, Path, Path]:
+    def _dirs(self, *, create: bool = False) -> tuple[Path, Path, Path, Path]:
+        """The queue's directories; made only where a job is written (`create`): reading never writes."""
         dirs = tuple(self.root / d for d in ("queue", "running", "done", "cancel"))
-        for d in dirs:
-            d.mkdir(parents=True, exist_ok=True)
+        if create:
+            self._check_root()
+            try:
+                for d in dirs:
+                    d.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ExecutorError(f"local executor: {exc.filename or self.root}: {exc.strerror or exc}") from exc
         return dirs  # type: ignore[return-value]
 
+    def _check_root(self) -> None:
+        """The queue's root (`<run root>/.local`) is a directory this user can write, or can be made."""
+        try:
+            existing = next(p for p in (self.root, *self.root.parents) if p.exists() or p.is_symlink())
+        except OSError as exc:
+            raise ExecutorError(f"local executor: {self.root}: {exc.strerror or exc}") from exc
+        if not existing.is_dir():
+            raise ExecutorError(f"local executor: {existing} is not a directory (the job queue goes in {self.root}); "
+                                "move it away, then submit again")  # fmt: skip
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ExecutorError(f"local executor: {existing} is not writable (the job queue goes in {self.root})")
+        if existing == self.root:
+            for name in ("queue", "running", "done", "cancel"):
+                sub = self.root / name
+                if (sub.exists() or sub.is_symlink()) and not (sub.is_dir() and os.access(sub, os.W_OK | os.X_OK)):
+                    raise ExecutorError(f"local executor: {sub} is not a writable directory; move it away, "
+                                        "then submit again")  # fmt: skip
+
     def submit(self, requests: Sequence[JobRequest]) -> list[str]:
-        queue, *_ = self._dirs()
+        queue, *_ = self._dirs(create=True)
         job_ids = []
         for req in requests:
             job_id = _job_id(req.submission)
@@ -86,7 +112,8 @@ class LocalExecutor(Executor):
             else:
                 out[job_id] = JobState.LOST
         if pending:  # a worker that died leaves its queue behind: start another
-            ensure_worker(self.root, self.cap)
+            with contextlib.suppress(OSError):  # a queue this user cannot write to: status still reads
+                ensure_worker(self.root, self.cap)
         return out
 
     def find(self, submissions: Sequence[str]) -> dict[str, str]:
@@ -101,17 +128,37 @@ class LocalExecutor(Executor):
     def check(self) -> None:
         """Refuse to queue jobs no worker would start: the worker lock held by a process that is not a
         live worker (a stray `flock`, a hung worker) would leave them queued without a word."""
+        self._check_root()
         if not _worker_alive(self.root):
             return
+        lock = self.root / "worker.lock"
+        holders = _lock_holders(lock)
+        if holders:  # the kernel says who holds it: it must be a worker, whatever the heartbeat file says
+            strays = [pid for pid in holders if not _is_worker(pid)]
+            if strays and not any(_is_worker(pid) for pid in holders):
+                raise ExecutorError(f"local executor: {lock} is held by a process that is not a working pdmctl "
+                                    f"worker (pid {strays[0]}: {_cmdline(strays[0])[:80]}); end that process, "
+                                    "then submit again")  # fmt: skip
+            return
+        # no word from the kernel (/proc/locks unreadable): the heartbeat, and the pid the worker wrote in it
         beat = self.root / "worker.heartbeat"
         age = time.time() - beat.stat().st_mtime if beat.exists() else None
-        if age is None or age > _HEARTBEAT_STALE_S:
-            since = "never beat" if age is None else f"last beat {age:.0f} s ago"
-            raise ExecutorError(f"local executor: {self.root / 'worker.lock'} is held by a process that is not a "
+        pid = _heartbeat_pid(beat)
+        if age is None or age > _HEARTBEAT_STALE_S or age < -_CLOCK_SLACK_S or pid is None or not _is_worker(pid):
+            if age is None:
+                since = "never beat"
+            elif age < -_CLOCK_SLACK_S:
+                since = f"its heartbeat is {-age:.0f} s in the future"
+            else:
+                since = f"last beat {age:.0f} s ago" + ("" if pid is not None and _is_worker(pid) else
+                                                         ", and the worker that wrote it has ended")  # fmt: skip
+            raise ExecutorError(f"local executor: {lock} is held by a process that is not a "
                                 f"working pdmctl worker ({since}); end that process, then submit again")  # fmt: skip
 
     def cancel(self, job_ids: Sequence[str]) -> None:
-        queue, running, done, cancel = self._dirs()
+        if not job_ids:
+            return
+        queue, running, done, cancel = self._dirs(create=True)
         for job_id in job_ids:
             (cancel / job_id).touch()
             queued = queue / f"{job_id}.json"
@@ -157,11 +204,57 @@ def _job_id(submission: str) -> str:
     return f"local-{submission.replace(':', '-')}" if submission else f"local-{uuid.uuid4().hex[:10]}"
 
 
+def _lock_holders(lock: Path) -> list[int]:
+    """The pids holding a flock on `lock`, as the kernel lists them in /proc/locks ([] if unknown)."""
+    try:
+        st = lock.stat()
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return []
+    wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = []
+    for line in table.splitlines():
+        fields = line.split()
+        if "->" in fields:  # a waiter, not a holder
+            continue
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == wanted and fields[4].isdigit():
+            pids.append(int(fields[4]))
+    return pids
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "ended"
+
+
+def _is_worker(pid: int) -> bool:
+    """Whether `pid` is a live pdmctl local worker (`python -m pdmctl.executors.local ...`)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"pdmctl.executors.local" in args and _alive(pid, None)
+
+
+def _heartbeat_pid(beat: Path) -> int | None:
+    try:
+        text = beat.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
 def _worker_alive(root: Path) -> bool:
     lock = root / "worker.lock"
     if not lock.exists():
         return False
-    with open(lock, "a+") as fh:
+    try:
+        fh = open(lock, "rb")  # noqa: SIM115 (closed below); read-only: looking never writes
+    except OSError:
+        return False
+    with fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -69,7 +69,7 @@ def report(
     from pdmctl.report.definition import ReportError, load_definition
     from pdmctl.report.tables import comparison_table, excluded_table, results_table, to_rich
     from pdmctl.report.write import write_report
-    from pdmctl.terminal import console, fail, guard
+    from pdmctl.terminal import check_output, console, fail, guard
 
     if tune is not None:  # a study's page (pdmctl.tune.page), not a sweep report
         from pdmctl.tune.cli import report_study
@@ -77,6 +77,8 @@ def report(
         report_study(tune, out, cluster, tracking_uri)
         return
     with guard():
+        if out is not None:
+            check_output(out, "--out", directory=True)
         try:
             spec = load_definition(definition).with_options(at=at, baseline=baseline, interval=interval)
         except ReportError as exc:
@@ -89,13 +91,14 @@ def report(
         chosen = _choose_sweeps(sweeps or [], known, ctx.tracking_uri)
         if isinstance(chosen, str):
             fail(chosen)
+        out_dir = out or Path("reports") / "+".join(chosen)
+        check_output(out_dir, "--out" if out else "report directory", directory=True)
         try:
             result = build_report(ledger, chosen, spec, two_level=two_level, analysis=analysis)
         except ReportError as exc:
             fail(str(exc))
     if baseline is not None and not result.baseline_present:
         fail(f"--baseline: mask {baseline!r} has no runs in {', '.join(chosen)}")
-    out_dir = out or Path("reports") / "+".join(chosen)
     written = write_report(result, out_dir)
     console.print(to_rich(results_table(result)))
     console.print(to_rich(comparison_table(result)))

@@ -169,9 +169,11 @@ def storage_url(tracking_uri: str, given: str | None) -> str:
     Not the ledger's SQLite file itself: MLflow and Optuna both keep their schema
     version in alembic's one `alembic_version` table, and each refuses the other's.
     """
-    given = given or os.environ.get("PDMCTL_TUNE_STORAGE")
+    given = given if given is not None else os.environ.get("PDMCTL_TUNE_STORAGE")
+    if given is not None and not given.strip():
+        raise TuneError("--storage: empty (an unset variable?); give a URL, or leave it out for the default")
     if given:
-        return given
+        return check_storage(given)
     path = sqlite_path(tracking_uri)
     if path is not None:
         return f"sqlite:///{path.with_name(path.stem + '.optuna' + path.suffix)}"
@@ -181,6 +183,28 @@ def storage_url(tracking_uri: str, given: str | None) -> str:
     raise TuneError(
         f"tune: the ledger {tracking_uri} is {kind}; pass --storage (sqlite:///... or postgresql://...)"
     )
+
+
+def check_storage(url: str) -> str:
+    """An Optuna RDB storage URL that SQLAlchemy can open (its dialect and driver installed); TuneError
+    (one line) otherwise. Looks at the text and the installed modules only: nothing is connected to."""
+    import sqlalchemy
+
+    from pdmctl.ledger import _redact
+
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+        parsed.get_dialect()  # the dialect, and with it the driver's module
+    except sqlalchemy.exc.NoSuchModuleError:
+        raise TuneError(f"--storage {_redact(url)}: unsupported database {url.split(':', 1)[0]!r} "
+                        "(use sqlite:///PATH or postgresql://...)") from None  # fmt: skip
+    except sqlalchemy.exc.ArgumentError:
+        raise TuneError(f"--storage {_redact(url)}: not a database URL (sqlite:///PATH or postgresql://...)") from None
+    except ImportError as exc:
+        raise TuneError(f"--storage {_redact(url)}: its database driver {exc.name or exc} is not installed") from None
+    if parsed.get_backend_name() == "sqlite" and not (parsed.database or "").strip("/"):
+        raise TuneError(f"--storage {url}: a SQLite storage is sqlite:///PATH (a file, not memory)")
+    return url
 
 
 def _first_values(space: SearchSpace) -> dict[str, Any]:

@@ -1,0 +1,561 @@
+"""A hostile user's input, round two (issue 20): one line naming the problem, exit 2, nothing written.
+
+Each test names the item of issue 20 it covers. `refused` (from test_bad_input) runs the command in this
+process and checks the store and run directories byte for byte.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pdmctl.cli import app
+from pdmctl.grid import expand, load_sweep_file
+from tests.test_bad_input import refused, store  # noqa: F401 (a fixture)
+
+SYN = ["backend=synthetic", "model=synthetic"]
+
+
+# -- 3: an empty or falsy grid ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("name: ablation\ngrid:\n#  k: 10,20,50\n", "grid: is empty"),
+        ("name: ablation\ngrid: 0\n", "grid: must be a mapping of key: values, got 0"),
+        ("name: ablation\ngrid: false\n", "grid: must be a mapping of key: values, got False"),
+        ('name: ablation\ngrid: ""\n', "grid: must be a mapping of key: values, got ''"),
+        ("name: ablation\ngrid: {}\n", "grid: is empty"),
+        ("name: ablation\nsettings: []\n", "settings: is an empty list"),
+        ("name: ablation\n", "no grid: or settings:"),
+    ],
+)
+def test_an_empty_or_falsy_grid_is_refused(store: Path, text: str, needle: str) -> None:  # noqa: F811
+    (store / "a.yaml").write_text(text)
+    refused(store, ["sweep", "--file", "a.yaml"], needle)
+
+
+# -- 4: seeds=3 seed=7 -------------------------------------------------------------------------------
+
+
+def test_seeds_and_seed_together_are_refused(store: Path) -> None:  # noqa: F811
+    refused(store, ["sweep", "seeds=3", "seed=7", *SYN], "seed: given twice ('seeds=3' and 'seed=7')")
+
+
+def test_seed_on_the_command_line_wins_over_seeds_in_the_file(tmp_path: Path) -> None:
+    (tmp_path / "s.yaml").write_text("name: s\ngrid:\n  seeds: 3\n  k: 10\n")
+    specs = expand(["seed=7", *SYN], load_sweep_file(str(tmp_path / "s.yaml")))
+    assert [s.seed for s in specs] == [7]
+
+
+# -- 13: config-group options are names in their group -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "needle"),
+    [
+        ("mask=/some/dir/evil", "mask: unknown option '/some/dir/evil'; choose from dppo_binary_kl"),
+        ("mask=../configs/mask/pdm_agg", "mask: unknown option '../configs/mask/pdm_agg'"),
+        ("precision=" + "x" * 300, "precision: unknown option 'xxxx"),
+        ("model=" + "y" * 300, "model: unknown option 'yyyy"),
+    ],
+)
+def test_a_config_group_option_is_a_name_not_a_path(store: Path, option: str, needle: str, tmp_path: Path) -> None:  # noqa: F811
+    evil = Path("/some/dir")
+    assert not (evil / "evil.yaml").exists()
+    refused(store, ["sweep", option, "--dry-run"], needle)
+
+
+def test_an_option_outside_configs_is_never_read(store: Path, tmp_path: Path) -> None:  # noqa: F811
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "evil.yaml").write_text("name: evil\nmethod: pdm\ndivergence: topk_kl\nestimator: agg\n")
+    refused(store, ["sweep", f"mask={outside / 'evil'}", *SYN], "mask: unknown option")
+
+
+# -- 14: files that are not UTF-8 ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["sweep", "--file"], ["sweep", "--cluster"], ["report", "--definition"]])
+def test_a_file_that_is_not_utf8_is_one_line(store: Path, command: list[str]) -> None:  # noqa: F811
+    (store / "s.yaml").write_bytes(b"\xff\xfegrid:\n")
+    refused(store, [*command, "s.yaml"], "s.yaml is not UTF-8 text (byte 0: b'\\xff')")
+
+
+def test_a_file_name_too_long_is_not_found(store: Path) -> None:  # noqa: F811
+    refused(store, ["sweep", "--file", "f" * 300], "sweep file: 'ffff")
+
+
+# -- 16: interval() and glob() in a sweep ----------------------------------------------------------
+
+
+def test_interval_in_a_sweep_points_to_tune(store: Path) -> None:  # noqa: F811
+    refused(store, ["sweep", "delta=interval(0,1)"], "interval() is a search range for `pdmctl tune`")
+    refused(store, ["sweep", "backend.lr=tag(log,interval(1e-4,1e-3))"], "for `pdmctl tune`")
+
+
+def test_glob_selects_a_groups_options() -> None:
+    specs = expand(["mask=glob(pdm_*,exclude=pdm_topk*)", *SYN])
+    assert sorted(s.config["mask"]["name"] for s in specs) == ["pdm_agg", "pdm_exact", "pdm_uni"]
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [("mask=glob(zz*)", "sweeps over no values (no mask option matches"),
+     ("k=glob(1*)", "glob() selects options of a config group")],
+)
+def test_a_glob_that_selects_nothing_is_refused(store: Path, override: str, needle: str) -> None:  # noqa: F811
+    refused(store, ["sweep", override], needle)
+
+
+# -- 11: an empty --tracking-uri -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["sweep", "seed=0", *SYN], ["status"], ["resume"], ["report"]])
+def test_an_empty_tracking_uri_is_refused(store: Path, command: list[str]) -> None:  # noqa: F811
+    refused(store, [*command, "--tracking-uri", ""], "--tracking-uri: empty (an unset variable?)")
+
+
+# -- 17: a symlink loop as the run root ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["sweep", "seed=0", *SYN], ["resume"], ["sweep", "seed=0", "--dry-run"]])
+def test_a_symlink_loop_as_the_run_root(store: Path, command: list[str]) -> None:  # noqa: F811
+    (store / "pdmctl-runs").symlink_to("pdmctl-runs")
+    refused(store, command, "run directory pdmctl-runs: cannot be resolved (Symlink loop")
+
+
+# -- 18, 19: output paths checked first ------------------------------------------------------------
+
+
+def test_report_out_onto_a_file(store: Path) -> None:  # noqa: F811
+    (store / "afile").write_text("mine\n")
+    refused(store, ["report", "--out", "afile"], "--out afile: a file is there, not a directory")
+    (store / "reports").write_text("mine\n")  # the default directory's parent: known once the sweep is
+    result = CliRunner().invoke(app, ["report"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == "error: report directory reports/kept: reports is not a directory"
+    assert (store / "reports").read_text() == "mine\n"
+
+
+def test_analyze_checks_its_json_destination_before_the_analysis(workdir: Path) -> None:
+    refused(workdir, ["analyze", "--seeds", "1", "--json", "missing/dir/out.json"],
+            "--json missing/dir/out.json: directory missing/dir does not exist")  # fmt: skip
+    (workdir / "adir").mkdir()
+    refused(workdir, ["analyze", "--seeds", "1", "--json", "adir"], "--json adir: is a directory")
+
+
+# -- 20: status --watch --interval ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "0", "inf", "-inf"])
+def test_watch_interval_must_be_a_pause(store: Path, value: str) -> None:  # noqa: F811
+    refused(store, ["status", "--watch", "--interval", value], "--interval: must be a number of seconds >= 0.5")
+
+
+# -- 21: tune --storage ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("storage", "needle"),
+    [("foo://bar", "--storage foo://bar: unsupported database 'foo'"),
+     ("not a url", "--storage not a url: not a database URL"),
+     ("", "--storage: empty"),
+     ("sqlite://", "a SQLite storage is sqlite:///PATH")],
+)
+def test_tune_refuses_a_storage_it_cannot_open(store: Path, storage: str, needle: str) -> None:  # noqa: F811
+    refused(store, ["tune", "delta=interval(0.05,0.3)", *SYN, "--trials", "2", "--storage", storage], needle)
+    refused(store, ["tune", "status", "--storage", storage], needle)
+
+
+# -- the console script: click's usage errors are one line too -------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [(["sweep", "--max-runs", "abc"], "error: pdmctl sweep: Invalid value for '--max-runs'"),
+     (["status", "--nope"], "error: pdmctl status: No such option: --nope"),
+     (["logs"], "error: pdmctl logs: Missing argument 'RUN'."),
+     (["bogus"], "error: pdmctl: No such command 'bogus'.")],
+)
+def test_usage_errors_are_one_line(workdir: Path, args: list[str], needle: str) -> None:
+    from tests.conftest import pdmctl
+
+    result = pdmctl(*args, cwd=workdir, timeout=120)
+    assert result.returncode == 2, result
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and result.stderr.startswith(needle)
+    assert not list(workdir.iterdir())
+
+
+# -- 1: a long config round-trips whole ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", ["one long value", "a thousand overrides"])
+def test_a_long_config_runs_reports_and_resumes(workdir: Path, size: str) -> None:
+    from pdmctl.ledger import open_ledger
+    from tests.conftest import pdmctl, sqlite_uri
+
+    extra = ["+note=" + "x" * 9000] if size == "one long value" else [f"+p{i}=12345" for i in range(1000)]
+    res = pdmctl("sweep", *extra, *SYN, "--name", "long", "--wait", cwd=workdir, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    (run,) = open_ledger(sqlite_uri(workdir)).runs("long")
+    assert run.status == "FINISHED", run
+    config = run.spec.config  # type: ignore[union-attr]
+    assert config.get("note") == "x" * 9000 or config.get("p999") == 12345
+    status = pdmctl("status", "long", cwd=workdir, timeout=120)
+    assert status.returncode == 0 and "finished" in status.stdout, status.stdout + status.stderr
+    report = pdmctl("report", "long", cwd=workdir, timeout=300)
+    assert report.returncode == 0 and "Traceback" not in report.stderr, report.stdout + report.stderr
+    resumed = pdmctl("resume", "long", cwd=workdir, timeout=120)
+    assert resumed.returncode == 0 and "0 run(s) resubmitted" in resumed.stdout, resumed.stdout
+
+
+# -- 2: a job that dies at start-up says why -------------------------------------------------------
+
+
+@pytest.mark.parametrize("log", ["a traceback", "nothing"])
+def test_a_job_that_died_at_start_up_shows_its_error(workdir: Path, log: str) -> None:
+    import json
+
+    from pdmctl import orchestrate
+    from pdmctl.ledger import Submission, open_ledger
+    from tests.conftest import sqlite_uri
+
+    ctx = orchestrate.make_context("local", sqlite_uri(workdir))
+    ledger = open_ledger(ctx.tracking_uri)
+    specs = expand(["seed=0", *SYN], sweep="dies")
+    ids = ledger.register(specs, {s.key: str(ctx.run_dir_parent(s)) for s in specs})
+    run_id, job_id = ids[specs[0].key], "local-abc-0-1"
+    ledger.mark_intent({run_id: "abc:0:1"}, ctx.executor_tag())
+    ledger.mark_submitted([Submission(run_id, job_id, ctx.executor_tag(), 1, "abc:0:1")])
+    done = ctx.run_root / ".local" / "done"  # what the worker records when the job process exits 1
+    done.mkdir(parents=True)
+    (done / f"{job_id}.json").write_text(json.dumps({"state": "FAILED", "returncode": 1}))
+    (record,) = ledger.runs("dies")
+    path = orchestrate.log_file(record, ctx)
+    path.parent.mkdir(parents=True)
+    path.write_text("Traceback (most recent call last):\n  File \"x.py\", line 1\njson.decoder.JSONDecodeError: "
+                    "Unterminated string starting at: line 1 column 7 (char 6)\n" if log == "a traceback" else "")  # fmt: skip
+    result = CliRunner().invoke(app, ["status", "dies", "--tracking-uri", ctx.tracking_uri])
+    assert result.exit_code == 0, result.output
+    (record,) = ledger.runs("dies")
+    if log == "a traceback":
+        assert record.reason == ("the job died at start-up: json.decoder.JSONDecodeError: Unterminated string "
+                                 "starting at: line 1 column 7 (char 6)")  # fmt: skip
+        assert "1 failed" in result.stdout and "JSONDecodeE" in result.stdout
+    else:
+        assert record.reason == "lost: the job process died"
+
+
+# -- 5: a non-finite evaluation is a failed run's data ---------------------------------------------
+
+
+@pytest.mark.parametrize("at", ["final", "last-2"])  # best skips non-finite steps (stats.select_steps)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_a_non_finite_evaluation_is_listed_never_averaged(workdir: Path, bad: float, at: str) -> None:
+    import math
+
+    from pdmctl.ledger import FINISHED, RunLogger, open_ledger
+    from pdmctl.report.collect import collect
+    from pdmctl.report.definition import load_definition
+    from tests.conftest import sqlite_uri
+    from tests.test_report_synthetic import make_sweep
+
+    uri = sqlite_uri(workdir)
+    sweep = make_sweep(uri, "inf", [*SYN, "seed=0,1"])
+    for run_id, spec in sweep.specs.items():  # through MLflow's own client, as a job logs
+        logger = RunLogger(uri, run_id)
+        for step in range(5):
+            value = bad if (spec.seed == 1 and step == 4) else 0.1 * step
+            logger.log_metrics({"eval/toy24": value, "eval/toy25": value}, step)
+        logger.finish(FINISHED)
+    records = {r.run_id: r for r in open_ledger(uri).runs("inf")}
+    sick = sweep.run_id("pdm_agg", 1)
+    assert all(not math.isfinite(v) and (math.isnan(v) or v == bad) for _, v in records[sick].latest.values())
+    collected = collect(open_ledger(uri), ["inf"], load_definition("default").with_options(at=at))
+    ((_row, points),) = collected.by_row.items()
+    assert [p.seed for p in points] == [0]  # the healthy seed counts, never pushed out as partial
+    (excluded,) = [e for e in collected.excluded if e.run_id == sick]
+    assert "not finite" in excluded.reason
+
+
+# -- 6: the local queue's directory as a file, or read-only ----------------------------------------
+
+
+def test_the_local_queue_as_a_file_is_refused_before_anything_is_registered(store: Path) -> None:  # noqa: F811
+    runs = store / "pdmctl-runs"
+    runs.mkdir()
+    (runs / ".local").write_text("not a directory\n")
+    refused(store, ["sweep", "seed=0", *SYN], f"local executor: {runs / '.local'} is not a directory")
+    refused(store, ["resume"], f"local executor: {runs / '.local'} is not a directory")
+    result = CliRunner().invoke(app, ["status"])  # reading never writes: it still answers
+    assert result.exit_code == 0, result.output
+    assert (runs / ".local").read_text() == "not a directory\n"
+
+
+def test_status_never_makes_the_queue(store: Path) -> None:  # noqa: F811
+    from pdmctl.executors import load_profile, make_executor
+
+    executor = make_executor(load_profile("local"))
+    assert executor.states(["local-x"]) == {"local-x": "LOST"} and executor.find(["a:0:1"]) == {}
+    assert not (store / "pdmctl-runs").exists()
+
+
+def test_a_read_only_queue_is_refused(tmp_path: Path) -> None:
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.test_bad_input import snapshot
+
+    as_root = os.geteuid() == 0  # as root, run as nobody, for whom 0o555 means read-only
+    work = Path(tempfile.mkdtemp(dir="/tmp" if as_root else tmp_path))
+    try:
+        work.chmod(0o777)
+        (work / "pdmctl-runs" / ".local").mkdir(parents=True)
+        (work / "pdmctl-runs").chmod(0o777)
+        (work / "pdmctl-runs" / ".local").chmod(0o555)
+        before = snapshot(work)
+        command = [sys.executable, "-m", "pdmctl.cli", "sweep", "seed=0", *SYN]
+        if as_root:
+            command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *command]
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HOME": str(work)}
+        env.pop("MLFLOW_TRACKING_URI", None)
+        proc = subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=300, env=env)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert lines == [f"error: local executor: {work / 'pdmctl-runs' / '.local'} is not writable (the job "
+                         f"queue goes in {work / 'pdmctl-runs' / '.local'})"], proc.stderr  # fmt: skip
+        assert snapshot(work) == before
+    finally:
+        shutil.rmtree(work)
+
+
+# -- 12: the worker-lock check cannot be fooled by the heartbeat file ------------------------------
+
+
+@pytest.mark.parametrize("beat", ["in the future", "just now, by a worker that has ended"])
+def test_a_stray_lock_holder_is_named_whatever_the_heartbeat_says(workdir: Path, beat: str) -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.test_bad_input import snapshot
+
+    root = workdir / "pdmctl-runs" / ".local"
+    root.mkdir(parents=True)
+    (root / "worker.lock").touch()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1]); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+                               str(root / "worker.lock")], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        heartbeat = root / "worker.heartbeat"
+        if beat == "in the future":
+            heartbeat.write_text(str(holder.pid))
+            os.utime(heartbeat, (time.time() + 3600, time.time() + 3600))
+        else:
+            ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                                   text=True, check=True)  # fmt: skip
+            heartbeat.write_text(ended.stdout.strip())
+        before = snapshot(workdir)
+        result = CliRunner().invoke(app, ["sweep", "seed=0", *SYN])
+        assert result.exit_code == 2, result.output
+        (line,) = result.stderr.strip().splitlines()
+        assert f"is held by a process that is not a working pdmctl worker (pid {holder.pid}:" in line
+        assert snapshot(workdir) == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+# -- 7: another writer holds the SQLite lock ------------------------------------------------------
+
+
+def test_a_busy_store_is_one_line_naming_who_holds_it(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    import subprocess
+    import sys
+    import time
+
+    from pdmctl.ledger import open_ledger
+    from tests.conftest import sqlite_uri
+
+    monkeypatch.setenv("PDMCTL_STORE_BUSY_S", "1")
+    db = store / "mlflow.db"
+    holder = subprocess.Popen([sys.executable, "-c", "import sqlite3, sys, time; c = sqlite3.connect(sys.argv[1], "
+                               "isolation_level=None); c.execute('PRAGMA journal_mode=WAL'); c.execute('BEGIN "
+                               "IMMEDIATE'); print('held', flush=True); time.sleep(60)", str(db)],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        started = time.perf_counter()
+        result = CliRunner().invoke(app, ["sweep", "seed=0", *SYN])
+        assert time.perf_counter() - started < 30
+        assert result.exit_code == 2, result.output
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith(f"error: tracking store {db}: busy: another process has held its write lock"), line
+        assert f"pid {holder.pid}:" in line
+    finally:
+        holder.kill()
+        holder.wait()
+    assert [r.sweep for r in open_ledger(sqlite_uri(store)).runs()] == ["kept"]  # nothing registered
+    assert not (store / "pdmctl-runs").exists()
+
+
+# -- 8: committed pages still in the -wal are not a truncated store -------------------------------
+
+
+def test_pages_in_the_wal_are_not_truncation(store: Path) -> None:  # noqa: F811
+    import shutil
+    import sqlite3
+
+    db, copy = store / "mlflow.db", store / "copy"
+    copy.mkdir()
+    live = sqlite3.connect(db, isolation_level=None)  # open while copied: the -wal holds committed pages
+    live.execute("PRAGMA journal_mode=WAL")
+    live.execute("PRAGMA wal_autocheckpoint=0")
+    live.execute("CREATE TABLE filler (x)")
+    live.execute("INSERT INTO filler VALUES (zeroblob(200000))")
+    for name in ("mlflow.db", "mlflow.db-wal"):
+        shutil.copy(store / name, copy / name)
+    live.close()
+    data = bytearray((copy / "mlflow.db").read_bytes())
+    pages = int.from_bytes(data[28:32], "big")  # as a full disk leaves it: the header counts pages that the
+    data[28:32] = (pages + 20).to_bytes(4, "big")  # main file lacks; the -wal holds them
+    data[92:96] = data[24:28]  # and says the count is valid (version-valid-for = change counter)
+    (copy / "mlflow.db").write_bytes(bytes(data))
+    result = CliRunner().invoke(app, ["status", "--tracking-uri", f"sqlite:///{copy / 'mlflow.db'}"])
+    assert result.exit_code == 0, result.output
+    assert "kept" in result.stdout
+    check = sqlite3.connect(copy / "mlflow.db")  # after: closing the last connection checkpoints the -wal
+    assert check.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    check.close()
+
+
+# -- 9: a tracking server whose API hangs or fails ------------------------------------------------
+
+
+class _Server:
+    """A tiny tracking server on 127.0.0.1: /health answers OK, the API answers 500 or hangs (bounded)."""
+
+    def __init__(self, api: str) -> None:
+        import http.server
+        import threading
+
+        stop = self.stop = threading.Event()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _answer(self) -> None:
+                if self.path.rstrip("/").endswith("/health"):
+                    body, code = b"OK", 200
+                elif api == "500":
+                    body, code = b'{"error_code": "INTERNAL_ERROR", "message": "boom"}', 500
+                else:
+                    stop.wait(30)  # hangs until the test ends (30 s at most)
+                    return
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.uri = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.stop.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize("api", ["500", "hangs"])
+@pytest.mark.parametrize("command", [["status"], ["sweep", "seed=0", *SYN]])
+def test_a_server_whose_api_fails_is_one_line_within_10_s(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, api: str, command: list[str]
+) -> None:
+    import time
+
+    import mlflow.tracking  # noqa: F401 (imported before the clock starts: on a loaded machine it takes seconds)
+
+    expand(["seed=0", *SYN])  # so is torch, for the run keys: the clock times the server, not the imports
+
+    for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)  # the ledger sets them; undone after the test
+    server = _Server(api)
+    try:
+        started = time.perf_counter()
+        result = CliRunner().invoke(app, [*command, "--tracking-uri", server.uri])
+        took = time.perf_counter() - started
+    finally:
+        server.close()
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: tracking server {server.uri}: "), line
+    assert took < 10, (took, line)
+    assert not (workdir / "pdmctl-runs").exists()
+
+
+# -- 10: a PostgreSQL URI with no server, or no driver --------------------------------------------
+
+
+@pytest.mark.parametrize("driver", ["installed", "missing"])
+@pytest.mark.parametrize("command", [["status"], ["cancel"], ["logs", "abc"], ["report"], ["sweep", "seed=0", *SYN],
+                                     ["resume"]])  # fmt: skip
+def test_a_bare_postgresql_uri_is_one_line(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, driver: str, command: list[str]
+) -> None:
+    import sys
+
+    # a bare postgresql:// is SQLAlchemy 2.1's psycopg (3), which [cluster] does not install; psycopg2 it does
+    scheme = "postgresql+psycopg2" if driver == "installed" else "postgresql"
+    if driver == "missing":
+        monkeypatch.setitem(sys.modules, "psycopg", None)  # an import of it fails, as where it is not installed
+    uri = f"{scheme}://u:p@127.0.0.1:9/db"
+    result = CliRunner().invoke(app, [*command, "--tracking-uri", uri])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: tracking URI {scheme}://u:***@127.0.0.1:9/db: "), line
+    assert ("driver is not installed" if driver == "missing" else "cannot connect") in line, line
+    assert not list(workdir.iterdir())
+
+
+# -- 22: VeRL's fields checked at submit ----------------------------------------------------------
+
+
+VERL = ["backend=verl", "model=qwen3-4b-base"]
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [("backend.lr=abc", "backend.lr: "), ("backend.temperature=hot", "backend.temperature: "),
+     ("backend.val_n=-3", "backend.val_n: must be an integer >= 1"), ("backend.lr=-1e-6", "backend.lr: must be"),
+     ("backend.temperature=0", "backend.temperature: must be a number > 0"),
+     ("mask.loss_agg_mode=bogus", "mask.loss_agg_mode: unknown 'bogus'; VeRL takes token-mean")],
+)
+def test_verl_fields_are_checked_at_submit(store: Path, override: str, needle: str) -> None:  # noqa: F811
+    refused(store, ["sweep", *VERL, override], needle)
+
+
+@pytest.mark.verl
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [("backend.lr=abc", "backend.lr: 'abc' does not fit VeRL's FSDPOptimizerConfig.lr"),
+     ("backend.temperature=hot", "backend.temperature: 'hot' does not fit VeRL's RolloutConfig.temperature"),
+     ("backend.val_n=2.5", "backend.val_n: 2.5 does not fit VeRL's SamplingConfig.n")],
+)
+def test_verl_fields_are_checked_against_verls_own_schema(store: Path, override: str, needle: str) -> None:  # noqa: F811
+    pytest.importorskip("verl")
+    refused(store, ["sweep", *VERL, override], needle)
