@@ -65,10 +65,10 @@ install_if_changed() {  # $1 = new file, $2 = target, $3 = mode; returns 0 when 
   if [ -f "$2" ] && cmp -s "$1" "$2"; then rm -f "$1"; return 1; fi
   install -m "$3" "$1" "$2" && rm -f "$1"
 }
-wait_for() {  # $1 = tenths of a second at most, then the command
-  local n=$1; shift
-  for _ in $(seq "$n"); do "$@" >/dev/null 2>&1 && return 0; sleep 0.1; done
-  "$@" >/dev/null 2>&1
+wait_for() {  # $1 = seconds at most, then the command (each try bounded by 10 s)
+  local end=$((SECONDS + $1)); shift
+  while [ "$SECONDS" -lt "$end" ]; do timeout 10 "$@" >/dev/null 2>&1 && return 0; sleep 0.2; done
+  timeout 10 "$@" >/dev/null 2>&1
 }
 
 # ---------- directories, munge key ----------
@@ -147,6 +147,9 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 AccountingStoragePort=$DBD_PORT
+# with auth/munge, the munged socket for connections to slurmdbd (without it they go to the default
+# /run/munge socket: the single-node cluster's munged, which may be stopped at any time)
+AccountingStoragePass=$MUNGE_SOCKET
 CONF
   for i in $(seq "$NODES"); do
     echo "NodeName=n$i NodeAddr=$NET.1$i CPUs=$NODE_CPUS RealMemory=4000 State=UNKNOWN"
@@ -180,7 +183,7 @@ if ! running "$RUN/munge/munged.pid"; then
   runuser -u munge -- /usr/sbin/munged --socket="$MUNGE_SOCKET" --pid-file="$RUN/munge/munged.pid" \
     --seed-file="$RUN/munge/munge.seed" --log-file="$LOG/munged.log" --key-file=/etc/munge/munge.key
 fi
-wait_for 50 sh -c "munge -S '$MUNGE_SOCKET' -n | unmunge -S '$MUNGE_SOCKET'"
+wait_for 10 sh -c "munge -S '$MUNGE_SOCKET' -n | unmunge -S '$MUNGE_SOCKET'"
 sql() { mysql --no-defaults -S "$DB_SOCKET" -u root "$@"; }
 if [ ! -d "$STATE/mysql/mysql" ]; then
   rm -rf "$STATE/mysql"
@@ -192,7 +195,7 @@ if ! running "$RUN/mysqld/mysqld.pid" || ! sql -e 'SELECT 1' >/dev/null 2>&1; th
   setsid /usr/sbin/mariadbd --no-defaults --user=mysql --datadir="$STATE/mysql" --socket="$DB_SOCKET" \
     --port=$DB_PORT --bind-address=127.0.0.1 --pid-file="$RUN/mysqld/mysqld.pid" \
     --log-error="$LOG/mariadb.log" --skip-log-bin </dev/null >>"$LOG/mariadb.log" 2>&1 &
-  wait_for 300 sql -e 'SELECT 1' || { echo "mariadb did not come up" >&2; tail -20 "$LOG/mariadb.log" >&2; exit 1; }
+  wait_for 60 sql -e 'SELECT 1' || { echo "mariadb did not come up" >&2; tail -20 "$LOG/mariadb.log" >&2; exit 1; }
 fi
 sql -e "CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'slurm';
         CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm';
@@ -200,7 +203,7 @@ sql -e "CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'slurm';
         FLUSH PRIVILEGES;"
 [ "$DBD_CHANGED" = 1 ] && stop "$RUN/slurmdbd.pid"
 running "$RUN/slurmdbd.pid" || slurmdbd
-wait_for 300 sacctmgr -n list cluster \
+wait_for 60 sacctmgr -n list cluster \
   || { echo "slurmdbd did not come up" >&2; tail -20 "$LOG/slurmdbd.log" >&2; exit 1; }
 ts "munged + mariadb (:$DB_PORT) + slurmdbd (:$DBD_PORT) up"
 
@@ -220,7 +223,7 @@ if [ "$CHANGED" = 1 ]; then
   for i in $(seq 9); do stop_node "n$i"; done
 fi
 running "$RUN/slurmctld.pid" || slurmctld
-wait_for 100 scontrol ping || { echo "slurmctld did not answer" >&2; tail -20 "$LOG/slurmctld.log" >&2; exit 1; }
+wait_for 30 scontrol ping || { echo "slurmctld did not answer" >&2; tail -20 "$LOG/slurmctld.log" >&2; exit 1; }
 for i in $(seq "$NODES"); do
   ns=n$i
   running "$RUN/node-$ns.pid" && continue
@@ -238,7 +241,8 @@ done
 
 node_states() { sinfo -h -N -o '%N %t' 2>/dev/null | sort -u; }
 usable() { [ "$(node_states | awk '$2 ~ /^(idle|mix|alloc|comp)$/' | wc -l)" -ge "$NODES" ]; }
-for _ in $(seq 240); do
+end=$((SECONDS + 60))
+while [ "$SECONDS" -lt "$end" ]; do
   usable && break
   for n in $(node_states | awk '$2 ~ /^(drain|down|drng|fail)/ && $2 !~ /\*$/ {print $1}'); do
     scontrol update nodename="$n" state=resume 2>/dev/null || true

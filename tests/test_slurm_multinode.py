@@ -47,7 +47,9 @@ def _cluster_answers() -> bool:
 
 pytestmark = [
     pytest.mark.multinode,
-    pytest.mark.skipif(not _cluster_answers(), reason="no 2-node SLURM here (start it with .ci/slurm_multi_up.sh)"),
+    pytest.mark.skipif(
+        not _cluster_answers(), reason="no 2-node SLURM here (start it with .ci/slurm_multi_up.sh)"
+    ),
 ]
 
 
@@ -106,7 +108,10 @@ def wait_for(check: Callable[[], object], timeout: float, what: str, detail: Cal
 
 
 def _job_logs(ctx) -> str:
-    logs = sorted(ctx.run_root.glob("*/*/logs/*.log"))[-4:] + sorted((ctx.run_root / ".slurm").glob("*.out"))[-2:]
+    logs = (
+        sorted(ctx.run_root.glob("*/*/logs/*.log"))[-4:]
+        + sorted((ctx.run_root / ".slurm").glob("*.out"))[-2:]
+    )
     return "\n".join(f"--- {p}\n{p.read_text()[-1500:]}" for p in logs)
 
 
@@ -251,7 +256,9 @@ def test_losing_a_node_mid_run_requeues_and_resumes_from_the_checkpoint(shared_d
         outcome = wait_for(lost, 120, "the job to lose n2", lambda: f"{job_field(job_id, 'JobState')} "
                            f"n2={node_state('n2')}")  # fmt: skip
         lost_after = time.time() - killed_at
-        wait_for(lambda: not job_processes(), 60, "the job's processes on n1 to end", lambda: str(job_processes()))
+        wait_for(
+            lambda: not job_processes(), 60, "the job's processes on n1 to end", lambda: str(job_processes())
+        )
         store.execute("ROLLBACK")
         locked = False
         print(f"\nnode loss: job {job_id} {outcome} {lost_after:.0f} s after the kill, its processes gone "
@@ -277,5 +284,7 @@ def test_losing_a_node_mid_run_requeues_and_resumes_from_the_checkpoint(shared_d
     attempt_2 = (run_dir / "logs" / "attempt-2.log").read_text()
     assert " on n1, restart " in attempt_2, attempt_2[-2000:]
     records = slurm("sacct", "-n", "-P", "-X", "-D", "-o", "JobID,State,NodeList", "-j", job_id).split()
-    print(f"node loss: n2 back and the run finished {time.time() - restarted_at:.0f} s later; sacct: {records}")
+    print(
+        f"node loss: n2 back and the run finished {time.time() - restarted_at:.0f} s later; sacct: {records}"
+    )
     assert node_state("n2") in ("idle", "mix", "alloc", "comp"), node_state("n2")
