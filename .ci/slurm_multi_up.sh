@@ -65,10 +65,10 @@ install_if_changed() {  # $1 = new file, $2 = target, $3 = mode; returns 0 when 
   if [ -f "$2" ] && cmp -s "$1" "$2"; then rm -f "$1"; return 1; fi
   install -m "$3" "$1" "$2" && rm -f "$1"
 }
-wait_for() {  # $1 = seconds at most, then the command (each try bounded by 10 s)
+wait_for() {  # $1 = seconds at most, then the command (itself bounded: `timeout 10 ...`)
   local end=$((SECONDS + $1)); shift
-  while [ "$SECONDS" -lt "$end" ]; do timeout 10 "$@" >/dev/null 2>&1 && return 0; sleep 0.2; done
-  timeout 10 "$@" >/dev/null 2>&1
+  while [ "$SECONDS" -lt "$end" ]; do "$@" >/dev/null 2>&1 && return 0; sleep 0.2; done
+  "$@" >/dev/null 2>&1
 }
 
 # ---------- directories, munge key ----------
@@ -183,8 +183,8 @@ if ! running "$RUN/munge/munged.pid"; then
   runuser -u munge -- /usr/sbin/munged --socket="$MUNGE_SOCKET" --pid-file="$RUN/munge/munged.pid" \
     --seed-file="$RUN/munge/munge.seed" --log-file="$LOG/munged.log" --key-file=/etc/munge/munge.key
 fi
-wait_for 10 sh -c "munge -S '$MUNGE_SOCKET' -n | unmunge -S '$MUNGE_SOCKET'"
-sql() { mysql --no-defaults -S "$DB_SOCKET" -u root "$@"; }
+wait_for 10 timeout 10 sh -c "munge -S '$MUNGE_SOCKET' -n | unmunge -S '$MUNGE_SOCKET'"
+sql() { timeout 10 mysql --no-defaults -S "$DB_SOCKET" -u root "$@"; }
 if [ ! -d "$STATE/mysql/mysql" ]; then
   rm -rf "$STATE/mysql"
   mariadb-install-db --no-defaults --user=mysql --datadir="$STATE/mysql" --skip-test-db \
@@ -203,7 +203,7 @@ sql -e "CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'slurm';
         FLUSH PRIVILEGES;"
 [ "$DBD_CHANGED" = 1 ] && stop "$RUN/slurmdbd.pid"
 running "$RUN/slurmdbd.pid" || slurmdbd
-wait_for 60 sacctmgr -n list cluster \
+wait_for 60 timeout 10 sacctmgr -n list cluster \
   || { echo "slurmdbd did not come up" >&2; tail -20 "$LOG/slurmdbd.log" >&2; exit 1; }
 ts "munged + mariadb (:$DB_PORT) + slurmdbd (:$DBD_PORT) up"
 
@@ -223,7 +223,7 @@ if [ "$CHANGED" = 1 ]; then
   for i in $(seq 9); do stop_node "n$i"; done
 fi
 running "$RUN/slurmctld.pid" || slurmctld
-wait_for 30 scontrol ping || { echo "slurmctld did not answer" >&2; tail -20 "$LOG/slurmctld.log" >&2; exit 1; }
+wait_for 30 timeout 10 scontrol ping || { echo "slurmctld did not answer" >&2; tail -20 "$LOG/slurmctld.log" >&2; exit 1; }
 for i in $(seq "$NODES"); do
   ns=n$i
   running "$RUN/node-$ns.pid" && continue
