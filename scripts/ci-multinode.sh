@@ -5,11 +5,13 @@
 # Prints each step's time. Needs root (namespaces, daemons). The single-node SLURM of
 # .ci/slurm_up.sh is left alone and may run at the same time.
 #
-#   bash scripts/ci-multinode.sh          (with this project's environment active, or PYTHON=...)
+#   bash scripts/ci-multinode.sh          (Python: $PYTHON, else ./.venv/bin/python, else the active one)
 #   KEEP_CLUSTER=1 bash scripts/ci-multinode.sh   (leave the cluster up afterwards)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-$(command -v python)}
+if [ -z "${PYTHON:-}" ]; then  # the project's environment: .venv if there, else the active one
+  if [ -x .venv/bin/python ]; then PYTHON=$PWD/.venv/bin/python; else PYTHON=$(command -v python); fi
+fi
 T0=$(date +%s.%N)
 step() { awk -v a="$T0" -v b="$(date +%s.%N)" -v m="$*" 'BEGIN{printf "== [multinode %6.1fs] %s\n", b-a, m}'; }
 down() {
