@@ -60,12 +60,18 @@ def _multi_cluster(monkeypatch) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
 
-@pytest.fixture
-def shared_dir() -> Iterator[Path]:
-    """A per-test directory on the shared storage (pytest's tmp_path is under the private /tmp)."""
+@pytest.fixture(scope="module")
+def _module_dir() -> Path:
+    """One directory (and so one SQLite ledger: a new one takes minutes on a loaded 2-core machine) on the
+    shared storage for this module's tests; pytest's tmp_path is under each node's private /tmp."""
     path = SHARED / "tests" / uuid.uuid4().hex[:10]
     path.mkdir(parents=True)
-    yield path
+    return path
+
+
+@pytest.fixture
+def shared_dir(_module_dir: Path) -> Iterator[Path]:
+    yield _module_dir
 
 
 # ---------------------------------------------------------------------------
@@ -152,7 +158,7 @@ def assert_complete_history(uri: str, run_id: str, steps: int, eval_every: int =
 @pytest.mark.timeout(120)
 def test_a_two_node_job_runs_its_steps_on_both_nodes(shared_dir: Path) -> None:
     # one task per node; each says which node, address, PID namespace, PID 1 and /tmp it sees
-    out = shared_dir / "probe.out"
+    out = shared_dir / "probe.out"  # the only test writing here
     probe = ('echo "$SLURM_NODEID $(hostname) $(hostname --ip-address) $(readlink /proc/self/ns/pid) '
              '$(cat /proc/1/comm) $(readlink /proc/self/ns/net)"; touch /tmp/probe-$SLURM_JOB_ID-$(hostname); '
              'ls /tmp | grep -c "^probe-$SLURM_JOB_ID-"')  # fmt: skip
