@@ -86,7 +86,8 @@ fi
 if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
   ip link add "$BRIDGE" type bridge
 fi
-ip addr show dev "$BRIDGE" | grep -q "inet $NET.1/24" || ip addr add "$NET.1/24" dev "$BRIDGE"
+# (grep without -q: reading all of ip's output, so pipefail never sees a SIGPIPE and adds the address twice)
+ip addr show dev "$BRIDGE" | grep "inet $NET.1/24" >/dev/null || ip addr add "$NET.1/24" dev "$BRIDGE"
 ip link set "$BRIDGE" up
 {
   echo "127.0.0.1 localhost"
@@ -102,7 +103,7 @@ for i in $(seq "$NODES"); do
     ip link add "pdm-$ns" type veth peer name eth0 netns "$ns"
     ip link set "pdm-$ns" master "$BRIDGE" up
   fi
-  ip -n "$ns" addr show dev eth0 | grep -q "inet $NET.1$i/24" || ip -n "$ns" addr add "$NET.1$i/24" dev eth0
+  ip -n "$ns" addr show dev eth0 | grep "inet $NET.1$i/24" >/dev/null || ip -n "$ns" addr add "$NET.1$i/24" dev eth0
   ip -n "$ns" link set lo up
   ip -n "$ns" link set eth0 up
 done
