@@ -83,6 +83,7 @@ SLURM_STATES: dict[str, JobState] = {
     "TIMEOUT": JobState.TIMEOUT, "DEADLINE": JobState.TIMEOUT, "PREEMPTED": JobState.PREEMPTED,
     "NODE_FAIL": JobState.NODE_FAIL, "BOOT_FAIL": JobState.NODE_FAIL, "OUT_OF_MEMORY": JobState.OUT_OF_MEMORY,
 }  # fmt: skip
+_ALIVE = frozenset({JobState.PENDING, JobState.REQUEUED, JobState.RUNNING})
 
 
 @dataclass(frozen=True)
@@ -451,8 +452,13 @@ class SlurmExecutor(Executor):
         except ExecutorError:
             pass  # accounting is off (or slurmdbd is down): squeue knows the jobs slurmctld still holds
         missing = [j for j in wanted if j not in found]
-        if missing:
-            found.update(self._squeue_states(missing))
+        # a job that lost a node (or was preempted) and that SLURM requeues: sacct's last record says
+        # NODE_FAIL until slurmctld has requeued it (seconds), while the job waits for its next attempt;
+        # slurmctld's own word (squeue) wins where it still holds the job alive
+        requeued = [j for j in wanted if found.get(j) in (JobState.NODE_FAIL, JobState.PREEMPTED)]
+        if missing or requeued:
+            live = self._squeue_states([*missing, *requeued])
+            found.update({j: s for j, s in live.items() if j in missing or s in _ALIVE})
         return {j: found.get(j, JobState.UNKNOWN) for j in wanted}
 
     def _squeue_states(self, job_ids: Sequence[str]) -> dict[str, JobState]:

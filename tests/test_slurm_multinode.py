@@ -1,0 +1,296 @@
+"""The SLURM path on a real 2-node cluster (.ci/slurm_multi_up.sh: nodes n1, n2, each a slurmd in its own
+network, UTS, mount and PID namespace) through the `slurm-multi` profile, toy backend.
+
+Run apart (marked `multinode`, left out of the default run): scripts/ci-multinode.sh starts the
+cluster, runs this file and tears it down. Every test is bounded in time; the node-loss test kills
+n2's slurmd (PID 1 of its node) and starts it again with the same script.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM_CONF = "/etc/slurm-pdm-multi/slurm.conf"
+SHARED = Path("/srv/pdm-multi")  # visible on both nodes (their /tmp is private)
+RUN = Path("/run/pdm-multi")
+PROFILE = str(REPO / "clusters" / "slurm-multi.yaml")
+UP = REPO / ".ci" / "slurm_multi_up.sh"
+# a short toy run: eval every 2 steps, a checkpoint every 2 steps, tiny batches (as tests/test_slurm.py)
+TOY = ["backend.eval_every=2", "backend.checkpoint_every=2", "backend.prompts_per_step=8",
+       "backend.eval_samples=2", "backend.group_size=4"]  # fmt: skip
+
+
+def _cluster_answers() -> bool:
+    if shutil.which("sinfo") is None or not Path(SLURM_CONF).exists():
+        return False
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, timeout=20,
+                              env={**os.environ, "SLURM_CONF": SLURM_CONF})  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return False
+    return proc.returncode == 0 and {"n1", "n2"} <= set(proc.stdout.split())
+
+
+pytestmark = [
+    pytest.mark.multinode,
+    pytest.mark.skipif(
+        not _cluster_answers(), reason="no 2-node SLURM here (start it with .ci/slurm_multi_up.sh)"
+    ),
+]
+
+
+@pytest.fixture(autouse=True)
+def _multi_cluster(monkeypatch) -> None:
+    """Every SLURM client in these tests (ours, submitit's, pdmctl's) talks to the 2-node cluster."""
+    monkeypatch.setenv("SLURM_CONF", SLURM_CONF)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+@pytest.fixture(scope="module")
+def _module_dir() -> Path:
+    """One directory (and so one SQLite ledger: a new one takes minutes on a loaded 2-core machine) on the
+    shared storage for this module's tests; pytest's tmp_path is under each node's private /tmp."""
+    path = SHARED / "tests" / uuid.uuid4().hex[:10]
+    path.mkdir(parents=True)
+    return path
+
+
+@pytest.fixture
+def shared_dir(_module_dir: Path) -> Iterator[Path]:
+    yield _module_dir
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+
+def slurm(*args: str, timeout: float = 60) -> str:
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, check=True).stdout
+
+
+def node_slurmd_pid(node: str) -> int:
+    """The node's slurmd as the root PID namespace sees it: the child of the `unshare` the script started."""
+    outer = (RUN / f"node-{node}.pid").read_text().strip()
+    children = Path(f"/proc/{outer}/task/{outer}/children").read_text().split()
+    assert children, f"node {node}: no slurmd under {outer}"
+    return int(children[0])
+
+
+def node_state(node: str) -> str:
+    return slurm("sinfo", "-h", "-N", "-n", node, "-o", "%t").strip()
+
+
+def job_field(job_id: str, name: str) -> str:
+    out = slurm("scontrol", "show", "job", job_id)
+    for word in out.split():
+        key, _, value = word.partition("=")
+        if key == name:
+            return value
+    return ""
+
+
+def wait_for(check: Callable[[], object], timeout: float, what: str, detail: Callable[[], str] = str):
+    deadline = time.time() + timeout
+    while not (value := check()):
+        if time.time() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}: {detail()}")
+        time.sleep(0.5)
+    return value
+
+
+def _job_logs(ctx) -> str:
+    logs = (
+        sorted(ctx.run_root.glob("*/*/logs/*.log"))[-4:]
+        + sorted((ctx.run_root / ".slurm").glob("*.out"))[-2:]
+    )
+    return "\n".join(f"--- {p}\n{p.read_text()[-1500:]}" for p in logs)
+
+
+def wait_for_runs(ctx, sweep: str, done, timeout: float, what: str):
+    from pdmctl import orchestrate
+
+    deadline = time.time() + timeout
+    while True:
+        views = orchestrate.status(ctx, sweep)
+        if views and done(views):
+            return views
+        if time.time() > deadline:
+            table = "; ".join(f"{v.key} {v.state} job={v.record.job_id if v.record else None} "
+                              f"step={v.record.step if v.record else None}" for v in views)  # fmt: skip
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}: {table}\n{_job_logs(ctx)}")
+        time.sleep(1.0)
+
+
+def assert_complete_history(uri: str, run_id: str, steps: int, eval_every: int = 2) -> None:
+    """Every step of every metric once: train/* at 1..steps, eval/* at 0, eval_every, ..., steps."""
+    from pdmctl.ledger import open_ledger
+
+    hist = open_ledger(uri).metric_histories([run_id])[run_id]
+    train = [k for k in hist if k.startswith("train/")]
+    evals = [k for k in hist if k.startswith("eval/")]
+    assert "train/reward" in train and {"eval/toy24", "eval/toy25"} <= set(evals), sorted(hist)
+    for key in train:
+        assert [s for s, _ in hist[key]] == list(range(1, steps + 1)), key
+    for key in evals:
+        assert [s for s, _ in hist[key]] == sorted({*range(0, steps + 1, eval_every), steps}), key
+
+
+# ---------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_two_node_job_runs_its_steps_on_both_nodes(shared_dir: Path) -> None:
+    # one task per node; each says which node, address, PID namespace, PID 1 and /tmp it sees
+    out = shared_dir / "probe.out"  # the only test writing here
+    probe = ('echo "$SLURM_NODEID $(hostname) $(hostname --ip-address) $(readlink /proc/self/ns/pid) '
+             '$(cat /proc/1/comm) $(readlink /proc/self/ns/net)"; touch /tmp/probe-$SLURM_JOB_ID-$(hostname); '
+             'ls /tmp | grep -c "^probe-$SLURM_JOB_ID-"')  # fmt: skip
+    script = shared_dir / "probe.sh"
+    script.write_text(f"#!/bin/bash\nsrun -N2 --ntasks-per-node=1 bash -c '{probe}'\n")
+    slurm("sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", "--time=2", "-J", "pdmctl-probe",
+          "-o", str(out), "-D", str(shared_dir), str(script), timeout=90)  # fmt: skip
+    lines = [ln.split() for ln in out.read_text().splitlines() if ln.strip()]
+    rows = [ln for ln in lines if len(ln) == 6]
+    counts = [ln[0] for ln in lines if len(ln) == 1]
+    assert len(rows) == 2, out.read_text()
+    by_node = {r[1]: r for r in rows}
+    assert set(by_node) == {"n1", "n2"}, rows  # distinct hostnames
+    assert {by_node["n1"][2], by_node["n2"][2]} == {"10.77.0.11", "10.77.0.12"}, rows  # distinct addresses
+    assert by_node["n1"][3] != by_node["n2"][3], rows  # distinct PID namespaces
+    assert by_node["n1"][5] != by_node["n2"][5], rows  # distinct network namespaces
+    assert {r[4] for r in rows} == {"slurmd"}, rows  # slurmd is PID 1 of each node
+    assert counts == ["1", "1"], out.read_text()  # each node's /tmp holds only its own file
+
+
+@pytest.mark.timeout(900)
+def test_a_toy_sweep_through_the_profile_finishes_with_its_metrics_in_the_ledger(shared_dir: Path) -> None:
+    from pdmctl import orchestrate
+    from pdmctl.executors import JobState, make_executor
+
+    uri = f"sqlite:///{shared_dir / 'mlflow.db'}"
+    name = f"m{uuid.uuid4().hex[:8]}"
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "pdmctl"), "sweep", *TOY, "backend.steps=4", "seed=0,1",
+         "--name", name, "--cluster", PROFILE, "--tracking-uri", uri],
+        capture_output=True, text=True, timeout=420, cwd=shared_dir,  # a new SQLite store: ~2 min on a loaded machine
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ctx = orchestrate.make_context(PROFILE, uri)
+    views = wait_for_runs(ctx, name, lambda vs: all(v.state not in orchestrate.ACTIVE for v in vs), 300,
+                          "2 finished runs")  # fmt: skip
+    assert [v.state for v in views] == [orchestrate.RunState.FINISHED] * 2, [(v.key, v.state) for v in views]
+    for v in views:
+        assert v.record.attempt == 1
+        assert_complete_history(uri, v.record.run_id, steps=4)
+        # the job held both nodes; its body ran on the first
+        assert slurm("sacct", "-n", "-P", "-X", "-o", "NodeList", "-j", v.record.job_id).split() == ["n[1-2]"]
+        log = (Path(v.record.run_dir) / "logs" / "attempt-1.log").read_text()
+        assert " on n1, restart 0" in log and "pdmctl job: finished" in log, log[-2000:]
+    executor = make_executor(ctx.profile)
+    wait_for(lambda: set(executor.states([v.record.job_id for v in views]).values()) == {JobState.COMPLETED},
+             60, "COMPLETED in sacct")  # fmt: skip
+
+
+@pytest.mark.timeout(900)
+def test_losing_a_node_mid_run_requeues_and_resumes_from_the_checkpoint(shared_dir: Path) -> None:
+    """n2's slurmd is SIGKILLed mid-training (its node's processes go with it, as in a crash). SLURM sees
+    the node down after SlurmdTimeout (20 s), requeues the job (JobRequeue=1, --requeue) and kills its
+    batch step on n1; the job waits for 2 nodes. n2 is started again: the job's next attempt resumes
+    from the checkpoint into the same MLflow run, every step logged once. A job that ended NODE_FAIL
+    instead of being requeued is brought back by `pdmctl resume`.
+
+    The ~35 s until SLURM acts would let a fast machine train to the end; to make the test independent
+    of this machine's speed (and of its load), the run is held still once it has a checkpoint: the test
+    takes the SQLite store's write lock, so the job waits at its next metric (a busy store is waited
+    out, not lost) until SLURM kills it. The lock is let go once the job's processes are gone."""
+    from mlflow import MlflowClient
+
+    from pdmctl import grid, orchestrate
+
+    steps = 400
+    db = shared_dir / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    name = f"m{uuid.uuid4().hex[:8]}"
+    ctx = orchestrate.make_context(PROFILE, uri)
+    _, (job_id,) = orchestrate.sweep(grid.expand([*TOY, f"backend.steps={steps}"], None, name), ctx)
+    (view,) = wait_for_runs(ctx, name, lambda vs: (vs[0].record.step or 0) >= 4, 300, "step 4")
+    assert job_field(job_id, "NodeList") == "n[1-2]"
+    run_id, run_dir = view.record.run_id, Path(view.record.run_dir)
+    wait_for(lambda: any((run_dir / "checkpoints").glob("step_*.pt")), 60, "a checkpoint")
+    step0 = Path(urlparse(MlflowClient(uri).get_run(run_id).info.artifact_uri).path)
+    step0 = step0 / "per_problem" / "toy24" / "step_0000000.json"
+    step0_mtime = step0.stat().st_mtime
+
+    def job_processes() -> list[str]:  # the job's processes on n1 (the root PID namespace sees them all)
+        found = []
+        for proc in Path("/proc").glob("[0-9]*"):
+            with contextlib.suppress(OSError):
+                if str(run_dir) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(proc.name)
+        return found
+
+    store = sqlite3.connect(db, isolation_level=None, timeout=30)
+    store.execute("BEGIN IMMEDIATE")
+    locked = True
+    killed_at = time.time()
+    try:
+        os.kill(node_slurmd_pid("n2"), signal.SIGKILL)
+
+        # the node is declared down after SlurmdTimeout; the job is requeued (or fails with NODE_FAIL)
+        def lost() -> str:
+            state = job_field(job_id, "JobState")
+            restarts = int(job_field(job_id, "Restarts") or 0)
+            return state if (restarts >= 1 or state in ("NODE_FAIL", "FAILED", "CANCELLED")) else ""
+
+        outcome = wait_for(lost, 120, "the job to lose n2", lambda: f"{job_field(job_id, 'JobState')} "
+                           f"n2={node_state('n2')}")  # fmt: skip
+        lost_after = time.time() - killed_at
+        wait_for(
+            lambda: not job_processes(), 60, "the job's processes on n1 to end", lambda: str(job_processes())
+        )
+        store.execute("ROLLBACK")
+        locked = False
+        print(f"\nnode loss: job {job_id} {outcome} {lost_after:.0f} s after the kill, its processes gone "
+              f"after {time.time() - killed_at:.0f} s; n2 {node_state('n2')}")  # fmt: skip
+        (view,) = orchestrate.status(ctx, name)
+        assert (view.record.step or 0) < steps, view.record  # it was still training
+    finally:
+        if locked:
+            store.execute("ROLLBACK")
+        store.close()
+        # n2 back, whatever happened (the next tests and the next CI run need it)
+        subprocess.run([str(UP)], check=True, timeout=120, capture_output=True)
+    restarted_at = time.time()
+    if outcome in ("NODE_FAIL", "FAILED", "CANCELLED"):
+        chosen, new_ids = orchestrate.resume(ctx, name)
+        assert [v.key for v in chosen] == [view.key] and len(new_ids) == 1, (chosen, new_ids)
+
+    (view,) = wait_for_runs(ctx, name, lambda vs: vs[0].state not in orchestrate.ACTIVE, 600, "the run's end")
+    assert view.state == orchestrate.RunState.FINISHED, (view.state, view.record.reason, _job_logs(ctx))
+    assert view.record.attempt == 2, view.record
+    assert_complete_history(uri, run_id, steps=steps)  # complete, every step once
+    assert step0.stat().st_mtime == step0_mtime  # attempt 2 started at its checkpoint, not at step 0
+    attempt_2 = (run_dir / "logs" / "attempt-2.log").read_text()
+    assert " on n1, restart " in attempt_2, attempt_2[-2000:]
+    records = slurm("sacct", "-n", "-P", "-X", "-D", "-o", "JobID,State,NodeList", "-j", job_id).split()
+    print(
+        f"node loss: n2 back and the run finished {time.time() - restarted_at:.0f} s later; sacct: {records}"
+    )
+    assert node_state("n2") in ("idle", "mix", "alloc", "comp"), node_state("n2")
