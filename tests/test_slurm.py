@@ -306,11 +306,13 @@ def test_job_reaching_its_time_limit_is_requeued_and_completes(tmp_path: Path) -
         ctx, sweep, lambda vs: vs[0].state not in orchestrate.ACTIVE, 1200, "the timed-out run"
     )
     assert view.state == RunState.FINISHED, view
-    assert view.record.attempt == 2 and view.record.job_id == job_id, view.record
+    # a machine under load may run the second attempt into its own limit too: requeued again, same job
+    assert view.record.attempt >= 2 and view.record.job_id == job_id, view.record
     assert_complete_history(ctx, view.record.run_id, steps=4000)
     wait_for_job_states(make_executor(ctx.profile), [job_id], {JobState.COMPLETED})
     records = sacct("-n", "-P", "-X", "-D", "-o", "JobID,State", "-j", job_id).split()
-    assert records == [f"{job_id}|REQUEUED", f"{job_id}|COMPLETED"], records
+    requeues = view.record.attempt - 1
+    assert records == [f"{job_id}|REQUEUED"] * requeues + [f"{job_id}|COMPLETED"], records
 
 
 def test_status_without_accounting_falls_back_to_squeue(tmp_path: Path) -> None:
