@@ -289,7 +289,7 @@ def check_runs(specs: Sequence[RunSpec], ctx: Context, executor: Executor) -> No
             backend.check_cluster(flat, cluster)
         except ValueError as exc:
             raise ExecutorError(f"run {spec.key} ({spec.summary}): {exc}") from exc
-        if needed != given:
+        if needed is not None and needed != given:
             raise ExecutorError(
                 f"run {spec.key} ({spec.summary}) trains on {needed} node(s) but cluster {ctx.profile.name} gives "
                 f"{given} per job: set `nodes: {needed}` in the profile, or backend.nnodes={given} for the run"

@@ -80,6 +80,12 @@ def test_a_preset_the_profile_gives_other_nodes_is_refused_at_submit(tmp_path: P
     _check(two, str(_profile_file(tmp_path, nodes=2, offline=False)))
 
 
+def test_a_toy_run_takes_any_allocation(tmp_path: Path) -> None:
+    # one process on the job's first node: a 2-node profile holds both (the CI's node-loss test)
+    toy = expand(["backend=toy", "seed=0,1"], None, "s")
+    _check(toy, str(_profile_file(tmp_path, nodes=2, offline=False)))
+
+
 def test_the_cli_refuses_a_node_mismatch_in_one_line_and_writes_nothing(workdir: Path) -> None:
     result = pdmctl("sweep", "backend=verl", "model=qwen3-4b-base", "--dry-run", cwd=workdir)
     assert result.returncode == 2, result.stderr
