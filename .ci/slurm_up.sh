@@ -6,6 +6,7 @@
 #   ACCOUNTING=dbd   slurmdbd + MariaDB: real `sacct` (default; submitit and pdmctl need it)
 #   ACCOUNTING=none  AccountingStorageType=none: `sacct` refuses, pdmctl falls back to `squeue`
 #   FAKE_GPUS=N      the node advertises N GPUs (gres/gpu on /dev/null clones; jobs must not call CUDA)
+#   REAL_GPUS=1      the node's gres/gpu are this machine's /dev/nvidia0..N-1 instead (scripts/gpu-check.sh)
 #   MAX_ARRAY_SIZE   the cluster's MaxArraySize (default 1001, SLURM's own default)
 #
 # Switching ACCOUNTING restarts slurmctld and slurmd only; running jobs survive (their state is in
@@ -13,6 +14,12 @@
 set -euo pipefail
 ACCOUNTING=${ACCOUNTING:-dbd}
 FAKE_GPUS=${FAKE_GPUS:-8}
+GPU_FILES=/var/lib/slurm-fakegpu/nvidia
+if [ "${REAL_GPUS:-0}" = 1 ]; then  # the GPUs jobs get are real ones: CUDA_VISIBLE_DEVICES from SLURM's gres
+  FAKE_GPUS=$(find /dev -maxdepth 1 -regex '/dev/nvidia[0-9]+' | wc -l)
+  [ "$FAKE_GPUS" -ge 1 ] || { echo "slurm_up: REAL_GPUS=1 but this machine has no /dev/nvidia0" >&2; exit 2; }
+  GPU_FILES=/dev/nvidia
+fi
 MAX_ARRAY_SIZE=${MAX_ARRAY_SIZE:-1001}
 case "$ACCOUNTING" in dbd | none) ;; *) echo "ACCOUNTING must be dbd or none, got $ACCOUNTING" >&2; exit 2 ;; esac
 export DEBIAN_FRONTEND=noninteractive
@@ -40,7 +47,9 @@ if [ ! -s /etc/munge/munge.key ]; then
   chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
 fi
 for i in $(seq 0 $((FAKE_GPUS - 1))); do  # gres/gpu needs File= naming character devices
-  [ -c /var/lib/slurm-fakegpu/nvidia$i ] || mknod -m 666 /var/lib/slurm-fakegpu/nvidia$i c 1 3
+  [ -c $GPU_FILES$i ] && continue
+  [ "${REAL_GPUS:-0}" = 1 ] && { echo "slurm_up: REAL_GPUS=1 but $GPU_FILES$i is missing" >&2; exit 2; }
+  mknod -m 666 $GPU_FILES$i c 1 3
 done
 
 # ---------- helpers ----------
@@ -109,7 +118,7 @@ CONF
 CHANGED=0
 install_if_changed "$NEW" /etc/slurm/slurm.conf 644 && CHANGED=1
 NEW=$(mktemp)
-printf 'AutoDetect=off\nNodeName=%s Name=gpu File=/var/lib/slurm-fakegpu/nvidia[0-%d]\n' "$HOST" $((FAKE_GPUS - 1)) >"$NEW"
+printf 'AutoDetect=off\nNodeName=%s Name=gpu File=%s[0-%d]\n' "$HOST" "$GPU_FILES" $((FAKE_GPUS - 1)) >"$NEW"
 install_if_changed "$NEW" /etc/slurm/gres.conf 644 && CHANGED=1
 
 # ---------- daemons ----------

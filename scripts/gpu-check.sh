@@ -7,7 +7,12 @@
 # 2. The tiny Qwen3 and its data (the same build as CI's), then CI's engine tests on it with
 #    model=qwen3-tiny-gpu: a PDM and a DPPO run through `pdmctl sweep --wait`, the top-K from vLLM,
 #    the loss inside VeRL against pdmctl.masks, a failure injected in the rollout.
-# 3. With QWEN3_4B_BASE_DIR (a local copy of Qwen/Qwen3-4B-Base; the machine may have no hub): one
+# 3. One job of the tiny Qwen3 through a single-node SLURM on this machine, where SLURM can be started
+#    (root, Debian's slurm-wlm installed or installable: .ci/slurm_up.sh with REAL_GPUS=1), with
+#    clusters/slurm-local-gpu.yaml: the job body a cluster run takes (Ray inside the allocation, the
+#    trainer on the job's GPU, MLflow), then `pdmctl status`. Where SLURM cannot start, one line says
+#    why and the step is left out (the others still count).
+# 4. With QWEN3_4B_BASE_DIR (a local copy of Qwen/Qwen3-4B-Base; the machine may have no hub): one
 #    training step of the qwen3-4b-base preset from those weights, on the tiny data (its prompts are
 #    text; the 4B model's own tokenizer reads them), through `pdmctl sweep --wait`, then `pdmctl status`.
 #
@@ -39,6 +44,19 @@ step "tiny Qwen3 and its data at $PDMCTL_TINY_DIR"
 step "engine tests on the GPU (model=qwen3-tiny-gpu, $GPUS GPU(s))"
 PDMCTL_ENGINE_MODEL=qwen3-tiny-gpu PDMCTL_NO_SKIPS=1 "$ENV_DIR/bin/python" -m pytest -q -rxs \
   -m "engine and not engine_long" --durations=0 tests/test_verl_engine.py
+
+step "one job through a single-node SLURM (clusters/slurm-local-gpu.yaml)"
+if [ "$(id -u)" != 0 ]; then
+  echo "gpu-check.sh: not root: SLURM cannot be started here; the SLURM job is left out"
+elif ! REAL_GPUS=1 timeout 600 bash .ci/slurm_up.sh; then
+  echo "gpu-check.sh: .ci/slurm_up.sh failed (above): the SLURM job is left out"
+else
+  SWORK="$(mktemp -d /tmp/pdmctl-gpu-slurm.XXXXXX)"
+  (cd "$SWORK" && "$ENV_DIR/bin/pdmctl" sweep backend=verl model=qwen3-tiny-gpu mask=pdm_agg k=5 \
+     --cluster "$OLDPWD/clusters/slurm-local-gpu.yaml" --name gpu-check-slurm --wait \
+   && "$ENV_DIR/bin/pdmctl" status gpu-check-slurm --cluster "$OLDPWD/clusters/slurm-local-gpu.yaml")
+  grep -rh "Ray node(s) up" "$SWORK/pdmctl-runs" | head -3 || true  # the job body's own line
+fi
 
 if [ -n "$WEIGHTS" ]; then
   WORK="$(mktemp -d /tmp/pdmctl-gpu-check.XXXXXX)"

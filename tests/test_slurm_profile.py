@@ -108,6 +108,17 @@ def test_slurm_local_profile_loads() -> None:
     assert executor.options.partition == "debug"
 
 
+def test_the_gpu_check_profile_asks_for_one_real_gpu_and_tells_the_trainer() -> None:
+    """scripts/gpu-check.sh's SLURM job (issue 18, item 12): one node, gres gpu:1 (SLURM sets
+    CUDA_VISIBLE_DEVICES), and the trainer's n_gpus_per_node through the profile's env."""
+    profile = load_profile("slurm-local-gpu")
+    executor = make_executor(profile)
+    assert isinstance(executor, SlurmExecutor) and executor.nodes_per_job() == 1
+    text = executor.describe([None])
+    assert "#SBATCH --gres=gpu:1" in text and "#SBATCH --nodes=1" in text, text
+    assert "PDMCTL_GPUS_PER_NODE=1" in text, text
+
+
 # --- a profile against its schema (issue 20, item 15) -----------------------------------------
 
 
