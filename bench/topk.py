@@ -11,7 +11,14 @@ Timed, in one process on one thread, every response at the full 8,192 tokens (th
     extract (before)   the per-token Python loop of 49e0c0d (tests/topk_reference.py), on
                        --before-responses responses (it runs at a few thousand tokens/s: a full step
                        would take minutes; tokens/s is a rate, so a sample measures it)
-    extract (after)    the vectorised `topk.extract_topk`, on every response
+    extract (dicts)    the vectorised `topk.extract_topk` on vLLM's {token_id: Logprob} dicts, every response
+    extract (flat)     the same on vLLM's FlatLogprobs (`SamplingParams(flat_logprobs=True)`, which the
+                       server patch asks for now): flat id / log-prob / rank lists read as arrays, every
+                       response; what is carried now
+    VeRL's read        VeRL's own `logprobs[token_id].logprob` per position (the sampled token's
+                       rollout log-prob), on dicts and on FlatLogprobs, on the sample: on flat lists it
+                       builds the dict that vLLM's output processor otherwise builds, so it moves a
+                       cost rather than adding one (not part of the carry)
     hand-over          server -> agent-loop worker: `.tolist()` + pickle + `torch.as_tensor` (the lists
                        49e0c0d carried), against pickling the tensors themselves (what is carried now)
     pad                `topk.pad_topk` of the whole batch
@@ -47,7 +54,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from topk_reference import reference_extract_topk, vllm_response
+from topk_reference import reference_extract_topk, vllm_flat_response
 
 from pdmctl.backends.verl import topk
 
@@ -66,7 +73,11 @@ def main() -> None:
 
     t0 = time.perf_counter()
     rng = random.Random(0)
-    pool = [vllm_response(rng, tokens, k) for _ in range(args.pool)]
+    flat_pool, pool = [], []  # vLLM's flat layout, and the {token_id: Logprob} dicts it stands for
+    for _ in range(args.pool):
+        ids, flat = vllm_flat_response(rng, tokens, k)
+        flat_pool.append(flat)
+        pool.append((ids, [flat[t] for t in range(len(flat))]))
     print(f"inputs: {args.pool} distinct responses of {tokens} tokens x K={k} (vLLM-shaped) in "
           f"{time.perf_counter() - t0:.1f} s; timing {n} responses = {n * tokens:,} tokens, one thread")  # fmt: skip
 
@@ -81,13 +92,30 @@ def main() -> None:
         assert torch.equal(got.ids, want.ids) and torch.equal(got.logprobs, want.logprobs)
     before_tokens = args.before_responses * tokens
 
+    verl_dict_s = verl_flat_s = 0.0
+    for i in range(args.before_responses):
+        ids, positions = pool[i % len(pool)]
+        for given in (positions, flat_pool[i % len(pool)]):
+            t0 = time.perf_counter()
+            [lp[ids[t]].logprob for t, lp in enumerate(given)]  # VeRL 0.9.1's vllm_async_server line
+            elapsed = time.perf_counter() - t0
+            if given is positions:
+                verl_dict_s += elapsed
+            else:
+                verl_flat_s += elapsed
+
     supports = []
-    after_s = list_s = tensor_s = 0.0
+    dicts_s = after_s = list_s = tensor_s = 0.0
     for i in range(n):
         ids, positions = pool[i % len(pool)]
         t0 = time.perf_counter()
-        support = topk.extract_topk(ids, positions, k)
+        on_dicts = topk.extract_topk(ids, positions, k)
+        dicts_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        support = topk.extract_topk(ids, flat_pool[i % len(pool)], k)
         after_s += time.perf_counter() - t0
+        if i < len(pool):
+            assert torch.equal(on_dicts.ids, support.ids) and torch.equal(on_dicts.logprobs, support.logprobs)
         if i < args.before_responses:  # the hand-over both ways, on a sample as well
             t0 = time.perf_counter()
             wire = pickle.dumps({"ids": support.ids.tolist(), "logprobs": support.logprobs.tolist()})
@@ -113,7 +141,8 @@ def main() -> None:
     total = n * tokens
     rows = [
         ("extract, before (per-token loop)", before_tokens / before_s, before_s * total / before_tokens),
-        ("extract, after (vectorised)", total / after_s, after_s),
+        ("extract, vectorised on dicts", total / dicts_s, dicts_s),
+        ("extract, vectorised on flat (after)", total / after_s, after_s),
         ("hand-over as lists (before)", before_tokens / list_s, list_s * total / before_tokens),
         ("hand-over as tensors (after)", total / tensor_s, tensor_s),
         ("pad the batch", total / pad_s, pad_s),
@@ -121,15 +150,18 @@ def main() -> None:
     print(f"\n{'stage':36s} {'tokens/s':>12s} {'s per step':>11s}")
     for name, rate, seconds in rows:
         print(f"{name:36s} {rate:12,.0f} {seconds:11.1f}")
-    carry_before = rows[0][2] + rows[2][2] + pad_s
+    carry_before = rows[0][2] + rows[3][2] + pad_s
+    carry_dicts = dicts_s + tensor_s + pad_s
     carry_after = after_s + tensor_s + pad_s
     print(f"{'carry, before (loop + lists + pad)':36s} {total / carry_before:12,.0f} {carry_before:11.1f}")
+    print(f"{'carry, dicts (vectorised + tensors)':36s} {total / carry_dicts:12,.0f} {carry_dicts:11.1f}")
+    print(f"{'carry, after (flat + tensors + pad)':36s} {total / carry_after:12,.0f} {carry_after:11.1f}")
     print(
-        f"{'carry, after (vectorised + tensors + pad)':36s} {total / carry_after:12,.0f} {carry_after:11.1f}"
+        f"speed-up: extraction {rows[2][1] / rows[0][1]:.1f}x (flat over dicts {rows[2][1] / rows[1][1]:.1f}x), "
+        f"whole carry {carry_before / carry_after:.1f}x"
     )
-    print(
-        f"speed-up: extraction {rows[1][1] / rows[0][1]:.1f}x, whole carry {carry_before / carry_after:.1f}x"
-    )
+    print(f"VeRL's sampled-token read (not carried): {before_tokens / verl_dict_s:,.0f} tokens/s on dicts, "
+          f"{before_tokens / verl_flat_s:,.0f} on FlatLogprobs")  # fmt: skip
 
     per_response = (batch.ids[0].nbytes + batch.logprobs[0].nbytes) / 2**20
     carried = (batch.ids.nbytes + batch.logprobs.nbytes) / 2**30
@@ -139,7 +171,7 @@ def main() -> None:
           f"[{n}, {tokens}, {k + 1}] {carried:.2f} GiB; peak RSS of this process {peak_rss:.2f} GiB")  # fmt: skip
 
     rate = args.server_tokens_per_s
-    for label, seconds in (("before", carry_before), ("after", carry_after)):
+    for label, seconds in (("before", carry_before), ("dicts", carry_dicts), ("after", carry_after)):
         share = seconds / total * rate
         print(
             f"share of a rollout step at {rate:,.0f} generated tokens/s per vLLM server, {label}: {100 * share:.1f}%"

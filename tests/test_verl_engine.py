@@ -119,6 +119,11 @@ def test_topk_came_from_vllm(sweep: EngineSweep) -> None:
     pairs = _dumps(sweep.dump_dir)
     assert len(pairs) == 2, "one actor micro-batch per run"
     _check_topk_from_vllm(pairs)
+    # the servers asked vLLM for flat lists and read them as arrays (no Logprob object per entry)
+    from pdmctl.backends.verl.topk import FLAT_LOGPROBS_LINE
+
+    logs = "\n".join(p.read_text(errors="replace") for p in sweep.root.rglob("attempt-*.log"))
+    assert FLAT_LOGPROBS_LINE in logs, logs[-3000:]
 
 
 def _check_topk_from_vllm(pairs: list[tuple[dict, dict]]) -> None:

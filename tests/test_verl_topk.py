@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 
@@ -14,7 +15,7 @@ pytest.importorskip("verl")
 import torch
 
 from pdmctl.backends.verl import topk
-from tests.topk_reference import Logprob, reference_extract_topk, vllm_response
+from tests.topk_reference import Logprob, flatten, reference_extract_topk, vllm_flat_response, vllm_response
 
 pytestmark = pytest.mark.verl
 
@@ -61,20 +62,55 @@ def _same_as_reference(token_ids, positions, k: int) -> None:
     try:
         want = reference_extract_topk(token_ids, positions, k)
     except ValueError as exc:
-        with pytest.raises(ValueError) as info:
-            topk.extract_topk(token_ids, positions, k)
-        assert str(info.value) == str(exc)
+        for given in (positions, flatten(positions)):
+            with pytest.raises(ValueError) as info:
+                topk.extract_topk(token_ids, given, k)
+            assert str(info.value) == str(exc)
         return
-    got = topk.extract_topk(token_ids, positions, k)
-    assert got.ids.dtype == want.ids.dtype and got.logprobs.dtype == want.logprobs.dtype
-    assert torch.equal(got.ids, want.ids)
-    assert torch.equal(got.logprobs, want.logprobs)
+    # vLLM's dicts, and the same positions as vLLM's FlatLogprobs (back to back, and with gaps)
+    for given in (positions, flatten(positions), flatten(positions, gap=2)):
+        got = topk.extract_topk(token_ids, given, k)
+        assert got.ids.dtype == want.ids.dtype and got.logprobs.dtype == want.logprobs.dtype
+        assert torch.equal(got.ids, want.ids), type(given)
+        assert torch.equal(got.logprobs, want.logprobs), type(given)
 
 
 @pytest.mark.parametrize(("k", "length", "seed"), [(1, 50, 0), (3, 200, 1), (20, 500, 2), (50, 64, 3), (20, 0, 4)])
 def test_vectorised_extraction_matches_the_per_token_loop_on_vllm_shaped_output(k, length, seed) -> None:
     token_ids, positions = vllm_response(random.Random(seed), length, k, vocab=1000, p_outside=0.3)
     _same_as_reference(token_ids, positions, k)
+
+
+@pytest.mark.parametrize(("k", "length", "seed"), [(1, 50, 0), (3, 200, 1), (20, 500, 2), (50, 64, 3), (20, 0, 4)])
+def test_vllms_flat_layout_is_read_as_arrays_and_gives_what_its_dicts_give(k, length, seed) -> None:
+    """vLLM's FlatLogprobs (K+1 entries per position, the sampled token first and again in the top-K
+    where it is there): the reshape path, the same tensors as the per-token loop on the dicts it
+    stands for; and where one position breaks the layout, the dict path, still the same."""
+    token_ids, flat = vllm_flat_response(random.Random(seed), length, k, vocab=1000, p_outside=0.3)
+    assert topk._topk_from_vllm_flat(token_ids, flat, k) is not None  # the fast path takes it
+    as_dicts = [flat[t] for t in range(len(flat))]
+    _same_as_reference(token_ids, as_dicts, k)
+    want = reference_extract_topk(token_ids, as_dicts, k)
+    got = topk.extract_topk(token_ids, flat, k)
+    assert torch.equal(got.ids, want.ids) and torch.equal(got.logprobs, want.logprobs)
+    width = k + 1
+    outside = [t for t in range(length) if flat.ranks[t * width] > k]
+    inside = [t for t in range(length) if flat.ranks[t * width] <= k]
+    cases = []  # (what breaks the layout, flat index, new rank)
+    if outside:  # a sampled token ranked within K that the top-K does not list
+        cases.append(("ranked 1, not listed", outside[0] * width, 1))
+    if inside:  # one the top-K lists, ranked beyond K
+        cases.append(("listed, ranked beyond K", inside[0] * width, k + 3))
+    if length:  # a top-K entry without a rank
+        cases.append(("unranked top-K entry", 1, None))
+    for what, index, rank in cases:
+        broken = copy.deepcopy(flat)
+        broken.ranks[index] = rank
+        assert topk._topk_from_vllm_flat(token_ids, broken, k) is None, what
+        _same_as_reference(token_ids, [broken[t] for t in range(len(broken))], k)
+        want = reference_extract_topk(token_ids, [broken[t] for t in range(len(broken))], k)
+        got = topk.extract_topk(token_ids, broken, k)
+        assert torch.equal(got.ids, want.ids) and torch.equal(got.logprobs, want.logprobs), what
 
 
 _entry = st.tuples(

@@ -21,6 +21,37 @@ class Logprob:  # the fields of vllm.sequence.Logprob
     decoded_token: str | None = None
 
 
+@dataclass
+class FlatLogprobs:  # the fields of vllm.logprobs.FlatLogprobs (SamplingParams(flat_logprobs=True))
+    start_indices: list[int]
+    end_indices: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int | None]
+    decoded_tokens: list[str | None]
+
+    def __len__(self) -> int:
+        return len(self.start_indices)
+
+    def __getitem__(self, position: int) -> dict[int, Logprob]:  # what VeRL's own read gets
+        span = range(self.start_indices[position], self.end_indices[position])
+        return {self.token_ids[i]: Logprob(self.logprobs[i], self.ranks[i], self.decoded_tokens[i]) for i in span}
+
+
+def flatten(positions: Sequence[Mapping[int, Logprob]], gap: int = 0) -> FlatLogprobs:
+    """The same positions as vLLM's flat lists (dict order kept); `gap` unused entries between ranges."""
+    flat = FlatLogprobs([], [], [], [], [], [])
+    for entries in positions:
+        for _ in range(gap):
+            flat.token_ids.append(-1), flat.logprobs.append(0.0), flat.ranks.append(1), flat.decoded_tokens.append(None)
+        flat.start_indices.append(len(flat.token_ids))
+        for tid, lp in entries.items():
+            flat.token_ids.append(tid), flat.logprobs.append(lp.logprob), flat.ranks.append(lp.rank)
+            flat.decoded_tokens.append(None)
+        flat.end_indices.append(len(flat.token_ids))
+    return flat
+
+
 def reference_extract_topk(
     token_ids: Sequence[int], position_logprobs: Sequence[Mapping[int, VllmLogprob]], k: int
 ) -> RolloutTopK:
@@ -72,3 +103,29 @@ def vllm_response(
         tokens.append(sampled)
         positions.append(entries)
     return tokens, positions
+
+
+def vllm_flat_response(
+    rng: random.Random, length: int, k: int, vocab: int = 151_936, p_outside: float = 0.1
+) -> tuple[list[int], FlatLogprobs]:
+    """One response as vLLM 0.24 returns it with `logprobs=k, flat_logprobs=True`: per position K+1
+    entries, the sampled token with its rank first, then the top-k by rank 1..k (the sampled token
+    again where it is among them: `vllm.logprobs.append_logprobs_for_next_position`)."""
+    tokens: list[int] = []
+    flat = FlatLogprobs([], [], [], [], [], [])
+    for _ in range(length):
+        top_ids = rng.sample(range(vocab), k + 1)
+        lps = sorted((-rng.expovariate(0.5) for _ in range(k + 1)), reverse=True)
+        if rng.random() < p_outside:
+            sampled, rank, lp = top_ids[k], rng.randint(k + 1, 5 * k), lps[k] - rng.expovariate(1.0)
+        else:
+            slot = rng.randrange(k)
+            sampled, rank, lp = top_ids[slot], slot + 1, lps[slot]
+        flat.start_indices.append(len(flat.token_ids))
+        flat.token_ids += [sampled, *top_ids[:k]]
+        flat.logprobs += [lp, *lps[:k]]
+        flat.ranks += [rank, *range(1, k + 1)]
+        flat.decoded_tokens += [None] * (k + 1)
+        flat.end_indices.append(len(flat.token_ids))
+        tokens.append(sampled)
+    return tokens, flat

@@ -55,6 +55,7 @@ _MASK_CHUNK_ROWS = 1024  # response tokens per token_diagnostics call: bounds th
 # Batch keys this module adds ([bsz, response_length, K+1]); model_output keys it adds ([bsz, seq] nested).
 TOPK_IDS_KEY = "rollout_topk_ids"
 TOPK_LOGPROBS_KEY = "rollout_topk_logprobs"
+FLAT_LOGPROBS_LINE = "SamplingParams.flat_logprobs"  # a vLLM server's line once it reads the flat lists
 DIAGNOSTIC_KEYS = ("keep", "divergence", "ddot", "ratio", "log_ratio", "out_of_region", "disagree")
 _OUTPUT_PREFIX = "pdmctl_"
 LOSS_PREFIX = "pdmctl_"  # VeRL loss modes `pdmctl_<method>`, registered by plugin.py
@@ -151,6 +152,40 @@ class RolloutTopK:
     logprobs: torch.Tensor
 
 
+def _is_flat(logprobs: Any) -> bool:
+    """vLLM's `FlatLogprobs` (`SamplingParams(flat_logprobs=True)`, which the server patch asks for)."""
+    return all(hasattr(logprobs, f) for f in ("start_indices", "end_indices", "token_ids", "logprobs", "ranks"))
+
+
+def _topk_from_vllm_flat(token_ids: Sequence[int], flat: Any, k: int) -> RolloutTopK | None:
+    """vLLM's flat layout read as arrays, without a Logprob object per entry. vLLM 0.24 appends per
+    position exactly K+1 entries: the sampled token with its rank, then the top-K by rank 1..K (the
+    sampled token again where it is among them: `vllm.logprobs.append_logprobs_for_next_position`).
+    Where the lists are so, the support is a reshape; None where they are not (then the caller reads
+    them as the dicts they stand for)."""
+    n, width = len(token_ids), k + 1
+    starts = np.asarray(flat.start_indices, dtype=np.int64)
+    ends = np.asarray(flat.end_indices, dtype=np.int64)
+    if len(starts) != n or len(flat.token_ids) != n * width or len(ends) != n:
+        return None
+    if not (np.array_equal(starts, np.arange(0, n * width, width)) and np.array_equal(ends, starts + width)):
+        return None
+    ids = np.asarray(flat.token_ids, dtype=np.int64).reshape(n, width)
+    ranks = np.array(flat.ranks, dtype=np.float64).reshape(n, width)  # None -> nan
+    sampled = np.fromiter(token_ids, dtype=np.int64, count=n)
+    if not (np.array_equal(ranks[:, 1:], np.broadcast_to(np.arange(1, width), (n, k))) and np.array_equal(ids[:, 0], sampled)):
+        return None
+    inside = ranks[:, 0] <= k  # nan (no rank) compares False: outside
+    if not np.array_equal((ids[:, 1:] == sampled[:, None]).any(1), inside):
+        return None  # a sampled token ranked within K but not listed there (or the reverse): as dicts
+    logprobs = np.asarray(flat.logprobs, dtype=np.float32).reshape(n, width)
+    out_ids = np.zeros((n, width), dtype=np.int64)
+    out_lp = np.full((n, width), -np.inf, dtype=np.float32)
+    out_ids[:, :k], out_lp[:, :k] = ids[:, 1:], logprobs[:, 1:]
+    out_ids[~inside, k], out_lp[~inside, k] = sampled[~inside], logprobs[~inside, 0]
+    return RolloutTopK(torch.from_numpy(out_ids), torch.from_numpy(out_lp))
+
+
 def extract_topk(
     token_ids: Sequence[int], position_logprobs: Sequence[Mapping[int, VllmLogprob]], k: int
 ) -> RolloutTopK:
@@ -171,6 +206,11 @@ def extract_topk(
     n = len(token_ids)
     if n != len(position_logprobs):
         raise ValueError(f"token_ids ({n}) and logprobs ({len(position_logprobs)}) differ in length")
+    if _is_flat(position_logprobs):  # vLLM's FlatLogprobs
+        fast = _topk_from_vllm_flat(token_ids, position_logprobs, k)
+        if fast is not None:
+            return fast
+        position_logprobs = [position_logprobs[t] for t in range(n)]  # the dict each position stands for
     counts = np.fromiter(map(len, position_logprobs), dtype=np.int64, count=n)
     total = int(counts.sum())
     entry_ids = np.fromiter(chain.from_iterable(position_logprobs), dtype=np.int64, count=total)
@@ -687,6 +727,11 @@ def _patch_vllm_server() -> None:
         # VeRL asks for `logprobs=0` (the sampled token only) when calculate_log_probs is on.
         if kwargs.get("logprobs") == 0:
             kwargs["logprobs"] = _K[0]
+            # flat lists instead of a {token_id: Logprob} dict per position: vLLM builds K+1 objects
+            # less per token, `extract_topk` reads the lists as arrays (bench/topk.py); VeRL's own
+            # read of the sampled token's log-prob takes it as the sequence of dicts it still is
+            if "flat_logprobs" in getattr(original_sampling_params, "__struct_fields__", ()):
+                kwargs.setdefault("flat_logprobs", True)
         return original_sampling_params(*args, **kwargs)
 
     @functools.wraps(original_generate)
@@ -700,6 +745,9 @@ def _patch_vllm_server() -> None:
         final = captured.pop(request_id, None)
         if final is not None and final.outputs and final.outputs[0].logprobs is not None:
             support = extract_topk(final.outputs[0].token_ids, final.outputs[0].logprobs, _K[0])
+            if "flat-seen" not in _INSTALLED and _is_flat(final.outputs[0].logprobs):
+                _INSTALLED.add("flat-seen")  # once per server process: the engine test looks for it
+                print(f"pdmctl: top-K read from vLLM's flat logprobs ({FLAT_LOGPROBS_LINE})", flush=True)
             # tensors, not lists: Ray pickles a [8192, 21] tensor ~30x faster than the nested lists
             # and the agent loop takes it as it is (bench/topk.py)
             output.extra_fields[TOPK_IDS_KEY] = support.ids
