@@ -388,6 +388,9 @@ def _record(run_id: str, status: str, start: int | None, end: int | None, tags: 
 # ---------------------------------------------------------------------------
 
 
+_LEDGER_TABLES = ("experiments", "experiment_tags", "runs", "tags", "params", "latest_metrics", "metrics")
+
+
 class SqlLedger(Ledger):
     def __init__(self, uri: str) -> None:
         import sqlalchemy
@@ -406,18 +409,7 @@ class SqlLedger(Ledger):
         with self._usable():
             self._ensure_schema()
             self.meta = sqlalchemy.MetaData()
-            self.meta.reflect(
-                self.engine,
-                only=[
-                    "experiments",
-                    "experiment_tags",
-                    "runs",
-                    "tags",
-                    "params",
-                    "latest_metrics",
-                    "metrics",
-                ],
-            )
+            self.meta.reflect(self.engine, only=list(_LEDGER_TABLES))
         self.t = self.meta.tables
         self.queries = 0  # statements issued (the report benchmark prints it)
 
@@ -440,11 +432,48 @@ class SqlLedger(Ledger):
         except KeyError as exc:  # reflect() found a database without MLflow's tables
             where = sqlite_path(self.uri) or _redact(self.uri)
             raise LedgerError(f"tracking store {where}: not an MLflow database (no table {exc})") from exc
+        except self._sa.exc.InvalidRequestError as exc:  # reflect(): some of MLflow's tables are missing
+            where = sqlite_path(self.uri) or _redact(self.uri)
+            missing = _first_line(exc).rsplit(":", 1)[-1].strip()
+            raise LedgerError(f"tracking store {where}: not a whole MLflow database (no table {missing})") from exc
 
     def _ensure_schema(self) -> None:
-        insp = self._sa.inspect(self.engine)
-        if not insp.has_table("runs"):
+        names = set(self._sa.inspect(self.engine).get_table_names())
+        if "runs" not in names:
             _mlflow_store(self.uri)  # MLflow creates its tables and stamps its migration version
+        elif not set(_LEDGER_TABLES) <= names and (path := sqlite_path(self.uri)) is not None:
+            self._finish_cut_short_creation(path)
+
+    def _finish_cut_short_creation(self, path: Path) -> None:
+        """A SQLite store with some of MLflow's tables and no run: its creation was cut short (the disk
+        filled while MLflow created the schema; MLflow cannot finish it: its migrations are stamped
+        before their DDL is done). It holds nothing recorded, so it is moved aside whole and created
+        afresh. Under the creation lock, so a creation in progress elsewhere is never taken for one."""
+        with _file_lock(_lock_path(self.uri).with_suffix(".init")):
+            with self.engine.connect() as conn:
+                names = set(self._sa.inspect(conn).get_table_names())
+                if set(_LEDGER_TABLES) <= names:
+                    return  # another process finished it meanwhile
+                own = _mlflow_table_names()
+                foreign = sorted(n for n in names if n not in own and not n.startswith("_alembic_tmp_"))
+                recorded = conn.execute(self._sa.text("SELECT count(*) FROM runs")).scalar()
+            if foreign or recorded:
+                return  # not an interrupted creation: reflect() refuses it in one line
+            self.engine.dispose()  # no connection keeps the old file open: ours, nor MLflow's cached one
+            from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+            with SqlAlchemyStore._engine_map_lock:
+                cached = SqlAlchemyStore._engine_map.pop(self.uri, None)
+            if cached is not None:
+                cached.dispose()
+            aside = path.with_name(f"{path.name}.incomplete-{time.strftime('%Y%m%d-%H%M%S')}")
+            for suffix in ("", "-wal", "-shm"):
+                old = path.with_name(path.name + suffix)
+                if old.exists():
+                    old.rename(aside.with_name(aside.name + suffix))
+            print(f"pdmctl: tracking store {path}: its creation had been cut short (no run in it); "
+                  f"moved aside to {aside.name} and created afresh", file=sys.stderr)
+            _mlflow_store(self.uri, locked=True)
 
     # -- reading --------------------------------------------------------------------------
 
@@ -907,16 +936,28 @@ def _mlflow_client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
-def _mlflow_store(uri: str) -> None:
-    """Let MLflow create (or migrate) the schema of a new database store."""
+def _mlflow_store(uri: str, locked: bool = False) -> None:
+    """Let MLflow create (or migrate) the schema of a new database store (`locked`: the caller holds
+    the creation lock)."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
     path = sqlite_path(uri)
     root = (path.parent / "mlartifacts").as_uri() if path else "./mlartifacts"
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # importing mlflow resets it to INFO
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    if locked:
+        SqlAlchemyStore(uri, root)
+        return
     with _file_lock(_lock_path(uri).with_suffix(".init")):
         SqlAlchemyStore(uri, root)
+
+
+def _mlflow_table_names() -> set[str]:
+    """Every table MLflow's schema has (its ORM models), with alembic's version table."""
+    import mlflow.store.db.utils  # noqa: F401  (imports every model into Base.metadata)
+    from mlflow.store.db.base_sql_model import Base
+
+    return {*Base.metadata.tables, "alembic_version"}
 
 
 @contextlib.contextmanager

@@ -438,6 +438,68 @@ def test_pages_in_the_wal_are_not_truncation(store: Path) -> None:  # noqa: F811
     check.close()
 
 
+def _tables(db: Path) -> set[str]:
+    import sqlite3
+
+    conn = sqlite3.connect(db)
+    try:
+        return {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    finally:
+        conn.close()
+
+
+def test_a_store_whose_creation_a_full_disk_cut_short_is_created_afresh(tmp_path: Path) -> None:
+    """A real full disk (a 128 KiB tmpfs) while MLflow creates the schema leaves some of its tables and
+    a migration stamp MLflow itself cannot continue from; once space returns, the next command moves
+    that store (no run in it) aside and works (helper's reproduction of item 8 on a real disk)."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(disk)], check=True)
+    try:
+        from pdmctl.ledger import LedgerError, SqlLedger
+
+        uri = f"sqlite:///{disk / 'mlflow.db'}"
+        with pytest.raises(LedgerError, match="disk is full") as info:  # what `pdmctl sweep` does first
+            SqlLedger(uri)
+        assert "\n" not in str(info.value)
+        left = _tables(disk / "mlflow.db")
+        assert "runs" in left and not {"experiment_tags", "latest_metrics"} <= left, left  # cut short
+        subprocess.run(["mount", "-o", "remount,size=50m", str(disk)], check=True)
+        again = CliRunner().invoke(app, ["status", "--tracking-uri", uri])
+        assert again.exit_code == 0, again.output
+        assert "created afresh" in again.stderr, again.stderr
+        assert {"experiment_tags", "latest_metrics", "runs"} <= _tables(disk / "mlflow.db")
+        (aside,) = disk.glob("mlflow.db.incomplete-*[0-9]")
+        assert _tables(aside) == left  # moved aside as it was, not deleted
+        assert CliRunner().invoke(app, ["status", "--tracking-uri", uri]).exit_code == 0
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_database_of_something_else_is_refused_and_left_as_it_is(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = tmp_path / "other.db"
+    conn = sqlite3.connect(db)
+    conn.execute("CREATE TABLE runs (id INTEGER)")
+    conn.execute("INSERT INTO runs VALUES (1)")
+    conn.commit()
+    conn.close()
+    result = CliRunner().invoke(app, ["status", "--tracking-uri", f"sqlite:///{db}"])
+    assert result.exit_code == 2, result.output
+    assert len(result.output.strip().splitlines()) == 1 and "not a whole MLflow database" in result.output
+    assert _tables(db) == {"runs"}  # no MLflow table added, nothing moved aside
+    conn = sqlite3.connect(db)
+    assert conn.execute("SELECT id FROM runs").fetchall() == [(1,)]
+    conn.close()
+    assert not list(tmp_path.glob("other.db.incomplete-*"))
+
+
 # -- 9: a tracking server whose API hangs or fails ------------------------------------------------
 
 
