@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -57,6 +58,23 @@ def _node_processes(node: str) -> list[str]:
     return found
 
 
+def _used_gb() -> float:
+    """Machine memory in use (MemTotal - MemAvailable), GB: both nodes share this machine's."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return (int(fields["MemTotal"].split()[0]) - int(fields["MemAvailable"].split()[0])) / 1e6
+
+
+class _PeakMemory(threading.Thread):
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.before = self.peak = _used_gb()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(1.0):
+            self.peak = max(self.peak, _used_gb())
+
+
 @pytest.mark.timeout(SWEEP_TIMEOUT_S + 120)
 def test_verl_trains_across_two_nodes_with_its_metrics_in_the_ledger() -> None:
     from mlflow.tracking import MlflowClient
@@ -71,6 +89,8 @@ def test_verl_trains_across_two_nodes_with_its_metrics_in_the_ledger() -> None:
     env.update({"SLURM_CONF": SLURM_CONF, "COLUMNS": "200",
                 # the tiny model on storage both nodes see (CI builds it once; a bare run builds its own)
                 "PDMCTL_TINY_DIR": os.environ.get("PDMCTL_TINY_DIR") or str(root / "tiny")})  # fmt: skip
+    memory = _PeakMemory()
+    memory.start()
     started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "pdmctl.cli", "sweep", "backend=verl", "model=qwen3-tiny", "mask=pdm_agg", "k=5",
@@ -79,12 +99,14 @@ def test_verl_trains_across_two_nodes_with_its_metrics_in_the_ledger() -> None:
         capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S, cwd=root, env=env,
     )  # fmt: skip
     elapsed = time.monotonic() - started
+    memory.done.set()
     os.environ["SLURM_CONF"] = SLURM_CONF  # this process's SLURM clients (sacct, orchestrate.status)
     ctx = orchestrate.make_context(PROFILE, uri)
     (view,) = orchestrate.status(ctx, name)
     log_path = Path(view.record.run_dir) / "logs" / "attempt-1.log"
     log = log_path.read_text(errors="replace") if log_path.exists() else ""
-    print(f"\n2-node VeRL sweep: {elapsed:.0f} s, job {view.record.job_id}, {view.state}")
+    print(f"\n2-node VeRL sweep: {elapsed:.0f} s, job {view.record.job_id}, {view.state}; machine memory in use "
+          f"{memory.before:.1f} GB before, {memory.peak:.1f} GB at the peak")
     print("\n".join(line for line in log.splitlines() if "Ray node(s) up" in line or _ANNOUNCE.search(line)))
     assert proc.returncode == 0, proc.stdout + proc.stderr + log[-6000:]
     assert view.state == orchestrate.RunState.FINISHED, (view.state, view.record.reason, log[-6000:])
