@@ -11,6 +11,8 @@ left out of every other run): `bash scripts/ci-multinode.sh --engine ENV_DIR`.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import os
 import re
@@ -58,6 +60,25 @@ def _node_processes(node: str) -> list[str]:
     return found
 
 
+@contextlib.contextmanager
+def _machine_engine_lock(wait_s: float = 900):
+    """This machine's one-engine-job-at-a-time lock (cpu.machine_lock), taken here: the job takes the
+    lock of its node's private /tmp, which other engine jobs on this machine do not see."""
+    from pdmctl.backends.verl import cpu
+
+    with cpu.LOCK_PATH.open("a") as handle:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"another engine job held {cpu.LOCK_PATH} for {wait_s:.0f} s")
+                time.sleep(2)
+        yield
+
+
 def _used_gb() -> float:
     """Machine memory in use (MemTotal - MemAvailable), GB: both nodes share this machine's."""
     fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
@@ -75,7 +96,7 @@ class _PeakMemory(threading.Thread):
             self.peak = max(self.peak, _used_gb())
 
 
-@pytest.mark.timeout(SWEEP_TIMEOUT_S + 120)
+@pytest.mark.timeout(SWEEP_TIMEOUT_S + 900 + 120)  # the sweep, the lock's wait, the checks
 def test_verl_trains_across_two_nodes_with_its_metrics_in_the_ledger() -> None:
     from mlflow.tracking import MlflowClient
 
@@ -89,17 +110,18 @@ def test_verl_trains_across_two_nodes_with_its_metrics_in_the_ledger() -> None:
     env.update({"SLURM_CONF": SLURM_CONF, "COLUMNS": "200",
                 # the tiny model on storage both nodes see (CI builds it once; a bare run builds its own)
                 "PDMCTL_TINY_DIR": os.environ.get("PDMCTL_TINY_DIR") or str(root / "tiny")})  # fmt: skip
-    memory = _PeakMemory()
-    memory.start()
-    started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "pdmctl.cli", "sweep", "backend=verl", "model=qwen3-tiny", "mask=pdm_agg", "k=5",
-         "backend.nnodes=2", f"backend.total_training_steps={STEPS}", "--name", name, "--cluster", PROFILE,
-         "--tracking-uri", uri, "--wait"],
-        capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S, cwd=root, env=env,
-    )  # fmt: skip
-    elapsed = time.monotonic() - started
-    memory.done.set()
+    with _machine_engine_lock():
+        memory = _PeakMemory()
+        memory.start()
+        started = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "pdmctl.cli", "sweep", "backend=verl", "model=qwen3-tiny", "mask=pdm_agg",
+             "k=5", "backend.nnodes=2", f"backend.total_training_steps={STEPS}", "--name", name, "--cluster",
+             PROFILE, "--tracking-uri", uri, "--wait"],
+            capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S, cwd=root, env=env,
+        )  # fmt: skip
+        elapsed = time.monotonic() - started
+        memory.done.set()
     os.environ["SLURM_CONF"] = SLURM_CONF  # this process's SLURM clients (sacct, orchestrate.status)
     ctx = orchestrate.make_context(PROFILE, uri)
     (view,) = orchestrate.status(ctx, name)
