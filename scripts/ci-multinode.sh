@@ -60,7 +60,7 @@ if [ -n "$ENGINE" ]; then
   step "tiny Qwen3 at $PDMCTL_TINY_DIR; VeRL across both nodes (-m multinode_engine, $ENGINE)"
   "$ENGINE/bin/python" -m pdmctl.backends.verl.tiny "$PDMCTL_TINY_DIR" >/dev/null
   # a skip fails (the environment is checked above, the cluster is up)
-  PDMCTL_NO_SKIPS=1 SLURM_CONF=/etc/slurm-pdm-multi/slurm.conf timeout 1200 "$ENGINE/bin/python" -m pytest -q \
+  PDMCTL_NO_SKIPS=1 SLURM_CONF=/etc/slurm-pdm-multi/slurm.conf timeout 1500 "$ENGINE/bin/python" -m pytest -q \
     -m multinode_engine -rs -s --durations=0 -p no:cacheprovider tests/test_verl_multinode.py
   erc=$?
   step "VeRL across both nodes done (exit $erc)"

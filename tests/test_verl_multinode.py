@@ -61,7 +61,7 @@ def _node_processes(node: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def _machine_engine_lock(wait_s: float = 900):
+def _machine_engine_lock(wait_s: float = 300):
     """This machine's one-engine-job-at-a-time lock (cpu.machine_lock), taken here: the job takes the
     lock of its node's private /tmp, which other engine jobs on this machine do not see."""
     from pdmctl.backends.verl import cpu
@@ -96,7 +96,7 @@ class _PeakMemory(threading.Thread):
             self.peak = max(self.peak, _used_gb())
 
 
-@pytest.mark.timeout(SWEEP_TIMEOUT_S + 900 + 120)  # the sweep, the lock's wait, the checks
+@pytest.mark.timeout(SWEEP_TIMEOUT_S + 300 + 120)  # the sweep, the lock's wait, the checks
 def test_verl_trains_across_two_nodes_with_its_metrics_in_the_ledger() -> None:
     from mlflow.tracking import MlflowClient
 
