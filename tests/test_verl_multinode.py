@@ -109,7 +109,9 @@ def test_verl_trains_across_two_nodes_with_its_metrics_in_the_ledger() -> None:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env.update({"SLURM_CONF": SLURM_CONF, "COLUMNS": "200",
                 # the tiny model on storage both nodes see (CI builds it once; a bare run builds its own)
-                "PDMCTL_TINY_DIR": os.environ.get("PDMCTL_TINY_DIR") or str(root / "tiny")})  # fmt: skip
+                "PDMCTL_TINY_DIR": os.environ.get("PDMCTL_TINY_DIR") or str(root / "tiny"),
+                # two Ray nodes starting on 2 shared cores: more than the default 120 s to come up
+                "PDMCTL_RAY_WAIT_S": "300"})  # fmt: skip
     with _machine_engine_lock():
         memory = _PeakMemory()
         memory.start()
