@@ -119,7 +119,7 @@ def test_an_engine_job_ends_its_leftovers_on_the_other_nodes_after_ray(nodes: di
     launch._run_trainer(_body(), {**os.environ, **nodes, "PDMCTL_ENGINE_TAG": "tag-1"}, stall_s=60)
     log = _log(nodes)
     (step,) = [line for line in log.splitlines() if "verl.cpu cleanup" in line]
-    assert step.startswith("srun[nodeB] env -u PDMCTL_ENGINE_TAG ") and " cleanup tag-1 " in step, log
+    assert step.startswith("srun[nodeB] env -u PDMCTL_ENGINE_TAG -u VERL_PLATFORM ") and " cleanup tag-1 " in step, log
     assert log.index("ray ended on nodeB") < log.index(step), log
     assert _all_ended(nodes)
 

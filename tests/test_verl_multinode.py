@@ -44,7 +44,8 @@ _ANNOUNCE = re.compile(r"pdmctl: (actor rank (\d+) of (\d+) (initialised|trained
 
 
 def _node_processes(node: str) -> list[str]:
-    """`pid command` of every process in the node's PID namespace but its slurmd (PID 1 there)."""
+    """`pid command` of every live process in the node's PID namespace but its slurmd (PID 1 there).
+    Zombies do not count: slurmd, the node's init, does not reap the orphans it inherits."""
     slurmd = node_slurmd_pid(node)
     ns = os.readlink(f"/proc/{slurmd}/ns/pid")
     found = []
@@ -52,7 +53,8 @@ def _node_processes(node: str) -> list[str]:
         if not entry.name.isdigit() or int(entry.name) == slurmd:
             continue
         try:
-            if os.readlink(entry / "ns" / "pid") == ns:
+            zombie = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+            if os.readlink(entry / "ns" / "pid") == ns and not zombie:
                 command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
                 found.append(f"{entry.name} {command[:120]}")
         except OSError:

@@ -466,7 +466,7 @@ cleanup() {
   # (cpu.cleanup). They carry the job's engine tag, which srun passed to the node's `ray start`.
   if [ -n "${PDMCTL_ENGINE_TAG:-}" ] && [ "$N" -gt 1 ]; then
     timeout "${PDMCTL_NODE_CLEANUP_S:-60}" srun --nodes=$((N - 1)) --ntasks=$((N - 1)) --ntasks-per-node=1 \
-      -w "$(IFS=,; echo "${NODES[*]:1}")" --overlap env -u PDMCTL_ENGINE_TAG \
+      -w "$(IFS=,; echo "${NODES[*]:1}")" --overlap env -u PDMCTL_ENGINE_TAG -u VERL_PLATFORM \
       "$PDMCTL_PYTHON" -m pdmctl.backends.verl.cpu cleanup "$PDMCTL_ENGINE_TAG" "$JOB_STARTED" >&3 2>&1
   fi
   exit "$STATUS"
