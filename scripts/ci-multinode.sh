@@ -25,7 +25,7 @@ while [ $# -gt 0 ]; do
     *) echo "ci-multinode.sh: unknown option '$1' (usage: ci-multinode.sh [--all] [--engine ENV_DIR])" >&2; exit 2 ;;
   esac
 done
-if [ -n "$ENGINE" ] && ! "$ENGINE/bin/python" -c "import verl, vllm" 2>/dev/null; then
+if [ -n "$ENGINE" ] && ! "$ENGINE/bin/python" -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('verl') and u.find_spec('vllm')))" 2>/dev/null; then
   echo "ci-multinode.sh: $ENGINE is not an engine environment (bash scripts/engine-env.sh $ENGINE)" >&2
   exit 2
 fi
