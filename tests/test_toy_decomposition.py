@@ -13,9 +13,9 @@ from pdmctl.backends.toy import ToyConfig, decomposition, task
 from pdmctl.backends.toy.analysis import (
     ESTIMATORS,
     _analyse_seed,
+    _assumption_rows,
+    _decomposition_rows,
     diagnostics,
-    run_analysis,
-    seed_csv,
     snapshot,
     stale_batch,
     take_update,
@@ -146,35 +146,37 @@ def test_own_effect_in_logit_space_is_the_analytic_e_k_minus_pi_direction(stale)
 
 
 def test_own_effect_protocols_run_differ_from_carried_and_are_the_decompositions_own_piece() -> None:
-    cfg = ToyConfig(prompts_per_step=32)
     protocols = ("carried", "own-adam", "own-grad")
-    _, _, found, parts = _analyse_seed(dataclasses.replace(cfg, seed=7), protocols)
-    for e in ESTIMATORS:
-        carried = found["carried"][e].predictive_kept_delta_d
-        own_adam = found["own-adam"][e].predictive_kept_delta_d
-        own_grad = found["own-grad"][e].predictive_kept_delta_d
-        assert carried.numel() == own_adam.numel() == own_grad.numel() > 0
-        assert not torch.equal(torch.sign(carried.double()), torch.sign(own_adam))
+    _, _, found, parts = _analyse_seed(dataclasses.replace(CFG, seed=7), protocols)
     assert set(parts.by_update) == {
         ("carried", c) for c in ("ratio", *(f"predictive/{e}" for e in ESTIMATORS))
     }
-    result = run_analysis(cfg, [7, 8], protocols)
-    assert list(result.protocol_comparisons) == list(protocols)
-    assert [r.protocol for r in result.decomposition] == ["carried"] * 4
-    for r in result.decomposition:
-        assert r.tokens > 0 and r.momentum_share is not None and r.momentum_sign is not None
-        assert (
-            abs(r.own_share + r.others_share + r.momentum_share - 1) < 0.5
-        )  # medians of shares summing to 1
-        assert len(r.own_share_per_seed) == 2
-    rows = {r.own_effect.split(",")[0]: r for r in result.logit_assumption}
-    assert rows["logit space"].agrees_exact == 1.0  # sign(own, logit space) is sign(A·Ḋ_exact), by definition
-    assert rows["last layer only"].agrees_exact == 1.0  # ... and so is the last layer's (times |x|² + 1)
-    assert rows["whole network"].tokens == rows["logit space"].tokens > 0
-    assert 0 < rows["whole network"].last_layer_share < 1
-    lines = seed_csv(result).splitlines()
-    assert len(lines) == 1 + 2 * len(protocols) * len(ESTIMATORS)
-    assert lines[0].startswith("seed,protocol,estimator")
+    for e in ESTIMATORS:
+        carried = found["carried"][e].predictive_kept_delta_d.double()
+        own_adam = found["own-adam"][e].predictive_kept_delta_d
+        own_grad = found["own-grad"][e].predictive_kept_delta_d
+        assert carried.numel() == own_adam.numel() == own_grad.numel() > 0
+        assert not torch.allclose(carried, own_adam) and not torch.allclose(own_adam, own_grad)
+        # own-adam's ΔD is the own piece of the carried update's decomposition, token for token
+        assert bool(torch.isin(own_adam, parts.by_update["carried", f"predictive/{e}"]["own"]).all())
+    for pieces in parts.by_update.values():  # the own effect's sign is not the realized ΔD's everywhere
+        assert pieces["own"].numel() > 10
+        assert 0 < float((torch.sign(pieces["own"]) == torch.sign(pieces["realized"])).double().mean()) < 1
+    rows = _decomposition_rows([parts])
+    assert [r.protocol for r in rows] == ["carried"] * 4
+    for r in rows:
+        assert r.tokens > 10 and r.momentum_share is not None and r.momentum_sign is not None
+        assert 0 < r.own_share < 1 and 0 < r.momentum_share < 1 and len(r.own_share_per_seed) == 1
+    assumption = {r.own_effect.split(",")[0]: r for r in _assumption_rows([parts])}
+    assert (
+        assumption["logit space"].agrees_exact == 1.0
+    )  # sign(own, logit space) = sign(A·Ḋ_exact), by definition
+    assert (
+        assumption["last layer only"].agrees_exact == 1.0
+    )  # ... and so is the last layer's (times |x|² + 1)
+    assert assumption["whole network"].tokens == assumption["logit space"].tokens > 10
+    assert 0 < assumption["whole network"].last_layer_share < 1
+    assert float(parts.assumption["divergence_check"].abs().max()) < 2e-6  # the per-token D is the mask's
 
 
 def test_a_bad_protocol_is_one_line_and_exit_2(tmp_path) -> None:
