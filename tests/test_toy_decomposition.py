@@ -93,7 +93,7 @@ def test_per_token_gradients_match_plain_autograd(stale) -> None:
         logits = learner.policy(batch.tokens[r : r + 1, :-1], task.MAX_RESPONSE_LEN)[0, c]
         s = [getattr(support, f)[i] for f in ("ids", "valid", "is_k", "log_mu", "unseen")]
         d_j = decomposition.divergence_of_logits(logits, *s, CFG.divergence)
-        assert float(d_j) == pytest.approx(float(d.divergence[r, c]), abs=2e-6)  # the mask's D
+        assert float(d_j) == pytest.approx(float(d.divergence[r, c]), abs=1e-5)  # the mask's D
         g_d = decomposition.flat(torch.autograd.grad(d_j, params, retain_graph=True))
         g_lp = decomposition.flat(
             torch.autograd.grad(torch.log_softmax(logits, -1)[batch.sampled_ids[r, c]], params)
@@ -175,15 +175,13 @@ def test_own_effect_protocols_run_differ_from_carried_and_are_the_decompositions
         assert r.tokens > 5 and r.momentum_share is not None and r.momentum_sign is not None
         assert 0 < r.own_share < 1 and 0 < r.momentum_share < 1 and len(r.own_share_per_seed) == 1
     assumption = {r.own_effect.split(",")[0]: r for r in _assumption_rows([parts])}
-    assert (
-        assumption["logit space"].agrees_exact == 1.0
-    )  # sign(own, logit space) = sign(A·Ḋ_exact), by definition
-    assert (
-        assumption["last layer only"].agrees_exact == 1.0
-    )  # ... and so is the last layer's (times |x|² + 1)
+    # sign(own, logit space) = sign(A·Ḋ_exact) by definition, and so is the last layer's (times |x|² + 1)
+    assert assumption["logit space"].agrees_exact == 1.0
+    assert assumption["last layer only"].agrees_exact == 1.0
     assert assumption["whole network"].tokens == assumption["logit space"].tokens > 5
     assert 0 < assumption["whole network"].last_layer_share < 1
-    assert float(parts.assumption["divergence_check"].abs().max()) < 2e-6  # the per-token D is the mask's
+    # the per-token D (attention written out, float32 logits) is the mask's, to float32 rounding of the forward
+    assert float(parts.assumption["divergence_check"].abs().max()) < 1e-5
 
 
 def test_a_bad_protocol_is_one_line_and_exit_2(tmp_path) -> None:
