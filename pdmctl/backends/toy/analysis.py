@@ -721,16 +721,16 @@ DECOMPOSITION_COLUMNS = (
     "protocol",
     "criterion",
     "tokens",
-    "own share",
-    "others share",
-    "momentum share",
-    "sign = realized: first order",
-    "own",
-    "others",
-    "momentum",
-    "own (logit)",
-    "own: last-layer share",
-    "first-order error",
+    "share own",
+    "share others",
+    "share mom.",
+    "sign 1st order",
+    "sign own",
+    "sign others",
+    "sign mom.",
+    "sign own logit",
+    "own last layer",
+    "1st-order error",
 )
 
 
@@ -738,7 +738,7 @@ def decomposition_table_rows(result: AnalysisResult) -> list[tuple[str, ...]]:
     return [
         (
             r.protocol + (" (main)" if r.protocol == result.protocol else ""),
-            r.criterion,
+            r.criterion.replace("predictive/", "pred. "),
             str(r.tokens),
             _pct(r.own_share),
             _pct(r.others_share),
@@ -758,8 +758,9 @@ def decomposition_table_rows(result: AnalysisResult) -> list[tuple[str, ...]]:
 def render_decomposition_table(result: AnalysisResult) -> Table:
     title = (
         "ΔD decomposed: first-order ΔD = own + others + momentum, over the out-of-region tokens with A ≠ 0 "
-        "each criterion keeps (seeds pooled); shares: median |piece| / (|own| + |others| + |momentum|); "
-        "sign = realized: share of tokens whose piece has the realized ΔD's sign"
+        "each criterion keeps (seeds pooled). share: median |piece| / (|own| + |others| + |momentum|); sign: "
+        "share of tokens whose piece has the realized ΔD's sign; own last layer: median share of the head in "
+        "the own effect; 1st-order error: median |realized − first order| / |realized|"
     )
     return _table(title, DECOMPOSITION_COLUMNS, 2, decomposition_table_rows(result))
 
