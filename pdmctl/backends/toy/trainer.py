@@ -77,9 +77,9 @@ class Learner:
         )
         self.optimizer.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
         self.optimizer.step()
-        return metrics
+        return {**metrics, "grad_norm": float(norm)}  # before clipping (the analysis's decomposition)
 
     def state_dict(self, step: int, cfg: ToyConfig) -> dict[str, object]:
         return {
