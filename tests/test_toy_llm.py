@@ -81,17 +81,23 @@ def test_the_shipped_file_is_small_and_recorded() -> None:
 
 def test_bands_count_every_token_once() -> None:
     generator = torch.Generator().manual_seed(0)
-    mass = torch.cat([torch.rand(200, 6, generator=generator), torch.tensor([[0.9, 0.99, 0.994, 1.0, 0.0, 0.5]])])
+    mass = torch.cat(
+        [torch.rand(200, 6, generator=generator), torch.tensor([[0.9, 0.99, 0.994, 1.0, 0.0, 0.5]])]
+    )
     response = torch.rand(mass.shape, generator=generator) < 0.8
     response[-1] = True
     ddot = {e: torch.randn(mass.shape, generator=generator) for e in ("agg", "uni", "exact")}
     counter = BandCounter.empty()
-    counter.add(mass, response, torch.rand(mass.shape, generator=generator) < 0.3, ddot, torch.rand(mass.shape) * 2)
+    counter.add(
+        mass, response, torch.rand(mass.shape, generator=generator) < 0.3, ddot, torch.rand(mass.shape) * 2
+    )
     stats = counter.stats()
     assert [s.band for s in stats] == [label for *_, label in BANDS]
     assert sum(s.tokens for s in stats) == int(response.sum())
     assert math.isclose(sum(s.share for s in stats), 1.0)
-    assert [s.tokens for s in counter.stats()] == [int(((mass >= lo) & (mass < hi) & response).sum()) for lo, hi, _ in BANDS]
+    assert [s.tokens for s in counter.stats()] == [
+        int(((mass >= lo) & (mass < hi) & response).sum()) for lo, hi, _ in BANDS
+    ]
 
 
 def test_agg_and_uni_agree_where_the_tail_is_small_and_not_at_the_fork() -> None:
@@ -103,7 +109,7 @@ def test_agg_and_uni_agree_where_the_tail_is_small_and_not_at_the_fork() -> None
     for direction in ("agg", "uni"):  # the paper's premise, where an LLM's tokens mostly are
         assert top.agree_all[direction] > 0.97, direction
         assert top.agree_out_of_region[direction] > 0.9, direction
-    assert fork.agree_out_of_region["uni"] > fork.agree_out_of_region["agg"]  # the tail as one token misleads there
+    assert fork.agree_all["uni"] > fork.agree_all["agg"] + 0.2  # the tail as one token misleads at the fork
 
 
 def test_the_trainer_logs_entropy_top_k_mass_and_length(tmp_path: Path) -> None:
