@@ -166,3 +166,36 @@ def render_band_table(bands: list[BandStats], k: int) -> Table:
     for row in band_rows(bands):
         table.add_row(*row)
     return table
+
+
+def base_band_profile(preset: str = "toy-llm", prompts: int = 1024, seed: int = 7) -> dict[str, float]:
+    """The base model's band shares of the rollout's top-20 mass on `prompts` training prompts sampled at
+    temperature 1 from the bf16 rollout weights, with its mean response length and score: the figures
+    docs/TESTBED.md ("The LLM-like preset") records under each kernel setting."""
+    from pdmctl.backends.toy.basemodel import load_base_model
+    from pdmctl.backends.toy.model import PRECISIONS
+    from pdmctl.backends.toy.rollout import RolloutEngine
+    from pdmctl.backends.toy.tasks import task_of
+
+    model, task = load_base_model(preset), task_of(preset)
+    engine = RolloutEngine(model, PRECISIONS["bf16"].rollout, 20, task.max_response_len, task.kv_cache)
+    engine.sync(model)
+    generator = torch.Generator().manual_seed(seed)
+    problems = task.sample_train(prompts, generator)
+    batch = engine.generate(problems.prompts, generator)
+    response = task.response_mask(batch.sampled_ids).bool()
+    mass = topk_mass(batch.topk_logprobs)[response]
+    lengths = task.response_lengths(batch.sampled_ids).float()
+    return {
+        **{label: float(((mass >= low) & (mass < high)).float().mean()) for low, high, label in BANDS},
+        "mean top-20 mass": float(mass.mean()),
+        "mean length": float(lengths.mean()),
+        "longest-form share": float((lengths == task.max_response_len).float().mean()),
+        "score": float(task.score(problems, batch.sampled_ids).mean()),
+    }
+
+
+if __name__ == "__main__":  # python -m pdmctl.backends.toy.bands [preset]
+    import sys
+
+    print(torch.backends.cpu.get_cpu_capability(), base_band_profile(*sys.argv[1:2]))

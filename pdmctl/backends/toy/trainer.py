@@ -26,8 +26,7 @@ from pdmctl.backends.toy.tasks import TASKS, Task, task_of
 
 EVAL_SETS = ("toy24", "toy25")
 KEEP_CHECKPOINTS = 2
-# token-weighted means over a step's mini-batches; entropy and top-K mass are the policy's (policy_shape)
-_UPDATE_METRICS = ("mask_frac", "out_of_region_frac", "mean_divergence", "ppo_kl", "entropy", "topk_mass")
+_UPDATE_METRICS = ("mask_frac", "out_of_region_frac", "mean_divergence", "ppo_kl")  # token-weighted means
 
 
 @dataclass
@@ -58,8 +57,11 @@ class Learner:
         self.engine.sync(self.policy)
         return self.engine.generate(problems.prompts, self.generator)
 
-    def update(self, batch: Rollout, advantages: torch.Tensor, cfg: ToyConfig) -> dict[str, float]:
-        """One optimizer step on the rows of `batch`; the mask's metrics over its response tokens."""
+    def update(
+        self, batch: Rollout, advantages: torch.Tensor, cfg: ToyConfig, shape: bool = False
+    ) -> dict[str, float]:
+        """One optimizer step on the rows of `batch`; the mask's metrics over its response tokens (with
+        `shape`, also the policy's entropy and top-K mass there before the step: policy_shape)."""
         resp_mask = self.task.response_mask(batch.sampled_ids)
         logits = forward(
             self.policy, batch.tokens[:, :-1], self.task.max_response_len, PRECISIONS[cfg.precision].train
@@ -86,7 +88,7 @@ class Learner:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
         self.optimizer.step()
-        return {**metrics, **policy_shape(logits.detach(), resp_mask, cfg.k)}
+        return {**metrics, **policy_shape(logits.detach(), resp_mask, cfg.k)} if shape else metrics
 
     def state_dict(self, step: int, cfg: ToyConfig) -> dict[str, object]:
         return {
@@ -137,10 +139,14 @@ def train_step(learner: Learner, cfg: ToyConfig) -> dict[str, float]:
     order = torch.randperm(len(problems), generator=learner.generator)
     totals = dict.fromkeys(_UPDATE_METRICS, 0.0)
     disagreements, tokens = 0.0, 0.0
-    for rows in order.tensor_split(cfg.minibatches):
+    shape: dict[str, float] = {}
+    for i, rows in enumerate(order.tensor_split(cfg.minibatches)):
         mini = batch.select(rows)
         n_tokens = float(learner.task.response_mask(mini.sampled_ids).sum())
-        metrics = learner.update(mini, advantages[rows], cfg)
+        metrics = learner.update(mini, advantages[rows], cfg, shape=i == 0)
+        # the policy's shape on the first mini-batch, before the step's first update: a random 1/minibatches
+        # of the rollout (all of it costs a log-softmax and a top-K over every token's vocabulary again)
+        shape = shape or {f"train/{name}": metrics[name] for name in ("entropy", "topk_mass")}
         for name in _UPDATE_METRICS:
             totals[name] += metrics[name] * n_tokens
         disagreements += metrics["disagreement_count"]
@@ -150,6 +156,7 @@ def train_step(learner: Learner, cfg: ToyConfig) -> dict[str, float]:
         "train/response_length": float(learner.task.response_lengths(batch.sampled_ids).float().mean()),
         **{f"train/{name}": total / tokens for name, total in totals.items()},
         "train/disagreement_count": disagreements,
+        **shape,
     }
 
 
