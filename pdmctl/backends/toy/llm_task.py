@@ -4,22 +4,23 @@ A prompt is the addition prompt of `task` (`a₁ a₀ + b₁ b₀ =`, operands 0
 pairs). The answer the grader reads is two digits, `a₀ b₀` (the operands' units digits), after an
 ANSWER marker and followed by EOS. A response comes in one of two forms:
 
-    long  (23 tokens): word WORK t₁…t₆ a₁ a₀ + b₁ b₀ t₇…t₁₂ ANSWER a₀ b₀ EOS
+    long  (19 tokens): word WORK t₁…t₄ a₁ a₀ + b₁ b₀ t₅…t₈ ANSWER a₀ b₀ EOS
     short  (5 tokens): word ANSWER a₀ b₀ EOS
 
-The word is free (Zipf over 960 words: the long-tailed fork); the choice between WORK and ANSWER
-after it is the second fork; the "work" (a fixed template t₁…t₁₂ around a restatement of the
+The word is free (Zipf over 448 words: the long-tailed fork); the choice between WORK and ANSWER
+after it is the second fork; the "work" (a fixed template t₁…t₈ around a restatement of the
 question) is deterministic, as most of an LLM's tokens are. In the demonstrations the work makes
 the answer more reliable (each answer digit is replaced at random with probability 0.1 after the
 work, 0.5 without), and a careful word (task.is_careful) makes the work likelier (0.85 vs 0.35):
-so RL gains by choosing careful words, choosing the work, which lengthens the response (about 16
-tokens at the base, up to 23), and sharpening the digits. The grader reads only the final answer.
+so RL gains by choosing careful words, choosing the work, which lengthens the response (about 13
+tokens at the base, up to 19), and sharpening the digits. The grader reads only the final answer.
 
 What it models: most positions near-deterministic (top-20 mass ≈ 1), a few percent of forking
 positions with a long tail over the vocabulary, a response of tens of tokens whose length RL can
 move. What it does not: the answer is a copy, not a computation, so the base needs no sudden
 transition to learn it (the addition's second digit, issue 17) and its warm-up is short and lands
-in the same place on any CPU; the vocabulary is 1,024 tokens.
+in the same place on any CPU; the vocabulary is 512 tokens (a run of the default length stays
+within a minute of two cores).
 """
 
 from __future__ import annotations
@@ -31,15 +32,15 @@ import torch
 from pdmctl.backends.toy import task as addition
 from pdmctl.backends.toy.task import EOS, Problems
 
-VOCAB_SIZE = 1024
+VOCAB_SIZE = 512
 WORK, ANSWER = 13, 14
-TEMPLATE = tuple(range(16, 28))  # t₁…t₁₂: the work's fixed wording
-FIRST_WORD = 64  # tokens 64-1023 are the words
+TEMPLATE = tuple(range(16, 24))  # t₁…t₈: the work's fixed wording
+FIRST_WORD = 64  # tokens 64-511 are the words
 N_WORDS = VOCAB_SIZE - FIRST_WORD
-WORD_ZIPF_EXPONENT = 1.0  # the top 20 words hold about 48% of the mass
+WORD_ZIPF_EXPONENT = 1.0  # the top 20 words hold about 54% of the mass
 PROMPT_LEN = addition.PROMPT_LEN
 ANSWER_LEN = 2
-LONG_LEN = 1 + 1 + len(TEMPLATE) + 5 + 1 + ANSWER_LEN + 1  # 23
+LONG_LEN = 1 + 1 + len(TEMPLATE) + 5 + 1 + ANSWER_LEN + 1  # 19
 SHORT_LEN = 1 + 1 + ANSWER_LEN + 1  # 5
 MAX_RESPONSE_LEN = LONG_LEN
 ANSWER_OFFSET = {True: LONG_LEN - 1 - ANSWER_LEN, False: SHORT_LEN - 1 - ANSWER_LEN}  # by "has the work"
@@ -87,9 +88,9 @@ def responses(
         [
             words.unsqueeze(1),
             torch.full((n, 1), WORK),
-            template[:, :6],
+            template[:, :4],
             prompts[:, :5],  # the restated question a₁ a₀ + b₁ b₀
-            template[:, 6:],
+            template[:, 4:],
             torch.full((n, 1), ANSWER),
             answers,
             torch.full((n, 1), EOS),

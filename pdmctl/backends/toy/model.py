@@ -159,7 +159,7 @@ class TinyTransformer(nn.Module):
     def cached(self, tokens: torch.Tensor, start: int, past: list | None) -> tuple[torch.Tensor, list]:
         """The next-token logits [B, V] after `tokens` [B, t] at positions start.., given the cache of the
         positions before (None with start 0), and the extended cache: generation without recomputing the
-        prefix (the LLM-like preset's responses are 23 tokens long)."""
+        prefix (the LLM-like preset's responses are 19 tokens long)."""
         x = self.tok(tokens) + self.pos.weight[start : start + tokens.shape[1]]
         cache = []
         for i, block in enumerate(self.blocks):
