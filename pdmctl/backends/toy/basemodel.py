@@ -62,7 +62,7 @@ SHIPPED_FORMAT = 1
 # this line) is refused, never trained from.
 SHIPPED_SHA256 = {
     "toy-small": "4872ae51c589ab9e0d35b260eb74c151fbfe64129f7695bf7bf5a6201bb9d71f",
-    "toy-llm": "60471020e04f314180206d5db173aeab1db7f07e0725339ec065bcb2d36f34cb",
+    "toy-llm": "d7b22b93d728f2c274d6080a44ee254761ba998c0a5c3724cd9b982e092e9015",
 }
 SOURCES = ("shipped", "warmup")  # PDMCTL_TOY_BASE
 PROBE_SIZE = 1024
