@@ -107,7 +107,7 @@ def test_agg_and_uni_agree_where_the_tail_is_small_and_not_at_the_fork() -> None
     top, fork = by["≥ 0.994"], by["< 0.9"]
     assert top.share > 0.85 and top.out_of_region > 0
     for direction in ("agg", "uni"):  # the paper's premise, where an LLM's tokens mostly are
-        assert top.agree_all[direction] > 0.97, direction
+        assert top.agree_all[direction] > 0.95, direction
         assert top.agree_out_of_region[direction] > 0.9, direction
     assert fork.agree_all["uni"] > fork.agree_all["agg"] + 0.2  # the tail as one token misleads at the fork
 
