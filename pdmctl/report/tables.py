@@ -162,8 +162,11 @@ def _analysis_result(data: dict):
     comparisons = [comparison(c) for c in data["comparisons"]]
     differences = [EstimatorDifference(**d) for d in data.get("estimator_differences", [])]
     by_protocol = {p: [comparison(c) for c in cs] for p, cs in data.get("protocol_comparisons", {}).items()}
+    from pdmctl.backends.toy.bands import BandStats
+
+    bands = [BandStats(**b) for b in data.get("bands", [])]  # written before the bands (issue 19): none
     return AnalysisResult(**{**data, "comparisons": comparisons, "estimator_differences": differences,
-                             "protocol_comparisons": by_protocol})  # fmt: skip
+                             "protocol_comparisons": by_protocol, "bands": bands})  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
