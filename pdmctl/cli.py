@@ -395,6 +395,10 @@ def analyze(
         console.print(render_protocol_table(result))
     console.print(render_decomposition_table(result))
     console.print(render_assumption_table(result))
+    if result.bands:
+        from pdmctl.backends.toy.bands import render_band_table
+
+        console.print(render_band_table(result.bands, result.k))
     if json_out is not None:
         json_out.write_text(result.to_json())
         console.print(f"wrote {json_out}", highlight=False)

@@ -171,9 +171,12 @@ def _analysis_result(data: dict):
     by_protocol = {p: [comparison(c) for c in cs] for p, cs in data.get("protocol_comparisons", {}).items()}
     decomposed = [DecompositionRow(**r) for r in data.get("decomposition", [])]
     assumption = [AssumptionRow(**r) for r in data.get("logit_assumption", [])]
+    from pdmctl.backends.toy.bands import BandStats
+
+    bands = [BandStats(**b) for b in data.get("bands", [])]  # written before the bands (issue 19): none
     return AnalysisResult(**{**data, "comparisons": comparisons, "estimator_differences": differences,
                              "protocol_comparisons": by_protocol, "decomposition": decomposed,
-                             "logit_assumption": assumption})  # fmt: skip
+                             "logit_assumption": assumption, "bands": bands})  # fmt: skip
 
 
 # ---------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from rich.table import Table
 
 from pdmctl import masks
 from pdmctl.backends.toy import decomposition, task
+from pdmctl.backends.toy.bands import BandStats, band_analysis
 from pdmctl.backends.toy.config import ToyConfig
 from pdmctl.backends.toy.model import PRECISIONS, forward
 from pdmctl.backends.toy.rollout import Rollout
@@ -143,6 +144,7 @@ class AnalysisResult:
     decomposition: list[DecompositionRow] = dataclasses.field(default_factory=list)
     # the predictive criterion's logit-space assumption against the whole network's own effect
     logit_assumption: list[AssumptionRow] = dataclasses.field(default_factory=list)
+    bands: list[BandStats] = dataclasses.field(default_factory=list)  # by top-K mass (bands.py)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, allow_nan=False)
@@ -189,6 +191,7 @@ def run_analysis(
         protocol_comparisons=by_protocol,
         decomposition=_decomposition_rows(decomposed),
         logit_assumption=_assumption_rows(decomposed),
+        bands=band_analysis(cfg, list(seeds)),
     )
 
 
@@ -231,9 +234,9 @@ def stale_batch(cfg: ToyConfig) -> tuple[Learner, Rollout, torch.Tensor]:
     """A fresh rollout batch from the base model and its advantages, with the learner moved on by all
     mini-batch updates of the step but the last: the staleness of a step's last mini-batch."""
     learner = Learner.from_base(cfg)
-    problems = task.sample_train(cfg.prompts_per_step, learner.generator).repeat(cfg.group_size)
+    problems = learner.task.sample_train(cfg.prompts_per_step, learner.generator).repeat(cfg.group_size)
     batch = learner.rollout(problems)
-    advantages = grpo_advantages(task.score(problems, batch.sampled_ids), cfg.group_size)
+    advantages = grpo_advantages(learner.task.score(problems, batch.sampled_ids), cfg.group_size)
     order = torch.randperm(len(problems), generator=learner.generator)
     for rows in order.tensor_split(cfg.minibatches)[:-1]:
         learner.update(batch.select(rows), advantages[rows], cfg)
@@ -358,7 +361,7 @@ def diagnostics(
     """D, Ḋ and r of every generated token ([B, T] each) at the learner's current weights."""
     with torch.no_grad():
         logits = forward(
-            learner.policy, batch.tokens[:, :-1], task.MAX_RESPONSE_LEN, PRECISIONS[cfg.precision].train
+            learner.policy, batch.tokens[:, :-1], batch.sampled_ids.shape[1], PRECISIONS[cfg.precision].train
         )
     shape = batch.sampled_ids.shape
     d = masks.token_diagnostics(
