@@ -105,7 +105,7 @@ def test_every_criterion_starts_from_the_same_weights_and_optimizer_state(monkey
     step 7, 8, 9, 10); `fresh-adam` and `sgd` start from the same weights with no optimizer state."""
     starts = _recording_updates(monkeypatch)
     cfg = ToyConfig(prompts_per_step=16)
-    result = run_analysis(cfg, [5], DEFAULT_PROTOCOLS)
+    result = run_analysis(cfg, [5], ("carried", "fresh-adam", "sgd"))  # the updates that ΔD is measured after
     assert result.protocol == "carried" and result.comparisons == result.protocol_comparisons["carried"]
     criteria = starts[cfg.minibatches - 1 :]  # after the stale mini-batch updates
     per_criterion = 1 + len(ESTIMATORS)  # dppo, then pdm with each estimator

@@ -30,7 +30,7 @@ from rich.table import Table
 
 from pdmctl import masks
 from pdmctl.backends.toy import decomposition, task
-from pdmctl.backends.toy.bands import BandStats, band_analysis
+from pdmctl.backends.toy.bands import BandCounter, BandStats, topk_mass
 from pdmctl.backends.toy.config import ToyConfig
 from pdmctl.backends.toy.model import PRECISIONS, forward
 from pdmctl.backends.toy.rollout import Rollout
@@ -169,8 +169,9 @@ def run_analysis(
         raise ValueError(f"protocols: unknown {unknown or 'none given'}; choose from {sorted(PROTOCOLS)}")
     per_seed: list[dict[str, dict[str, _SeedTokens]]] = []
     tokens, outside, decomposed = [], [], []
+    bands = BandCounter.empty()
     for seed in seeds:
-        n_tokens, n_out, by_protocol, parts = _analyse_seed(dataclasses.replace(cfg, seed=seed), protocols)
+        n_tokens, n_out, by_protocol, parts = _analyse_seed(dataclasses.replace(cfg, seed=seed), protocols, bands)
         tokens.append(n_tokens)
         outside.append(n_out)
         per_seed.append(by_protocol)
@@ -191,7 +192,7 @@ def run_analysis(
         protocol_comparisons=by_protocol,
         decomposition=_decomposition_rows(decomposed),
         logit_assumption=_assumption_rows(decomposed),
-        bands=band_analysis(cfg, list(seeds)),
+        bands=bands.stats(),
     )
 
 
@@ -244,11 +245,14 @@ def stale_batch(cfg: ToyConfig) -> tuple[Learner, Rollout, torch.Tensor]:
 
 
 def _analyse_seed(
-    cfg: ToyConfig, protocols: tuple[str, ...]
+    cfg: ToyConfig, protocols: tuple[str, ...], bands: BandCounter | None = None
 ) -> tuple[int, int, dict[str, dict[str, _SeedTokens]], _SeedDecomposition]:
     learner, batch, advantages = stale_batch(cfg)
     response = task.response_mask(batch.sampled_ids).bool()
     pre = {e: diagnostics(learner, batch, advantages, cfg, e) for e in ESTIMATORS}
+    if bands is not None:  # the same stale batch and diagnostics as the tables (bands.band_analysis's)
+        bands.add(topk_mass(batch.topk_logprobs), learner.task.response_mask(batch.sampled_ids).bool(),
+                  pre["agg"].out_of_region, {e: v.ddot for e, v in pre.items()}, pre["agg"].ratio)  # fmt: skip
     outside = pre["agg"].out_of_region & response
     ratio_keep = advantages.unsqueeze(1) * (pre["agg"].ratio - 1) <= 0
     start = snapshot(learner)
