@@ -349,9 +349,12 @@ def analyze(
         typer.Option(
             help="How the update that ΔD measures is taken, comma-separated; the first is the main table's, "
             "the others are printed beside it: carried (the Adam state the stale mini-batches left), "
-            "fresh-adam, sgd (see docs/MATH.md)."
+            "fresh-adam, sgd, own-adam and own-grad (a token's own effect, first order; see docs/MATH.md)."
         ),
-    ] = "carried,fresh-adam,sgd",
+    ] = "carried,fresh-adam,sgd,own-adam,own-grad",
+    csv_out: Annotated[
+        Path | None, typer.Option("--csv", help="Also write the per-seed rates as CSV here.")
+    ] = None,
 ) -> None:
     """The token-level direction analysis (MATH.md): ratio vs predictive direction, on the CPU testbed."""
     from pdmctl import grid
@@ -362,6 +365,8 @@ def analyze(
             fail(f"--seeds: must be >= 1, got {seeds}")
         if json_out is not None:  # before the analysis, not after it
             check_output(json_out, "--json", directory=False)
+        if csv_out is not None:
+            check_output(csv_out, "--csv", directory=False)
         (spec,) = grid.expand(overrides or [], sweep="analysis")[:1]
         if spec.backend != "toy":
             fail("analyze: runs on the CPU testbed (backend=toy)")
@@ -369,9 +374,12 @@ def analyze(
         from pdmctl.backends.toy.analysis import (
             PROTOCOLS,
             render_analysis_table,
+            render_assumption_table,
+            render_decomposition_table,
             render_difference_table,
             render_protocol_table,
             run_analysis,
+            seed_csv,
         )
 
         chosen = tuple(p.strip() for p in protocols.split(",") if p.strip())
@@ -385,9 +393,18 @@ def analyze(
     console.print(render_difference_table(result))
     if len(chosen) > 1:
         console.print(render_protocol_table(result))
+    console.print(render_decomposition_table(result))
+    console.print(render_assumption_table(result))
+    if result.bands:
+        from pdmctl.backends.toy.bands import render_band_table
+
+        console.print(render_band_table(result.bands, result.k))
     if json_out is not None:
         json_out.write_text(result.to_json())
         console.print(f"wrote {json_out}", highlight=False)
+    if csv_out is not None:
+        csv_out.write_text(seed_csv(result))
+        console.print(f"wrote {csv_out}", highlight=False)
 
 
 def _mount_optional() -> None:

@@ -9,12 +9,17 @@ from tests.conftest import pdmctl
 
 
 def test_analyze_prints_table_and_json(workdir: Path):
-    res = pdmctl("analyze", "--seeds", "2", "backend.prompts_per_step=32", "--json", "analysis.json", cwd=workdir)
+    res = pdmctl(
+        "analyze", "--seeds", "2", "backend.prompts_per_step=32", "--json", "analysis.json", cwd=workdir
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "unsafe" in res.stdout.lower()
     assert "carried (main)" in res.stdout and "fresh-adam" in res.stdout  # the protocols, side by side
     data = json.loads((workdir / "analysis.json").read_text())
-    assert data["protocol"] == "carried" and list(data["protocol_comparisons"]) == ["carried", "fresh-adam", "sgd"]
+    assert data["protocol"] == "carried" and list(data["protocol_comparisons"]) == [
+        "carried", "fresh-adam", "sgd", "own-adam", "own-grad"]  # fmt: skip
+    assert data["decomposition"] and data["logit_assumption"]  # the decomposition, in the JSON too
+    assert "ΔD decomposed" in res.stdout and "e_k − π" in res.stdout
 
 
 def test_analyze_bad_input(workdir: Path):

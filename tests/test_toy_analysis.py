@@ -17,6 +17,7 @@ from pdmctl.backends.toy.analysis import (
     render_difference_table,
     render_protocol_table,
     run_analysis,
+    seed_csv,
 )
 
 
@@ -64,7 +65,13 @@ def test_analysis_is_reproducible() -> None:
     console = Console(width=250, record=True)
     console.print(render_protocol_table(first))
     text = console.export_text()
-    assert "carried (main)" in text and "fresh-adam" in text and "sgd" in text
+    assert "carried (main)" in text and "fresh-adam" in text and "sgd" in text and "own-adam" in text
+    assert [(r.protocol, r.criterion) for r in first.decomposition] == [
+        (p, c) for p in ("carried", "fresh-adam", "sgd") for c in ("ratio", *(f"predictive/{e}" for e in ESTIMATORS))
+    ]  # fmt: skip
+    assert len(first.logit_assumption) == 4
+    lines = seed_csv(first).splitlines()  # one row per seed, protocol and estimator
+    assert len(lines) == 1 + len(DEFAULT_PROTOCOLS) * len(ESTIMATORS) and lines[0].startswith("seed,protocol")
 
 
 def _recording_updates(monkeypatch) -> list[tuple[str, dict, dict]]:
@@ -98,7 +105,7 @@ def test_every_criterion_starts_from_the_same_weights_and_optimizer_state(monkey
     step 7, 8, 9, 10); `fresh-adam` and `sgd` start from the same weights with no optimizer state."""
     starts = _recording_updates(monkeypatch)
     cfg = ToyConfig(prompts_per_step=16)
-    result = run_analysis(cfg, [5], DEFAULT_PROTOCOLS)
+    result = run_analysis(cfg, [5], ("carried", "fresh-adam", "sgd"))  # the updates that ΔD is measured after
     assert result.protocol == "carried" and result.comparisons == result.protocol_comparisons["carried"]
     criteria = starts[cfg.minibatches - 1 :]  # after the stale mini-batch updates
     per_criterion = 1 + len(ESTIMATORS)  # dppo, then pdm with each estimator

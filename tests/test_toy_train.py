@@ -23,7 +23,7 @@ def _run(cfg: ToyConfig, workdir: Path, stop_after: int | None = None) -> InMemo
 def test_logs_every_metric_of_the_tracker_interface(tmp_path: Path) -> None:
     tracker = _run(TINY, tmp_path)
     for name in ("reward", "response_length", "ppo_kl", "mask_frac", "out_of_region_frac", "mean_divergence",
-                 "disagreement_count"):  # fmt: skip
+                 "disagreement_count", "entropy", "topk_mass"):  # fmt: skip
         assert [step for step, _ in tracker.history(f"train/{name}")] == list(range(1, 7))
     for dataset in ("toy24", "toy25"):
         assert [step for step, _ in tracker.history(f"eval/{dataset}")] == [0, 2, 4, 6]

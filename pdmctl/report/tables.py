@@ -151,7 +151,14 @@ def direction_table(analysis: dict) -> TextTable:
 
 
 def _analysis_result(data: dict):
-    from pdmctl.backends.toy.analysis import AnalysisResult, Comparison, CriterionStats, EstimatorDifference
+    from pdmctl.backends.toy.analysis import (
+        AnalysisResult,
+        AssumptionRow,
+        Comparison,
+        CriterionStats,
+        DecompositionRow,
+        EstimatorDifference,
+    )
 
     def criterion(values: dict) -> CriterionStats:  # written before per-seed corrective rates: none
         return CriterionStats(**{"corrective_per_seed": [], **values})
@@ -162,8 +169,14 @@ def _analysis_result(data: dict):
     comparisons = [comparison(c) for c in data["comparisons"]]
     differences = [EstimatorDifference(**d) for d in data.get("estimator_differences", [])]
     by_protocol = {p: [comparison(c) for c in cs] for p, cs in data.get("protocol_comparisons", {}).items()}
+    decomposed = [DecompositionRow(**r) for r in data.get("decomposition", [])]
+    assumption = [AssumptionRow(**r) for r in data.get("logit_assumption", [])]
+    from pdmctl.backends.toy.bands import BandStats
+
+    bands = [BandStats(**b) for b in data.get("bands", [])]  # written before the bands (issue 19): none
     return AnalysisResult(**{**data, "comparisons": comparisons, "estimator_differences": differences,
-                             "protocol_comparisons": by_protocol})  # fmt: skip
+                             "protocol_comparisons": by_protocol, "decomposition": decomposed,
+                             "logit_assumption": assumption, "bands": bands})  # fmt: skip
 
 
 # ---------------------------------------------------------------------------

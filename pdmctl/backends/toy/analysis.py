@@ -29,7 +29,8 @@ import torch
 from rich.table import Table
 
 from pdmctl import masks
-from pdmctl.backends.toy import task
+from pdmctl.backends.toy import decomposition, task
+from pdmctl.backends.toy.bands import BandCounter, BandStats, topk_mass
 from pdmctl.backends.toy.config import ToyConfig
 from pdmctl.backends.toy.model import PRECISIONS, forward
 from pdmctl.backends.toy.rollout import Rollout
@@ -40,8 +41,11 @@ PROTOCOLS = {  # how the update that ΔD measures is taken, from the same weight
     "carried": "Adam with the state the stale mini-batch updates left (the step training takes next)",
     "fresh-adam": "a fresh Adam: the first step of a run, no momentum",
     "sgd": "the plain (clipped) gradient, no preconditioning, scaled to the fresh Adam step's length",
+    "own-adam": "first order, the token's own gradient alone through the carried Adam step's gain",
+    "own-grad": "first order, the token's own gradient alone as a plain gradient step",
 }
-DEFAULT_PROTOCOLS = ("carried", "fresh-adam", "sgd")  # the first is the main table's
+UPDATE_PROTOCOLS = ("carried", "fresh-adam", "sgd")  # the protocols that take a real update
+DEFAULT_PROTOCOLS = ("carried", "fresh-adam", "sgd", "own-adam", "own-grad")  # the first is the main table's
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class CriterionStats:
     corrective_pooled: float | None  # ΔD < 0 among the kept disagreement tokens of all seeds together
     kept_pooled: int
     corrective_per_seed: list[float | None]  # ΔD < 0 among each seed's kept disagreement tokens
+    kept_per_seed: list[int] = dataclasses.field(default_factory=list)  # kept disagreement tokens
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,43 @@ class Comparison:
 
 
 @dataclass(frozen=True)
+class DecompositionRow:
+    """ΔD of one criterion's update under one protocol, over the out-of-region tokens with A ≠ 0 that the
+    criterion keeps (all seeds pooled): the first-order ΔD = own + others + momentum. A share is
+    |piece| / (|own| + |others| + |momentum|), per token, then the median; a sign agreement is the share of
+    tokens whose piece has the sign of the realized ΔD (None where the piece is zero: no momentum)."""
+
+    protocol: str
+    criterion: str  # "ratio" or "predictive/<estimator>"
+    tokens: int
+    own_share: float | None
+    others_share: float | None
+    momentum_share: float | None
+    first_order_sign: float | None  # sign(first-order ΔD) = sign(realized ΔD)
+    own_sign: float | None
+    others_sign: float | None
+    momentum_sign: float | None
+    own_logit_sign: float | None  # the own effect as the criterion assumes it: along e_k − π in logit space
+    own_last_layer_share: float | None  # median |head's part| / (|head's part| + |the rest's|) of own
+    first_order_error: float | None  # median |realized − first order| / |realized|
+    own_share_per_seed: list[float | None] = dataclasses.field(default_factory=list)
+    others_share_per_seed: list[float | None] = dataclasses.field(default_factory=list)
+    momentum_share_per_seed: list[float | None] = dataclasses.field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class AssumptionRow:
+    """One way of taking a token's own effect on its D, against the two criteria's predictions of its sign,
+    over the out-of-region tokens with A ≠ 0 of all seeds (each token's own gradient as if kept)."""
+
+    own_effect: str
+    tokens: int
+    agrees_exact: float | None  # share with sign(own effect) = sign(A·Ḋ_exact)
+    agrees_ratio: float | None  # share with sign(own effect) = sign(A(r − 1))
+    last_layer_share: float | None  # median |head's part| / (|head's part| + |the rest's|)
+
+
+@dataclass(frozen=True)
 class AnalysisResult:
     seeds: list[int]
     delta: float
@@ -98,6 +140,11 @@ class AnalysisResult:
     protocol: str = "carried"  # how the update that ΔD measures was taken (PROTOCOLS)
     # every protocol measured, the main one included: protocol -> one Comparison per estimator
     protocol_comparisons: dict[str, list[Comparison]] = dataclasses.field(default_factory=dict)
+    # ΔD decomposed (decomposition.py): one row per update protocol and criterion
+    decomposition: list[DecompositionRow] = dataclasses.field(default_factory=list)
+    # the predictive criterion's logit-space assumption against the whole network's own effect
+    logit_assumption: list[AssumptionRow] = dataclasses.field(default_factory=list)
+    bands: list[BandStats] = dataclasses.field(default_factory=list)  # by top-K mass (bands.py)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, allow_nan=False)
@@ -121,12 +168,14 @@ def run_analysis(
     if unknown or not protocols:
         raise ValueError(f"protocols: unknown {unknown or 'none given'}; choose from {sorted(PROTOCOLS)}")
     per_seed: list[dict[str, dict[str, _SeedTokens]]] = []
-    tokens, outside = [], []
+    tokens, outside, decomposed = [], [], []
+    bands = BandCounter.empty()
     for seed in seeds:
-        n_tokens, n_out, by_protocol = _analyse_seed(dataclasses.replace(cfg, seed=seed), protocols)
+        n_tokens, n_out, by_protocol, parts = _analyse_seed(dataclasses.replace(cfg, seed=seed), protocols, bands)
         tokens.append(n_tokens)
         outside.append(n_out)
         per_seed.append(by_protocol)
+        decomposed.append(parts)
     by_protocol = {p: [_compare(e, [s[p][e] for s in per_seed]) for e in ESTIMATORS] for p in protocols}
     comparisons = by_protocol[protocols[0]]
     return AnalysisResult(
@@ -141,6 +190,9 @@ def run_analysis(
         estimator_differences=_estimator_differences(comparisons),
         protocol=protocols[0],
         protocol_comparisons=by_protocol,
+        decomposition=_decomposition_rows(decomposed),
+        logit_assumption=_assumption_rows(decomposed),
+        bands=bands.stats(),
     )
 
 
@@ -183,9 +235,9 @@ def stale_batch(cfg: ToyConfig) -> tuple[Learner, Rollout, torch.Tensor]:
     """A fresh rollout batch from the base model and its advantages, with the learner moved on by all
     mini-batch updates of the step but the last: the staleness of a step's last mini-batch."""
     learner = Learner.from_base(cfg)
-    problems = task.sample_train(cfg.prompts_per_step, learner.generator).repeat(cfg.group_size)
+    problems = learner.task.sample_train(cfg.prompts_per_step, learner.generator).repeat(cfg.group_size)
     batch = learner.rollout(problems)
-    advantages = grpo_advantages(task.score(problems, batch.sampled_ids), cfg.group_size)
+    advantages = grpo_advantages(learner.task.score(problems, batch.sampled_ids), cfg.group_size)
     order = torch.randperm(len(problems), generator=learner.generator)
     for rows in order.tensor_split(cfg.minibatches)[:-1]:
         learner.update(batch.select(rows), advantages[rows], cfg)
@@ -193,34 +245,61 @@ def stale_batch(cfg: ToyConfig) -> tuple[Learner, Rollout, torch.Tensor]:
 
 
 def _analyse_seed(
-    cfg: ToyConfig, protocols: tuple[str, ...]
-) -> tuple[int, int, dict[str, dict[str, _SeedTokens]]]:
+    cfg: ToyConfig, protocols: tuple[str, ...], bands: BandCounter | None = None
+) -> tuple[int, int, dict[str, dict[str, _SeedTokens]], _SeedDecomposition]:
     learner, batch, advantages = stale_batch(cfg)
     response = task.response_mask(batch.sampled_ids).bool()
     pre = {e: diagnostics(learner, batch, advantages, cfg, e) for e in ESTIMATORS}
-    d_pre = pre["agg"].divergence  # D does not depend on the estimator
+    if bands is not None:  # the same stale batch and diagnostics as the tables (bands.band_analysis's)
+        bands.add(topk_mass(batch.topk_logprobs), learner.task.response_mask(batch.sampled_ids).bool(),
+                  pre["agg"].out_of_region, {e: v.ddot for e, v in pre.items()}, pre["agg"].ratio)  # fmt: skip
     outside = pre["agg"].out_of_region & response
     ratio_keep = advantages.unsqueeze(1) * (pre["agg"].ratio - 1) <= 0
     start = snapshot(learner)
+    params = list(learner.policy.parameters())
+    theta0 = decomposition.flat(params)
+    criteria = {"ratio": dataclasses.replace(cfg, method="dppo")} | {
+        f"predictive/{e}": dataclasses.replace(cfg, method="pdm", estimator=e) for e in ESTIMATORS
+    }
+    updates = [p for p in protocols if p in UPDATE_PROTOCOLS]
+    if "carried" not in updates and any(p not in UPDATE_PROTOCOLS for p in protocols):
+        updates.append("carried")  # the own-effect protocols take the carried step's gain and clipping
+    delta: dict[tuple[str, str], torch.Tensor] = {}
+    parts: dict[tuple[str, str], decomposition.UpdateParts] = {}
+    # ΔD is read on out-of-region tokens only: D after each update on the rows that hold one (NaN elsewhere)
+    rows_out = outside.any(1).nonzero().squeeze(1)
+    batch_out, advantages_out = batch.select(rows_out), advantages[rows_out]
+    d_pre_out = diagnostics(learner, batch_out, advantages_out, cfg, "agg").divergence
 
-    def delta_d_after(criterion: ToyConfig, protocol: str) -> torch.Tensor:
-        take_update(learner, start, batch, advantages, criterion, protocol)
-        return diagnostics(learner, batch, advantages, cfg, "agg").divergence - d_pre
+    def delta_d() -> torch.Tensor:
+        found = torch.full(outside.shape, math.nan)
+        found[rows_out] = diagnostics(learner, batch_out, advantages_out, cfg, "agg").divergence - d_pre_out
+        return found
+
+    for protocol in updates:
+        for name, criterion in criteria.items():
+            metrics = take_update(learner, start, batch, advantages, criterion, protocol)
+            parts[protocol, name] = decomposition.update_parts(
+                params, theta0, start.optimizer, criterion, protocol, metrics["grad_norm"]
+            )
+            delta[protocol, name] = delta_d()
+    restore(learner, start)
+    seed_parts = _decompose_seed(learner, cfg, batch, advantages, pre, outside, criteria, parts, delta)
 
     found: dict[str, dict[str, _SeedTokens]] = {}
     for protocol in protocols:
-        delta_ratio = delta_d_after(dataclasses.replace(cfg, method="dppo"), protocol)
+        delta_ratio = delta[protocol, "ratio"]
         found[protocol] = {}
         for e in ESTIMATORS:
             predictive_keep = advantages.unsqueeze(1) * pre[e].ddot <= 0
             disagree = outside & (ratio_keep != predictive_keep)
-            delta_pred = delta_d_after(dataclasses.replace(cfg, method="pdm", estimator=e), protocol)
+            delta_pred = delta[protocol, f"predictive/{e}"]
             found[protocol][e] = _SeedTokens(
                 ratio_kept_delta_d=delta_ratio[disagree & ratio_keep],
                 predictive_kept_delta_d=delta_pred[disagree & predictive_keep],
                 disagreements=int(disagree.sum()),
             )
-    return int(response.sum()), int(outside.sum()), found
+    return int(response.sum()), int(outside.sum()), found, seed_parts
 
 
 def take_update(
@@ -230,22 +309,22 @@ def take_update(
     advantages: torch.Tensor,
     criterion: ToyConfig,
     protocol: str,
-) -> None:
-    """One update with `criterion`'s mask on the whole batch from `start`, taken as `protocol` says."""
+) -> dict[str, float]:
+    """One update with `criterion`'s mask on the whole batch from `start`, taken as `protocol` says; the
+    metrics of the update that was kept (Learner.update's)."""
     restore(learner, start)
     if protocol == "carried":
-        learner.update(batch, advantages, criterion)
-        return
+        return learner.update(batch, advantages, criterion)
     params = list(learner.policy.parameters())
     fresh = dataclasses.replace(learner, optimizer=torch.optim.Adam(params, lr=criterion.lr))
-    fresh.update(batch, advantages, criterion)
+    metrics = fresh.update(batch, advantages, criterion)
     if protocol == "fresh-adam":
-        return
+        return metrics
     # sgd: the clipped gradient itself (an SGD step of lr 1), rescaled to the fresh Adam step's length
     theta_adam = torch.nn.utils.parameters_to_vector(params).detach()
     restore(learner, start)
     theta = torch.nn.utils.parameters_to_vector(params).detach()
-    dataclasses.replace(learner, optimizer=torch.optim.SGD(params, lr=1.0)).update(
+    metrics = dataclasses.replace(learner, optimizer=torch.optim.SGD(params, lr=1.0)).update(
         batch, advantages, criterion
     )
     with torch.no_grad():
@@ -253,6 +332,7 @@ def take_update(
         norm = torch.linalg.vector_norm(step)
         scale = torch.linalg.vector_norm(theta_adam - theta) / norm if norm > 0 else torch.ones(())
         torch.nn.utils.vector_to_parameters(theta + step * scale, params)
+    return metrics
 
 
 @dataclass(frozen=True)
@@ -285,7 +365,7 @@ def diagnostics(
     """D, Ḋ and r of every generated token ([B, T] each) at the learner's current weights."""
     with torch.no_grad():
         logits = forward(
-            learner.policy, batch.tokens[:, :-1], task.MAX_RESPONSE_LEN, PRECISIONS[cfg.precision].train
+            learner.policy, batch.tokens[:, :-1], batch.sampled_ids.shape[1], PRECISIONS[cfg.precision].train
         )
     shape = batch.sampled_ids.shape
     d = masks.token_diagnostics(
@@ -323,6 +403,7 @@ def _criterion(kept_delta_d: list[torch.Tensor]) -> CriterionStats:
         unsafe_keep_se=se,
         corrective_pooled=float((pooled < 0).float().mean()) if pooled.numel() else None,
         kept_pooled=int(pooled.numel()),
+        kept_per_seed=[int(dd.numel()) for dd in kept_delta_d],
     )
 
 
@@ -470,3 +551,311 @@ def render_protocol_table(result: AnalysisResult) -> Table:
         f"{p}: {PROTOCOLS[p]}" for p in result.protocol_comparisons
     )
     return _table(title, PROTOCOL_COLUMNS, 2, protocol_rows(result))
+
+
+# ---------------------------------------------------------------------------
+# ΔD decomposed (decomposition.py; MATH.md, "ΔD decomposed")
+# ---------------------------------------------------------------------------
+
+PIECES = ("realized", "first_order", "own", "others", "momentum", "own_logit", "own_head")
+
+
+@dataclass(frozen=True)
+class _SeedDecomposition:
+    """One seed's decomposition: per (protocol, criterion) the PIECES over the out-of-region tokens with
+    A ≠ 0 that the criterion keeps; `assumption`: the own effects over all of them (as if kept)."""
+
+    by_update: dict[tuple[str, str], dict[str, torch.Tensor]]
+    assumption: dict[str, torch.Tensor]
+
+
+def _decompose_seed(
+    learner: Learner,
+    cfg: ToyConfig,
+    batch: Rollout,
+    advantages: torch.Tensor,
+    pre: dict[str, masks.Diagnostics],
+    outside: torch.Tensor,
+    criteria: dict[str, ToyConfig],
+    parts: dict[tuple[str, str], decomposition.UpdateParts],
+    delta: dict[tuple[str, str], torch.Tensor],
+) -> _SeedDecomposition:
+    """Per-token ΔD pieces at the learner's (start) weights; also fills `delta` for the own-effect
+    protocols: ΔD of a kept token = its own effect, first order (zero on the tokens a criterion masks)."""
+    a = advantages.unsqueeze(1).expand_as(outside)
+    rows, cols = (outside & (a != 0)).nonzero(as_tuple=True)
+    with torch.no_grad():
+        logits = forward(
+            learner.policy, batch.tokens[:, :-1], task.MAX_RESPONSE_LEN, PRECISIONS[cfg.precision].train
+        )
+    keys = list(parts)
+    vectors = torch.stack(
+        [v for k in keys for v in (parts[k].step, parts[k].momentum, parts[k].gain * parts[k].grad)], dim=1
+    )
+    n_params = vectors.shape[0]
+    gains = torch.stack([parts[k].gain.expand(n_params) for k in keys], dim=1)
+    products = decomposition.token_products(learner.policy, cfg, batch, rows, cols, vectors, gains)
+    support = decomposition.token_support(
+        batch, rows, cols, masks.DIVERGENCES[cfg.divergence].support, logits.shape[-1]
+    )
+    ddot_logit = decomposition.logit_ddot(logits[rows, cols], support, cfg.divergence)
+    alpha = {
+        n: decomposition.loss_coefficients(logits, batch, advantages, c)[rows, cols]
+        for n, c in criteria.items()
+    }
+    by_update: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for i, key in enumerate(keys):
+        p, coef = parts[key], alpha[key[1]]
+        own = p.clip * coef * products.own[:, i]
+        kept = coef != 0
+        pieces = {
+            "realized": delta[key][rows, cols].double(),
+            "first_order": products.dot[:, 3 * i],
+            "own": own,
+            "others": products.dot[:, 3 * i + 2] - own,
+            "momentum": products.dot[:, 3 * i + 1],
+            "own_logit": -p.clip * coef * ddot_logit,
+            "own_head": p.clip * coef * products.own_head[:, i],
+        }
+        by_update[key] = {name: v[kept] for name, v in pieces.items()}
+    for name in criteria:
+        carried = parts["carried", name]
+        coef = alpha[name]
+        own_adam = carried.clip * coef * products.own[:, keys.index(("carried", name))]
+        own_grad = -cfg.lr * carried.clip * coef * products.plain
+        for protocol, own in (("own-adam", own_adam), ("own-grad", own_grad)):
+            full = torch.zeros(outside.shape, dtype=torch.float64)
+            full[rows, cols] = own
+            delta[protocol, name] = full
+    unmasked = decomposition.loss_coefficients(logits, batch, advantages, criteria["ratio"], masked=False)
+    coef = unmasked[rows, cols]
+    i_adam = keys.index(("carried", "ratio"))
+    assumption = {
+        "logit": -coef * ddot_logit,
+        "plain": -coef * products.plain,
+        "plain_head": -coef * products.plain_head,
+        "adam": coef * products.own[:, i_adam],
+        "adam_head": coef * products.own_head[:, i_adam],
+        "exact": (a[rows, cols] * pre["exact"].ddot[rows, cols]).double(),
+        "ratio": (a[rows, cols] * (pre["agg"].ratio[rows, cols] - 1)).double(),
+        "divergence_check": products.divergence - pre["agg"].divergence[rows, cols].double(),
+    }
+    return _SeedDecomposition(by_update, assumption)
+
+
+def _median(x: torch.Tensor) -> float | None:
+    x = x[torch.isfinite(x)]
+    return float(x.median()) if x.numel() else None
+
+
+def _agreement(piece: torch.Tensor, reference: torch.Tensor) -> float | None:
+    """Share of tokens where piece and reference have the same sign (None where the piece is all zero)."""
+    if not piece.numel() or not bool((piece != 0).any()):
+        return None
+    return float((torch.sign(piece) == torch.sign(reference)).double().mean())
+
+
+def _shares(p: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    total = p["own"].abs() + p["others"].abs() + p["momentum"].abs()
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    return {name: p[name].abs() / safe for name in ("own", "others", "momentum")}
+
+
+def _head_share(total: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    whole = head.abs() + (total - head).abs()
+    return head.abs() / torch.where(whole > 0, whole, torch.ones_like(whole))
+
+
+def _decomposition_rows(seeds: list[_SeedDecomposition]) -> list[DecompositionRow]:
+    if not seeds:
+        return []
+    rows = []
+    for protocol, criterion in seeds[0].by_update:
+        per_seed = [s.by_update[protocol, criterion] for s in seeds]
+        pooled = {name: torch.cat([p[name] for p in per_seed]) for name in PIECES}
+        shares = _shares(pooled)
+        seed_shares = [_shares(p) for p in per_seed]
+        realized = pooled["realized"]
+        error = (realized - pooled["first_order"]).abs() / realized.abs()
+        rows.append(
+            DecompositionRow(
+                protocol=protocol,
+                criterion=criterion,
+                tokens=int(realized.numel()),
+                own_share=_median(shares["own"]),
+                others_share=_median(shares["others"]),
+                momentum_share=_median(shares["momentum"]),
+                first_order_sign=_agreement(pooled["first_order"], realized),
+                own_sign=_agreement(pooled["own"], realized),
+                others_sign=_agreement(pooled["others"], realized),
+                momentum_sign=_agreement(pooled["momentum"], realized),
+                own_logit_sign=_agreement(pooled["own_logit"], realized),
+                own_last_layer_share=_median(_head_share(pooled["own"], pooled["own_head"])),
+                first_order_error=_median(error),
+                own_share_per_seed=[_median(s["own"]) for s in seed_shares],
+                others_share_per_seed=[_median(s["others"]) for s in seed_shares],
+                momentum_share_per_seed=[_median(s["momentum"]) for s in seed_shares],
+            )
+        )
+    return rows
+
+
+ASSUMPTION_KINDS = (  # (row name, own effect, its head part or None)
+    ("logit space, along e_k − π (the criterion's assumption)", "logit", None),
+    ("last layer only, plain gradient", "plain_head", None),
+    ("whole network, plain gradient", "plain", "plain_head"),
+    ("whole network, carried Adam's gain", "adam", "adam_head"),
+)
+
+
+def _assumption_rows(seeds: list[_SeedDecomposition]) -> list[AssumptionRow]:
+    if not seeds:
+        return []
+    pooled = {name: torch.cat([s.assumption[name] for s in seeds]) for name in seeds[0].assumption}
+    return [
+        AssumptionRow(
+            own_effect=label,
+            tokens=int(pooled[name].numel()),
+            agrees_exact=_agreement(pooled[name], pooled["exact"]),
+            agrees_ratio=_agreement(pooled[name], pooled["ratio"]),
+            last_layer_share=_median(_head_share(pooled[name], pooled[head])) if head else None,
+        )
+        for label, name, head in ASSUMPTION_KINDS
+    ]
+
+
+DECOMPOSITION_COLUMNS = (
+    "protocol",
+    "criterion",
+    "tokens",
+    "share own",
+    "share others",
+    "share mom.",
+    "sign 1st order",
+    "sign own",
+    "sign others",
+    "sign mom.",
+    "sign own logit",
+    "own last layer",
+    "1st-order error",
+)
+
+
+def decomposition_table_rows(result: AnalysisResult) -> list[tuple[str, ...]]:
+    return [
+        (
+            r.protocol + (" (main)" if r.protocol == result.protocol else ""),
+            r.criterion.replace("predictive/", "pred. "),
+            str(r.tokens),
+            _pct(r.own_share),
+            _pct(r.others_share),
+            _pct(r.momentum_share),
+            _pct(r.first_order_sign),
+            _pct(r.own_sign),
+            _pct(r.others_sign),
+            _pct(r.momentum_sign),
+            _pct(r.own_logit_sign),
+            _pct(r.own_last_layer_share),
+            _pct(r.first_order_error),
+        )
+        for r in result.decomposition
+    ]
+
+
+def render_decomposition_table(result: AnalysisResult) -> Table:
+    title = (
+        "ΔD decomposed: first-order ΔD = own + others + momentum, over the out-of-region tokens with A ≠ 0 "
+        "each criterion keeps (seeds pooled). share: median |piece| / (|own| + |others| + |momentum|); sign: "
+        "share of tokens whose piece has the realized ΔD's sign; own last layer: median share of the head in "
+        "the own effect; 1st-order error: median |realized − first order| / |realized|"
+    )
+    return _table(title, DECOMPOSITION_COLUMNS, 2, decomposition_table_rows(result))
+
+
+ASSUMPTION_COLUMNS = (
+    "a token's own effect on its D",
+    "tokens",
+    "sign = sign(A·Ḋ_exact)",
+    "sign = sign(A(r − 1))",
+    "last-layer share",
+)
+
+
+def assumption_table_rows(result: AnalysisResult) -> list[tuple[str, ...]]:
+    return [
+        (r.own_effect, str(r.tokens), _pct(r.agrees_exact), _pct(r.agrees_ratio), _pct(r.last_layer_share))
+        for r in result.logit_assumption
+    ]
+
+
+def render_assumption_table(result: AnalysisResult) -> Table:
+    title = (
+        "The predictive criterion's assumption: a token's update moves its logits along e_k − π. Out-of-region "
+        "tokens with A ≠ 0, each one's own gradient as if kept; agreement of its sign with each criterion's"
+    )
+    return _table(title, ASSUMPTION_COLUMNS, 1, assumption_table_rows(result))
+
+
+SEED_CSV_COLUMNS = (
+    "seed",
+    "protocol",
+    "estimator",
+    "tokens",
+    "out_of_region",
+    "disagreements",
+    "ratio_kept",
+    "ratio_unsafe_keep",
+    "ratio_corrective",
+    "predictive_kept",
+    "predictive_unsafe_keep",
+    "predictive_corrective",
+    "ratio_update_own_share",
+    "ratio_update_others_share",
+    "ratio_update_momentum_share",
+    "predictive_update_own_share",
+    "predictive_update_others_share",
+    "predictive_update_momentum_share",
+)
+
+
+def seed_csv(result: AnalysisResult) -> str:
+    """One row per seed, protocol and estimator: the rates and counts, and the median shares of the
+    decomposition of the ratio criterion's and the predictive criterion's update (empty where none)."""
+    import csv
+    import io
+
+    decomposed = {(r.protocol, r.criterion): r for r in result.decomposition}
+
+    def cell(value) -> str:
+        return "" if value is None else f"{value:.6g}" if isinstance(value, float) else str(value)
+
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(SEED_CSV_COLUMNS)
+    for protocol, comparisons in result.protocol_comparisons.items():
+        for c in comparisons:
+            ratio_row = decomposed.get((protocol, "ratio"))
+            pred_row = decomposed.get((protocol, f"predictive/{c.estimator}"))
+            for i, seed in enumerate(result.seeds):
+                shares = [
+                    getattr(row, f"{piece}_share_per_seed")[i] if row is not None else None
+                    for row in (ratio_row, pred_row)
+                    for piece in ("own", "others", "momentum")
+                ]
+                values = [
+                    seed,
+                    protocol,
+                    c.estimator,
+                    result.tokens_per_seed[i],
+                    result.out_of_region_per_seed[i],
+                    c.disagreement_per_seed[i],
+                    c.ratio.kept_per_seed[i] if c.ratio.kept_per_seed else None,
+                    c.ratio.unsafe_keep_per_seed[i],
+                    c.ratio.corrective_per_seed[i],
+                    c.predictive.kept_per_seed[i] if c.predictive.kept_per_seed else None,
+                    c.predictive.unsafe_keep_per_seed[i],
+                    c.predictive.corrective_per_seed[i],
+                    *shares,
+                ]
+                writer.writerow([cell(v) for v in values])
+    return out.getvalue()

@@ -41,9 +41,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pdmctl.backends.toy import llm_task
 from pdmctl.backends.toy import model as model_module
 from pdmctl.backends.toy import task as task_module
-from pdmctl.backends.toy.model import MODEL_PRESETS, ModelPreset, TinyTransformer, build_model
+from pdmctl.backends.toy.model import MODEL_PRESETS, LLMPreset, ModelPreset, TinyTransformer, build_model
 from pdmctl.backends.toy.task import (
     FREE_LEN,
     VARIANTS,
@@ -61,6 +62,7 @@ SHIPPED_FORMAT = 1
 # this line) is refused, never trained from.
 SHIPPED_SHA256 = {
     "toy-small": "4872ae51c589ab9e0d35b260eb74c151fbfe64129f7695bf7bf5a6201bb9d71f",
+    "toy-llm": "d7b22b93d728f2c274d6080a44ee254761ba998c0a5c3724cd9b982e092e9015",
 }
 SOURCES = ("shipped", "warmup")  # PDMCTL_TOY_BASE
 PROBE_SIZE = 1024
@@ -107,7 +109,9 @@ def check_shipped(preset_name: str, path: Path | None = None) -> Path:
     path = path or shipped_path(preset_name)
     expected = SHIPPED_SHA256.get(preset_name)
     if not path.is_file():
-        raise BaseModelError(f"{path}: the shipped base model of {preset_name!r} is missing; reinstall pdmctl")
+        raise BaseModelError(
+            f"{path}: the shipped base model of {preset_name!r} is missing; reinstall pdmctl"
+        )
     digest = sha256_of(path)
     if digest != expected:
         raise BaseModelError(
@@ -165,7 +169,8 @@ def cache_key(preset_name: str) -> str:
     digest = hashlib.sha256()
     digest.update(json.dumps(recipe_of(preset_name), sort_keys=True).encode())
     digest.update(torch.__version__.encode())
-    for source in _CODE:
+    extra = (Path(llm_task.__file__),) if isinstance(MODEL_PRESETS[preset_name], LLMPreset) else ()
+    for source in (*_CODE, *extra):
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -262,31 +267,36 @@ def _warm_up(
     preset = MODEL_PRESETS[preset_name]
     model = build_model(preset, preset.warmup_seed)
     generator = torch.Generator().manual_seed(preset.warmup_seed)
-    probe = _probe_set(preset)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=preset.warmup_lr, weight_decay=preset.warmup_weight_decay)
+    if isinstance(preset, LLMPreset):  # the LLM-like task's demonstrations and probe
+        probe, accuracy, train_step = _llm_probe_set(preset), llm_probe_accuracy, _llm_warm_up_step
+    else:
+        probe, accuracy, train_step = _probe_set(preset), probe_accuracy, _warm_up_step
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=preset.warmup_lr, weight_decay=preset.warmup_weight_decay
+    )
     step, criterion_step = 0, None
     while criterion_step is None:
         if step >= preset.warmup_steps:
-            first, second = probe_accuracy(model, probe)
+            first, second = accuracy(model, probe)
             raise BaseModelError(
                 f"{preset_name}: the warm-up did not reach its criterion ({preset.warmup_criterion:.0%} greedy-"
                 f"correct answer digits) in {preset.warmup_steps} steps: first digit {first:.1%}, second "
                 f"{second:.1%}"
             )
-        _warm_up_step(model, optimizer, preset, generator)
+        train_step(model, optimizer, preset, generator)
         step += 1
         if on_step is not None:
             on_step(step, model)
-        if step % preset.warmup_check_every == 0 and min(probe_accuracy(model, probe)) >= preset.warmup_criterion:
+        if step % preset.warmup_check_every == 0 and min(accuracy(model, probe)) >= preset.warmup_criterion:
             criterion_step = step
     for i in range(preset.warmup_anneal_steps):
         for group in optimizer.param_groups:
             group["lr"] = preset.warmup_lr * (1 - i / preset.warmup_anneal_steps)
-        _warm_up_step(model, optimizer, preset, generator)
+        train_step(model, optimizer, preset, generator)
         step += 1
         if on_step is not None:
             on_step(step, model)
-    first, second = probe_accuracy(model, probe)
+    first, second = accuracy(model, probe)
     return model, WarmUpReport(criterion_step, step, first, second)
 
 
@@ -344,6 +354,75 @@ def probe_accuracy(model: TinyTransformer, probe: _Probe) -> tuple[float, float]
     first = (by_digit.argmax(-1) == probe.answers[:, 0]).float().mean()
     second = (logits[:, 1].argmax(-1) == probe.answers[:, 1]).float().mean()
     return float(first), float(second)
+
+
+# ---------------------------------------------------------------------------
+# The LLM-like task's warm-up (llm_task): the same two phases, its own demonstrations and probe
+# ---------------------------------------------------------------------------
+
+
+def _llm_demonstrations(
+    preset: LLMPreset, n: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts, noisy demonstrated responses and the bool [n] "has the work", drawn from `generator`."""
+    problems = llm_task.sample_train(n, generator)
+    words = llm_task.sample_words(n, generator)
+    p_work = torch.where(llm_task.is_careful(words), preset.work_after_careful, preset.work_after_other)
+    work = torch.rand(n, generator=generator) < p_work
+    noise = torch.where(work, preset.noise_with_work, preset.noise_without_work).unsqueeze(1)
+    noisy = torch.rand(problems.answers.shape, generator=generator) < noise
+    random_digits = torch.randint(10, problems.answers.shape, generator=generator)
+    answers = torch.where(noisy, random_digits, problems.answers)
+    return problems.prompts, llm_task.responses(problems.prompts, words, work, answers), work
+
+
+def _llm_warm_up_step(
+    model: TinyTransformer, optimizer: torch.optim.Optimizer, preset: LLMPreset, generator: torch.Generator
+) -> None:
+    prompts, targets, work = _llm_demonstrations(preset, preset.warmup_batch, generator)
+    lengths = torch.where(work, llm_task.LONG_LEN, llm_task.SHORT_LEN)
+    logits = model(torch.cat([prompts, targets], dim=1)[:, :-1], last=targets.shape[1])
+    in_response = torch.arange(targets.shape[1]) < lengths.unsqueeze(1)
+    token_loss = F.cross_entropy(
+        logits.reshape(-1, preset.vocab_size),
+        targets.reshape(-1),
+        label_smoothing=preset.label_smoothing,
+        reduction="none",
+    )
+    loss = (token_loss * in_response.reshape(-1)).sum() / in_response.sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+@dataclass(frozen=True)
+class _LLMProbe:
+    tokens: torch.Tensor  # long [N, P + MAX_RESPONSE_LEN]: prompt and a correct response, half of each form
+    answer: torch.Tensor  # bool [N, MAX_RESPONSE_LEN]: the positions of the answer digits
+    determined: torch.Tensor  # bool [N, MAX_RESPONSE_LEN]: the other positions after the fork, EOS included
+
+
+def _llm_probe_set(preset: LLMPreset) -> _LLMProbe:
+    generator = torch.Generator().manual_seed(preset.warmup_seed + 1_000_003)
+    problems = llm_task.sample_train(PROBE_SIZE, generator)
+    words = llm_task.sample_words(PROBE_SIZE, generator)
+    work = torch.arange(PROBE_SIZE) % 2 == 0
+    targets = llm_task.responses(problems.prompts, words, work, problems.answers)
+    positions = torch.arange(llm_task.MAX_RESPONSE_LEN)
+    start = torch.where(work, llm_task.ANSWER_OFFSET[True], llm_task.ANSWER_OFFSET[False]).unsqueeze(1)
+    answer = (positions >= start) & (positions < start + llm_task.ANSWER_LEN)
+    length = torch.where(work, llm_task.LONG_LEN, llm_task.SHORT_LEN).unsqueeze(1)
+    determined = (positions >= 2) & (positions < length) & ~answer
+    return _LLMProbe(torch.cat([problems.prompts, targets], dim=1), answer, determined)
+
+
+@torch.no_grad()
+def llm_probe_accuracy(model: TinyTransformer, probe: _LLMProbe) -> tuple[float, float]:
+    """Teacher-forced greedy accuracy on the probe: of the answer digits, and of the deterministic
+    positions (the work, the markers, EOS). WarmUpReport records them as its first and second."""
+    logits = model(probe.tokens[:, :-1], last=llm_task.MAX_RESPONSE_LEN)
+    right = logits.argmax(-1) == probe.tokens[:, -llm_task.MAX_RESPONSE_LEN :]
+    return float(right[probe.answer].float().mean()), float(right[probe.determined].float().mean())
 
 
 def save_atomically(obj: object, path: Path) -> None:

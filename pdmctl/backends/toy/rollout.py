@@ -38,10 +38,19 @@ class Rollout:
 
 
 class RolloutEngine:
-    def __init__(self, policy: TinyTransformer, cast: WeightCast, k: int) -> None:
+    def __init__(
+        self,
+        policy: TinyTransformer,
+        cast: WeightCast,
+        k: int,
+        max_len: int = MAX_RESPONSE_LEN,
+        kv_cache: bool = False,
+    ) -> None:
         self.model = copy.deepcopy(policy).requires_grad_(False)
         self.cast = cast
         self.k = k
+        self.max_len = max_len  # tokens generated per prompt: the task's longest response
+        self.kv_cache = kv_cache  # keep the prefix's keys and values (long responses) instead of recomputing
 
     @torch.no_grad()
     def sync(self, policy: TinyTransformer) -> None:
@@ -50,7 +59,7 @@ class RolloutEngine:
             mine.copy_(self.cast(theirs.detach()))
 
     def generate(self, prompts: torch.Tensor, generator: torch.Generator) -> Rollout:
-        """Sample MAX_RESPONSE_LEN tokens per prompt at temperature 1.0.
+        """Sample `max_len` tokens per prompt at temperature 1.0.
 
         Every row runs the full length (rows past EOS keep sampling; the
         response mask drops those tokens) so the batch stays one tensor. The
@@ -60,15 +69,20 @@ class RolloutEngine:
         with torch.inference_mode():
             tokens = prompts
             sampled, sampled_lp, topk_ids, topk_lp = [], [], [], []
-            for _ in range(MAX_RESPONSE_LEN):
-                log_mu = torch.log_softmax(self.model(tokens)[:, -1].float(), dim=-1)
+            cache, new = None, prompts
+            for _ in range(self.max_len):
+                if self.kv_cache:
+                    logits, cache = self.model.cached(new, tokens.shape[1] - new.shape[1], cache)
+                else:
+                    logits = self.model(tokens)[:, -1]
+                log_mu = torch.log_softmax(logits.float(), dim=-1)
                 ids = sample(log_mu.exp(), generator)
                 top = log_mu.topk(self.k, dim=-1)
                 sampled.append(ids.squeeze(1))
                 sampled_lp.append(log_mu.gather(1, ids).squeeze(1))
                 topk_ids.append(top.indices)
                 topk_lp.append(top.values)
-                tokens = torch.cat([tokens, ids], dim=1)
+                tokens, new = torch.cat([tokens, ids], dim=1), ids
         # clone out of inference mode: the trainer's autograd must be able to save these
         return Rollout(
             prompts=prompts.clone(),

@@ -22,6 +22,7 @@ from pdmctl.backends.toy.basemodel import load_base_model, save_atomically
 from pdmctl.backends.toy.config import ToyConfig
 from pdmctl.backends.toy.model import PRECISIONS, TinyTransformer, forward
 from pdmctl.backends.toy.rollout import Rollout, RolloutEngine
+from pdmctl.backends.toy.tasks import TASKS, Task, task_of
 
 EVAL_SETS = ("toy24", "toy25")
 KEEP_CHECKPOINTS = 2
@@ -36,26 +37,34 @@ class Learner:
     optimizer: torch.optim.Adam
     engine: RolloutEngine
     generator: torch.Generator  # training randomness: problems, sampling, mini-batch order
+    task: Task = TASKS["addition"]  # the preset's task (tasks.task_of)
 
     @classmethod
     def from_base(cls, cfg: ToyConfig) -> Learner:
         policy = load_base_model(cfg.model)
+        the_task = task_of(cfg.model)
         return cls(
             policy=policy,
             optimizer=torch.optim.Adam(policy.parameters(), lr=cfg.lr),
-            engine=RolloutEngine(policy, PRECISIONS[cfg.precision].rollout, cfg.k),
+            engine=RolloutEngine(
+                policy, PRECISIONS[cfg.precision].rollout, cfg.k, the_task.max_response_len, the_task.kv_cache
+            ),
             generator=torch.Generator().manual_seed(cfg.seed),
+            task=the_task,
         )
 
     def rollout(self, problems: task.Problems) -> Rollout:
         self.engine.sync(self.policy)
         return self.engine.generate(problems.prompts, self.generator)
 
-    def update(self, batch: Rollout, advantages: torch.Tensor, cfg: ToyConfig) -> dict[str, float]:
-        """One optimizer step on the rows of `batch`; the mask's metrics over its response tokens."""
-        resp_mask = task.response_mask(batch.sampled_ids)
+    def update(
+        self, batch: Rollout, advantages: torch.Tensor, cfg: ToyConfig, shape: bool = False
+    ) -> dict[str, float]:
+        """One optimizer step on the rows of `batch`; the mask's metrics over its response tokens (with
+        `shape`, also the policy's entropy and top-K mass there before the step: policy_shape)."""
+        resp_mask = self.task.response_mask(batch.sampled_ids)
         logits = forward(
-            self.policy, batch.tokens[:, :-1], task.MAX_RESPONSE_LEN, PRECISIONS[cfg.precision].train
+            self.policy, batch.tokens[:, :-1], self.task.max_response_len, PRECISIONS[cfg.precision].train
         )
         loss, metrics = masks.policy_loss(
             logits,
@@ -77,9 +86,10 @@ class Learner:
         )
         self.optimizer.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
         self.optimizer.step()
-        return metrics
+        metrics = {**metrics, "grad_norm": float(norm)}  # before clipping (the analysis's decomposition)
+        return {**metrics, **policy_shape(logits.detach(), resp_mask, cfg.k)} if shape else metrics
 
     def state_dict(self, step: int, cfg: ToyConfig) -> dict[str, object]:
         return {
@@ -99,6 +109,21 @@ class Learner:
         return int(state["step"])
 
 
+def policy_shape(logits: torch.Tensor, resp_mask: torch.Tensor, k: int) -> dict[str, float]:
+    """The policy's mean token entropy (nats) and mean top-K mass over the response tokens, from the
+    training forward's logits [B, T, V] (before the update): what an LLM run's entropy curve shows."""
+    with torch.no_grad():
+        log_pi = torch.log_softmax(logits.float(), -1)
+        pi = log_pi.exp()
+        entropy = -(pi * log_pi).sum(-1)
+        topk_mass = pi.topk(min(k, pi.shape[-1]), -1).values.sum(-1)
+        n = resp_mask.sum().clamp_min(1)
+        return {
+            "entropy": float((entropy * resp_mask).sum() / n),
+            "topk_mass": float((topk_mass * resp_mask).sum() / n),
+        }
+
+
 def grpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """A = (R − mean of the group) / (std of the group + ε); a group is group_size consecutive rows."""
     grouped = rewards.view(-1, group_size)
@@ -108,26 +133,31 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def train_step(learner: Learner, cfg: ToyConfig) -> dict[str, float]:
     """Rollout one batch, then `minibatches` updates on it in a random order; the step's metrics."""
-    problems = task.sample_train(cfg.prompts_per_step, learner.generator).repeat(cfg.group_size)
+    problems = learner.task.sample_train(cfg.prompts_per_step, learner.generator).repeat(cfg.group_size)
     batch = learner.rollout(problems)
-    rewards = task.score(problems, batch.sampled_ids)
+    rewards = learner.task.score(problems, batch.sampled_ids)
     advantages = grpo_advantages(rewards, cfg.group_size)
     order = torch.randperm(len(problems), generator=learner.generator)
     totals = dict.fromkeys(_UPDATE_METRICS, 0.0)
     disagreements, tokens = 0.0, 0.0
-    for rows in order.tensor_split(cfg.minibatches):
+    shape: dict[str, float] = {}
+    for i, rows in enumerate(order.tensor_split(cfg.minibatches)):
         mini = batch.select(rows)
-        n_tokens = float(task.response_mask(mini.sampled_ids).sum())
-        metrics = learner.update(mini, advantages[rows], cfg)
+        n_tokens = float(learner.task.response_mask(mini.sampled_ids).sum())
+        metrics = learner.update(mini, advantages[rows], cfg, shape=i == 0)
+        # the policy's shape on the first mini-batch, before the step's first update: a random 1/minibatches
+        # of the rollout (all of it costs a log-softmax and a top-K over every token's vocabulary again)
+        shape = shape or {f"train/{name}": metrics[name] for name in ("entropy", "topk_mass")}
         for name in _UPDATE_METRICS:
             totals[name] += metrics[name] * n_tokens
         disagreements += metrics["disagreement_count"]
         tokens += n_tokens
     return {
         "train/reward": float(rewards.mean()),
-        "train/response_length": float(task.response_lengths(batch.sampled_ids).float().mean()),
+        "train/response_length": float(learner.task.response_lengths(batch.sampled_ids).float().mean()),
         **{f"train/{name}": total / tokens for name, total in totals.items()},
         "train/disagreement_count": disagreements,
+        **shape,
     }
 
 
@@ -137,9 +167,9 @@ def evaluate(learner: Learner, cfg: ToyConfig, step: int, tracker: Tracker) -> d
     generator = torch.Generator().manual_seed(_eval_seed(cfg.seed, step))
     scores: dict[str, float] = {}
     for name in EVAL_SETS:
-        problems = task.heldout(name).repeat(cfg.eval_samples)
+        problems = learner.task.heldout(name).repeat(cfg.eval_samples)
         rollout = learner.engine.generate(problems.prompts, generator)
-        per_problem = task.score(problems, rollout.sampled_ids).view(-1, cfg.eval_samples).mean(1)
+        per_problem = learner.task.score(problems, rollout.sampled_ids).view(-1, cfg.eval_samples).mean(1)
         tracker.log_per_problem(name, step, per_problem.tolist())
         scores[f"eval/{name}"] = float(per_problem.mean())
     tracker.log_metrics(scores, step)
