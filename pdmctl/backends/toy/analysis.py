@@ -368,21 +368,7 @@ def diagnostics(
             learner.policy, batch.tokens[:, :-1], batch.sampled_ids.shape[1], PRECISIONS[cfg.precision].train
         )
     shape = batch.sampled_ids.shape
-    d = masks.token_diagnostics(
-        logits.reshape(-1, logits.shape[-1]),
-        batch.sampled_ids.reshape(-1),
-        batch.topk_ids.reshape(-1, batch.topk_ids.shape[-1]),
-        batch.topk_logprobs.reshape(-1, batch.topk_ids.shape[-1]),
-        batch.sampled_logprobs.reshape(-1),
-        advantages.unsqueeze(1).expand(shape).reshape(-1),
-        method="pdm",
-        divergence=cfg.divergence,
-        estimator=estimator,
-        delta=cfg.delta,
-        delta_low=cfg.delta_low,
-        eps_low=cfg.eps_low,
-        eps_high=cfg.eps_high,
-    )
+    d = decomposition.flat_diagnostics(logits, batch, advantages, cfg, method="pdm", estimator=estimator)
     return dataclasses.replace(d, **{f.name: getattr(d, f.name).view(shape) for f in dataclasses.fields(d)})
 
 

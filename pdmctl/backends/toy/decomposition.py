@@ -109,6 +109,28 @@ def update_parts(
     return UpdateParts(step, -precondition * beta1 * m_prev, -precondition * (1 - beta1), grad, clip)
 
 
+def flat_diagnostics(
+    logits: torch.Tensor, batch: Rollout, advantages: torch.Tensor, cfg: ToyConfig, *, method: str, estimator: str
+) -> masks.Diagnostics:
+    """`masks.token_diagnostics` of every generated token of `batch` ([B*T] each) under `cfg`'s δ and
+    divergence, with `method` and `estimator` as given."""
+    return masks.token_diagnostics(
+        logits.reshape(-1, logits.shape[-1]),
+        batch.sampled_ids.reshape(-1),
+        batch.topk_ids.reshape(-1, batch.topk_ids.shape[-1]),
+        batch.topk_logprobs.reshape(-1, batch.topk_ids.shape[-1]),
+        batch.sampled_logprobs.reshape(-1),
+        advantages.unsqueeze(1).expand(batch.sampled_ids.shape).reshape(-1),
+        method=method,
+        divergence=cfg.divergence,
+        estimator=estimator,
+        delta=cfg.delta,
+        delta_low=cfg.delta_low,
+        eps_low=cfg.eps_low,
+        eps_high=cfg.eps_high,
+    )
+
+
 def loss_coefficients(
     logits: torch.Tensor,
     batch: Rollout,
@@ -120,21 +142,7 @@ def loss_coefficients(
     """α = ∂L/∂ log π_k per token [B, T] for `criterion`'s loss (masks.policy_loss): −A·min(r, C)·M times
     the aggregation's weight; with `masked=False` as if every token were kept (M = 1)."""
     shape = batch.sampled_ids.shape
-    d = masks.token_diagnostics(
-        logits.reshape(-1, logits.shape[-1]),
-        batch.sampled_ids.reshape(-1),
-        batch.topk_ids.reshape(-1, batch.topk_ids.shape[-1]),
-        batch.topk_logprobs.reshape(-1, batch.topk_ids.shape[-1]),
-        batch.sampled_logprobs.reshape(-1),
-        advantages.unsqueeze(1).expand(shape).reshape(-1),
-        method=criterion.method,
-        divergence=criterion.divergence,
-        estimator=criterion.estimator,
-        delta=criterion.delta,
-        delta_low=criterion.delta_low,
-        eps_low=criterion.eps_low,
-        eps_high=criterion.eps_high,
-    )
+    d = flat_diagnostics(logits, batch, advantages, criterion, method=criterion.method, estimator=criterion.estimator)
     keep = d.keep.float() if masked else torch.ones_like(d.ratio)
     weight = advantages.unsqueeze(1).expand(shape).reshape(-1).float() * d.ratio.clamp(
         max=criterion.ratio_cap
