@@ -86,23 +86,10 @@ def vllm_response(
     rng: random.Random, length: int, k: int, vocab: int = 151_936, p_outside: float = 0.1
 ) -> tuple[list[int], list[dict[int, Logprob]]]:
     """One response as vLLM returns it with `logprobs=k`: per position the top-k by rank and the sampled
-    token (first in the dict, as vLLM puts it; with its own rank > k when outside the top-k)."""
-    tokens: list[int] = []
-    positions: list[dict[int, Logprob]] = []
-    for _ in range(length):
-        top_ids = rng.sample(range(vocab), k + 1)
-        lps = sorted((-rng.expovariate(0.5) for _ in range(k + 1)), reverse=True)
-        if rng.random() < p_outside:
-            sampled, rank, lp = top_ids[k], rng.randint(k + 1, 5 * k), lps[k] - rng.expovariate(1.0)
-        else:
-            slot = rng.randrange(k)
-            sampled, rank, lp = top_ids[slot], slot + 1, lps[slot]
-        entries = {sampled: Logprob(lp, rank)}
-        for slot in range(k):
-            entries.setdefault(top_ids[slot], Logprob(lps[slot], slot + 1))
-        tokens.append(sampled)
-        positions.append(entries)
-    return tokens, positions
+    token (first in the dict, as vLLM puts it; with its own rank > k when outside the top-k): the dicts
+    that `vllm_flat_response`'s flat lists stand for (vLLM builds the same ones without flat_logprobs)."""
+    tokens, flat = vllm_flat_response(rng, length, k, vocab, p_outside)
+    return tokens, [flat[t] for t in range(len(flat))]
 
 
 def vllm_flat_response(
