@@ -20,7 +20,9 @@ Timed, in one process on one thread, every response at the full 8,192 tokens (th
                        builds the dict that vLLM's output processor otherwise builds, so it moves a
                        cost rather than adding one (not part of the carry)
     hand-over          server -> agent-loop worker: `.tolist()` + pickle + `torch.as_tensor` (the lists
-                       49e0c0d carried), against pickling the tensors themselves (what is carried now)
+                       49e0c0d carried), against pickling the tensors themselves (carried until
+                       2026-12-02) and numpy views of them with pickle protocol 5, as Ray sends them
+                       (what is carried now: the buffers travel as bytes, no per-element work)
     pad                `topk.pad_topk` of the whole batch
 
 The share of a rollout step: the carry's CPU seconds per token times the tokens per second one vLLM
@@ -105,7 +107,7 @@ def main() -> None:
                 verl_flat_s += elapsed
 
     supports = []
-    dicts_s = after_s = list_s = tensor_s = 0.0
+    dicts_s = after_s = list_s = tensor_s = array_s = 0.0
     for i in range(n):
         ids, positions = pool[i % len(pool)]
         t0 = time.perf_counter()
@@ -124,8 +126,13 @@ def main() -> None:
             list_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         back = pickle.loads(pickle.dumps({"ids": support.ids, "logprobs": support.logprobs}))
-        support = topk.RolloutTopK(torch.as_tensor(back["ids"]), torch.as_tensor(back["logprobs"]))
+        topk.RolloutTopK(torch.as_tensor(back["ids"]), torch.as_tensor(back["logprobs"]))
         tensor_s += time.perf_counter() - t0
+        t0 = time.perf_counter()  # what the server hands over now: numpy views (Ray: pickle protocol 5)
+        back = pickle.loads(pickle.dumps({"ids": support.ids.numpy(), "logprobs": support.logprobs.numpy()},
+                                         protocol=5))  # fmt: skip
+        support = topk.RolloutTopK(torch.as_tensor(back["ids"]), torch.as_tensor(back["logprobs"]))
+        array_s += time.perf_counter() - t0
         supports.append(support)
     t0 = time.perf_counter()
     batch = topk.pad_topk(supports, tokens, k)
@@ -144,18 +151,19 @@ def main() -> None:
         ("extract, vectorised on dicts", total / dicts_s, dicts_s),
         ("extract, vectorised on flat (after)", total / after_s, after_s),
         ("hand-over as lists (before)", before_tokens / list_s, list_s * total / before_tokens),
-        ("hand-over as tensors (after)", total / tensor_s, tensor_s),
+        ("hand-over as tensors (2026-12-02)", total / tensor_s, tensor_s),
+        ("hand-over as arrays (after)", total / array_s, array_s),
         ("pad the batch", total / pad_s, pad_s),
     ]
     print(f"\n{'stage':36s} {'tokens/s':>12s} {'s per step':>11s}")
     for name, rate, seconds in rows:
         print(f"{name:36s} {rate:12,.0f} {seconds:11.1f}")
     carry_before = rows[0][2] + rows[3][2] + pad_s
-    carry_dicts = dicts_s + tensor_s + pad_s
-    carry_after = after_s + tensor_s + pad_s
+    carry_dicts = dicts_s + array_s + pad_s
+    carry_after = after_s + array_s + pad_s
     print(f"{'carry, before (loop + lists + pad)':36s} {total / carry_before:12,.0f} {carry_before:11.1f}")
-    print(f"{'carry, dicts (vectorised + tensors)':36s} {total / carry_dicts:12,.0f} {carry_dicts:11.1f}")
-    print(f"{'carry, after (flat + tensors + pad)':36s} {total / carry_after:12,.0f} {carry_after:11.1f}")
+    print(f"{'carry, dicts (vectorised + arrays)':36s} {total / carry_dicts:12,.0f} {carry_dicts:11.1f}")
+    print(f"{'carry, after (flat + arrays + pad)':36s} {total / carry_after:12,.0f} {carry_after:11.1f}")
     print(
         f"speed-up: extraction {rows[2][1] / rows[0][1]:.1f}x (flat over dicts {rows[2][1] / rows[1][1]:.1f}x), "
         f"whole carry {carry_before / carry_after:.1f}x"

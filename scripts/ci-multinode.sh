@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The multi-node part of CI: start the 2-node SLURM (.ci/slurm_multi_up.sh), run the tests marked
 # `multinode` (tests/test_slurm_multinode.py: srun across both nodes, a toy sweep through
-# clusters/slurm-multi.yaml, a node lost mid-run), with --engine also VeRL across both nodes
+# clusters/slurm-multi.yaml, a node lost mid-run), with --engine also VeRL across both nodes, then
+# n2 lost mid-training and the run resumed from VeRL's checkpoint on both nodes again
 # (tests/test_verl_multinode.py, marked `multinode_engine`, run with that environment's Python), and
 # tear the cluster down whatever happened. Prints each step's time. Needs root (namespaces, daemons).
 # The single-node SLURM of .ci/slurm_up.sh is left alone and may run at the same time.
@@ -60,7 +61,7 @@ if [ -n "$ENGINE" ]; then
   step "tiny Qwen3 at $PDMCTL_TINY_DIR; VeRL across both nodes (-m multinode_engine, $ENGINE)"
   "$ENGINE/bin/python" -m pdmctl.backends.verl.tiny "$PDMCTL_TINY_DIR" >/dev/null
   # a skip fails (the environment is checked above, the cluster is up)
-  PDMCTL_NO_SKIPS=1 SLURM_CONF=/etc/slurm-pdm-multi/slurm.conf timeout 1500 "$ENGINE/bin/python" -m pytest -q \
+  PDMCTL_NO_SKIPS=1 SLURM_CONF=/etc/slurm-pdm-multi/slurm.conf timeout 2700 "$ENGINE/bin/python" -m pytest -q \
     -m multinode_engine -rs -s --durations=0 -p no:cacheprovider tests/test_verl_multinode.py
   erc=$?
   step "VeRL across both nodes done (exit $erc)"

@@ -6,7 +6,8 @@ Run with the engine environment's Python (scripts/engine-env.sh; scripts/ci-engi
 
 One sweep (a PDM and a DPPO run, the user's command with the debug dump on) serves the
 ledger, top-K and loss checks; the failure test runs one more, short, job; the SLURM test one
-through the job body on the CI's SLURM.
+through the job body on the CI's SLURM, which reaches its time limit mid-training and is requeued
+(two engine starts).
 """
 
 from __future__ import annotations
@@ -305,23 +306,77 @@ def test_kill_9_after_the_first_checkpoint_then_resume_continues_the_same_run(tm
     assert _job_processes(run_dir) == [], "processes of the killed attempt outlived the resume"
 
 
-def test_on_slurm_the_job_body_starts_ray_in_the_allocation_and_trains(tmp_path: Path) -> None:
-    env = {"PDMCTL_TINY_DIR": _tiny_dir(tmp_path)}
+def _slurm(*args: str) -> str:
+    import subprocess
+
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=60, check=True).stdout
+
+
+def _wait_for_text(path: Path, text: str, timeout: float, root: Path) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        content = path.read_text(errors="replace") if path.exists() else ""
+        if text in content:
+            return content
+        assert time.monotonic() < deadline, f"no {text!r} in {path} after {timeout:.0f} s:\n{_job_logs(root)}"
+        time.sleep(1)
+
+
+def test_on_slurm_the_job_body_trains_and_its_time_limit_requeues_it_from_the_checkpoint(tmp_path: Path) -> None:
+    """A VeRL job on the CI's SLURM: the job body starts Ray's head in the allocation and the trainer
+    joins it; the job reaches its time limit mid-training, SLURM's USR2 (`signal_delay_s` before the
+    limit) requeues it, and the next attempt resumes from VeRL's checkpoint into the same MLflow run,
+    every step logged once (issue 18, item 7).
+
+    slurmctld checks limits every 30 s and the tiny model trains a step in about a second, so the
+    run is held still after step 1 (its checkpoint saved, `PDMCTL_VERL_HOLD_AT_STEP`; the resumed
+    attempt never holds), then the running job's limit is cut to the minute after next, with a
+    120 s signal lead: the signal is due at once and comes at slurmctld's next check, a minute or
+    more before the limit itself (so it is the job that requeues itself, as on a cluster, not
+    SLURM's kill at the limit), whatever this machine's speed."""
+    import yaml
+
+    local = yaml.safe_load((Path(__file__).resolve().parents[1] / "clusters" / "slurm-local.yaml").read_text())
+    profile = tmp_path / "slurm-verl.yaml"
+    profile.write_text(yaml.safe_dump({**local, "name": "slurm-verl", "time": 10, "signal_delay_s": 120,
+                                       "max_timeouts": 3}))  # fmt: skip
+    env = {"PDMCTL_TINY_DIR": _tiny_dir(tmp_path), "PDMCTL_VERL_HOLD_AT_STEP": "1", "PDMCTL_VERL_HOLD_S": "600"}
     uri = sqlite_uri(tmp_path)
-    result = pdmctl(
-        "sweep", "backend=verl", f"model={MODEL}", "mask=pdm_agg", "k=5", "--cluster", "slurm-local",
-        "--wait", "--tracking-uri", uri, cwd=tmp_path, env=env, timeout=2400,
-    )  # fmt: skip
+    args = ["backend=verl", f"model={MODEL}", "mask=pdm_agg", "k=5", "--cluster", str(profile), "--tracking-uri", uri]
+    result = pdmctl("sweep", *args, cwd=tmp_path, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (run_dir,) = [p for p in (tmp_path / "pdmctl-runs").glob("default/*/*") if p.is_dir()]
+    attempt_1 = run_dir / "logs" / "attempt-1.log"
+    _wait_for_text(attempt_1, "pdmctl: held at step 1", 1800, tmp_path)
+    from pdmctl import orchestrate
+
+    (view,) = orchestrate.status(orchestrate.make_context(str(profile), uri), "default")
+    job_id = view.record.job_id
+    tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    assert tracker.read_text().strip() == "1", tracker.read_text()
+    used = _slurm("squeue", "-h", "-j", job_id, "-o", "%M").strip().split(":")  # [[H:]M]:SS
+    minutes = int(used[-2]) + 60 * int(used[-3].split("-")[-1] if len(used) > 2 else 0)
+    _slurm("scontrol", "update", f"jobid={job_id}", f"TimeLimit={minutes + 2}")
+    log = _wait_for_text(attempt_1, "Requeued job", 150, tmp_path)
+    _slurm("scontrol", "update", f"jobid={job_id}", "TimeLimit=10")
+    assert "this job is timed-out" in log and "DUE TO TIME LIMIT" not in log, log[-3000:]  # before the limit
+    result = pdmctl("sweep", *args, "--wait", cwd=tmp_path, env=env, timeout=2400)  # waits, submits nothing
     assert result.returncode == 0, result.stdout + result.stderr + _job_logs(tmp_path)
     (run,) = _runs(uri)
-    assert run.info.status == "FINISHED", _job_logs(tmp_path)
-    # the whole log (`_job_logs` keeps each file's tail): the job body started Ray's head in the
-    # allocation, and the trainer joined that cluster rather than starting one of its own
-    logs = "\n".join(p.read_text(errors="replace") for p in tmp_path.rglob("attempt-*.log"))
-    assert "Ray runtime started" in logs and "pdmctl: 1 Ray node(s) up" in logs, logs[-3000:]
-    assert "Connecting to existing Ray cluster" in logs, logs[-3000:]
+    assert run.info.status == "FINISHED" and run.info.run_id == run_dir.name, _job_logs(tmp_path)  # the same run
+    logs = {p.name: p.read_text(errors="replace") for p in (run_dir / "logs").glob("attempt-*.log")}
+    assert sorted(logs) == ["attempt-1.log", "attempt-2.log"], sorted(logs)
+    first, second = logs["attempt-1.log"], logs["attempt-2.log"]
+    # the job body started Ray's head in the allocation, and the trainer joined that cluster
+    for log in (first, second):
+        assert "Ray runtime started" in log and "pdmctl: 1 Ray node(s) up" in log, log[-3000:]
+        assert "Connecting to existing Ray cluster" in log, log[-3000:]
+    assert "global_step_1" in second and "held at step" not in second, second[-3000:]  # resumed, never held
     assert sorted(_history(uri, run.info.run_id, "train/mask_frac")) == [1, 2, 3]
+    assert {0, 3} <= set(_history(uri, run.info.run_id, "eval/aime24"))
     _no_step_twice(uri, run.info.run_id)
+    records = _slurm("sacct", "-n", "-P", "-X", "-D", "-o", "JobID,State", "-j", job_id).split()
+    assert records == [f"{job_id}|REQUEUED", f"{job_id}|COMPLETED"], records
 
 
 @pytest.mark.engine_long

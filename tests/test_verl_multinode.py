@@ -5,6 +5,14 @@ job body starts Ray's head on n1 and a worker on n2 (srun), VeRL 0.9.1 trains th
 `trainer.nnodes=2`, one actor rank and one vLLM rollout server per node (gloo between the ranks), and
 the run's metrics reach the MLflow ledger on the shared directory.
 
+Then n2 is lost mid-training (issue 18, item 7): once the run has checkpointed step 1 it is held still
+there (`PDMCTL_VERL_HOLD_AT_STEP=1`: whatever this machine's speed, the loss finds it training), n2's
+slurmd, PID 1 of its node's PID namespace, is SIGKILLed, and every process of the node goes with it,
+as in a crash. SLURM sees the node down after SlurmdTimeout and requeues the job (or it fails, and
+`pdmctl resume` brings it back); n2 is started again, and the next attempt starts Ray on both nodes
+again and resumes from VeRL's checkpoint into the same MLflow run, every step logged once. One
+scenario (two engine starts, ~10 min here) serves every test of the module.
+
 Run with the engine environment's Python, on the running 2-node cluster (marked `multinode_engine`,
 left out of every other run): `bash scripts/ci-multinode.sh --engine ENV_DIR`.
 """
@@ -21,11 +29,24 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.test_slurm_multinode import PROFILE, SHARED, SLURM_CONF, _cluster_answers, node_slurmd_pid, slurm
+from tests.test_slurm_multinode import (
+    PROFILE,
+    SHARED,
+    SLURM_CONF,
+    UP,
+    _cluster_answers,
+    job_field,
+    node_slurmd_pid,
+    node_state,
+    slurm,
+    wait_for,
+)  # fmt: skip
 
 ENGINE_ENV = importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("verl") is not None
 STEPS = 2  # training steps: enough for a weight sync after an update and a second rollout on both nodes
@@ -98,10 +119,30 @@ class _PeakMemory(threading.Thread):
             self.peak = max(self.peak, _used_gb())
 
 
-@pytest.mark.timeout(SWEEP_TIMEOUT_S + 300 + 120)  # the sweep, the lock's wait, the checks
-def test_verl_trains_across_two_nodes_with_its_metrics_in_the_ledger() -> None:
-    from mlflow.tracking import MlflowClient
+@dataclass
+class TwoNodeRun:
+    root: Path
+    uri: str
+    view: object  # orchestrate.RunView at the end
+    job_id: str
+    outcome: str  # what SLURM made of the lost node: a requeue (PENDING/REQUEUED...) or NODE_FAIL/FAILED
+    logs: dict[str, str]  # attempt-N.log -> text
+    first_sweep: subprocess.CompletedProcess
+    wait_sweep: subprocess.CompletedProcess
+    left: dict[str, list[str]]  # the nodes' processes once the job ended
 
+
+def _wait_for_log(path: Path, text: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        content = path.read_text(errors="replace") if path.exists() else ""
+        if text in content or time.monotonic() > deadline:
+            return content
+        time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def two_node_run() -> Iterator[TwoNodeRun]:
     from pdmctl import orchestrate
 
     root = SHARED / "tests" / f"verl-{uuid.uuid4().hex[:10]}"
@@ -113,56 +154,129 @@ def test_verl_trains_across_two_nodes_with_its_metrics_in_the_ledger() -> None:
                 # the tiny model on storage both nodes see (CI builds it once; a bare run builds its own)
                 "PDMCTL_TINY_DIR": os.environ.get("PDMCTL_TINY_DIR") or str(root / "tiny"),
                 # two Ray nodes starting on 2 shared cores: more than the default 120 s to come up
-                "PDMCTL_RAY_WAIT_S": "300"})  # fmt: skip
+                "PDMCTL_RAY_WAIT_S": "300",
+                # the first attempt stays at step 1 (checkpointed) until n2 is lost; the next never holds
+                "PDMCTL_VERL_HOLD_AT_STEP": "1", "PDMCTL_VERL_HOLD_S": "600"})  # fmt: skip
+    os.environ["SLURM_CONF"] = SLURM_CONF  # this process's SLURM clients (sacct, orchestrate.status)
+    sweep = [sys.executable, "-m", "pdmctl.cli", "sweep", "backend=verl", "model=qwen3-tiny", "mask=pdm_agg", "k=5",
+             "backend.nnodes=2", f"backend.total_training_steps={STEPS}", "--name", name, "--cluster", PROFILE,
+             "--tracking-uri", uri]  # fmt: skip
+    ctx = orchestrate.make_context(PROFILE, uri)
     with _machine_engine_lock():
         memory = _PeakMemory()
         memory.start()
         started = time.monotonic()
-        proc = subprocess.run(
-            [sys.executable, "-m", "pdmctl.cli", "sweep", "backend=verl", "model=qwen3-tiny", "mask=pdm_agg",
-             "k=5", "backend.nnodes=2", f"backend.total_training_steps={STEPS}", "--name", name, "--cluster",
-             PROFILE, "--tracking-uri", uri, "--wait"],
-            capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S, cwd=root, env=env,
-        )  # fmt: skip
-        elapsed = time.monotonic() - started
-        memory.done.set()
-    os.environ["SLURM_CONF"] = SLURM_CONF  # this process's SLURM clients (sacct, orchestrate.status)
-    ctx = orchestrate.make_context(PROFILE, uri)
-    (view,) = orchestrate.status(ctx, name)
-    log_path = Path(view.record.run_dir) / "logs" / "attempt-1.log"
-    log = log_path.read_text(errors="replace") if log_path.exists() else ""
-    print(f"\n2-node VeRL sweep: {elapsed:.0f} s, job {view.record.job_id}, {view.state}; machine memory in use "
-          f"{memory.before:.1f} GB before, {memory.peak:.1f} GB at the peak")
-    print("\n".join(line for line in log.splitlines() if "Ray node(s) up" in line or _ANNOUNCE.search(line)))
-    assert proc.returncode == 0, proc.stdout + proc.stderr + log[-6000:]
-    assert view.state == orchestrate.RunState.FINISHED, (view.state, view.record.reason, log[-6000:])
+        first = subprocess.run(sweep, capture_output=True, text=True, timeout=300, cwd=root, env=env)
+        assert first.returncode == 0, first.stdout + first.stderr
+        (view,) = orchestrate.status(ctx, name)
+        job_id, run_dir = view.record.job_id, Path(view.record.run_dir)
+        attempt_1 = run_dir / "logs" / "attempt-1.log"
+        log = _wait_for_log(attempt_1, "pdmctl: held at step 1", SWEEP_TIMEOUT_S)
+        assert "pdmctl: held at step 1" in log, log[-6000:]
+        held_after = time.monotonic() - started
+        killed_at = time.monotonic()
+        try:
+            os.kill(node_slurmd_pid("n2"), 9)  # n2 crashes: its slurmd is its PID namespace's init
 
-    # the job held both nodes and started Ray on both
-    assert slurm("sacct", "-n", "-P", "-X", "-o", "NodeList", "-j", view.record.job_id).split() == ["n[1-2]"]
-    assert "pdmctl: 2 Ray node(s) up" in log, log[-6000:]
-    assert "trainer.nnodes=2" in log or "'nnodes': 2" in log, log[-6000:]
-    # VeRL placed an actor rank on each node, both trained, and each node's vLLM server generated
+            def lost() -> str:
+                state = job_field(job_id, "JobState")
+                restarts = int(job_field(job_id, "Restarts") or 0)
+                return state if (restarts >= 1 or state in ("NODE_FAIL", "FAILED", "CANCELLED")) else ""
+
+            outcome = wait_for(lost, 180, "the job to lose n2", lambda: f"{job_field(job_id, 'JobState')} "
+                               f"n2={node_state('n2')}")  # fmt: skip
+            lost_after = time.monotonic() - killed_at
+            # the job's attempt ends on n1 too (SLURM kills its steps: Ray's head, the trainer, vLLM)
+            wait_for(lambda: not _node_processes("n1"), 180, "the job's processes on n1 to end",
+                     lambda: str(_node_processes("n1")))  # fmt: skip
+            ended_after = time.monotonic() - killed_at
+        finally:
+            subprocess.run([str(UP)], check=True, timeout=180, capture_output=True)  # n2 back, whatever happened
+        print(f"\n2-node VeRL: held at step 1 after {held_after:.0f} s; n2 killed: job {job_id} {outcome} "
+              f"{lost_after:.0f} s later, its processes on n1 gone after {ended_after:.0f} s")  # fmt: skip
+        if outcome in ("NODE_FAIL", "FAILED", "CANCELLED"):
+            resumed = subprocess.run([*sweep[:3], "resume", name, "--cluster", PROFILE, "--tracking-uri", uri],
+                                     capture_output=True, text=True, timeout=300, cwd=root, env=env)  # fmt: skip
+            assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        restarted = time.monotonic()
+        # the same command again: it submits nothing (the run is queued or running) and waits for its end
+        waited = subprocess.run([*sweep, "--wait"], capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S,
+                                cwd=root, env=env)  # fmt: skip
+        memory.done.set()
+    (view,) = orchestrate.status(ctx, name)
+    logs = {p.name: p.read_text(errors="replace") for p in (run_dir / "logs").glob("attempt-*.log")}
+    print(f"2-node VeRL: the next attempt finished {time.monotonic() - restarted:.0f} s after n2 came back "
+          f"({time.monotonic() - started:.0f} s in all), {view.state}; machine memory in use "
+          f"{memory.before:.1f} GB before, {memory.peak:.1f} GB at the peak")  # fmt: skip
+    for attempt, text in sorted(logs.items()):
+        print(f"-- {attempt}")
+        print("\n".join(line for line in text.splitlines()
+                        if "Ray node(s) up" in line or _ANNOUNCE.search(line) or "global_step_" in line))  # fmt: skip
+    deadline = time.monotonic() + 60
+    while (left := {n: _node_processes(n) for n in ("n1", "n2")}) != {"n1": [], "n2": []}:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    yield TwoNodeRun(root, uri, view, job_id, outcome, logs, first, waited, left)
+
+
+def _placement(log: str) -> tuple[set, set, set]:
     found = [m.groups() for m in _ANNOUNCE.finditer(log)]
     initialised = {(rank, world, node) for _, rank, world, what, _, node in found if what == "initialised"}
     trained = {(rank, world, node) for _, rank, world, what, _, node in found if what == "trained a batch"}
     rollout = {node for _, rank, _, _, server, node in found if server is not None}
-    assert {w for _, w, _ in initialised} == {"2"}, found  # a world of 2 actor ranks
-    assert sorted(n for _, _, n in initialised) == ["n1", "n2"], found  # one per node
-    assert sorted(r for r, _, _ in initialised) == ["0", "1"], found
-    assert trained == initialised, found
-    assert rollout == {"n1", "n2"}, found
+    return initialised, trained, rollout
 
-    # the metrics in the ledger, every step once
-    client = MlflowClient(uri)
-    run = client.get_run(view.record.run_id)
+
+def _assert_on_both_nodes(log: str) -> None:
+    assert "pdmctl: 2 Ray node(s) up" in log, log[-6000:]
+    assert "trainer.nnodes=2" in log or "'nnodes': 2" in log, log[-6000:]
+    # VeRL placed an actor rank on each node, both trained, and each node's vLLM server generated
+    initialised, trained, rollout = _placement(log)
+    assert {w for _, w, _ in initialised} == {"2"}, initialised  # a world of 2 actor ranks
+    assert sorted(n for _, _, n in initialised) == ["n1", "n2"], initialised  # one per node
+    assert sorted(r for r, _, _ in initialised) == ["0", "1"], initialised
+    assert trained == initialised, (trained, initialised)
+    assert rollout == {"n1", "n2"}, rollout
+
+
+@pytest.mark.timeout(2 * SWEEP_TIMEOUT_S + 300 + 900)  # two attempts, the lock's wait, the node's loss
+def test_verl_trains_across_two_nodes(two_node_run: TwoNodeRun) -> None:
+    log = two_node_run.logs.get("attempt-1.log", "")
+    # the job held both nodes and started Ray on both
+    assert slurm("sacct", "-n", "-P", "-X", "-o", "NodeList", "-j", two_node_run.job_id).split() == ["n[1-2]"]
+    _assert_on_both_nodes(log)
+    assert "pdmctl: held at step 1" in log, log[-6000:]
+
+
+def test_losing_a_node_mid_training_requeues_and_the_next_attempt_resumes_from_the_checkpoint(
+    two_node_run: TwoNodeRun,
+) -> None:
+    from pdmctl import orchestrate
+
+    run, logs = two_node_run, two_node_run.logs
+    assert run.wait_sweep.returncode == 0, run.wait_sweep.stdout + run.wait_sweep.stderr + str(logs)[-6000:]
+    assert run.view.state == orchestrate.RunState.FINISHED, (run.view.state, run.view.record.reason)
+    assert run.view.record.attempt == 2 and sorted(logs) == ["attempt-1.log", "attempt-2.log"], (run.view.record, sorted(logs))
+    second = logs["attempt-2.log"]
+    _assert_on_both_nodes(second)  # Ray on both nodes again, an actor rank and a rollout server on each
+    assert "global_step_1" in second, second[-6000:]  # VeRL resumed from step 1's checkpoint
+    assert "held at step" not in second, second[-6000:]
+    assert node_state("n2") in ("idle", "mix", "alloc", "comp"), node_state("n2")
+
+
+def test_the_run_is_in_the_ledger_with_every_step_once(two_node_run: TwoNodeRun) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(two_node_run.uri)
+    run = client.get_run(two_node_run.view.record.run_id)
     assert run.info.status == "FINISHED"
     for metric in run.data.metrics:
         steps = [m.step for m in client.get_metric_history(run.info.run_id, metric)]
         assert len(steps) == len(set(steps)), f"{metric}: steps {sorted(steps)}"
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/mask_frac")) == [1, 2]
+    assert {0, STEPS} <= {m.step for m in client.get_metric_history(run.info.run_id, "eval/aime24")}
 
-    # nothing of the job is left on either node once it has ended
-    deadline = time.monotonic() + 60
-    while (left := {n: _node_processes(n) for n in ("n1", "n2")}) != {"n1": [], "n2": []}:
-        assert time.monotonic() < deadline, f"processes left after the job: {left}"
-        time.sleep(2)
+
+def test_nothing_of_the_job_is_left_on_either_node(two_node_run: TwoNodeRun) -> None:
+    assert two_node_run.left == {"n1": [], "n2": []}, f"processes left after the job: {two_node_run.left}"

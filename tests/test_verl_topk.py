@@ -145,6 +145,28 @@ def test_pad_to_response_length() -> None:
     assert padded.ids.shape == padded.logprobs.shape == (2, 4, 3)
     assert padded.ids[1, 0, 0] == 3 and torch.isinf(padded.logprobs[1, 1:]).all()
     assert padded.logprobs.dtype == torch.float32 and padded.ids.dtype == torch.int64
+    # the padding is written, not left as the empty tensor's bytes: id 0 and -inf after each response
+    assert (padded.ids[0, 2:] == 0).all() and (padded.ids[1, 1:] == 0).all()
+    assert (padded.logprobs[0, 2:] == -math.inf).all() and (padded.logprobs[1, 1:] == -math.inf).all()
+    torch.testing.assert_close(padded.logprobs[0, :2], a.logprobs)
+    assert torch.equal(padded.ids[0, :2], a.ids)
+    # a response longer than the batch's response length is cut to it
+    cut = topk.pad_topk([a], response_length=1, k=2)
+    assert torch.equal(cut.ids[0], a.ids[:1]) and torch.equal(cut.logprobs[0], a.logprobs[:1])
+
+
+def test_the_server_hands_over_numpy_views_the_agent_loop_takes_without_a_copy() -> None:
+    """The vLLM server puts the support in `extra_fields` as numpy arrays (Ray sends their buffers as
+    bytes); the agent loop's `_support_from_extra_fields` turns them back into the same tensors."""
+    import pickle
+
+    support = topk.extract_topk([1, 2], [position({1: (-0.1, 1)}), position({2: (-0.2, 1)})], k=2)
+    extra = {topk.TOPK_IDS_KEY: support.ids.numpy(), topk.TOPK_LOGPROBS_KEY: support.logprobs.numpy()}
+    back = topk._support_from_extra_fields(pickle.loads(pickle.dumps(extra, protocol=5)))
+    assert torch.equal(back.ids, support.ids) and torch.equal(back.logprobs, support.logprobs)
+    assert back.ids.dtype == torch.int64 and back.logprobs.dtype == torch.float32
+    shared = topk._support_from_extra_fields(extra)
+    assert shared.ids.data_ptr() == support.ids.data_ptr()  # no copy on the agent loop's side
 
 
 def test_version_pin() -> None:

@@ -44,6 +44,7 @@ PDM_CONFIG_TARGET = "pdmctl.backends.verl.plugin.PdmPolicyLossConfig"
 TOPK_ENV = "PDMCTL_VERL_TOPK"  # same name as topk.TOPK_ENV (topk imports verl; this module must not)
 DUMP_ENV = "PDMCTL_VERL_DUMP_DIR"  # topk.DUMP_ENV
 FAIL_ENV = "PDMCTL_VERL_FAIL"  # topk.FAIL_ENV
+HOLD_ENV, HOLD_S_ENV = "PDMCTL_VERL_HOLD_AT_STEP", "PDMCTL_VERL_HOLD_S"  # resume.HOLD_ENV (a test's hold)
 PROFILE_ENV = "PDMCTL_VERL_PROFILE_DIR"  # topk.PROFILE_ENV
 TRAIN_FILE = "dapo_math_17k.parquet"
 VAL_FILES = ("aime24.parquet", "aime25.parquet")
@@ -380,7 +381,7 @@ def job_env(run_config: Mapping[str, Any]) -> dict[str, str]:
         ),
         "MLFLOW_ALLOW_FILE_STORE": "true",
     }
-    for debug in (DUMP_ENV, FAIL_ENV, PROFILE_ENV, TRAINER_ENV, *OFFLINE_ENV):  # tests'; V1; an offline cluster
+    for debug in (DUMP_ENV, FAIL_ENV, HOLD_ENV, HOLD_S_ENV, PROFILE_ENV, TRAINER_ENV, *OFFLINE_ENV):  # tests'; V1; an offline cluster
         if os.environ.get(debug):
             env[debug] = os.environ[debug]
     if cfg.get("tracking_uri"):

@@ -20,6 +20,12 @@ the TaskRunner) end the active run as FINISHED. The ledger reads that status, so
 still copying VeRL's metrics to pdmctl's names, or about to record a failure. The
 wrapped adapter detaches from the run leaving it RUNNING; the pdmctl job sets the
 final status.
+
+**A test's hold.** `PDMCTL_VERL_HOLD_AT_STEP=N` (tests only) keeps the TaskRunner still after
+it has logged step N (its checkpoint is saved before that), in a run that had no step logged
+when the job started: a requeue or a lost node then always finds the run mid-training, whatever
+this machine's speed, and the resumed attempt never holds. It prints a line every 10 s (the
+job's stall watchdog reads silence as a hang) and lets go after `PDMCTL_VERL_HOLD_S` (300 s).
 """
 
 from __future__ import annotations
@@ -31,6 +37,23 @@ from typing import Any
 from pdmctl.backends.verl.topk import check_verl_version
 
 _INSTALLED = False
+HOLD_ENV = "PDMCTL_VERL_HOLD_AT_STEP"  # tests: hold still after logging this step (a fresh run only)
+HOLD_S_ENV = "PDMCTL_VERL_HOLD_S"
+
+
+def hold_if_asked(step: int, fresh_run: bool) -> None:
+    """The test's hold (module docstring): after step `HOLD_ENV` of a run that started fresh."""
+    import time
+
+    wanted = os.environ.get(HOLD_ENV, "").strip()
+    if not (fresh_run and wanted.isdigit() and int(wanted) == step):
+        return
+    limit = float(os.environ.get(HOLD_S_ENV, "300"))
+    started = time.monotonic()
+    while (held := time.monotonic() - started) < limit:
+        print(f"pdmctl: held at step {step} for {held:.0f} s ({HOLD_ENV}, a test's)", flush=True)
+        time.sleep(min(10.0, limit - held))
+    print(f"pdmctl: let go at step {step} after {limit:.0f} s", flush=True)
 
 
 def logged_steps(client: Any, run_id: str) -> dict[str, int]:
@@ -77,6 +100,7 @@ def install() -> None:
             active = mlflow.active_run()
             run_id = active.info.run_id if active else os.environ["MLFLOW_RUN_ID"]
             logged = self._pdmctl_logged = logged_steps(mlflow.tracking.MlflowClient(), run_id)
+            self._pdmctl_resumed = bool(logged)
             if logged:
                 print(f"pdmctl: resumed into MLflow run {run_id}: steps up to "
                       f"{max(logged.values())} already logged are not logged again", flush=True)  # fmt: skip
@@ -86,7 +110,9 @@ def install() -> None:
             logged[self._sanitize_key(key)] = step
         if not fresh:
             return None
-        return original(self, fresh, step)
+        result = original(self, fresh, step)
+        hold_if_asked(step, fresh_run=not getattr(self, "_pdmctl_resumed", True))
+        return result
 
     adapter.__init__ = init
     adapter.log = log

@@ -162,27 +162,42 @@ def _topk_from_vllm_flat(token_ids: Sequence[int], flat: Any, k: int) -> Rollout
     position exactly K+1 entries: the sampled token with its rank, then the top-K by rank 1..K (the
     sampled token again where it is among them: `vllm.logprobs.append_logprobs_for_next_position`).
     Where the lists are so, the support is a reshape; None where they are not (then the caller reads
-    them as the dicts they stand for)."""
+    them as the dicts they stand for).
+
+    Only the ids and the log-probs are turned into arrays (one `np.fromiter` each: the cost floor,
+    one Python object read per entry); the layout is checked with list operations that run in C
+    (slices, repetition, equality: the ranks 1..K are small ints, compared by identity), so the
+    ranks list is never converted, and the `{token_id: Logprob}` dicts are never built."""
     n, width = len(token_ids), k + 1
-    starts = np.asarray(flat.start_indices, dtype=np.int64)
-    ends = np.asarray(flat.end_indices, dtype=np.int64)
-    if len(starts) != n or len(flat.token_ids) != n * width or len(ends) != n:
+    total = n * width
+    lists = [f if isinstance(f, list) else list(f) for f in (flat.start_indices, flat.end_indices, flat.ranks)]
+    starts, ends, ranks = lists
+    if len(starts) != n or len(ends) != n or len(ranks) != total:
         return None
-    if not (np.array_equal(starts, np.arange(0, n * width, width)) and np.array_equal(ends, starts + width)):
+    if len(flat.token_ids) != total or len(flat.logprobs) != total:
         return None
-    ids = np.asarray(flat.token_ids, dtype=np.int64).reshape(n, width)
-    ranks = np.array(flat.ranks, dtype=np.float64).reshape(n, width)  # None -> nan
-    sampled = np.fromiter(token_ids, dtype=np.int64, count=n)
-    if not (np.array_equal(ranks[:, 1:], np.broadcast_to(np.arange(1, width), (n, k))) and np.array_equal(ids[:, 0], sampled)):
+    if starts != list(range(0, total, width)) or ends != list(range(width, total + width, width)):
         return None
-    inside = ranks[:, 0] <= k  # nan (no rank) compares False: outside
+    sampled_rank = ranks[0::width]  # the sampled token's rank at each position (None: vLLM gave none)
+    expected = list(range(width)) * n
+    expected[0::width] = sampled_rank
+    if ranks != expected:  # every position lists the top-K by rank 1..K after the sampled token
+        return None
+    ids_list = flat.token_ids if isinstance(flat.token_ids, list) else list(flat.token_ids)
+    sampled_list = token_ids if isinstance(token_ids, list) else list(token_ids)
+    if ids_list[0::width] != sampled_list:
+        return None
+    ids = np.fromiter(ids_list, dtype=np.int64, count=total).reshape(n, width)
+    sampled = ids[:, 0]
+    inside = np.array(sampled_rank, dtype=np.float64) <= k  # nan (no rank) compares False: outside
     if not np.array_equal((ids[:, 1:] == sampled[:, None]).any(1), inside):
         return None  # a sampled token ranked within K but not listed there (or the reverse): as dicts
-    logprobs = np.asarray(flat.logprobs, dtype=np.float32).reshape(n, width)
-    out_ids = np.zeros((n, width), dtype=np.int64)
-    out_lp = np.full((n, width), -np.inf, dtype=np.float32)
+    logprobs = np.fromiter(flat.logprobs, dtype=np.float32, count=total).reshape(n, width)
+    out_ids = np.empty((n, width), dtype=np.int64)
+    out_lp = np.empty((n, width), dtype=np.float32)
     out_ids[:, :k], out_lp[:, :k] = ids[:, 1:], logprobs[:, 1:]
-    out_ids[~inside, k], out_lp[~inside, k] = sampled[~inside], logprobs[~inside, 0]
+    out_ids[:, k] = np.where(inside, 0, sampled)
+    out_lp[:, k] = np.where(inside, -np.inf, logprobs[:, 0])
     return RolloutTopK(torch.from_numpy(out_ids), torch.from_numpy(out_lp))
 
 
@@ -262,14 +277,17 @@ _RANK = attrgetter("rank")
 
 def pad_topk(responses: Sequence[RolloutTopK], response_length: int, k: int) -> RolloutTopK:
     """Stack per-response supports into `[bsz, response_length, K+1]`, right-padded like VeRL's responses."""
-    ids = torch.zeros((len(responses), response_length, k + 1), dtype=torch.int64)
-    logprobs = torch.full((len(responses), response_length, k + 1), -math.inf, dtype=torch.float32)
+    # empty, each row's padding filled after its copy: every byte of the batch written once
+    ids = torch.empty((len(responses), response_length, k + 1), dtype=torch.int64)
+    logprobs = torch.empty((len(responses), response_length, k + 1), dtype=torch.float32)
     for i, r in enumerate(responses):
         if r.ids.shape[-1] != k + 1:
             raise ValueError(f"response {i}: width {r.ids.shape[-1]} != K+1 = {k + 1}")
         t = min(r.ids.shape[0], response_length)
         ids[i, :t] = r.ids[:t]
         logprobs[i, :t] = r.logprobs[:t]
+        ids[i, t:] = 0
+        logprobs[i, t:] = -math.inf
     return RolloutTopK(ids, logprobs)
 
 
@@ -771,10 +789,12 @@ def _patch_vllm_server() -> None:
             if "flat-seen" not in _INSTALLED and _is_flat(final.outputs[0].logprobs):
                 _INSTALLED.add("flat-seen")  # once per server process: the engine test looks for it
                 print(f"pdmctl: top-K read from vLLM's flat logprobs ({FLAT_LOGPROBS_LINE})", flush=True)
-            # tensors, not lists: Ray pickles a [8192, 21] tensor ~30x faster than the nested lists
-            # and the agent loop takes it as it is (bench/topk.py)
-            output.extra_fields[TOPK_IDS_KEY] = support.ids
-            output.extra_fields[TOPK_LOGPROBS_KEY] = support.logprobs
+            # numpy arrays (views of the tensors), not lists nor tensors: Ray pickles an array's buffer
+            # out of band, about memory speed, where a [8192, 21] tensor pickled ~4x slower and the
+            # nested lists ~30x; the agent loop takes them back with `torch.as_tensor`, without a copy
+            # (bench/topk.py)
+            output.extra_fields[TOPK_IDS_KEY] = support.ids.numpy()
+            output.extra_fields[TOPK_LOGPROBS_KEY] = support.logprobs.numpy()
         return output
 
     server.SamplingParams = sampling_params
