@@ -62,3 +62,35 @@ def test_without_a_ledger_run_nothing_is_patched(monkeypatch: pytest.MonkeyPatch
     before = tracking._MlflowLoggingAdapter.log
     resume.install()
     assert tracking._MlflowLoggingAdapter.log is before
+
+
+def test_the_tests_hold_holds_a_fresh_run_at_its_step_only(monkeypatch, capsys) -> None:
+    """`PDMCTL_VERL_HOLD_AT_STEP` (the requeue and node-loss tests' hook): the TaskRunner stays at that
+    step of a run that started fresh, printing a line, and lets go after `PDMCTL_VERL_HOLD_S`."""
+    import time
+
+    from pdmctl.backends.verl import resume
+
+    monkeypatch.delenv(resume.HOLD_ENV, raising=False)
+    resume.hold_if_asked(1, fresh_run=True)  # not asked
+    monkeypatch.setenv(resume.HOLD_ENV, "3")
+    monkeypatch.setenv(resume.HOLD_S_ENV, "0.2")
+    resume.hold_if_asked(2, fresh_run=True)  # another step
+    resume.hold_if_asked(3, fresh_run=False)  # a resumed attempt never holds
+    assert capsys.readouterr().out == ""
+    started = time.monotonic()
+    resume.hold_if_asked(3, fresh_run=True)
+    assert time.monotonic() - started >= 0.2
+    out = capsys.readouterr().out
+    assert "pdmctl: held at step 3 for 0 s" in out and "pdmctl: let go at step 3 after 0 s" in out, out
+    monkeypatch.setenv(resume.HOLD_ENV, "x")
+    resume.hold_if_asked(3, fresh_run=True)  # not a step: ignored
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("given", ["abc", "", "-1", "0", "nan", "inf", "1e9"])
+def test_a_bad_hold_limit_is_the_default(monkeypatch, given: str) -> None:
+    from pdmctl.backends.verl import resume
+
+    monkeypatch.setenv(resume.HOLD_S_ENV, given)
+    assert resume.hold_seconds() == 300.0

@@ -41,6 +41,15 @@ HOLD_ENV = "PDMCTL_VERL_HOLD_AT_STEP"  # tests: hold still after logging this st
 HOLD_S_ENV = "PDMCTL_VERL_HOLD_S"
 
 
+def hold_seconds() -> float:
+    """`PDMCTL_VERL_HOLD_S`, else 300; anything but a number of seconds in (0, 1 day) is the default."""
+    try:
+        limit = float(os.environ.get(HOLD_S_ENV, "300"))
+    except ValueError:
+        limit = float("nan")
+    return limit if 0 < limit < 86400 else 300.0  # nan compares False
+
+
 def hold_if_asked(step: int, fresh_run: bool) -> None:
     """The test's hold (module docstring): after step `HOLD_ENV` of a run that started fresh."""
     import time
@@ -48,7 +57,7 @@ def hold_if_asked(step: int, fresh_run: bool) -> None:
     wanted = os.environ.get(HOLD_ENV, "").strip()
     if not (fresh_run and wanted.isdigit() and int(wanted) == step):
         return
-    limit = float(os.environ.get(HOLD_S_ENV, "300"))
+    limit = hold_seconds()
     started = time.monotonic()
     while (held := time.monotonic() - started) < limit:
         print(f"pdmctl: held at step {step} for {held:.0f} s ({HOLD_ENV}, a test's)", flush=True)
