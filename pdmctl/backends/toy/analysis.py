@@ -276,9 +276,12 @@ def _analyse_seed(
         found[rows_out] = diagnostics(learner, batch_out, advantages_out, cfg, "agg").divergence - d_pre_out
         return found
 
+    # every update starts from the same weights, so each criterion's clipped gradient is the same under
+    # every protocol: one forward for all criteria, one backward each, then each protocol's optimizer step
+    gradients = criterion_gradients(learner, batch, advantages, criteria)
     for protocol in updates:
         for name, criterion in criteria.items():
-            metrics = take_update(learner, start, batch, advantages, criterion, protocol)
+            metrics = apply_update(learner, start, gradients[name], criterion, protocol)
             parts[protocol, name] = decomposition.update_parts(
                 params, theta0, start.optimizer, criterion, protocol, metrics["grad_norm"]
             )
@@ -302,6 +305,94 @@ def _analyse_seed(
     return int(response.sum()), int(outside.sum()), found, seed_parts
 
 
+@dataclass(frozen=True)
+class CriterionGradient:
+    """One criterion's update direction at the start weights: the clipped gradient (per parameter) and
+    the update's metrics (Learner.update's, with `grad_norm` before clipping)."""
+
+    grads: list[torch.Tensor]
+    metrics: dict[str, float]
+
+
+def criterion_gradients(
+    learner: Learner, batch: Rollout, advantages: torch.Tensor, criteria: dict[str, ToyConfig]
+) -> dict[str, CriterionGradient]:
+    """Each criterion's clipped gradient at the learner's current weights, as `Learner.update` computes it
+    (the same forward, masks.policy_loss, backward and clipping, bit for bit), from one forward shared by
+    the criteria: a criterion changes the loss's mask, not the logits. The weights are left as they were;
+    the parameters' `.grad` holds the last criterion's gradient."""
+    params = list(learner.policy.parameters())
+    resp_mask = learner.task.response_mask(batch.sampled_ids)
+    any_cfg = next(iter(criteria.values()))
+    logits = forward(
+        learner.policy, batch.tokens[:, :-1], learner.task.max_response_len, PRECISIONS[any_cfg.precision].train
+    )
+    found = {}
+    names = list(criteria)
+    for i, (name, cfg) in enumerate(criteria.items()):
+        if cfg.precision != any_cfg.precision:
+            raise ValueError("criterion_gradients: the criteria share one precision (one forward)")
+        loss, metrics = masks.policy_loss(
+            logits,
+            batch.sampled_ids,
+            batch.topk_ids,
+            batch.topk_logprobs,
+            batch.sampled_logprobs,
+            advantages.unsqueeze(1).expand_as(resp_mask),
+            resp_mask,
+            method=cfg.method,
+            divergence=cfg.divergence,
+            estimator=cfg.estimator,
+            delta=cfg.delta,
+            delta_low=cfg.delta_low,
+            eps_low=cfg.eps_low,
+            eps_high=cfg.eps_high,
+            loss_agg_mode=cfg.loss_agg_mode,
+            ratio_cap=cfg.ratio_cap,
+        )
+        learner.optimizer.zero_grad()
+        loss.backward(retain_graph=i < len(names) - 1)
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        found[name] = CriterionGradient(
+            [p.grad.detach().clone() for p in params], {**metrics, "grad_norm": float(norm)}
+        )
+    return found
+
+
+def apply_update(
+    learner: Learner, start: Snapshot, gradient: CriterionGradient, criterion: ToyConfig, protocol: str
+) -> dict[str, float]:
+    """One update along `gradient` (criterion_gradients's, taken at `start`'s weights) from `start`, as
+    `protocol` says; the gradient's metrics. The parameters' `.grad` holds the clipped gradient after."""
+    params = list(learner.policy.parameters())
+
+    def step(optimizer: torch.optim.Optimizer) -> None:
+        for p, g in zip(params, gradient.grads, strict=True):
+            p.grad = g.clone()
+        optimizer.step()
+
+    restore(learner, start)
+    if protocol == "carried":
+        step(learner.optimizer)
+        return gradient.metrics
+    step(torch.optim.Adam(params, lr=criterion.lr))
+    if protocol == "fresh-adam":
+        return gradient.metrics
+    if protocol != "sgd":
+        raise ValueError(f"protocol: {protocol!r} takes no update; choose from {UPDATE_PROTOCOLS}")
+    # sgd: the clipped gradient itself (an SGD step of lr 1), rescaled to the fresh Adam step's length
+    theta_adam = torch.nn.utils.parameters_to_vector(params).detach()
+    restore(learner, start)
+    theta = torch.nn.utils.parameters_to_vector(params).detach()
+    step(torch.optim.SGD(params, lr=1.0))
+    with torch.no_grad():
+        delta = torch.nn.utils.parameters_to_vector(params) - theta
+        norm = torch.linalg.vector_norm(delta)
+        scale = torch.linalg.vector_norm(theta_adam - theta) / norm if norm > 0 else torch.ones(())
+        torch.nn.utils.vector_to_parameters(theta + delta * scale, params)
+    return gradient.metrics
+
+
 def take_update(
     learner: Learner,
     start: Snapshot,
@@ -313,26 +404,8 @@ def take_update(
     """One update with `criterion`'s mask on the whole batch from `start`, taken as `protocol` says; the
     metrics of the update that was kept (Learner.update's)."""
     restore(learner, start)
-    if protocol == "carried":
-        return learner.update(batch, advantages, criterion)
-    params = list(learner.policy.parameters())
-    fresh = dataclasses.replace(learner, optimizer=torch.optim.Adam(params, lr=criterion.lr))
-    metrics = fresh.update(batch, advantages, criterion)
-    if protocol == "fresh-adam":
-        return metrics
-    # sgd: the clipped gradient itself (an SGD step of lr 1), rescaled to the fresh Adam step's length
-    theta_adam = torch.nn.utils.parameters_to_vector(params).detach()
-    restore(learner, start)
-    theta = torch.nn.utils.parameters_to_vector(params).detach()
-    metrics = dataclasses.replace(learner, optimizer=torch.optim.SGD(params, lr=1.0)).update(
-        batch, advantages, criterion
-    )
-    with torch.no_grad():
-        step = torch.nn.utils.parameters_to_vector(params) - theta
-        norm = torch.linalg.vector_norm(step)
-        scale = torch.linalg.vector_norm(theta_adam - theta) / norm if norm > 0 else torch.ones(())
-        torch.nn.utils.vector_to_parameters(theta + step * scale, params)
-    return metrics
+    gradient = criterion_gradients(learner, batch, advantages, {"criterion": criterion})["criterion"]
+    return apply_update(learner, start, gradient, criterion, protocol)
 
 
 @dataclass(frozen=True)
@@ -572,7 +645,7 @@ def _decompose_seed(
     rows, cols = (outside & (a != 0)).nonzero(as_tuple=True)
     with torch.no_grad():
         logits = forward(
-            learner.policy, batch.tokens[:, :-1], task.MAX_RESPONSE_LEN, PRECISIONS[cfg.precision].train
+            learner.policy, batch.tokens[:, :-1], batch.sampled_ids.shape[1], PRECISIONS[cfg.precision].train
         )
     keys = list(parts)
     vectors = torch.stack(
