@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -159,23 +160,89 @@ class _SeedTokens:
     disagreements: int
 
 
+def default_jobs() -> int:
+    """The processes `run_analysis` spreads seeds over by default: the cores this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def run_analysis(
-    cfg: ToyConfig, seeds: list[int], protocols: tuple[str, ...] = ("carried",)
+    cfg: ToyConfig,
+    seeds: list[int],
+    protocols: tuple[str, ...] = ("carried",),
+    *,
+    jobs: int = 1,
+    threads: int | None = None,
+    reference: bool = False,
 ) -> AnalysisResult:
     """The direction analysis on `seeds` (each a fresh rollout batch) with the config's mask settings, ΔD
-    measured under each of `protocols` (the first is the main table's)."""
+    measured under each of `protocols` (the first is the main table's).
+
+    `jobs` > 1 analyses the seeds in that many worker processes (spawned), `threads` torch threads each
+    (default: the cores over the jobs, at least one); a seed's numbers depend on `threads`, not on `jobs`
+    or on which worker ran it (tests/test_toy_analysis.py). With `jobs` = 1 the seeds run here, under
+    `threads` torch threads when it is given. `reference` takes every update and every per-token gradient
+    the direct way (one Learner.update per criterion and protocol, whole-network jacobians): the slow
+    code the fast one is tested against."""
     unknown = [p for p in protocols if p not in PROTOCOLS]
     if unknown or not protocols:
         raise ValueError(f"protocols: unknown {unknown or 'none given'}; choose from {sorted(PROTOCOLS)}")
-    per_seed: list[dict[str, dict[str, _SeedTokens]]] = []
-    tokens, outside, decomposed = [], [], []
+    if jobs < 1 or (threads is not None and threads < 1):
+        raise ValueError(f"jobs and threads: must be >= 1, got {jobs} and {threads}")
+    tasks = [(dataclasses.replace(cfg, seed=seed), tuple(protocols), reference) for seed in seeds]
+    if jobs == 1 or len(seeds) == 1:
+        before = torch.get_num_threads()
+        try:
+            if threads is not None:
+                torch.set_num_threads(threads)
+            results = [_seed_task(t) for t in tasks]
+        finally:
+            torch.set_num_threads(before)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        per_job = threads or max(1, default_jobs() // jobs)
+        with ProcessPoolExecutor(
+            max_workers=min(jobs, len(seeds)),
+            mp_context=multiprocessing.get_context("spawn"),  # no forked OpenMP pools, the same on every OS
+            initializer=_worker_threads,
+            initargs=(per_job,),
+        ) as pool:
+            results = list(pool.map(_seed_task, tasks))
+    return _combine(cfg, list(seeds), tuple(protocols), results)
+
+
+@dataclass(frozen=True)
+class _SeedResult:
+    tokens: int  # response tokens
+    out_of_region: int
+    by_protocol: dict[str, dict[str, _SeedTokens]]
+    parts: _SeedDecomposition
+    bands: BandCounter
+
+
+def _worker_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def _seed_task(task: tuple[ToyConfig, tuple[str, ...], bool]) -> _SeedResult:
+    cfg, protocols, reference = task
     bands = BandCounter.empty()
-    for seed in seeds:
-        n_tokens, n_out, by_protocol, parts = _analyse_seed(dataclasses.replace(cfg, seed=seed), protocols, bands)
-        tokens.append(n_tokens)
-        outside.append(n_out)
-        per_seed.append(by_protocol)
-        decomposed.append(parts)
+    n_tokens, n_out, by_protocol, parts = _analyse_seed(cfg, protocols, bands, reference=reference)
+    return _SeedResult(n_tokens, n_out, by_protocol, parts, bands)
+
+
+def _combine(
+    cfg: ToyConfig, seeds: list[int], protocols: tuple[str, ...], results: list[_SeedResult]
+) -> AnalysisResult:
+    bands = BandCounter.empty()
+    for r in results:
+        bands.merge(r.bands)
+    per_seed = [r.by_protocol for r in results]
+    decomposed = [r.parts for r in results]
     by_protocol = {p: [_compare(e, [s[p][e] for s in per_seed]) for e in ESTIMATORS] for p in protocols}
     comparisons = by_protocol[protocols[0]]
     return AnalysisResult(
@@ -184,8 +251,8 @@ def run_analysis(
         k=cfg.k,
         divergence=cfg.divergence,
         precision=cfg.precision,
-        tokens_per_seed=tokens,
-        out_of_region_per_seed=outside,
+        tokens_per_seed=[r.tokens for r in results],
+        out_of_region_per_seed=[r.out_of_region for r in results],
         comparisons=comparisons,
         estimator_differences=_estimator_differences(comparisons),
         protocol=protocols[0],
@@ -245,7 +312,7 @@ def stale_batch(cfg: ToyConfig) -> tuple[Learner, Rollout, torch.Tensor]:
 
 
 def _analyse_seed(
-    cfg: ToyConfig, protocols: tuple[str, ...], bands: BandCounter | None = None
+    cfg: ToyConfig, protocols: tuple[str, ...], bands: BandCounter | None = None, *, reference: bool = False
 ) -> tuple[int, int, dict[str, dict[str, _SeedTokens]], _SeedDecomposition]:
     learner, batch, advantages = stale_batch(cfg)
     response = task.response_mask(batch.sampled_ids).bool()
@@ -278,16 +345,21 @@ def _analyse_seed(
 
     # every update starts from the same weights, so each criterion's clipped gradient is the same under
     # every protocol: one forward for all criteria, one backward each, then each protocol's optimizer step
-    gradients = criterion_gradients(learner, batch, advantages, criteria)
+    gradients = {} if reference else criterion_gradients(learner, batch, advantages, criteria)
     for protocol in updates:
         for name, criterion in criteria.items():
-            metrics = apply_update(learner, start, gradients[name], criterion, protocol)
+            if reference:
+                metrics = take_update_reference(learner, start, batch, advantages, criterion, protocol)
+            else:
+                metrics = apply_update(learner, start, gradients[name], criterion, protocol)
             parts[protocol, name] = decomposition.update_parts(
                 params, theta0, start.optimizer, criterion, protocol, metrics["grad_norm"]
             )
             delta[protocol, name] = delta_d()
     restore(learner, start)
-    seed_parts = _decompose_seed(learner, cfg, batch, advantages, pre, outside, criteria, parts, delta)
+    seed_parts = _decompose_seed(
+        learner, cfg, batch, advantages, pre, outside, criteria, parts, delta, reference=reference
+    )
 
     found: dict[str, dict[str, _SeedTokens]] = {}
     for protocol in protocols:
@@ -406,6 +478,39 @@ def take_update(
     restore(learner, start)
     gradient = criterion_gradients(learner, batch, advantages, {"criterion": criterion})["criterion"]
     return apply_update(learner, start, gradient, criterion, protocol)
+
+
+def take_update_reference(
+    learner: Learner,
+    start: Snapshot,
+    batch: Rollout,
+    advantages: torch.Tensor,
+    criterion: ToyConfig,
+    protocol: str,
+) -> dict[str, float]:
+    """`take_update` the direct way, kept as its reference (`run_analysis(reference=True)`): a whole
+    Learner.update (forward, loss, backward, step) per criterion and protocol."""
+    restore(learner, start)
+    if protocol == "carried":
+        return learner.update(batch, advantages, criterion)
+    params = list(learner.policy.parameters())
+    fresh = dataclasses.replace(learner, optimizer=torch.optim.Adam(params, lr=criterion.lr))
+    metrics = fresh.update(batch, advantages, criterion)
+    if protocol == "fresh-adam":
+        return metrics
+    # sgd: the clipped gradient itself (an SGD step of lr 1), rescaled to the fresh Adam step's length
+    theta_adam = torch.nn.utils.parameters_to_vector(params).detach()
+    restore(learner, start)
+    theta = torch.nn.utils.parameters_to_vector(params).detach()
+    metrics = dataclasses.replace(learner, optimizer=torch.optim.SGD(params, lr=1.0)).update(
+        batch, advantages, criterion
+    )
+    with torch.no_grad():
+        step = torch.nn.utils.parameters_to_vector(params) - theta
+        norm = torch.linalg.vector_norm(step)
+        scale = torch.linalg.vector_norm(theta_adam - theta) / norm if norm > 0 else torch.ones(())
+        torch.nn.utils.vector_to_parameters(theta + step * scale, params)
+    return metrics
 
 
 @dataclass(frozen=True)
@@ -638,6 +743,8 @@ def _decompose_seed(
     criteria: dict[str, ToyConfig],
     parts: dict[tuple[str, str], decomposition.UpdateParts],
     delta: dict[tuple[str, str], torch.Tensor],
+    *,
+    reference: bool = False,
 ) -> _SeedDecomposition:
     """Per-token ΔD pieces at the learner's (start) weights; also fills `delta` for the own-effect
     protocols: ΔD of a kept token = its own effect, first order (zero on the tokens a criterion masks)."""
@@ -653,7 +760,8 @@ def _decompose_seed(
     )
     n_params = vectors.shape[0]
     gains = torch.stack([parts[k].gain.expand(n_params) for k in keys], dim=1)
-    products = decomposition.token_products(learner.policy, cfg, batch, rows, cols, vectors, gains)
+    token_products = decomposition.token_products_reference if reference else decomposition.token_products
+    products = token_products(learner.policy, cfg, batch, rows, cols, vectors, gains)
     support = decomposition.token_support(
         batch, rows, cols, masks.DIVERGENCES[cfg.divergence].support, logits.shape[-1]
     )

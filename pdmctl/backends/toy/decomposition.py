@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.func import functional_call, grad_and_value, jvp, vjp, vmap
+from torch.func import functional_call, grad_and_value, jacrev, jvp, vjp, vmap
 
 from pdmctl import masks
 from pdmctl.backends.toy import task
@@ -352,6 +352,66 @@ def token_products(
         head_plain = q.sum(-1) * (u2.sum(-1) + 1)
         found["plain"].append((gt[:, 0] * gt[:, 1]).sum(-1) + pos_q.sum((1, 2)) + tok_q.sum((1, 2)) + head_plain)
         found["plain_head"].append(head_plain)
+    if not len(inputs):
+        widths = {"dot": vectors.shape[1], "own": gains.shape[1], "own_head": gains.shape[1]}
+        return TokenProducts(
+            **{k: torch.zeros(0, *((widths[k],) if k in widths else ()), dtype=torch.float64) for k in found}
+        )
+    return TokenProducts(**{k: torch.cat(v) for k, v in found.items()})
+
+
+def token_products_reference(
+    policy: torch.nn.Module,
+    cfg: ToyConfig,
+    batch: Rollout,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    vectors: torch.Tensor,
+    gains: torch.Tensor,
+    chunk: int = 48,
+) -> TokenProducts:
+    """`token_products` the direct way, kept as its reference (tests, bench/analysis.py): the whole
+    jacobian of (D_j, log π_{k_j}) over every parameter per token, `chunk` tokens at a time (vmap of
+    jacrev), then the products. About 10× slower on toy-small, far more on toy-llm."""
+    names = [n for n, _ in policy.named_parameters()]
+    params = {n: p.detach() for n, p in policy.named_parameters()}
+    cast = PRECISIONS[cfg.precision].train
+    offsets = {n: (cast(p) - p) if cast is not None else torch.zeros_like(p) for n, p in params.items()}
+    support = token_support(
+        batch, rows, cols, masks.DIVERGENCES[cfg.divergence].support, policy.head.out_features
+    )
+    inputs = batch.tokens[:, :-1][rows]
+    at = torch.nn.functional.one_hot(cols, task.MAX_RESPONSE_LEN).float()
+
+    def outputs(p, tokens, at, ids, valid, is_k, log_mu, unseen, k):
+        used = {n: p[n] + offsets[n] for n in names}  # straight-through to the masters, as forward()
+        logits = functional_call(policy, used, (tokens[None], task.MAX_RESPONSE_LEN))[0]
+        z = (logits * at[:, None]).sum(0)
+        d = divergence_of_logits(z, ids, valid, is_k, log_mu, unseen, cfg.divergence)
+        return torch.stack([d, torch.log_softmax(z.double(), -1).gather(0, k[None])[0]])
+
+    jac = vmap(jacrev(outputs), in_dims=(None, 0, 0, 0, 0, 0, 0, 0, 0))
+    values = vmap(outputs, in_dims=(None, 0, 0, 0, 0, 0, 0, 0, 0))
+    sizes = [params[n].numel() for n in names]
+    head = torch.cat([torch.full((s,), n.startswith(HEAD)) for n, s in zip(names, sizes, strict=True)])
+    found: dict[str, list[torch.Tensor]] = {f.name: [] for f in dataclasses.fields(TokenProducts)}
+    for start in range(0, len(inputs), chunk):
+        sl = slice(start, start + chunk)
+        args = (inputs[sl], at[sl], support.ids[sl], support.valid[sl], support.is_k[sl], support.log_mu[sl],
+                support.unseen[sl], support.k[sl])  # fmt: skip
+        with _math_attention():
+            with torch.no_grad():
+                found["divergence"].append(values(params, *args)[:, 0])
+            j = jac(params, *args)
+        full = torch.cat([j[n].reshape(j[n].shape[0], 2, -1) for n in names], dim=-1).double()
+        del j
+        g_d, g_lp = full[:, 0], full[:, 1]
+        found["dot"].append(g_d @ vectors)
+        q = g_d * g_lp
+        found["own"].append(q @ gains)
+        found["own_head"].append(q[:, head] @ gains[head])
+        found["plain"].append(q.sum(-1))
+        found["plain_head"].append(q[:, head].sum(-1))
     if not len(inputs):
         widths = {"dot": vectors.shape[1], "own": gains.shape[1], "own_head": gains.shape[1]}
         return TokenProducts(
