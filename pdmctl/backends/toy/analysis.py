@@ -127,6 +127,21 @@ class AssumptionRow:
 
 
 @dataclass(frozen=True)
+class DisagreementTokens:
+    """Every disagreement token of one estimator, seeds pooled (the figures' data: figures.py). Token i is
+    at response position `position[i]` of seed `seeds[seed[i]]`; `predictive_keeps[i]`: the predictive
+    criterion keeps it and the ratio one masks it (else the other way round); `delta_d[p][i]`: its ΔD
+    after the update of the criterion that keeps it, under protocol p."""
+
+    estimator: str
+    seed: list[int]
+    position: list[int]
+    advantage: list[float]
+    predictive_keeps: list[bool]
+    delta_d: dict[str, list[float]]
+
+
+@dataclass(frozen=True)
 class AnalysisResult:
     seeds: list[int]
     delta: float
@@ -146,6 +161,12 @@ class AnalysisResult:
     # the predictive criterion's logit-space assumption against the whole network's own effect
     logit_assumption: list[AssumptionRow] = dataclasses.field(default_factory=list)
     bands: list[BandStats] = dataclasses.field(default_factory=list)  # by top-K mass (bands.py)
+    # "stale": the step's other mini-batch updates first (training's staleness); "mismatch-only": the
+    # fresh rollout, D from the rollout weights' precision alone (the paper's §4.2 setting)
+    setting: str = "stale"
+    tokens_per_position: list[int] = dataclasses.field(default_factory=list)  # response tokens, seeds pooled
+    out_of_region_per_position: list[int] = dataclasses.field(default_factory=list)
+    disagreement_tokens: list[DisagreementTokens] = dataclasses.field(default_factory=list)  # per estimator
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, allow_nan=False)
@@ -176,6 +197,7 @@ def run_analysis(
     jobs: int = 1,
     threads: int | None = None,
     reference: bool = False,
+    mismatch_only: bool = False,
 ) -> AnalysisResult:
     """The direction analysis on `seeds` (each a fresh rollout batch) with the config's mask settings, ΔD
     measured under each of `protocols` (the first is the main table's).
@@ -185,13 +207,15 @@ def run_analysis(
     or on which worker ran it (tests/test_toy_analysis.py). With `jobs` = 1 the seeds run here, under
     `threads` torch threads when it is given. `reference` takes every update and every per-token gradient
     the direct way (one Learner.update per criterion and protocol, whole-network jacobians): the slow
-    code the fast one is tested against."""
+    code the fast one is tested against. `mismatch_only`: the paper's fresh-rollout setting, no stale
+    mini-batch update before the criteria's (D from the rollout weights' precision alone; with it the
+    `carried` protocol's Adam has no state)."""
     unknown = [p for p in protocols if p not in PROTOCOLS]
     if unknown or not protocols:
         raise ValueError(f"protocols: unknown {unknown or 'none given'}; choose from {sorted(PROTOCOLS)}")
     if jobs < 1 or (threads is not None and threads < 1):
         raise ValueError(f"jobs and threads: must be >= 1, got {jobs} and {threads}")
-    tasks = [(dataclasses.replace(cfg, seed=seed), tuple(protocols), reference) for seed in seeds]
+    tasks = [(dataclasses.replace(cfg, seed=seed), tuple(protocols), reference, not mismatch_only) for seed in seeds]
     if jobs == 1 or len(seeds) == 1:
         before = torch.get_num_threads()
         try:
@@ -212,7 +236,7 @@ def run_analysis(
             initargs=(per_job,),
         ) as pool:
             results = list(pool.map(_seed_task, tasks))
-    return _combine(cfg, list(seeds), tuple(protocols), results)
+    return _combine(cfg, list(seeds), tuple(protocols), results, "mismatch-only" if mismatch_only else "stale")
 
 
 @dataclass(frozen=True)
@@ -222,21 +246,24 @@ class _SeedResult:
     by_protocol: dict[str, dict[str, _SeedTokens]]
     parts: _SeedDecomposition
     bands: BandCounter
+    extras: _SeedExtras
 
 
 def _worker_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _seed_task(task: tuple[ToyConfig, tuple[str, ...], bool]) -> _SeedResult:
-    cfg, protocols, reference = task
-    bands = BandCounter.empty()
-    n_tokens, n_out, by_protocol, parts = _analyse_seed(cfg, protocols, bands, reference=reference)
-    return _SeedResult(n_tokens, n_out, by_protocol, parts, bands)
+def _seed_task(task: tuple[ToyConfig, tuple[str, ...], bool, bool]) -> _SeedResult:
+    cfg, protocols, reference, stale = task
+    bands, extras = BandCounter.empty(), _SeedExtras()
+    n_tokens, n_out, by_protocol, parts = _analyse_seed(
+        cfg, protocols, bands, reference=reference, stale=stale, extras=extras
+    )
+    return _SeedResult(n_tokens, n_out, by_protocol, parts, bands, extras)
 
 
 def _combine(
-    cfg: ToyConfig, seeds: list[int], protocols: tuple[str, ...], results: list[_SeedResult]
+    cfg: ToyConfig, seeds: list[int], protocols: tuple[str, ...], results: list[_SeedResult], setting: str
 ) -> AnalysisResult:
     bands = BandCounter.empty()
     for r in results:
@@ -260,7 +287,25 @@ def _combine(
         decomposition=_decomposition_rows(decomposed),
         logit_assumption=_assumption_rows(decomposed),
         bands=bands.stats(),
+        setting=setting,
+        tokens_per_position=_add_lists([r.extras.tokens_per_position for r in results]),
+        out_of_region_per_position=_add_lists([r.extras.out_of_region_per_position for r in results]),
+        disagreement_tokens=[
+            DisagreementTokens(
+                estimator=e,
+                seed=[i for i, r in enumerate(results) for _ in r.extras.tokens[e]["position"]],
+                position=[x for r in results for x in r.extras.tokens[e]["position"]],
+                advantage=[x for r in results for x in r.extras.tokens[e]["advantage"]],
+                predictive_keeps=[x for r in results for x in r.extras.tokens[e]["predictive_keeps"]],
+                delta_d={p: [x for r in results for x in r.extras.tokens[e]["delta_d"][p]] for p in protocols},
+            )
+            for e in ESTIMATORS
+        ],
     )
+
+
+def _add_lists(lists: list[list[int]]) -> list[int]:
+    return [sum(column) for column in zip(*lists, strict=True)] if lists else []
 
 
 ESTIMATOR_PAIRS = (("uni", "agg"), ("exact", "agg"), ("exact", "uni"))
@@ -298,23 +343,40 @@ def _estimator_differences(comparisons: list[Comparison], level: float = 0.95) -
     return found
 
 
-def stale_batch(cfg: ToyConfig) -> tuple[Learner, Rollout, torch.Tensor]:
+def stale_batch(cfg: ToyConfig, *, stale: bool = True) -> tuple[Learner, Rollout, torch.Tensor]:
     """A fresh rollout batch from the base model and its advantages, with the learner moved on by all
-    mini-batch updates of the step but the last: the staleness of a step's last mini-batch."""
+    mini-batch updates of the step but the last: the staleness of a step's last mini-batch. With
+    `stale` False the learner stays at the rollout's weights (no update, a fresh Adam): the fresh
+    rollout, where D comes from the rollout weights' precision alone."""
     learner = Learner.from_base(cfg)
     problems = learner.task.sample_train(cfg.prompts_per_step, learner.generator).repeat(cfg.group_size)
     batch = learner.rollout(problems)
     advantages = grpo_advantages(learner.task.score(problems, batch.sampled_ids), cfg.group_size)
     order = torch.randperm(len(problems), generator=learner.generator)
-    for rows in order.tensor_split(cfg.minibatches)[:-1]:
+    for rows in order.tensor_split(cfg.minibatches)[:-1] if stale else ():
         learner.update(batch.select(rows), advantages[rows], cfg)
     return learner, batch, advantages
 
 
+@dataclass
+class _SeedExtras:
+    """What one seed adds to the figures' data (filled by _analyse_seed)."""
+
+    tokens_per_position: list[int] = dataclasses.field(default_factory=list)
+    out_of_region_per_position: list[int] = dataclasses.field(default_factory=list)
+    tokens: dict[str, dict[str, list]] = dataclasses.field(default_factory=dict)  # estimator -> field -> values
+
+
 def _analyse_seed(
-    cfg: ToyConfig, protocols: tuple[str, ...], bands: BandCounter | None = None, *, reference: bool = False
+    cfg: ToyConfig,
+    protocols: tuple[str, ...],
+    bands: BandCounter | None = None,
+    *,
+    reference: bool = False,
+    stale: bool = True,
+    extras: _SeedExtras | None = None,
 ) -> tuple[int, int, dict[str, dict[str, _SeedTokens]], _SeedDecomposition]:
-    learner, batch, advantages = stale_batch(cfg)
+    learner, batch, advantages = stale_batch(cfg, stale=stale)
     response = task.response_mask(batch.sampled_ids).bool()
     pre = {e: diagnostics(learner, batch, advantages, cfg, e) for e in ESTIMATORS}
     if bands is not None:  # the same stale batch and diagnostics as the tables (bands.band_analysis's)
@@ -374,6 +436,25 @@ def _analyse_seed(
                 predictive_kept_delta_d=delta_pred[disagree & predictive_keep],
                 disagreements=int(disagree.sum()),
             )
+    if extras is not None:
+        extras.tokens_per_position = response.sum(0).tolist()
+        extras.out_of_region_per_position = outside.sum(0).tolist()
+        a = advantages.unsqueeze(1).expand_as(outside)
+        for e in ESTIMATORS:
+            predictive_keep = a * pre[e].ddot <= 0
+            disagree = outside & (ratio_keep != predictive_keep)
+            rows, cols = disagree.nonzero(as_tuple=True)
+            keeps = predictive_keep[rows, cols]
+            extras.tokens[e] = {
+                "position": cols.tolist(),
+                "advantage": a[rows, cols].tolist(),
+                "predictive_keeps": keeps.tolist(),
+                "delta_d": {
+                    p: torch.where(keeps, delta[p, f"predictive/{e}"][rows, cols].double(),
+                                   delta[p, "ratio"][rows, cols].double()).tolist()
+                    for p in protocols
+                },  # fmt: skip
+            }
     return int(response.sum()), int(outside.sum()), found, seed_parts
 
 
@@ -644,7 +725,8 @@ def render_analysis_table(result: AnalysisResult) -> Table:
     n = max(len(result.seeds), 1)
     title = (
         f"Direction analysis: {len(result.seeds)} seeds, {result.divergence} δ={result.delta} K={result.k} "
-        f"{result.precision}, ΔD after a {result.protocol} update; {sum(result.out_of_region_per_seed) / n:.0f} of "
+        f"{result.precision}{', mismatch only (fresh rollout)' if result.setting == 'mismatch-only' else ''}, "
+        f"ΔD after a {result.protocol} update; {sum(result.out_of_region_per_seed) / n:.0f} of "
         f"{sum(result.tokens_per_seed) / n:.0f} tokens per seed outside the region"
     )
     return _table(title, ANALYSIS_COLUMNS, 2, analysis_rows(result))
