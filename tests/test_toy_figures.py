@@ -60,3 +60,18 @@ def test_figures_from_the_json(result, tmp_path) -> None:
     (tmp_path / "old.json").write_text(json.dumps(old))
     with pytest.raises(SystemExit, match="no disagreement_tokens"):
         main([str(tmp_path / "old.json"), str(tmp_path / "out2")])
+
+
+def test_the_report_draws_the_analysis_figures(result) -> None:
+    """`pdmctl report --analysis out.json` adds the four figures to the report's (an older analysis: none)."""
+    from types import SimpleNamespace
+
+    from pdmctl.report.definition import load_definition
+    from pdmctl.report.write import figures
+
+    report = SimpleNamespace(definition=load_definition("default"), curves=[], analysis=json.loads(result.to_json()))
+    found = figures(report)
+    assert [f.name for f in found] == [f"direction_{name}.png" for name in FIGURES]
+    assert all(f.png[:4] == b"\x89PNG" and "Direction analysis" in f.caption for f in found)
+    del report.analysis["disagreement_tokens"]
+    assert figures(report) == []

@@ -169,7 +169,10 @@ class AnalysisResult:
     disagreement_tokens: list[DisagreementTokens] = dataclasses.field(default_factory=list)  # per estimator
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, allow_nan=False)
+        """The whole result; one line per field, the token lists each on one line (they are most of it)."""
+        data = dataclasses.asdict(self)
+        lines = [f"  {json.dumps(k)}: {json.dumps(v, allow_nan=False, ensure_ascii=False)}" for k, v in data.items()]
+        return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 @dataclass(frozen=True)
@@ -295,13 +298,18 @@ def _combine(
                 estimator=e,
                 seed=[i for i, r in enumerate(results) for _ in r.extras.tokens[e]["position"]],
                 position=[x for r in results for x in r.extras.tokens[e]["position"]],
-                advantage=[x for r in results for x in r.extras.tokens[e]["advantage"]],
+                advantage=[_g7(x) for r in results for x in r.extras.tokens[e]["advantage"]],
                 predictive_keeps=[x for r in results for x in r.extras.tokens[e]["predictive_keeps"]],
-                delta_d={p: [x for r in results for x in r.extras.tokens[e]["delta_d"][p]] for p in protocols},
+                delta_d={p: [_g7(x) for r in results for x in r.extras.tokens[e]["delta_d"][p]] for p in protocols},
             )
             for e in ESTIMATORS
         ],
     )
+
+
+def _g7(x: float) -> float:
+    """7 significant digits (float32's): the JSON carries every disagreement token, so it stays small."""
+    return float(f"{x:.7g}")
 
 
 def _add_lists(lists: list[list[int]]) -> list[int]:

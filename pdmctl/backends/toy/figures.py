@@ -160,18 +160,40 @@ def positions(result: AnalysisResult, estimator: str = "exact"):
     return fig
 
 
+CAPTIONS = {
+    "delta_d_cdf": "Direction analysis (Fig. 4a): the CDF of ΔD over the kept disagreement tokens, ratio vs "
+    "predictive criterion, per tail estimator; the height at ΔD = 0 is the corrective share",
+    "seed_pairs": "Direction analysis (Fig. 3b): each seed's unsafe-keep rate, ratio (x) vs predictive (y); below "
+    "the diagonal the predictive criterion wins the seed",
+    "disagreements": "Direction analysis: out-of-region and disagreement tokens per seed (all with A ≠ 0)",
+    "positions": "Direction analysis: per response position, the out-of-region share, the disagreement tokens and "
+    "each criterion's unsafe-keep rate (estimator exact)",
+}
+
+
+def render(result: AnalysisResult) -> list[tuple[str, str, bytes]]:
+    """The four figures as (file name, caption, PNG bytes)."""
+    import io
+
+    plt = _pyplot()
+    found = []
+    for name, make in zip(FIGURES, (delta_d_cdf, seed_pairs, disagreements, positions), strict=True):
+        fig = make(result)
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=110)
+        plt.close(fig)
+        found.append((f"{name}.png", CAPTIONS[name], buffer.getvalue()))
+    return found
+
+
 def write_figures(result: AnalysisResult, directory: Path) -> list[Path]:
     """The four PNGs of the module's docstring, written into `directory` (created); their paths."""
-    plt = _pyplot()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, make in zip(FIGURES, (delta_d_cdf, seed_pairs, disagreements, positions), strict=True):
-        fig = make(result)
-        path = directory / f"{name}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+    for name, _, png in render(result):
+        (directory / name).write_bytes(png)
+        written.append(directory / name)
     return written
 
 
