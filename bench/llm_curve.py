@@ -1,6 +1,6 @@
 """A learning curve on the LLM-like preset: response length, reward, entropy and top-K mass per step.
 
-    python bench/llm_curve.py [--steps 40] [--method pdm] [--threads 1] [--csv curve.csv]
+    python bench/llm_curve.py [--steps 40] [--method pdm] [--lr 2e-3] [--threads 1] [--csv curve.csv]
 
 Trains `model=toy-llm` with every other setting the default run's (128 prompts x 8 per step, 8
 mini-batches, the mask of --method) and prints, per step, the mean response length of the rollout,
@@ -32,10 +32,11 @@ def main() -> None:
     parser.add_argument("--method", default="pdm")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=ToyConfig.lr)
     parser.add_argument("--csv", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    cfg = ToyConfig(model="toy-llm", method=args.method, steps=args.steps, seed=args.seed,
+    cfg = ToyConfig(model="toy-llm", method=args.method, steps=args.steps, seed=args.seed, lr=args.lr,
                     checkpoint_every=max(args.steps, 1))  # fmt: skip
     tracker = InMemoryTracker()
     wall, cpu = time.perf_counter(), time.process_time()
@@ -49,7 +50,7 @@ def main() -> None:
     print("\n".join(lines))
     for name in ("eval/toy24", "eval/toy25"):
         print(name, " ".join(f"{s}:{v:.3f}" for s, v in tracker.history(name)))
-    print(f"{args.steps} steps, method {args.method}, seed {args.seed}, {args.threads} thread(s): "
+    print(f"{args.steps} steps, method {args.method}, lr {args.lr}, seed {args.seed}, {args.threads} thread(s): "
           f"{wall:.0f} s wall, {cpu:.0f} s CPU")  # fmt: skip
     if args.csv is not None:
         args.csv.write_text("\n".join(lines) + "\n")

@@ -31,6 +31,22 @@ def table(columns, rows) -> str:
     return "\n".join(lines)
 
 
+def paired_rows(result) -> list[tuple[str, ...]]:
+    """Predictive minus ratio, per seed where both kept a disagreement token: the unsafe-keep rates' mean
+    difference and its 95% t-interval, per protocol and estimator (percentage points)."""
+    from pdmctl.report.stats import paired_difference
+
+    rows = []
+    for protocol, comparisons in result.protocol_comparisons.items():
+        for c in comparisons:
+            pairs = [(p, r) for p, r in zip(c.predictive.unsafe_keep_per_seed, c.ratio.unsafe_keep_per_seed,
+                                            strict=True) if p is not None and r is not None]  # fmt: skip
+            d = paired_difference([p for p, _ in pairs], [r for _, r in pairs], 0.95)
+            rows.append((protocol, c.estimator, f"{100 * d.mean:+.1f}",
+                         f"[{100 * d.interval.low:+.1f}, {100 * d.interval.high:+.1f}]", str(len(pairs))))  # fmt: skip
+    return rows
+
+
 def main(path: str) -> None:
     result = _analysis_result(json.loads(Path(path).read_text()))
     n = len(result.seeds)
@@ -41,6 +57,8 @@ def main(path: str) -> None:
     for title, columns, rows in (
         ("Main table", ANALYSIS_COLUMNS, analysis_rows(result)),
         ("Estimators compared", DIFFERENCE_COLUMNS, difference_rows(result)),
+        ("Predictive minus ratio, unsafe-keep rate, paired by seed",
+         ("protocol", "estimator", "mean difference (points)", "95% t-interval", "seeds"), paired_rows(result)),
         ("Per protocol", PROTOCOL_COLUMNS, protocol_rows(result)),
         ("Decomposition", DECOMPOSITION_COLUMNS, decomposition_table_rows(result)),
         ("Logit-space assumption", ASSUMPTION_COLUMNS, assumption_table_rows(result)),
