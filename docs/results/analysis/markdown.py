@@ -41,9 +41,11 @@ def paired_rows(result) -> list[tuple[str, ...]]:
         for c in comparisons:
             pairs = [(p, r) for p, r in zip(c.predictive.unsafe_keep_per_seed, c.ratio.unsafe_keep_per_seed,
                                             strict=True) if p is not None and r is not None]  # fmt: skip
-            d = paired_difference([p for p, _ in pairs], [r for _, r in pairs], 0.95)
-            rows.append((protocol, c.estimator, f"{100 * d.mean:+.1f}",
-                         f"[{100 * d.interval.low:+.1f}, {100 * d.interval.high:+.1f}]", str(len(pairs))))  # fmt: skip
+            d = paired_difference([p for p, _ in pairs], [r for _, r in pairs], 0.95) if pairs else None
+            mean = "—" if d is None else f"{100 * d.mean:+.1f}"
+            interval = "n/a" if d is None or d.interval is None else (
+                f"[{100 * d.interval.low:+.1f}, {100 * d.interval.high:+.1f}]")  # fmt: skip
+            rows.append((protocol, c.estimator, mean, interval, str(len(pairs))))
     return rows
 
 
