@@ -53,6 +53,15 @@ def _title(result: AnalysisResult) -> str:
     )
 
 
+def _symlog(ax, linthresh: float) -> None:
+    """A symmetric log x-axis, linear within ±linthresh; the labels at ±linthresh left out (they crowd 0)."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.set_xscale("symlog", linthresh=linthresh)
+    label = ax.xaxis.get_major_formatter()
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, pos: "" if 0 < abs(x) <= 1.0001 * linthresh else label(x, pos)))
+
+
 def delta_d_cdf(result: AnalysisResult):
     """Fig. 4a: the CDF of ΔD of the kept disagreement tokens; per estimator, line 0 ratio, line 1 predictive."""
     plt = _pyplot()
@@ -64,11 +73,11 @@ def delta_d_cdf(result: AnalysisResult):
             xs, ys = _cdf(values)
             unsafe = sum(v > 0 for v in values) / len(values) if values else float("nan")
             ax.step(xs, ys, where="post", color=COLORS[name],
-                    label=f"{name} keeps ({len(values)} tokens, {100 * unsafe:.1f}% ΔD > 0)")  # fmt: skip
+                    label=f"{name} keeps ({len(values)} tokens, pooled: {100 * unsafe:.1f}% ΔD > 0)")  # fmt: skip
             scale = max([scale, *(abs(v) for v in values)])
         ax.axvline(0.0, color="grey", linewidth=0.8)
         if scale > 0:
-            ax.set_xscale("symlog", linthresh=scale * 1e-3)
+            _symlog(ax, scale * 1e-3)
         ax.set_xlabel("ΔD of the kept disagreement token")
         ax.set_ylabel("cumulative share")
         ax.set_title(f"estimator {tokens.estimator}")
