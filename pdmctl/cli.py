@@ -355,6 +355,29 @@ def analyze(
     csv_out: Annotated[
         Path | None, typer.Option("--csv", help="Also write the per-seed rates as CSV here.")
     ] = None,
+    figures: Annotated[
+        Path | None,
+        typer.Option(help="Also draw the paper's figures (PNG) into this directory (created if missing)."),
+    ] = None,
+    jobs: Annotated[
+        int | None,
+        typer.Option(help="Worker processes over the seeds (default: the cores this process may use)."),
+    ] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            help="torch threads per process (default: the cores over the jobs). A seed's numbers depend on "
+            "this, not on --jobs."
+        ),
+    ] = None,
+    mismatch_only: Annotated[
+        bool,
+        typer.Option(
+            "--mismatch-only",
+            help="The paper's fresh-rollout setting: no stale mini-batch update, D from the rollout weights' "
+            "precision alone (precision=bf16, fp8_rollout or fp8_e2e).",
+        ),
+    ] = False,
 ) -> None:
     """The token-level direction analysis (MATH.md): ratio vs predictive direction, on the CPU testbed."""
     from pdmctl import grid
@@ -367,12 +390,18 @@ def analyze(
             check_output(json_out, "--json", directory=False)
         if csv_out is not None:
             check_output(csv_out, "--csv", directory=False)
+        if figures is not None and figures.exists() and not figures.is_dir():
+            fail(f"--figures: {figures} exists and is not a directory")
+        for name, value in (("--jobs", jobs), ("--threads", threads)):
+            if value is not None and value < 1:
+                fail(f"{name}: must be >= 1, got {value}")
         (spec,) = grid.expand(overrides or [], sweep="analysis")[:1]
         if spec.backend != "toy":
             fail("analyze: runs on the CPU testbed (backend=toy)")
         from pdmctl.backends.toy import ToyConfig
         from pdmctl.backends.toy.analysis import (
             PROTOCOLS,
+            default_jobs,
             render_analysis_table,
             render_assumption_table,
             render_decomposition_table,
@@ -387,8 +416,16 @@ def analyze(
         if unknown or not chosen or len(set(chosen)) != len(chosen):
             fail(f"--protocols: {protocols!r}: name each of {', '.join(PROTOCOLS)} at most once")
         cfg = ToyConfig.from_mapping(flat_config(spec.config))
-    with console.status(f"analysing {seeds} seed(s) ..."):
-        result = run_analysis(cfg, list(range(first_seed, first_seed + seeds)), chosen)
+    n_jobs = min(jobs or default_jobs(), seeds)
+    with console.status(f"analysing {seeds} seed(s) in {n_jobs} process(es) ..."):
+        result = run_analysis(
+            cfg,
+            list(range(first_seed, first_seed + seeds)),
+            chosen,
+            jobs=n_jobs,
+            threads=threads or max(1, default_jobs() // n_jobs),
+            mismatch_only=mismatch_only,
+        )
     console.print(render_analysis_table(result))
     console.print(render_difference_table(result))
     if len(chosen) > 1:
@@ -405,6 +442,11 @@ def analyze(
     if csv_out is not None:
         csv_out.write_text(seed_csv(result))
         console.print(f"wrote {csv_out}", highlight=False)
+    if figures is not None:
+        from pdmctl.backends.toy.figures import write_figures
+
+        for path in write_figures(result, figures):
+            console.print(f"wrote {path}", highlight=False)
 
 
 def _mount_optional() -> None:

@@ -10,8 +10,9 @@ from tests.conftest import pdmctl
 
 def test_analyze_prints_table_and_json(workdir: Path):
     res = pdmctl(
-        "analyze", "--seeds", "2", "backend.prompts_per_step=32", "--json", "analysis.json", cwd=workdir
-    )
+        "analyze", "--seeds", "2", "backend.prompts_per_step=32", "--json", "analysis.json", "--figures", "figs",
+        "--jobs", "2", cwd=workdir,
+    )  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
     assert "unsafe" in res.stdout.lower()
     assert "carried (main)" in res.stdout and "fresh-adam" in res.stdout  # the protocols, side by side
@@ -20,11 +21,16 @@ def test_analyze_prints_table_and_json(workdir: Path):
         "carried", "fresh-adam", "sgd", "own-adam", "own-grad"]  # fmt: skip
     assert data["decomposition"] and data["logit_assumption"]  # the decomposition, in the JSON too
     assert "ΔD decomposed" in res.stdout and "e_k − π" in res.stdout
+    assert data["setting"] == "stale" and len(data["disagreement_tokens"]) == 3  # the figures' data
+    assert sorted(p.name for p in (workdir / "figs").iterdir()) == [
+        "delta_d_cdf.png", "disagreements.png", "positions.png", "seed_pairs.png"]  # fmt: skip
 
 
 def test_analyze_bad_input(workdir: Path):
     res = pdmctl("analyze", "--seeds", "0", cwd=workdir)
     assert res.returncode == 2 and "--seeds" in res.stderr
+    res = pdmctl("analyze", "--jobs", "0", cwd=workdir)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--jobs" in res.stderr
     res = pdmctl("analyze", "k=0", cwd=workdir)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "k:" in res.stderr
     for protocols in ("carried,nope", "sgd,sgd", ","):

@@ -75,20 +75,23 @@ def test_analysis_is_reproducible() -> None:
 
 
 def _recording_updates(monkeypatch) -> list[tuple[str, dict, dict]]:
-    """Every Learner.update's starting optimizer type, weights and optimizer state, in call order."""
-    from pdmctl.backends.toy.trainer import Learner
-
+    """Every optimizer step's type, starting weights and optimizer state, in call order (the stale mini-batch
+    updates', then each criterion's under each protocol: a fresh Adam step, then the SGD one, under `sgd`)."""
     starts: list[tuple[str, dict, dict]] = []
-    update = Learner.update
 
-    def recording_update(self, batch, advantages, cfg):
-        weights = {k: v.clone() for k, v in self.policy.state_dict().items()}
-        state = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                 for i, s in self.optimizer.state_dict()["state"].items()}  # fmt: skip
-        starts.append((type(self.optimizer).__name__, weights, state))
-        return update(self, batch, advantages, cfg)
+    def recording(step):
+        def recorded(self, *args, **kwargs):
+            params = [p for group in self.param_groups for p in group["params"]]
+            weights = {i: p.detach().clone() for i, p in enumerate(params)}
+            state = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                     for i, s in self.state_dict()["state"].items()}  # fmt: skip
+            starts.append((type(self).__name__, weights, state))
+            return step(self, *args, **kwargs)
 
-    monkeypatch.setattr(Learner, "update", recording_update)
+        return recorded
+
+    monkeypatch.setattr(torch.optim.Adam, "step", recording(torch.optim.Adam.step))
+    monkeypatch.setattr(torch.optim.SGD, "step", recording(torch.optim.SGD.step))
     return starts
 
 
@@ -138,3 +141,72 @@ def test_sgd_protocol_is_a_gradient_step_as_long_as_the_fresh_adam_step() -> Non
     assert lengths["sgd"] == pytest.approx(lengths["fresh-adam"], rel=1e-4) and lengths["sgd"] > 0
     assert not torch.allclose(steps["sgd"], steps["fresh-adam"])
     assert _same(start.weights, kept)  # taking updates never moves the snapshot
+
+
+def _close(fast, slow, path: str = "") -> list[str]:
+    """Where two results' JSON differ: exactly outside the decomposition; within float32-level rounding (1e-4)
+    in the decomposition's medians and the own effects, one token's flip in its sign agreements."""
+    if isinstance(fast, dict):
+        assert fast.keys() == slow.keys(), path
+        return [d for k in fast for d in _close(fast[k], slow[k], f"{path}.{k}")]
+    if isinstance(fast, list):
+        assert len(fast) == len(slow), path
+        return [d for i, (a, b) in enumerate(zip(fast, slow, strict=True)) for d in _close(a, b, f"{path}[{i}]")]
+    if fast == slow:
+        return []
+    numeric = isinstance(fast, float) and isinstance(slow, float)
+    in_decomposition = path.startswith((".decomposition", ".logit_assumption"))
+    own_effect = ".delta_d.own-" in path  # the own-effect protocols' ΔD is the decomposition's own piece
+    if numeric and in_decomposition and ("_sign" in path or "agrees" in path):
+        return [f"{path}: {fast!r} != {slow!r}"]  # sign agreements: checked row by row (one token may flip)
+    if numeric and (in_decomposition or own_effect) and abs(fast - slow) <= 1e-4 * max(1.0, abs(slow)):
+        return []
+    return [f"{path}: {fast!r} != {slow!r}"]
+
+
+def test_the_fast_analysis_is_the_reference_one() -> None:
+    """The shared forward and backward (criterion_gradients) and the structured per-token products give what one
+    Learner.update per criterion and protocol and whole-network jacobians give: every count, rate and realized ΔD
+    the same, bit for bit; the decomposition to float32 rounding."""
+    cfg = ToyConfig(prompts_per_step=16)
+    fast = json.loads(run_analysis(cfg, [5], DEFAULT_PROTOCOLS, threads=1).to_json())
+    slow = json.loads(run_analysis(cfg, [5], DEFAULT_PROTOCOLS, threads=1, reference=True).to_json())
+    assert sum(len(t["position"]) for t in fast["disagreement_tokens"]) > 10
+    differences = _close(fast, slow)
+    for table in ("decomposition", "logit_assumption"):  # a sign agreement: at most one token's sign flips
+        for i, (a, b) in enumerate(zip(fast[table], slow[table], strict=True)):
+            signs = [k for k in a if "_sign" in k or k.startswith("agrees")]
+            assert all((a[k] is None and b[k] is None) or abs(a[k] - b[k]) <= 1 / b["tokens"] + 1e-12 for k in signs)
+            differences = [d for d in differences if not any(d.startswith(f".{table}[{i}].{k}:") for k in signs)]
+    assert differences == []
+
+
+def test_seeds_in_worker_processes_are_the_serial_ones() -> None:
+    """--jobs: two spawned workers give the serial result, byte for byte, at the same threads per process."""
+    cfg = ToyConfig(prompts_per_step=16)
+    serial = run_analysis(cfg, [5, 6], ("carried", "own-grad"), threads=1)
+    parallel = run_analysis(cfg, [5, 6], ("carried", "own-grad"), jobs=2, threads=1)
+    assert parallel.to_json() == serial.to_json()
+    assert serial.seeds == [5, 6] and len(serial.tokens_per_seed) == 2
+
+
+def test_mismatch_only_takes_no_stale_update(monkeypatch) -> None:
+    """The fresh-rollout setting: the criteria's updates start from the rollout's own weights with no optimizer
+    state, so `carried` is a fresh Adam; D > δ from the fp8 rollout weights alone (δ = 0.01: this small model's
+    precision gap is small)."""
+    from pdmctl.backends.toy.basemodel import load_base_model
+
+    starts = _recording_updates(monkeypatch)
+    cfg = ToyConfig(prompts_per_step=16, precision="fp8_rollout", delta=0.01)
+    result = run_analysis(cfg, [5], ("carried", "fresh-adam"), mismatch_only=True)
+    assert result.setting == "mismatch-only"
+    assert len(starts) == 2 * 4  # each criterion's carried and fresh Adam step, no stale mini-batch step
+    base = dict(enumerate(p.detach() for p in load_base_model(cfg.model).parameters()))
+    assert all(kind == "Adam" and state == {} and _same(weights, base) for kind, weights, state in starts)
+    assert result.out_of_region_per_seed[0] > 0 and sum(c.disagreement_per_seed[0] for c in result.comparisons) > 0
+    assert result.protocol_comparisons["carried"] == result.protocol_comparisons["fresh-adam"]
+    stale = run_analysis(cfg, [5], ("carried", "fresh-adam"))
+    assert stale.setting == "stale" and stale.out_of_region_per_seed[0] > result.out_of_region_per_seed[0]
+    console = Console(width=250, record=True)
+    console.print(render_analysis_table(result))
+    assert "mismatch only" in console.export_text()

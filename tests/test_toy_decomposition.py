@@ -189,3 +189,27 @@ def test_a_bad_protocol_is_one_line_and_exit_2(tmp_path) -> None:
     res = pdmctl("analyze", "--protocols", "own-adam,bogus", cwd=tmp_path)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--protocols" in res.stderr
     assert "own-adam" in res.stderr and "own-grad" in res.stderr  # the new names are offered
+
+
+@pytest.mark.parametrize("model", ["toy-small", "toy-llm"])
+def test_structured_products_are_the_whole_jacobians(model) -> None:
+    """token_products (head rank one, embedding through its input, per-token gradients of the blocks only) gives
+    what the whole per-token jacobians give, on tokens whose sequences repeat a token (an embedding row that
+    gathers several positions' gradients), at toy-llm's 19-token responses too."""
+    cfg = dataclasses.replace(CFG, model=model, precision="fp8_e2e")  # the straight-through cast weights too
+    learner, batch, _ = stale_batch(dataclasses.replace(cfg, prompts_per_step=4))
+    response = task.response_mask(batch.sampled_ids).bool()
+    inputs = batch.tokens[:, :-1]
+    repeats = torch.tensor([len(set(row.tolist())) < len(row) for row in inputs])
+    rows, cols = (response & repeats[:, None]).nonzero(as_tuple=True)
+    pick = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0))[:6]
+    rows, cols = rows[pick], cols[pick]
+    assert len(rows) == 6 and int(cols.max()) >= (10 if model == "toy-llm" else 1)
+    n = sum(p.numel() for p in learner.policy.parameters())
+    gen = torch.Generator().manual_seed(1)
+    vectors, gains = torch.randn(n, 3, generator=gen, dtype=torch.float64), torch.rand(n, 2, generator=gen).double()
+    fast = decomposition.token_products(learner.policy, cfg, batch, rows, cols, vectors, gains)
+    slow = decomposition.token_products_reference(learner.policy, cfg, batch, rows, cols, vectors, gains)
+    for name in ("dot", "own", "own_head", "plain", "plain_head", "divergence"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * float(b.abs().max()), msg=name)

@@ -157,6 +157,7 @@ def _analysis_result(data: dict):
         Comparison,
         CriterionStats,
         DecompositionRow,
+        DisagreementTokens,
         EstimatorDifference,
     )
 
@@ -174,9 +175,11 @@ def _analysis_result(data: dict):
     from pdmctl.backends.toy.bands import BandStats
 
     bands = [BandStats(**b) for b in data.get("bands", [])]  # written before the bands (issue 19): none
+    tokens = [DisagreementTokens(**t) for t in data.get("disagreement_tokens", [])]  # written before: none
     return AnalysisResult(**{**data, "comparisons": comparisons, "estimator_differences": differences,
                              "protocol_comparisons": by_protocol, "decomposition": decomposed,
-                             "logit_assumption": assumption, "bands": bands})  # fmt: skip
+                             "logit_assumption": assumption, "bands": bands,
+                             "disagreement_tokens": tokens})  # fmt: skip
 
 
 # ---------------------------------------------------------------------------

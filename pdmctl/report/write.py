@@ -68,6 +68,12 @@ def figures(report: Report) -> list[FigureFile]:
                               f"{curves.setting}: training dynamics "
                               f"({', '.join(curves.dynamics_panels)}); line = mean over seeds, band = "
                               f"{_band_note(report)}.{note}", plots.dynamics_figure(curves, band)))  # fmt: skip
+    if report.analysis is not None and report.analysis.get("disagreement_tokens"):  # analyses before: no data
+        from pdmctl.backends.toy.figures import render
+        from pdmctl.report.tables import _analysis_result
+
+        result = _analysis_result(report.analysis)
+        out += [FigureFile(f"direction_{name}", caption, png) for name, caption, png in render(result)]
     return out
 
 

@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +127,21 @@ class AssumptionRow:
 
 
 @dataclass(frozen=True)
+class DisagreementTokens:
+    """Every disagreement token of one estimator, seeds pooled (the figures' data: figures.py). Token i is
+    at response position `position[i]` of seed `seeds[seed[i]]`; `predictive_keeps[i]`: the predictive
+    criterion keeps it and the ratio one masks it (else the other way round); `delta_d[p][i]`: its ΔD
+    after the update of the criterion that keeps it, under protocol p."""
+
+    estimator: str
+    seed: list[int]
+    position: list[int]
+    advantage: list[float]
+    predictive_keeps: list[bool]
+    delta_d: dict[str, list[float]]
+
+
+@dataclass(frozen=True)
 class AnalysisResult:
     seeds: list[int]
     delta: float
@@ -145,9 +161,18 @@ class AnalysisResult:
     # the predictive criterion's logit-space assumption against the whole network's own effect
     logit_assumption: list[AssumptionRow] = dataclasses.field(default_factory=list)
     bands: list[BandStats] = dataclasses.field(default_factory=list)  # by top-K mass (bands.py)
+    # "stale": the step's other mini-batch updates first (training's staleness); "mismatch-only": the
+    # fresh rollout, D from the rollout weights' precision alone (the paper's §4.2 setting)
+    setting: str = "stale"
+    tokens_per_position: list[int] = dataclasses.field(default_factory=list)  # response tokens, seeds pooled
+    out_of_region_per_position: list[int] = dataclasses.field(default_factory=list)
+    disagreement_tokens: list[DisagreementTokens] = dataclasses.field(default_factory=list)  # per estimator
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, allow_nan=False)
+        """The whole result; one line per field, the token lists each on one line (they are most of it)."""
+        data = dataclasses.asdict(self)
+        lines = [f"  {json.dumps(k)}: {json.dumps(v, allow_nan=False, ensure_ascii=False)}" for k, v in data.items()]
+        return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 @dataclass(frozen=True)
@@ -159,23 +184,95 @@ class _SeedTokens:
     disagreements: int
 
 
+def default_jobs() -> int:
+    """The processes `run_analysis` spreads seeds over by default: the cores this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def run_analysis(
-    cfg: ToyConfig, seeds: list[int], protocols: tuple[str, ...] = ("carried",)
+    cfg: ToyConfig,
+    seeds: list[int],
+    protocols: tuple[str, ...] = ("carried",),
+    *,
+    jobs: int = 1,
+    threads: int | None = None,
+    reference: bool = False,
+    mismatch_only: bool = False,
 ) -> AnalysisResult:
     """The direction analysis on `seeds` (each a fresh rollout batch) with the config's mask settings, ΔD
-    measured under each of `protocols` (the first is the main table's)."""
+    measured under each of `protocols` (the first is the main table's).
+
+    `jobs` > 1 analyses the seeds in that many worker processes (spawned), `threads` torch threads each
+    (default: the cores over the jobs, at least one); a seed's numbers depend on `threads`, not on `jobs`
+    or on which worker ran it (tests/test_toy_analysis.py). With `jobs` = 1 the seeds run here, under
+    `threads` torch threads when it is given. `reference` takes every update and every per-token gradient
+    the direct way (one Learner.update per criterion and protocol, whole-network jacobians): the slow
+    code the fast one is tested against. `mismatch_only`: the paper's fresh-rollout setting, no stale
+    mini-batch update before the criteria's (D from the rollout weights' precision alone; with it the
+    `carried` protocol's Adam has no state)."""
     unknown = [p for p in protocols if p not in PROTOCOLS]
     if unknown or not protocols:
         raise ValueError(f"protocols: unknown {unknown or 'none given'}; choose from {sorted(PROTOCOLS)}")
-    per_seed: list[dict[str, dict[str, _SeedTokens]]] = []
-    tokens, outside, decomposed = [], [], []
+    if jobs < 1 or (threads is not None and threads < 1):
+        raise ValueError(f"jobs and threads: must be >= 1, got {jobs} and {threads}")
+    tasks = [(dataclasses.replace(cfg, seed=seed), tuple(protocols), reference, not mismatch_only) for seed in seeds]
+    if jobs == 1 or len(seeds) == 1:
+        before = torch.get_num_threads()
+        try:
+            if threads is not None:
+                torch.set_num_threads(threads)
+            results = [_seed_task(t) for t in tasks]
+        finally:
+            torch.set_num_threads(before)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        per_job = threads or max(1, default_jobs() // jobs)
+        with ProcessPoolExecutor(
+            max_workers=min(jobs, len(seeds)),
+            mp_context=multiprocessing.get_context("spawn"),  # no forked OpenMP pools, the same on every OS
+            initializer=_worker_threads,
+            initargs=(per_job,),
+        ) as pool:
+            results = list(pool.map(_seed_task, tasks))
+    return _combine(cfg, list(seeds), tuple(protocols), results, "mismatch-only" if mismatch_only else "stale")
+
+
+@dataclass(frozen=True)
+class _SeedResult:
+    tokens: int  # response tokens
+    out_of_region: int
+    by_protocol: dict[str, dict[str, _SeedTokens]]
+    parts: _SeedDecomposition
+    bands: BandCounter
+    extras: _SeedExtras
+
+
+def _worker_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def _seed_task(task: tuple[ToyConfig, tuple[str, ...], bool, bool]) -> _SeedResult:
+    cfg, protocols, reference, stale = task
+    bands, extras = BandCounter.empty(), _SeedExtras()
+    n_tokens, n_out, by_protocol, parts = _analyse_seed(
+        cfg, protocols, bands, reference=reference, stale=stale, extras=extras
+    )
+    return _SeedResult(n_tokens, n_out, by_protocol, parts, bands, extras)
+
+
+def _combine(
+    cfg: ToyConfig, seeds: list[int], protocols: tuple[str, ...], results: list[_SeedResult], setting: str
+) -> AnalysisResult:
     bands = BandCounter.empty()
-    for seed in seeds:
-        n_tokens, n_out, by_protocol, parts = _analyse_seed(dataclasses.replace(cfg, seed=seed), protocols, bands)
-        tokens.append(n_tokens)
-        outside.append(n_out)
-        per_seed.append(by_protocol)
-        decomposed.append(parts)
+    for r in results:
+        bands.merge(r.bands)
+    per_seed = [r.by_protocol for r in results]
+    decomposed = [r.parts for r in results]
     by_protocol = {p: [_compare(e, [s[p][e] for s in per_seed]) for e in ESTIMATORS] for p in protocols}
     comparisons = by_protocol[protocols[0]]
     return AnalysisResult(
@@ -184,8 +281,8 @@ def run_analysis(
         k=cfg.k,
         divergence=cfg.divergence,
         precision=cfg.precision,
-        tokens_per_seed=tokens,
-        out_of_region_per_seed=outside,
+        tokens_per_seed=[r.tokens for r in results],
+        out_of_region_per_seed=[r.out_of_region for r in results],
         comparisons=comparisons,
         estimator_differences=_estimator_differences(comparisons),
         protocol=protocols[0],
@@ -193,7 +290,30 @@ def run_analysis(
         decomposition=_decomposition_rows(decomposed),
         logit_assumption=_assumption_rows(decomposed),
         bands=bands.stats(),
+        setting=setting,
+        tokens_per_position=_add_lists([r.extras.tokens_per_position for r in results]),
+        out_of_region_per_position=_add_lists([r.extras.out_of_region_per_position for r in results]),
+        disagreement_tokens=[
+            DisagreementTokens(
+                estimator=e,
+                seed=[i for i, r in enumerate(results) for _ in r.extras.tokens[e]["position"]],
+                position=[x for r in results for x in r.extras.tokens[e]["position"]],
+                advantage=[_g7(x) for r in results for x in r.extras.tokens[e]["advantage"]],
+                predictive_keeps=[x for r in results for x in r.extras.tokens[e]["predictive_keeps"]],
+                delta_d={p: [_g7(x) for r in results for x in r.extras.tokens[e]["delta_d"][p]] for p in protocols},
+            )
+            for e in ESTIMATORS
+        ],
     )
+
+
+def _g7(x: float) -> float:
+    """7 significant digits (float32's): the JSON carries every disagreement token, so it stays small."""
+    return float(f"{x:.7g}")
+
+
+def _add_lists(lists: list[list[int]]) -> list[int]:
+    return [sum(column) for column in zip(*lists, strict=True)] if lists else []
 
 
 ESTIMATOR_PAIRS = (("uni", "agg"), ("exact", "agg"), ("exact", "uni"))
@@ -231,23 +351,40 @@ def _estimator_differences(comparisons: list[Comparison], level: float = 0.95) -
     return found
 
 
-def stale_batch(cfg: ToyConfig) -> tuple[Learner, Rollout, torch.Tensor]:
+def stale_batch(cfg: ToyConfig, *, stale: bool = True) -> tuple[Learner, Rollout, torch.Tensor]:
     """A fresh rollout batch from the base model and its advantages, with the learner moved on by all
-    mini-batch updates of the step but the last: the staleness of a step's last mini-batch."""
+    mini-batch updates of the step but the last: the staleness of a step's last mini-batch. With
+    `stale` False the learner stays at the rollout's weights (no update, a fresh Adam): the fresh
+    rollout, where D comes from the rollout weights' precision alone."""
     learner = Learner.from_base(cfg)
     problems = learner.task.sample_train(cfg.prompts_per_step, learner.generator).repeat(cfg.group_size)
     batch = learner.rollout(problems)
     advantages = grpo_advantages(learner.task.score(problems, batch.sampled_ids), cfg.group_size)
     order = torch.randperm(len(problems), generator=learner.generator)
-    for rows in order.tensor_split(cfg.minibatches)[:-1]:
+    for rows in order.tensor_split(cfg.minibatches)[:-1] if stale else ():
         learner.update(batch.select(rows), advantages[rows], cfg)
     return learner, batch, advantages
 
 
+@dataclass
+class _SeedExtras:
+    """What one seed adds to the figures' data (filled by _analyse_seed)."""
+
+    tokens_per_position: list[int] = dataclasses.field(default_factory=list)
+    out_of_region_per_position: list[int] = dataclasses.field(default_factory=list)
+    tokens: dict[str, dict[str, list]] = dataclasses.field(default_factory=dict)  # estimator -> field -> values
+
+
 def _analyse_seed(
-    cfg: ToyConfig, protocols: tuple[str, ...], bands: BandCounter | None = None
+    cfg: ToyConfig,
+    protocols: tuple[str, ...],
+    bands: BandCounter | None = None,
+    *,
+    reference: bool = False,
+    stale: bool = True,
+    extras: _SeedExtras | None = None,
 ) -> tuple[int, int, dict[str, dict[str, _SeedTokens]], _SeedDecomposition]:
-    learner, batch, advantages = stale_batch(cfg)
+    learner, batch, advantages = stale_batch(cfg, stale=stale)
     response = task.response_mask(batch.sampled_ids).bool()
     pre = {e: diagnostics(learner, batch, advantages, cfg, e) for e in ESTIMATORS}
     if bands is not None:  # the same stale batch and diagnostics as the tables (bands.band_analysis's)
@@ -276,15 +413,23 @@ def _analyse_seed(
         found[rows_out] = diagnostics(learner, batch_out, advantages_out, cfg, "agg").divergence - d_pre_out
         return found
 
+    # every update starts from the same weights, so each criterion's clipped gradient is the same under
+    # every protocol: one forward for all criteria, one backward each, then each protocol's optimizer step
+    gradients = {} if reference else criterion_gradients(learner, batch, advantages, criteria)
     for protocol in updates:
         for name, criterion in criteria.items():
-            metrics = take_update(learner, start, batch, advantages, criterion, protocol)
+            if reference:
+                metrics = take_update_reference(learner, start, batch, advantages, criterion, protocol)
+            else:
+                metrics = apply_update(learner, start, gradients[name], criterion, protocol)
             parts[protocol, name] = decomposition.update_parts(
                 params, theta0, start.optimizer, criterion, protocol, metrics["grad_norm"]
             )
             delta[protocol, name] = delta_d()
     restore(learner, start)
-    seed_parts = _decompose_seed(learner, cfg, batch, advantages, pre, outside, criteria, parts, delta)
+    seed_parts = _decompose_seed(
+        learner, cfg, batch, advantages, pre, outside, criteria, parts, delta, reference=reference
+    )
 
     found: dict[str, dict[str, _SeedTokens]] = {}
     for protocol in protocols:
@@ -299,7 +444,114 @@ def _analyse_seed(
                 predictive_kept_delta_d=delta_pred[disagree & predictive_keep],
                 disagreements=int(disagree.sum()),
             )
+    if extras is not None:
+        extras.tokens_per_position = response.sum(0).tolist()
+        extras.out_of_region_per_position = outside.sum(0).tolist()
+        a = advantages.unsqueeze(1).expand_as(outside)
+        for e in ESTIMATORS:
+            predictive_keep = a * pre[e].ddot <= 0
+            disagree = outside & (ratio_keep != predictive_keep)
+            rows, cols = disagree.nonzero(as_tuple=True)
+            keeps = predictive_keep[rows, cols]
+            extras.tokens[e] = {
+                "position": cols.tolist(),
+                "advantage": a[rows, cols].tolist(),
+                "predictive_keeps": keeps.tolist(),
+                "delta_d": {
+                    p: torch.where(keeps, delta[p, f"predictive/{e}"][rows, cols].double(),
+                                   delta[p, "ratio"][rows, cols].double()).tolist()
+                    for p in protocols
+                },  # fmt: skip
+            }
     return int(response.sum()), int(outside.sum()), found, seed_parts
+
+
+@dataclass(frozen=True)
+class CriterionGradient:
+    """One criterion's update direction at the start weights: the clipped gradient (per parameter) and
+    the update's metrics (Learner.update's, with `grad_norm` before clipping)."""
+
+    grads: list[torch.Tensor]
+    metrics: dict[str, float]
+
+
+def criterion_gradients(
+    learner: Learner, batch: Rollout, advantages: torch.Tensor, criteria: dict[str, ToyConfig]
+) -> dict[str, CriterionGradient]:
+    """Each criterion's clipped gradient at the learner's current weights, as `Learner.update` computes it
+    (the same forward, masks.policy_loss, backward and clipping, bit for bit), from one forward shared by
+    the criteria: a criterion changes the loss's mask, not the logits. The weights are left as they were;
+    the parameters' `.grad` holds the last criterion's gradient."""
+    params = list(learner.policy.parameters())
+    resp_mask = learner.task.response_mask(batch.sampled_ids)
+    any_cfg = next(iter(criteria.values()))
+    logits = forward(
+        learner.policy, batch.tokens[:, :-1], learner.task.max_response_len, PRECISIONS[any_cfg.precision].train
+    )
+    found = {}
+    names = list(criteria)
+    for i, (name, cfg) in enumerate(criteria.items()):
+        if cfg.precision != any_cfg.precision:
+            raise ValueError("criterion_gradients: the criteria share one precision (one forward)")
+        loss, metrics = masks.policy_loss(
+            logits,
+            batch.sampled_ids,
+            batch.topk_ids,
+            batch.topk_logprobs,
+            batch.sampled_logprobs,
+            advantages.unsqueeze(1).expand_as(resp_mask),
+            resp_mask,
+            method=cfg.method,
+            divergence=cfg.divergence,
+            estimator=cfg.estimator,
+            delta=cfg.delta,
+            delta_low=cfg.delta_low,
+            eps_low=cfg.eps_low,
+            eps_high=cfg.eps_high,
+            loss_agg_mode=cfg.loss_agg_mode,
+            ratio_cap=cfg.ratio_cap,
+        )
+        learner.optimizer.zero_grad()
+        loss.backward(retain_graph=i < len(names) - 1)
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        found[name] = CriterionGradient(
+            [p.grad.detach().clone() for p in params], {**metrics, "grad_norm": float(norm)}
+        )
+    return found
+
+
+def apply_update(
+    learner: Learner, start: Snapshot, gradient: CriterionGradient, criterion: ToyConfig, protocol: str
+) -> dict[str, float]:
+    """One update along `gradient` (criterion_gradients's, taken at `start`'s weights) from `start`, as
+    `protocol` says; the gradient's metrics. The parameters' `.grad` holds the clipped gradient after."""
+    params = list(learner.policy.parameters())
+
+    def step(optimizer: torch.optim.Optimizer) -> None:
+        for p, g in zip(params, gradient.grads, strict=True):
+            p.grad = g.clone()
+        optimizer.step()
+
+    restore(learner, start)
+    if protocol == "carried":
+        step(learner.optimizer)
+        return gradient.metrics
+    step(torch.optim.Adam(params, lr=criterion.lr))
+    if protocol == "fresh-adam":
+        return gradient.metrics
+    if protocol != "sgd":
+        raise ValueError(f"protocol: {protocol!r} takes no update; choose from {UPDATE_PROTOCOLS}")
+    # sgd: the clipped gradient itself (an SGD step of lr 1), rescaled to the fresh Adam step's length
+    theta_adam = torch.nn.utils.parameters_to_vector(params).detach()
+    restore(learner, start)
+    theta = torch.nn.utils.parameters_to_vector(params).detach()
+    step(torch.optim.SGD(params, lr=1.0))
+    with torch.no_grad():
+        delta = torch.nn.utils.parameters_to_vector(params) - theta
+        norm = torch.linalg.vector_norm(delta)
+        scale = torch.linalg.vector_norm(theta_adam - theta) / norm if norm > 0 else torch.ones(())
+        torch.nn.utils.vector_to_parameters(theta + delta * scale, params)
+    return gradient.metrics
 
 
 def take_update(
@@ -312,6 +564,21 @@ def take_update(
 ) -> dict[str, float]:
     """One update with `criterion`'s mask on the whole batch from `start`, taken as `protocol` says; the
     metrics of the update that was kept (Learner.update's)."""
+    restore(learner, start)
+    gradient = criterion_gradients(learner, batch, advantages, {"criterion": criterion})["criterion"]
+    return apply_update(learner, start, gradient, criterion, protocol)
+
+
+def take_update_reference(
+    learner: Learner,
+    start: Snapshot,
+    batch: Rollout,
+    advantages: torch.Tensor,
+    criterion: ToyConfig,
+    protocol: str,
+) -> dict[str, float]:
+    """`take_update` the direct way, kept as its reference (`run_analysis(reference=True)`): a whole
+    Learner.update (forward, loss, backward, step) per criterion and protocol."""
     restore(learner, start)
     if protocol == "carried":
         return learner.update(batch, advantages, criterion)
@@ -466,7 +733,8 @@ def render_analysis_table(result: AnalysisResult) -> Table:
     n = max(len(result.seeds), 1)
     title = (
         f"Direction analysis: {len(result.seeds)} seeds, {result.divergence} δ={result.delta} K={result.k} "
-        f"{result.precision}, ΔD after a {result.protocol} update; {sum(result.out_of_region_per_seed) / n:.0f} of "
+        f"{result.precision}{', mismatch only (fresh rollout)' if result.setting == 'mismatch-only' else ''}, "
+        f"ΔD after a {result.protocol} update; {sum(result.out_of_region_per_seed) / n:.0f} of "
         f"{sum(result.tokens_per_seed) / n:.0f} tokens per seed outside the region"
     )
     return _table(title, ANALYSIS_COLUMNS, 2, analysis_rows(result))
@@ -565,6 +833,8 @@ def _decompose_seed(
     criteria: dict[str, ToyConfig],
     parts: dict[tuple[str, str], decomposition.UpdateParts],
     delta: dict[tuple[str, str], torch.Tensor],
+    *,
+    reference: bool = False,
 ) -> _SeedDecomposition:
     """Per-token ΔD pieces at the learner's (start) weights; also fills `delta` for the own-effect
     protocols: ΔD of a kept token = its own effect, first order (zero on the tokens a criterion masks)."""
@@ -572,7 +842,7 @@ def _decompose_seed(
     rows, cols = (outside & (a != 0)).nonzero(as_tuple=True)
     with torch.no_grad():
         logits = forward(
-            learner.policy, batch.tokens[:, :-1], task.MAX_RESPONSE_LEN, PRECISIONS[cfg.precision].train
+            learner.policy, batch.tokens[:, :-1], batch.sampled_ids.shape[1], PRECISIONS[cfg.precision].train
         )
     keys = list(parts)
     vectors = torch.stack(
@@ -580,7 +850,8 @@ def _decompose_seed(
     )
     n_params = vectors.shape[0]
     gains = torch.stack([parts[k].gain.expand(n_params) for k in keys], dim=1)
-    products = decomposition.token_products(learner.policy, cfg, batch, rows, cols, vectors, gains)
+    token_products = decomposition.token_products_reference if reference else decomposition.token_products
+    products = token_products(learner.policy, cfg, batch, rows, cols, vectors, gains)
     support = decomposition.token_support(
         batch, rows, cols, masks.DIVERGENCES[cfg.divergence].support, logits.shape[-1]
     )

@@ -85,6 +85,14 @@ class BandCounter:
                 self.agree_all[d][i] += int((same[d] & in_band).sum())
                 self.agree_out[d][i] += int((same[d] & out).sum())
 
+    def merge(self, other: BandCounter) -> None:
+        """Add another counter's counts (a seed analysed in another process)."""
+        for mine, theirs in ((self.tokens, other.tokens), (self.out, other.out)):
+            mine[:] = [a + b for a, b in zip(mine, theirs, strict=True)]
+        for mine_d, theirs_d in ((self.agree_out, other.agree_out), (self.agree_all, other.agree_all)):
+            for d in DIRECTIONS:
+                mine_d[d] = [a + b for a, b in zip(mine_d[d], theirs_d[d], strict=True)]
+
     def stats(self) -> list[BandStats]:
         total = max(sum(self.tokens), 1)
         return [

@@ -1,0 +1,73 @@
+"""The tables of `pdmctl analyze`, as Markdown, from its JSON (how docs/results/analysis.md's tables were made).
+
+    python docs/results/analysis/markdown.py docs/results/analysis/toy-small/analysis.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from pdmctl.backends.toy.analysis import (
+    ANALYSIS_COLUMNS,
+    ASSUMPTION_COLUMNS,
+    DECOMPOSITION_COLUMNS,
+    DIFFERENCE_COLUMNS,
+    PROTOCOL_COLUMNS,
+    analysis_rows,
+    assumption_table_rows,
+    decomposition_table_rows,
+    difference_rows,
+    protocol_rows,
+)
+from pdmctl.backends.toy.bands import BAND_COLUMNS, band_rows
+from pdmctl.report.tables import _analysis_result
+
+
+def table(columns, rows) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def paired_rows(result) -> list[tuple[str, ...]]:
+    """Predictive minus ratio, per seed where both kept a disagreement token: the unsafe-keep rates' mean
+    difference and its 95% t-interval, per protocol and estimator (percentage points)."""
+    from pdmctl.report.stats import paired_difference
+
+    rows = []
+    for protocol, comparisons in result.protocol_comparisons.items():
+        for c in comparisons:
+            pairs = [(p, r) for p, r in zip(c.predictive.unsafe_keep_per_seed, c.ratio.unsafe_keep_per_seed,
+                                            strict=True) if p is not None and r is not None]  # fmt: skip
+            d = paired_difference([p for p, _ in pairs], [r for _, r in pairs], 0.95) if pairs else None
+            mean = "—" if d is None else f"{100 * d.mean:+.1f}"
+            interval = "n/a" if d is None or d.interval is None else (
+                f"[{100 * d.interval.low:+.1f}, {100 * d.interval.high:+.1f}]")  # fmt: skip
+            rows.append((protocol, c.estimator, mean, interval, str(len(pairs))))
+    return rows
+
+
+def main(path: str) -> None:
+    result = _analysis_result(json.loads(Path(path).read_text()))
+    n = len(result.seeds)
+    print(f"{n} seeds {result.seeds[0]}-{result.seeds[-1]}, {result.divergence} δ={result.delta} K={result.k} "
+          f"{result.precision}, setting {result.setting}, main protocol {result.protocol}; per seed "
+          f"{sum(result.out_of_region_per_seed) / n:.0f} of {sum(result.tokens_per_seed) / n:.0f} response tokens "
+          "out of the region\n")  # fmt: skip
+    for title, columns, rows in (
+        ("Main table", ANALYSIS_COLUMNS, analysis_rows(result)),
+        ("Estimators compared", DIFFERENCE_COLUMNS, difference_rows(result)),
+        ("Predictive minus ratio, unsafe-keep rate, paired by seed",
+         ("protocol", "estimator", "mean difference (points)", "95% t-interval", "seeds"), paired_rows(result)),
+        ("Per protocol", PROTOCOL_COLUMNS, protocol_rows(result)),
+        ("Decomposition", DECOMPOSITION_COLUMNS, decomposition_table_rows(result)),
+        ("Logit-space assumption", ASSUMPTION_COLUMNS, assumption_table_rows(result)),
+        ("Bands", BAND_COLUMNS, band_rows(result.bands)),
+    ):
+        print(f"### {title}\n\n{table(columns, rows)}\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
