@@ -168,10 +168,11 @@ def test_the_fast_analysis_is_the_reference_one() -> None:
     """The shared forward and backward (criterion_gradients) and the structured per-token products give what one
     Learner.update per criterion and protocol and whole-network jacobians give: every count, rate and realized ΔD
     the same, bit for bit; the decomposition to float32 rounding."""
-    cfg = ToyConfig(prompts_per_step=16)
+    # δ 0.1: 8 disagreement tokens on the base the warm-up rebuilds under avx2, 38 on the shipped one
+    cfg = ToyConfig(prompts_per_step=16, delta=0.1)
     fast = json.loads(run_analysis(cfg, [5], DEFAULT_PROTOCOLS, threads=1).to_json())
     slow = json.loads(run_analysis(cfg, [5], DEFAULT_PROTOCOLS, threads=1, reference=True).to_json())
-    assert sum(len(t["position"]) for t in fast["disagreement_tokens"]) > 10
+    assert sum(len(t["position"]) for t in fast["disagreement_tokens"]) >= 4
     differences = _close(fast, slow)
     for table in ("decomposition", "logit_assumption"):  # a sign agreement: at most one token's sign flips
         for i, (a, b) in enumerate(zip(fast[table], slow[table], strict=True)):
@@ -192,12 +193,14 @@ def test_seeds_in_worker_processes_are_the_serial_ones() -> None:
 
 def test_mismatch_only_takes_no_stale_update(monkeypatch) -> None:
     """The fresh-rollout setting: the criteria's updates start from the rollout's own weights with no optimizer
-    state, so `carried` is a fresh Adam; D > δ from the fp8 rollout weights alone (δ = 0.01: this small model's
+    state, so `carried` is a fresh Adam; D > δ from the fp8 rollout weights alone (δ = 0.001: this small model's
     precision gap is small)."""
     from pdmctl.backends.toy.basemodel import load_base_model
 
     starts = _recording_updates(monkeypatch)
-    cfg = ToyConfig(prompts_per_step=16, precision="fp8_rollout", delta=0.01)
+    # δ 0.001: the fp8 gap of this small model is small (seed 5: 75 tokens out of the region on the base
+    # the warm-up rebuilds under avx2, 119 on the shipped one; at δ 0.01, 0 and 5)
+    cfg = ToyConfig(prompts_per_step=16, precision="fp8_rollout", delta=0.001)
     result = run_analysis(cfg, [5], ("carried", "fresh-adam"), mismatch_only=True)
     assert result.setting == "mismatch-only"
     assert len(starts) == 2 * 4  # each criterion's carried and fresh Adam step, no stale mini-batch step

@@ -198,7 +198,7 @@ def run_analysis(
     protocols: tuple[str, ...] = ("carried",),
     *,
     jobs: int = 1,
-    threads: int | None = None,
+    threads: int | None = 1,
     reference: bool = False,
     mismatch_only: bool = False,
 ) -> AnalysisResult:
@@ -206,9 +206,9 @@ def run_analysis(
     measured under each of `protocols` (the first is the main table's).
 
     `jobs` > 1 analyses the seeds in that many worker processes (spawned), `threads` torch threads each
-    (default: the cores over the jobs, at least one); a seed's numbers depend on `threads`, not on `jobs`
-    or on which worker ran it (tests/test_toy_analysis.py). With `jobs` = 1 the seeds run here, under
-    `threads` torch threads when it is given. `reference` takes every update and every per-token gradient
+    (default 1, whatever the machine: a seed's numbers depend on `threads`, the order of float sums, not
+    on `jobs` or on which worker ran it, tests/test_toy_analysis.py). With `jobs` = 1 the seeds run here,
+    under `threads` torch threads (None: this process's setting). `reference` takes every update and every per-token gradient
     the direct way (one Learner.update per criterion and protocol, whole-network jacobians): the slow
     code the fast one is tested against. `mismatch_only`: the paper's fresh-rollout setting, no stale
     mini-batch update before the criteria's (D from the rollout weights' precision alone; with it the
@@ -231,7 +231,7 @@ def run_analysis(
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        per_job = threads or max(1, default_jobs() // jobs)
+        per_job = threads or 1
         with ProcessPoolExecutor(
             max_workers=min(jobs, len(seeds)),
             mp_context=multiprocessing.get_context("spawn"),  # no forked OpenMP pools, the same on every OS
