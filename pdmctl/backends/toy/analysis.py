@@ -35,7 +35,7 @@ from pdmctl.backends.toy.bands import BandCounter, BandStats, topk_mass
 from pdmctl.backends.toy.config import ToyConfig
 from pdmctl.backends.toy.model import PRECISIONS, forward
 from pdmctl.backends.toy.rollout import Rollout
-from pdmctl.backends.toy.trainer import Learner, grpo_advantages
+from pdmctl.backends.toy.trainer import Learner, grpo_advantages, masked_loss
 
 ESTIMATORS = ("agg", "uni", "exact")
 PROTOCOLS = {  # how the update that ΔD measures is taken, from the same weights
@@ -493,24 +493,7 @@ def criterion_gradients(
     for i, (name, cfg) in enumerate(criteria.items()):
         if cfg.precision != any_cfg.precision:
             raise ValueError("criterion_gradients: the criteria share one precision (one forward)")
-        loss, metrics = masks.policy_loss(
-            logits,
-            batch.sampled_ids,
-            batch.topk_ids,
-            batch.topk_logprobs,
-            batch.sampled_logprobs,
-            advantages.unsqueeze(1).expand_as(resp_mask),
-            resp_mask,
-            method=cfg.method,
-            divergence=cfg.divergence,
-            estimator=cfg.estimator,
-            delta=cfg.delta,
-            delta_low=cfg.delta_low,
-            eps_low=cfg.eps_low,
-            eps_high=cfg.eps_high,
-            loss_agg_mode=cfg.loss_agg_mode,
-            ratio_cap=cfg.ratio_cap,
-        )
+        loss, metrics = masked_loss(logits, batch, advantages, resp_mask, cfg)
         learner.optimizer.zero_grad()
         loss.backward(retain_graph=i < len(names) - 1)
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

@@ -29,6 +29,29 @@ KEEP_CHECKPOINTS = 2
 _UPDATE_METRICS = ("mask_frac", "out_of_region_frac", "mean_divergence", "ppo_kl")  # token-weighted means
 
 
+def masked_loss(logits, batch, advantages, resp_mask, cfg) -> tuple:
+    """`masks.policy_loss` of a rollout batch with the run config's mask settings (MATH.md): the one
+    loss the training step and the direction analysis's criteria take."""
+    return masks.policy_loss(
+        logits,
+        batch.sampled_ids,
+        batch.topk_ids,
+        batch.topk_logprobs,
+        batch.sampled_logprobs,
+        advantages.unsqueeze(1).expand_as(resp_mask),
+        resp_mask,
+        method=cfg.method,
+        divergence=cfg.divergence,
+        estimator=cfg.estimator,
+        delta=cfg.delta,
+        delta_low=cfg.delta_low,
+        eps_low=cfg.eps_low,
+        eps_high=cfg.eps_high,
+        loss_agg_mode=cfg.loss_agg_mode,
+        ratio_cap=cfg.ratio_cap,
+    )
+
+
 @dataclass
 class Learner:
     """The trained state and everything that moves it (what a checkpoint must restore)."""
@@ -66,24 +89,7 @@ class Learner:
         logits = forward(
             self.policy, batch.tokens[:, :-1], self.task.max_response_len, PRECISIONS[cfg.precision].train
         )
-        loss, metrics = masks.policy_loss(
-            logits,
-            batch.sampled_ids,
-            batch.topk_ids,
-            batch.topk_logprobs,
-            batch.sampled_logprobs,
-            advantages.unsqueeze(1).expand_as(resp_mask),
-            resp_mask,
-            method=cfg.method,
-            divergence=cfg.divergence,
-            estimator=cfg.estimator,
-            delta=cfg.delta,
-            delta_low=cfg.delta_low,
-            eps_low=cfg.eps_low,
-            eps_high=cfg.eps_high,
-            loss_agg_mode=cfg.loss_agg_mode,
-            ratio_cap=cfg.ratio_cap,
-        )
+        loss, metrics = masked_loss(logits, batch, advantages, resp_mask, cfg)
         self.optimizer.zero_grad()
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
