@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from pdmctl import masks
+from pdmctl import masks, testhooks
 from pdmctl.backends.base import Tracker
 from pdmctl.backends.toy import task
 from pdmctl.backends.toy.basemodel import load_base_model, save_atomically
@@ -25,6 +25,7 @@ from pdmctl.backends.toy.rollout import Rollout, RolloutEngine
 from pdmctl.backends.toy.tasks import TASKS, Task, task_of
 
 EVAL_SETS = ("toy24", "toy25")
+HOLD_ENV, HOLD_S_ENV = "PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_TOY_HOLD_S"  # tests only: hold after this checkpoint
 KEEP_CHECKPOINTS = 2
 _UPDATE_METRICS = ("mask_frac", "out_of_region_frac", "mean_divergence", "ppo_kl")  # token-weighted means
 
@@ -206,6 +207,8 @@ def train(
             final.update(evaluate(learner, cfg, step, tracker))
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             save_checkpoint(checkpoints, learner.state_dict(step, cfg), step)
+            # a test's hold (pdmctl.testhooks): a time limit or a lost node finds the run mid-training
+            testhooks.hold_if_asked(step, start == 0, HOLD_ENV, HOLD_S_ENV)
         if stop_after is not None and step >= stop_after:
             break
     return final

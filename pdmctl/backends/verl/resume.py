@@ -34,35 +34,21 @@ import functools
 import os
 from typing import Any
 
+from pdmctl import testhooks
 from pdmctl.backends.verl.topk import check_verl_version
 
 _INSTALLED = False
 HOLD_ENV = "PDMCTL_VERL_HOLD_AT_STEP"  # tests: hold still after logging this step (a fresh run only)
-HOLD_S_ENV = "PDMCTL_VERL_HOLD_S"
+HOLD_S_ENV = "PDMCTL_VERL_HOLD_S"  # the hold's limit in seconds (300; pdmctl.testhooks)
 
 
 def hold_seconds() -> float:
-    """`PDMCTL_VERL_HOLD_S`, else 300; anything but a number of seconds in (0, 1 day) is the default."""
-    try:
-        limit = float(os.environ.get(HOLD_S_ENV, "300"))
-    except ValueError:
-        limit = float("nan")
-    return limit if 0 < limit < 86400 else 300.0  # nan compares False
+    return testhooks.hold_seconds(HOLD_S_ENV)
 
 
 def hold_if_asked(step: int, fresh_run: bool) -> None:
-    """The test's hold (module docstring): after step `HOLD_ENV` of a run that started fresh."""
-    import time
-
-    wanted = os.environ.get(HOLD_ENV, "").strip()
-    if not (fresh_run and wanted.isdigit() and int(wanted) == step):
-        return
-    limit = hold_seconds()
-    started = time.monotonic()
-    while (held := time.monotonic() - started) < limit:
-        print(f"pdmctl: held at step {step} for {held:.0f} s ({HOLD_ENV}, a test's)", flush=True)
-        time.sleep(min(10.0, limit - held))
-    print(f"pdmctl: let go at step {step} after {limit:.0f} s", flush=True)
+    """The test's hold (pdmctl.testhooks) after step `HOLD_ENV` of a run that started fresh."""
+    testhooks.hold_if_asked(step, fresh_run, HOLD_ENV, HOLD_S_ENV)
 
 
 def logged_steps(client: Any, run_id: str) -> dict[str, int]:
