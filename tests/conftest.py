@@ -43,6 +43,18 @@ def sqlite_uri(path: Path) -> str:
     return f"sqlite:///{path / 'mlflow.db'}"
 
 
+
+def cut_time_limit_to_the_minute_after_next(job_id: str) -> None:
+    """A running SLURM job's limit set to the minute after next of its elapsed time: with a
+    `signal_delay_s` of 120 s its USR2 is due at once (slurmctld sends it at its next check, within
+    30 s), a minute or more before the limit itself, as a job nearing its limit on a cluster gets it."""
+    def run(*args: str) -> str:
+        return subprocess.run(list(args), capture_output=True, text=True, timeout=60, check=True).stdout
+
+    used = run("squeue", "-h", "-j", job_id, "-o", "%M").strip().split(":")  # [[D-]H:]M:SS
+    minutes = int(used[-2]) + 60 * int(used[-3].split("-")[-1] if len(used) > 2 else 0)
+    run("scontrol", "update", f"jobid={job_id}", f"TimeLimit={minutes + 2}")
+
 # CI installs and starts everything the tests need (verl, SLURM, PostgreSQL, Chromium), so there a
 # skip can only mean a broken setup: with PDMCTL_NO_SKIPS=1 (set by .ci/run) every skip fails.
 NO_SKIPS = os.environ.get("PDMCTL_NO_SKIPS") == "1"

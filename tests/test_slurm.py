@@ -26,6 +26,7 @@ from pdmctl import grid, orchestrate
 from pdmctl.executors import JobRequest, JobState, make_executor
 from pdmctl.ledger import LedgerError, SqlLedger, open_ledger
 from pdmctl.orchestrate import RunState, RunView
+from tests.conftest import cut_time_limit_to_the_minute_after_next
 
 REPO = Path(__file__).resolve().parents[1]
 # a short toy run: eval at 0, 2, 4, ...; a checkpoint every 2 steps; tiny batches
@@ -300,9 +301,7 @@ def test_job_reaching_its_time_limit_is_requeued_and_completes(tmp_path: Path, m
     while not (attempt_1.exists() and "pdmctl: held at step 4" in attempt_1.read_text()):
         assert time.time() < deadline, attempt_1.read_text()[-3000:] if attempt_1.exists() else "no log"
         time.sleep(0.5)
-    used = slurm("squeue", "-h", "-j", job_id, "-o", "%M").strip().split(":")  # [[H:]M]:SS
-    minutes = int(used[-2]) + 60 * int(used[-3].split("-")[-1] if len(used) > 2 else 0)
-    slurm("scontrol", "update", f"jobid={job_id}", f"TimeLimit={minutes + 2}")
+    cut_time_limit_to_the_minute_after_next(job_id)
     deadline = time.time() + 90
     while "Requeued job" not in attempt_1.read_text():
         assert time.time() < deadline, attempt_1.read_text()[-3000:]

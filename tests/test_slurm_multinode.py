@@ -113,6 +113,22 @@ def wait_for(check: Callable[[], object], timeout: float, what: str, detail: Cal
     return value
 
 
+ENDED_BY_A_LOST_NODE = ("NODE_FAIL", "FAILED", "CANCELLED")  # else SLURM requeued it (Restarts >= 1)
+
+
+def wait_for_the_job_to_lose(job_id: str, node: str, timeout: float) -> str:
+    """The job's state once it has lost `node`: requeued (Restarts >= 1, whatever its state then) or
+    ended (one of ENDED_BY_A_LOST_NODE: `pdmctl resume` brings such a run back)."""
+
+    def lost() -> str:
+        state = job_field(job_id, "JobState")
+        restarts = int(job_field(job_id, "Restarts") or 0)
+        return state if (restarts >= 1 or state in ENDED_BY_A_LOST_NODE) else ""
+
+    return wait_for(lost, timeout, f"the job to lose {node}",
+                    lambda: f"{job_field(job_id, 'JobState')} {node}={node_state(node)}")  # fmt: skip
+
+
 def _job_logs(ctx) -> str:
     logs = (
         sorted(ctx.run_root.glob("*/*/logs/*.log"))[-4:]
@@ -254,13 +270,7 @@ def test_losing_a_node_mid_run_requeues_and_resumes_from_the_checkpoint(shared_d
         os.kill(node_slurmd_pid("n2"), signal.SIGKILL)
 
         # the node is declared down after SlurmdTimeout; the job is requeued (or fails with NODE_FAIL)
-        def lost() -> str:
-            state = job_field(job_id, "JobState")
-            restarts = int(job_field(job_id, "Restarts") or 0)
-            return state if (restarts >= 1 or state in ("NODE_FAIL", "FAILED", "CANCELLED")) else ""
-
-        outcome = wait_for(lost, 120, "the job to lose n2", lambda: f"{job_field(job_id, 'JobState')} "
-                           f"n2={node_state('n2')}")  # fmt: skip
+        outcome = wait_for_the_job_to_lose(job_id, "n2", 120)
         lost_after = time.time() - killed_at
         wait_for(
             lambda: not job_processes(), 60, "the job's processes on n1 to end", lambda: str(job_processes())
@@ -278,7 +288,7 @@ def test_losing_a_node_mid_run_requeues_and_resumes_from_the_checkpoint(shared_d
         # n2 back, whatever happened (the next tests and the next CI run need it)
         subprocess.run([str(UP)], check=True, timeout=120, capture_output=True)
     restarted_at = time.time()
-    if outcome in ("NODE_FAIL", "FAILED", "CANCELLED"):
+    if outcome in ENDED_BY_A_LOST_NODE:
         chosen, new_ids = orchestrate.resume(ctx, name)
         assert [v.key for v in chosen] == [view.key] and len(new_ids) == 1, (chosen, new_ids)
 

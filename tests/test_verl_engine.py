@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Result, pdmctl, sqlite_uri
+from tests.conftest import Result, cut_time_limit_to_the_minute_after_next, pdmctl, sqlite_uri
 
 ENGINE_ENV = importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("verl") is not None
 # a marker, not a module-level skip: the main suite deselects these (`-m "not engine"`) without a skip
@@ -354,9 +354,7 @@ def test_on_slurm_the_job_body_trains_and_its_time_limit_requeues_it_from_the_ch
     job_id = view.record.job_id
     tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
     assert tracker.read_text().strip() == "1", tracker.read_text()
-    used = _slurm("squeue", "-h", "-j", job_id, "-o", "%M").strip().split(":")  # [[H:]M]:SS
-    minutes = int(used[-2]) + 60 * int(used[-3].split("-")[-1] if len(used) > 2 else 0)
-    _slurm("scontrol", "update", f"jobid={job_id}", f"TimeLimit={minutes + 2}")
+    cut_time_limit_to_the_minute_after_next(job_id)
     log = _wait_for_text(attempt_1, "Requeued job", 150, tmp_path)
     _slurm("scontrol", "update", f"jobid={job_id}", "TimeLimit=10")
     assert "this job is timed-out" in log and "DUE TO TIME LIMIT" not in log, log[-3000:]  # before the limit

@@ -36,17 +36,18 @@ from pathlib import Path
 import pytest
 
 from tests.test_slurm_multinode import (
+    ENDED_BY_A_LOST_NODE,
     PROFILE,
     SHARED,
     SLURM_CONF,
     UP,
     _cluster_answers,
-    job_field,
     node_slurmd_pid,
     node_state,
     slurm,
     wait_for,
-)  # fmt: skip
+    wait_for_the_job_to_lose,
+)
 
 ENGINE_ENV = importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("verl") is not None
 STEPS = 2  # training steps: enough for a weight sync after an update and a second rollout on both nodes
@@ -177,14 +178,7 @@ def two_node_run() -> Iterator[TwoNodeRun]:
         killed_at = time.monotonic()
         try:
             os.kill(node_slurmd_pid("n2"), 9)  # n2 crashes: its slurmd is its PID namespace's init
-
-            def lost() -> str:
-                state = job_field(job_id, "JobState")
-                restarts = int(job_field(job_id, "Restarts") or 0)
-                return state if (restarts >= 1 or state in ("NODE_FAIL", "FAILED", "CANCELLED")) else ""
-
-            outcome = wait_for(lost, 180, "the job to lose n2", lambda: f"{job_field(job_id, 'JobState')} "
-                               f"n2={node_state('n2')}")  # fmt: skip
+            outcome = wait_for_the_job_to_lose(job_id, "n2", 180)
             lost_after = time.monotonic() - killed_at
             # the job's attempt ends on n1 too (SLURM kills its steps: Ray's head, the trainer, vLLM)
             wait_for(lambda: not _node_processes("n1"), 180, "the job's processes on n1 to end",
@@ -194,7 +188,7 @@ def two_node_run() -> Iterator[TwoNodeRun]:
             subprocess.run([str(UP)], check=True, timeout=180, capture_output=True)  # n2 back, whatever happened
         print(f"\n2-node VeRL: held at step 1 after {held_after:.0f} s; n2 killed: job {job_id} {outcome} "
               f"{lost_after:.0f} s later, its processes on n1 gone after {ended_after:.0f} s")  # fmt: skip
-        if outcome in ("NODE_FAIL", "FAILED", "CANCELLED"):
+        if outcome in ENDED_BY_A_LOST_NODE:
             resumed = subprocess.run([*sweep[:3], "resume", name, "--cluster", PROFILE, "--tracking-uri", uri],
                                      capture_output=True, text=True, timeout=300, cwd=root, env=env)  # fmt: skip
             assert resumed.returncode == 0, resumed.stdout + resumed.stderr
