@@ -17,6 +17,9 @@
 #
 #   NODES=N      compute nodes n1..nN (default 2, at most 9)
 #   NODE_CPUS    CPUs each node advertises (default 4; SlurmdParameters=config_overrides)
+#   PDM_MULTI_KEEP  more paths (colon-separated) every node must see at the same path although they lie
+#                under /tmp or /dev/shm, which each node has private (the checkout this script lies in is
+#                always kept: a clone under /tmp, its .venv and .venv-engine, are visible on every node)
 set -euo pipefail
 NODES=${NODES:-2}
 NODE_CPUS=${NODE_CPUS:-4}
@@ -39,6 +42,7 @@ DB_PORT=3307
 MUNGE_SOCKET=$RUN/munge/munge.socket.2
 DB_SOCKET=$RUN/mysqld/mysqld.sock
 HOST=$(hostname -s)
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
 
 # ---------- packages (the same as .ci/slurm_up.sh's) ----------
 PKGS="slurm-wlm munge slurmdbd mariadb-server iproute2 util-linux"
@@ -109,6 +113,22 @@ for i in $(seq "$NODES"); do
 done
 ts "network: $BRIDGE $NET.1/24, namespaces $(ip netns list | awk '{print $1}' | grep -E '^n[0-9]$' | sort | tr '\n' ' ')"
 
+# ---------- paths under a node's private /tmp or /dev/shm that every node must see anyway ----------
+# A clone under /tmp calls <clone>/.venv/bin/python3 in its job scripts: without this, each node's empty
+# private /tmp hides it (`slurm_script: …/.venv/bin/python3: No such file or directory`, runs LOST).
+KEEP=""
+IFS=: read -r -a extra <<<"${PDM_MULTI_KEEP:-}"
+for p in "$REPO" "${extra[@]}"; do
+  [ -n "$p" ] || continue
+  [ -d "$p" ] || { echo "PDM_MULTI_KEEP: '$p' is not a directory" >&2; exit 2; }
+  p=$(cd "$p" && pwd -P)
+  case "$p" in
+    *[[:space:]\'\"]*) echo "slurm_multi_up.sh: cannot keep '$p' on the nodes (blank or quote in the path)" >&2; exit 2 ;;
+    /tmp/*|/dev/shm/*) case " $KEEP " in *" $p "*) ;; *) KEEP="$KEEP $p" ;; esac ;;
+  esac
+done
+KEEP=${KEEP# }
+
 # ---------- configuration ----------
 NEW=$(mktemp)
 {
@@ -159,6 +179,10 @@ CONF
 } >"$NEW"
 CHANGED=0
 install_if_changed "$NEW" "$ETC/slurm.conf" 644 && CHANGED=1
+# the kept paths are mounted when a node starts: a new list restarts the nodes (slurmctld stays up)
+NODES_CHANGED=0
+printf '%s\n' "$KEEP" >"$RUN/keep.new"
+install_if_changed "$RUN/keep.new" "$RUN/keep" 644 && NODES_CHANGED=1
 NEW=$(mktemp)
 cat >"$NEW" <<CONF
 AuthType=auth/munge
@@ -221,6 +245,8 @@ stop_node() {
 }
 if [ "$CHANGED" = 1 ]; then
   stop "$RUN/slurmctld.pid"
+fi
+if [ "$CHANGED" = 1 ] || [ "$NODES_CHANGED" = 1 ]; then
   for i in $(seq 9); do stop_node "n$i"; done
 fi
 running "$RUN/slurmctld.pid" || slurmctld
@@ -230,12 +256,17 @@ for i in $(seq "$NODES"); do
   running "$RUN/node-$ns.pid" && continue
   mkdir -p "$STATE/slurmd/$ns"
   # nsenter, not `ip netns exec` (that remounts /sys and hides /sys/fs/cgroup from slurmd); the new mount
-  # namespace is private: the node's hostname, /etc/hosts, /tmp and /dev/shm stay its own
+  # namespace is private: the node's hostname, /etc/hosts, /tmp and /dev/shm stay its own, but for the
+  # kept paths: bound aside before the private tmpfs covers them, moved back onto it after
+  mkdir -p "$RUN/aside-$ns"
   setsid nsenter --net="/run/netns/$ns" unshare --uts --mount --pid --fork --mount-proc sh -c "
+    set -e
     hostname $ns
     mount --bind '$RUN/hosts' /etc/hosts
+    i=0; for p in $KEEP; do i=\$((i+1)); mkdir -p '$RUN/aside-$ns/'\$i; mount --bind \$p '$RUN/aside-$ns/'\$i; done
     mount -t tmpfs -o mode=1777,size=2g tmpfs /tmp
     mount -t tmpfs -o mode=1777,size=1g tmpfs /dev/shm
+    i=0; for p in $KEEP; do i=\$((i+1)); mkdir -p \$p; mount --move '$RUN/aside-$ns/'\$i \$p; done
     exec slurmd -D -f '$SLURM_CONF' -N $ns" </dev/null >>"$LOG/node-$ns.out" 2>&1 &
   echo $! >"$RUN/node-$ns.pid"
 done
@@ -251,4 +282,4 @@ while [ "$SECONDS" -lt "$end" ]; do
   sleep 0.25
 done
 usable || { echo "nodes not usable: $(node_states | tr '\n' ' ')" >&2; tail -20 "$LOG"/slurmctld.log "$LOG"/slurmd-n*.log >&2; exit 1; }
-ts "SLURM up (cluster pdmmulti, SLURM_CONF=$SLURM_CONF, shared $SHARED): $(node_states | tr '\n' ' ')"
+ts "SLURM up (cluster pdmmulti, SLURM_CONF=$SLURM_CONF, shared $SHARED${KEEP:+, kept on the nodes: $KEEP}): $(node_states | tr '\n' ' ')"

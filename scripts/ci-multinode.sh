@@ -41,6 +41,13 @@ down() {
   timeout 120 bash .ci/slurm_multi_down.sh
   step "cluster down"
 }
+# Each node's /tmp is private: what the jobs run from must be visible on every node at the same path even
+# when it lies under /tmp (a clone there, its environments): the checkout itself is always kept
+# (.ci/slurm_multi_up.sh), the Python and engine environment and the tiny model are kept here if elsewhere.
+export PDMCTL_TINY_DIR="${PDMCTL_TINY_DIR:-$PWD/.cache/qwen3-tiny}"
+mkdir -p "$PDMCTL_TINY_DIR"
+PY_PREFIX=$("$PYTHON" -c "import sys; print(sys.prefix)")
+export PDM_MULTI_KEEP="$PY_PREFIX:$PDMCTL_TINY_DIR${ENGINE:+:$ENGINE}${PDM_MULTI_KEEP:+:$PDM_MULTI_KEEP}"
 step "starting the 2-node cluster"
 if ! timeout 300 bash .ci/slurm_multi_up.sh; then
   step "cluster start FAILED"
@@ -56,8 +63,7 @@ SLURM_CONF=/etc/slurm-pdm-multi/slurm.conf timeout 1500 "$PYTHON" -m pytest -q -
 rc=$?
 step "tests done (exit $rc)"
 if [ -n "$ENGINE" ]; then
-  # the tiny model where both nodes read it (the repository, not a node's private /tmp)
-  export PDMCTL_TINY_DIR="${PDMCTL_TINY_DIR:-$PWD/.cache/qwen3-tiny}"
+  # the tiny model where both nodes read it (kept on every node above)
   step "tiny Qwen3 at $PDMCTL_TINY_DIR; VeRL across both nodes (-m multinode_engine, $ENGINE)"
   "$ENGINE/bin/python" -m pdmctl.backends.verl.tiny "$PDMCTL_TINY_DIR" >/dev/null
   # a skip fails (the environment is checked above, the cluster is up)

@@ -195,6 +195,47 @@ def test_a_two_node_job_runs_its_steps_on_both_nodes(shared_dir: Path) -> None:
     assert counts == ["1", "1"], out.read_text()  # each node's /tmp holds only its own file
 
 
+@pytest.mark.timeout(180)
+def test_a_clone_under_tmp_and_its_environment_are_seen_by_every_node(shared_dir: Path) -> None:
+    """Issue 24: a clone under /tmp called <clone>/.venv/bin/python3 in its job scripts and every run was LOST,
+    each node's private /tmp hiding it. A clone under /tmp with its own virtualenv, the cluster script run from
+    that clone: a 2-node job runs the clone's Python on both nodes, reads the clone's files, and each node's
+    /tmp is still its own. The cluster is put back as it was (this checkout's script) afterwards."""
+    import tempfile
+
+    clone = Path(tempfile.mkdtemp(prefix="pdmctl-clone-", dir="/tmp"))
+    try:
+        subprocess.run(["git", "clone", "-q", "--shared", str(REPO), str(clone)], check=True, timeout=60)
+        shutil.copy2(UP, clone / ".ci" / "slurm_multi_up.sh")  # this checkout's script, committed or not
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(clone / ".venv")], check=True, timeout=60)
+        marker = uuid.uuid4().hex
+        (clone / "marker").write_text(marker)
+        alone = {k: v for k, v in os.environ.items() if k != "PDM_MULTI_KEEP"}  # the clone's paths only
+        up = subprocess.run(["bash", str(clone / ".ci" / "slurm_multi_up.sh")], capture_output=True, text=True,
+                            timeout=120, env=alone)  # fmt: skip
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert f"kept on the nodes: {clone}" in up.stdout, up.stdout
+        inner = shared_dir / "clone-probe-task.sh"
+        inner.write_text(
+            "#!/bin/bash\n"
+            f"seen=$({clone}/.venv/bin/python3 -c 'import sys; print(open(sys.argv[1]).read())' {clone}/marker)\n"
+            f"others=$(ls -A /tmp | grep -vcx '{clone.name}')\n"
+            'echo "$(hostname) $seen $others"\n'
+        )
+        script = shared_dir / "clone-probe.sh"
+        script.write_text(f"#!/bin/bash\nsrun -N2 --ntasks-per-node=1 bash {inner}\n")
+        out = shared_dir / "clone-probe.out"
+        slurm("sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", "--time=2", "-J", "pdmctl-clone-probe",
+              "-o", str(out), "-D", str(shared_dir), str(script), timeout=90)  # fmt: skip
+        rows = sorted(ln.split() for ln in out.read_text().splitlines() if ln.strip())
+        # both nodes ran the clone's Python on the clone's file; nothing else of the host's /tmp is there
+        assert rows == [["n1", marker, "0"], ["n2", marker, "0"]], out.read_text()
+    finally:
+        back = subprocess.run(["bash", str(UP)], capture_output=True, text=True, timeout=120)
+        shutil.rmtree(clone, ignore_errors=True)
+        assert back.returncode == 0, back.stdout + back.stderr
+
+
 @pytest.mark.timeout(900)
 def test_a_toy_sweep_through_the_profile_finishes_with_its_metrics_in_the_ledger(shared_dir: Path) -> None:
     from pdmctl import orchestrate
