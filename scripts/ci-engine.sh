@@ -6,14 +6,19 @@
 #   bash scripts/ci-engine.sh --all      (also kill -9 and resume, which starts the engine twice)
 #
 # PDMCTL_ENGINE_ENV: where the environment lives (default .venv-engine; reused and repaired if there).
+# PDMCTL_ENGINE_ENV_BUILT=1: it is built already (.ci/run builds it in the background), do not check it again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T0=$SECONDS
 step() { echo "== [engine $((SECONDS - T0))s] $*"; }
 
 ENV_DIR="${PDMCTL_ENGINE_ENV:-.venv-engine}"
-step "engine environment at $ENV_DIR"
-bash scripts/engine-env.sh "$ENV_DIR"
+if [ "${PDMCTL_ENGINE_ENV_BUILT:-0}" = 1 ]; then  # .ci/run built it (and the tiny Qwen3) in the background
+  step "engine environment at $ENV_DIR (built already)"
+else
+  step "engine environment at $ENV_DIR"
+  bash scripts/engine-env.sh "$ENV_DIR"
+fi
 
 export PDMCTL_TINY_DIR="${PDMCTL_TINY_DIR:-$PWD/.cache/qwen3-tiny}"
 step "tiny Qwen3 and its data at $PDMCTL_TINY_DIR"
