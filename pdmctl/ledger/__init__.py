@@ -1,0 +1,68 @@
+"""The ledger: MLflow as the single source of truth for what runs exist and where they stand.
+
+One MLflow experiment per sweep, one MLflow run per RunSpec key in it. Tags
+carry the identity (`pdmctl.key`, `pdmctl.sweep`), the executor's job id, the
+attempt count and the spec itself; params carry the flattened config; the
+MLflow status is the run's own word on how it ended.
+
+One interface, two stores, as MLflow keeps its own (an abstract store, a SQLAlchemy store, a REST store):
+
+* `records`: the tags, statuses and `RunRecord`; `uris`: which store a URI names and whether it can be
+  used; `base`: the `Ledger` interface;
+* `sql.SqlLedger` for database stores (the embedded SQLite default, PostgreSQL, MySQL): bulk work
+  through SQLAlchemy on MLflow's own tables;
+* `client.ClientLedger` for tracking servers (`http://`, `https://`), through `MlflowClient`;
+* `logger.RunLogger`: what a job logs into its run;
+* `store`: MLflow's client and schema, file locks, SQLite health checks, retries.
+
+Only this package talks to MLflow.
+"""
+
+from __future__ import annotations
+
+from pdmctl.ledger.base import Ledger
+from pdmctl.ledger.client import ClientLedger
+from pdmctl.ledger.logger import RunLogger, load_per_problem
+from pdmctl.ledger.records import (
+    FAILED,
+    FINISHED,
+    HTTP_TIMEOUT_S,
+    KILLED,
+    RUNNING,
+    SCHEDULED,
+    STATUS_METRICS,
+    TAG,
+    TERMINAL,
+    LedgerError,
+    RunRecord,
+    Submission,
+    flatten,
+    metric_value,
+    run_dir_of,
+    spec_tags,
+)
+from pdmctl.ledger.sql import SqlLedger
+from pdmctl.ledger.store import BUSY_ENV, busy_seconds, close_stores
+from pdmctl.ledger.uris import (
+    _redact,
+    check_reachable,
+    check_uri,
+    default_tracking_uri,
+    is_database_uri,
+    ledger_exists,
+    resolve_tracking_uri,
+    sqlite_path,
+)
+
+
+def open_ledger(uri: str) -> Ledger:
+    return SqlLedger(uri) if is_database_uri(uri) else ClientLedger(uri)
+
+
+__all__ = [
+    "BUSY_ENV", "FAILED", "FINISHED", "HTTP_TIMEOUT_S", "KILLED", "RUNNING", "SCHEDULED", "STATUS_METRICS", "TAG",
+    "TERMINAL", "ClientLedger", "Ledger", "LedgerError", "RunLogger", "RunRecord", "SqlLedger", "Submission",
+    "_redact", "busy_seconds", "check_reachable", "check_uri", "close_stores", "default_tracking_uri", "flatten",
+    "is_database_uri", "ledger_exists", "load_per_problem", "metric_value", "open_ledger", "resolve_tracking_uri",
+    "run_dir_of", "spec_tags", "sqlite_path",
+]  # fmt: skip

@@ -1,0 +1,202 @@
+"""`ClientLedger`: tracking servers (`http://`, `https://`) through `MlflowClient`, with a thread pool
+where MLflow has no bulk call; a failed call is one line."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+from pdmctl.ledger.base import Ledger
+from pdmctl.ledger.records import (
+    HTTP_TIMEOUT_S,
+    SCHEDULED,
+    STATUS_METRICS,
+    TAG,
+    TAG_ATTEMPT,
+    TAG_EXECUTOR,
+    TAG_JOB,
+    TAG_KEY,
+    TAG_REASON,
+    TAG_RUN_DIR,
+    TAG_SUBMISSION,
+    TAG_SUBMITTED,
+    TAG_SWEEP,
+    TERMINAL,
+    LedgerError,
+    Submission,
+    _record,
+    _tags_for,
+    flatten,
+    metric_value,
+    run_dir_of,
+)
+from pdmctl.ledger.store import _chunks, _mlflow_client
+from pdmctl.ledger.uris import _first_line, _redact, check_reachable
+from pdmctl.spec import RunSpec
+
+
+def _server_call(method):
+    """A tracking server that fails a call (500, a hung API past the timeout, a dropped connection) is one
+    line naming the server and the first line of what went wrong, never MLflow's traceback."""
+    import functools
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except LedgerError:
+            raise
+        except Exception as exc:
+            raise LedgerError(f"tracking server {_redact(self.uri)}: {method.__name__.strip('_')} failed "
+                              f"({_first_line(exc)[:300]})") from exc  # fmt: skip
+
+    return call
+
+
+class ClientLedger(Ledger):
+    def __init__(self, uri: str) -> None:
+        check_reachable(uri, timeout=HTTP_TIMEOUT_S)
+        # MLflow's own defaults retry a dead server for minutes (and a hung one for as long): a command
+        # answers within seconds, its first failed call one line (`_server`)
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(HTTP_TIMEOUT_S)))
+        self.uri = uri
+        self.client = _mlflow_client(uri)
+        self.queries = 0
+
+    def _experiment_ids(self, sweep: str | None) -> list[str]:
+        if sweep is not None:
+            exp = self.client.get_experiment_by_name(sweep)
+            return [exp.experiment_id] if exp else []
+        return [
+            e.experiment_id for e in self.client.search_experiments(filter_string="tags.pdmctl = 'sweep'")
+        ]
+
+    def _search(self, sweep: str | None):
+        ids = self._experiment_ids(sweep)
+        if not ids:
+            return []
+        filt = f"tags.`{TAG_SWEEP}` = '{sweep}'" if sweep else f"tags.`{TAG_SWEEP}` LIKE '%'"
+        runs, token = [], None
+        while True:
+            page = self.client.search_runs(ids, filt, max_results=5000, page_token=token)
+            self.queries += 1
+            runs += list(page)
+            token = page.token
+            if not token:
+                return runs
+
+    @_server_call
+    def runs(self, sweep=None):
+        out = []
+        for run in self._search(sweep):
+            tags = {k: v for k, v in run.data.tags.items() if k.startswith(TAG)}
+            latest = {}
+            for key in STATUS_METRICS:
+                if key in run.data.metrics:
+                    latest[key] = (self._latest_step(run, key), metric_value(run.data.metrics[key]))
+            out.append(
+                _record(
+                    run.info.run_id, run.info.status, run.info.start_time, run.info.end_time, tags, latest
+                )
+            )
+        return out
+
+    def _latest_step(self, run, key: str) -> int:
+        hist = self.client.get_metric_history(run.info.run_id, key)
+        self.queries += 1
+        return max((m.step for m in hist), default=0)
+
+    @_server_call
+    def _create_runs(self, sweep, specs, run_dir):
+        from mlflow.entities import Param, RunTag
+
+        exp_id = self._ensure_experiment(sweep)
+
+        def create(spec: RunSpec) -> tuple[str, str]:
+            tags = {k: v for k, v in _tags_for(spec, "").items() if k != TAG_RUN_DIR}  # named by the run id
+            run = self.client.create_run(exp_id, run_name=spec.run_name, tags=tags)
+            run_tags = [
+                RunTag(TAG_KEY, spec.key),
+                RunTag(TAG_RUN_DIR, run_dir_of(run_dir[spec.key], run.info.run_id)),
+            ]
+            params = [Param(k, v) for k, v in flatten(spec.config).items()]
+            for chunk in _chunks(params, 100):
+                self.client.log_batch(run.info.run_id, params=chunk, tags=run_tags)
+            self.client.update_run(run.info.run_id, status=SCHEDULED)
+            return spec.key, run.info.run_id
+
+        with ThreadPoolExecutor(16) as pool:
+            return dict(pool.map(create, specs))
+
+    def _ensure_experiment(self, sweep: str) -> str:
+        exp = self.client.get_experiment_by_name(sweep)
+        if exp is not None:
+            if exp.lifecycle_stage != "active":
+                raise LedgerError(
+                    f"sweep {sweep!r}: its MLflow experiment is deleted; restore or purge it first"
+                )
+            return exp.experiment_id
+        try:
+            return self.client.create_experiment(sweep, tags={"pdmctl": "sweep"})
+        except Exception:
+            exp = self.client.get_experiment_by_name(sweep)
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+    @_server_call
+    def mark_submitted(self, submissions):
+        from mlflow.entities import RunTag
+
+        def mark(s: Submission) -> None:
+            self.client.log_batch(s.run_id, tags=[RunTag(TAG_JOB, s.job_id), RunTag(TAG_EXECUTOR, s.executor),
+                                                  RunTag(TAG_ATTEMPT, str(s.attempt)), RunTag(TAG_REASON, ""),
+                                                  RunTag(TAG_SUBMITTED, s.submission)])  # fmt: skip
+            self.client.update_run(s.run_id, status=SCHEDULED)
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(mark, submissions))
+
+    @_server_call
+    def mark_intent(self, submissions, executor):
+        from mlflow.entities import RunTag
+
+        def mark(item: tuple[str, str]) -> None:
+            run_id, submission = item
+            self.client.log_batch(
+                run_id, tags=[RunTag(TAG_SUBMISSION, submission), RunTag(TAG_EXECUTOR, executor)]
+            )
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(mark, submissions.items()))
+
+    @_server_call
+    def set_status(self, run_ids, status, reason=None, *, only_unfinished=False):
+        def update(run_id: str) -> None:
+            if only_unfinished and self.client.get_run(run_id).info.status in TERMINAL:
+                return
+            if reason is not None:
+                self.client.set_tag(run_id, TAG_REASON, reason)
+            if status in TERMINAL:
+                self.client.set_terminated(run_id, status=status)
+            else:
+                self.client.update_run(run_id, status=status)
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(update, run_ids))
+
+    @_server_call
+    def metric_histories(self, run_ids, keys=None):
+        def one(run_id: str) -> tuple[str, dict[str, list[tuple[int, float]]]]:
+            names = keys if keys is not None else list(self.client.get_run(run_id).data.metrics)
+            return run_id, {
+                k: sorted((m.step, metric_value(m.value)) for m in self.client.get_metric_history(run_id, k))
+                for k in names
+            }
+
+        with ThreadPoolExecutor(16) as pool:
+            result = dict(pool.map(one, run_ids))
+        self.queries += len(run_ids) * (len(keys) if keys else 1)
+        return {rid: {k: v for k, v in per.items() if v} for rid, per in result.items()}
+

@@ -1,0 +1,184 @@
+"""What the ledger holds: its tags and statuses, a run's record, and the spec and config as MLflow
+tags and params."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdmctl.spec import RunSpec
+
+TAG = "pdmctl."
+TAG_SWEEP, TAG_KEY, TAG_BACKEND = "pdmctl.sweep", "pdmctl.key", "pdmctl.backend"
+TAG_JOB, TAG_EXECUTOR, TAG_ATTEMPT = "pdmctl.job_id", "pdmctl.executor", "pdmctl.attempt"
+TAG_SPEC, TAG_SUMMARY, TAG_RUN_DIR, TAG_REASON = (
+    "pdmctl.spec",
+    "pdmctl.summary",
+    "pdmctl.run_dir",
+    "pdmctl.reason",
+)
+# a submission ("token:index:attempt") is recorded before its job goes out, and confirmed once the
+# ledger (or the job itself) knows the job id; one not confirmed is looked up in the executor
+TAG_SUBMISSION, TAG_SUBMITTED = "pdmctl.submission", "pdmctl.submitted"
+TAG_NOTICE = "pdmctl.notice"  # what the current attempt wants the user to know (status shows it)
+RUN_NAME_TAG = "mlflow.runName"
+USER_TAG = "mlflow.user"
+
+# MLflow run statuses
+SCHEDULED, RUNNING, FINISHED, FAILED, KILLED = "SCHEDULED", "RUNNING", "FINISHED", "FAILED", "KILLED"
+TERMINAL = frozenset({FINISHED, FAILED, KILLED})
+
+# latest values read for `status` (step and avg@16)
+STATUS_METRICS = ("train/reward", "eval/toy24", "eval/toy25", "eval/aime24", "eval/aime25")
+HTTP_TIMEOUT_S = 5.0  # a tracking server that has not answered by then is reported unreachable
+_PARAM_VALUE_MAX = 6000  # MLflow's limit on a param value
+_TAG_VALUE_MAX = 8000
+
+
+class LedgerError(RuntimeError):
+    """The tracking store cannot be reached or used; the message is one line."""
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    run_id: str
+    sweep: str
+    key: str
+    status: str  # MLflow's
+    attempt: int
+    job_id: str | None
+    executor: str | None
+    spec_json: str | None
+    summary: str
+    run_dir: str | None
+    reason: str | None
+    start_time: int | None
+    end_time: int | None
+    latest: dict[str, tuple[int, float]] = field(default_factory=dict)  # metric -> (step, value)
+    submission: str | None = None
+    submitted: str | None = None
+    notice: str | None = None
+
+    @property
+    def pending_submission(self) -> str | None:
+        """The submission whose job id the ledger has not recorded (an interrupted submit), if any."""
+        return self.submission if self.submission and self.submission != self.submitted else None
+
+    @property
+    def spec(self) -> RunSpec | None:
+        """The run's spec; None where none is recorded or the record cannot be read (an older pdmctl cut
+        long specs at MLflow's tag limit)."""
+        if not self.spec_json:
+            return None
+        try:
+            return RunSpec.from_json(self.spec_json)
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    @property
+    def step(self) -> int | None:
+        steps = [s for s, _ in self.latest.values()]
+        return max(steps) if steps else None
+
+    @property
+    def avg16(self) -> float | None:
+        """Latest held-out avg@16, averaged over the eval sets present."""
+        values = [v for k, (_, v) in self.latest.items() if k.startswith("eval/")]
+        return sum(values) / len(values) if values else None
+
+
+@dataclass(frozen=True)
+class Submission:
+    run_id: str
+    job_id: str
+    executor: str
+    attempt: int
+    submission: str = ""  # "token:index:attempt", as in the intent
+
+
+
+def run_dir_of(parent: str, run_id: str) -> str:
+    return str(Path(parent) / run_id)
+
+
+def _tags_for(spec: RunSpec, run_dir: str) -> dict[str, str]:
+    return {
+        RUN_NAME_TAG: spec.run_name,
+        USER_TAG: getpass.getuser(),
+        TAG_SWEEP: spec.sweep,
+        TAG_KEY: spec.key,
+        TAG_BACKEND: spec.backend,
+        TAG_ATTEMPT: "0",
+        **spec_tags(spec.to_json()),
+        TAG_SUMMARY: spec.summary[:_TAG_VALUE_MAX],
+        TAG_RUN_DIR: run_dir,
+    }
+
+
+def spec_tags(spec_json: str) -> dict[str, str]:
+    """A spec of any length as tags within MLflow's limit on a tag's value: `pdmctl.spec` holds the
+    first part, `pdmctl.spec.1`, `pdmctl.spec.2`, ... the rest (the config round-trips whole)."""
+    parts = [spec_json[i : i + _TAG_VALUE_MAX] for i in range(0, len(spec_json), _TAG_VALUE_MAX)] or [""]
+    return {TAG_SPEC if i == 0 else f"{TAG_SPEC}.{i}": part for i, part in enumerate(parts)}
+
+
+def _spec_json(tags: Mapping[str, str]) -> str | None:
+    first = tags.get(TAG_SPEC)
+    if first is None:
+        return None
+    parts, i = [first], 1
+    while (part := tags.get(f"{TAG_SPEC}.{i}")) is not None:
+        parts.append(part)
+        i += 1
+    return "".join(parts)
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Params: the config flattened to dotted keys (`mask.method`, `delta`, ...)."""
+    out: dict[str, str] = {}
+    for k, v in config.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, f"{name}."))
+        else:
+            out[name] = (json.dumps(v) if isinstance(v, list) else str(v))[:_PARAM_VALUE_MAX]
+    return out
+
+
+def metric_value(value: Any, is_nan: Any = False) -> float:
+    """A metric as it was logged. MLflow stores NaN as 0 with is_nan set, and ±inf as ±sys.float_info.max
+    (is_nan unset); both are non-finite again here, never a huge number that would be averaged."""
+    if is_nan:
+        return math.nan
+    number = float(value)
+    return math.copysign(math.inf, number) if abs(number) >= sys.float_info.max else number
+
+
+def _record(run_id: str, status: str, start: int | None, end: int | None, tags: Mapping[str, str],
+            latest: dict[str, tuple[int, float]]) -> RunRecord:  # fmt: skip
+    return RunRecord(
+        run_id=run_id,
+        sweep=tags.get(TAG_SWEEP, ""),
+        key=tags.get(TAG_KEY, ""),
+        status=status,
+        attempt=int(tags.get(TAG_ATTEMPT) or 0),
+        job_id=tags.get(TAG_JOB) or None,
+        executor=tags.get(TAG_EXECUTOR) or None,
+        spec_json=_spec_json(tags),
+        summary=tags.get(TAG_SUMMARY, ""),
+        run_dir=tags.get(TAG_RUN_DIR),
+        reason=tags.get(TAG_REASON) or None,
+        start_time=start,
+        end_time=end,
+        latest=latest,
+        submission=tags.get(TAG_SUBMISSION) or None,
+        submitted=tags.get(TAG_SUBMITTED) or None,
+        notice=tags.get(TAG_NOTICE) or None,
+    )
+
