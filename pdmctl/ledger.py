@@ -58,6 +58,9 @@ TAG_SPEC, TAG_SUMMARY, TAG_RUN_DIR, TAG_REASON = (
 # ledger (or the job itself) knows the job id; one not confirmed is looked up in the executor
 TAG_SUBMISSION, TAG_SUBMITTED = "pdmctl.submission", "pdmctl.submitted"
 TAG_NOTICE = "pdmctl.notice"  # what the current attempt wants the user to know (status shows it)
+# provenance (pdmctl.provenance): `pdmctl.prov.<field>` the latest attempt's, `pdmctl.prov.attempt.<n>` each
+# attempt's job id, start and code (JSON)
+TAG_PROVENANCE = "pdmctl.prov."
 RUN_NAME_TAG = "mlflow.runName"
 USER_TAG = "mlflow.user"
 
@@ -95,6 +98,19 @@ class RunRecord:
     submission: str | None = None
     submitted: str | None = None
     notice: str | None = None
+    provenance: dict[str, str] = field(default_factory=dict)  # pdmctl.prov.* tags without the prefix
+
+    @property
+    def attempts(self) -> list[dict[str, Any]]:
+        """Each recorded attempt (job id, executor, start, commit, ...), in attempt order."""
+        out = []
+        for name, value in self.provenance.items():
+            if name.startswith("attempt."):
+                try:
+                    out.append({"attempt": int(name.removeprefix("attempt.")), **json.loads(value)})
+                except (ValueError, TypeError):
+                    continue
+        return sorted(out, key=lambda a: a["attempt"])
 
     @property
     def pending_submission(self) -> str | None:
@@ -380,6 +396,7 @@ def _record(run_id: str, status: str, start: int | None, end: int | None, tags: 
         submission=tags.get(TAG_SUBMISSION) or None,
         submitted=tags.get(TAG_SUBMITTED) or None,
         notice=tags.get(TAG_NOTICE) or None,
+        provenance={k.removeprefix(TAG_PROVENANCE): v for k, v in tags.items() if k.startswith(TAG_PROVENANCE)},
     )
 
 
@@ -855,6 +872,17 @@ class RunLogger:
         _retry(lambda: self.client.log_batch(self.run_id, tags=tags))
         _retry(lambda: self.client.update_run(self.run_id, status=RUNNING))
 
+    def record_provenance(self, attempt: int, job_id: str, fields: Mapping[str, str], **about: Any) -> None:
+        """The attempt's provenance (pdmctl.provenance.collect) as `pdmctl.prov.*` tags: the fields (the
+        latest attempt's win) and a record of this attempt (job id, start, commit, `about`)."""
+        from mlflow.entities import RunTag
+
+        record = {"job_id": job_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                  **{k: fields[k] for k in ("commit", "dirty") if k in fields}, **about}  # fmt: skip
+        tags = [RunTag(f"{TAG_PROVENANCE}{k}", str(v)[:_TAG_VALUE_MAX]) for k, v in fields.items()]
+        tags.append(RunTag(f"{TAG_PROVENANCE}attempt.{attempt}", json.dumps(record)[:_TAG_VALUE_MAX]))
+        _retry(lambda: self.client.log_batch(self.run_id, tags=tags))
+
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
@@ -869,10 +897,15 @@ class RunLogger:
         for m in batch:
             self.last_logged[m.key] = step
 
-    def log_per_problem(self, dataset: str, step: int, accuracies: Sequence[float]) -> None:
-        _retry(lambda: self.client.log_dict(self.run_id, {"step": step, "dataset": dataset,
-                                                          "accuracies": [float(a) for a in accuracies]},
-                                            f"per_problem/{dataset}/step_{step:07d}.json"))  # fmt: skip
+    def log_per_problem(self, dataset: str, step: int, accuracies: Sequence[float], *,
+                        correct: Sequence[Sequence[int]] | None = None,
+                        answers: Sequence[Sequence[int]] | None = None) -> None:  # fmt: skip
+        data: dict[str, Any] = {"step": step, "dataset": dataset, "accuracies": [float(a) for a in accuracies]}
+        if correct is not None:  # per problem, per sample: 1 if graded correct; the answer's id (-1: none)
+            data["correct"] = [[int(c) for c in row] for row in correct]
+        if answers is not None:
+            data["answers"] = [[int(a) for a in row] for row in answers]
+        _retry(lambda: self.client.log_dict(self.run_id, data, f"per_problem/{dataset}/step_{step:07d}.json"))
 
     def copy_metrics(self, rename) -> dict[str, float]:
         """Log every metric another writer put into this run under `rename(name)` (skipping None).
@@ -920,6 +953,22 @@ def load_per_problem(uri: str, run_id: str, dataset: str) -> dict[int, list[floa
                                                                       tracking_uri=uri)).read_text())  # fmt: skip
         out[int(data["step"])] = [float(a) for a in data["accuracies"]]
     return out
+
+
+def load_samples(uri: str, run_id: str, dataset: str, step: int) -> tuple[list[list[int]], list[list[int]]] | None:
+    """One evaluation's per-sample correctness and answer ids (problems × samples), or None where the run
+    logged none at that step (runs of older pdmctl, or VeRL runs until they store them)."""
+    _mlflow_client(uri)  # quiets MLflow's logging
+    import mlflow.artifacts
+
+    try:
+        data = json.loads(Path(mlflow.artifacts.download_artifacts(
+            run_id=run_id, artifact_path=f"per_problem/{dataset}/step_{step:07d}.json", tracking_uri=uri)).read_text())
+    except Exception:
+        return None
+    if "correct" not in data or "answers" not in data:
+        return None
+    return data["correct"], data["answers"]
 
 
 # ---------------------------------------------------------------------------
