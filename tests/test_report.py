@@ -15,6 +15,7 @@ import pytest
 from scipy import stats as sps
 from typer.testing import CliRunner
 
+from pdmctl import grid
 from pdmctl.backends.toy import ToyConfig
 from pdmctl.ledger import FAILED, KILLED, RunLogger
 from pdmctl.report import power, resample
@@ -497,18 +498,20 @@ def test_provenance_and_the_mismatch_panel_in_the_report_and_the_command(store: 
     assert bad.exit_code == 2 and "--panels: 'curves' is not one of eval, dynamics, mismatch" in bad.output
 
 
-def test_a_toy_job_records_its_provenance_and_each_attempt(store: str, tmp_path: Path, monkeypatch) -> None:
-    """A real job of the testbed (one step), run twice as a requeue would: the second attempt resumes, and
-    the report's provenance row names this checkout's commit, the versions and both attempts."""
+def test_a_job_records_its_provenance_and_each_attempt(store: str, tmp_path: Path, monkeypatch) -> None:
+    """A real job (the synthetic backend: the job's path, not the training, is under test), run twice as a
+    requeue would: the report's provenance row names this checkout's commit, the versions and both attempts.
+    The testbed's own part (data digest, evaluation sampling) from its backend hook."""
     import subprocess
+    from importlib import metadata
 
     import torch
 
     from pdmctl import job
+    from pdmctl.backends.registry import flat_config, get_backend
 
-    sweep = make_sweep(store, "job", ["mask=pdm_agg", "seed=0", "backend.steps=1", "backend.prompts_per_step=4",
-                                      "backend.group_size=2", "backend.minibatches=1", "backend.eval_samples=2"])  # fmt: skip
-    (rid, spec), = sweep.specs.items()
+    sweep = make_sweep(store, "job", ["backend=synthetic", "model=synthetic", "mask=pdm_agg", "seed=0"])
+    ((rid, spec),) = sweep.specs.items()
     job_file = tmp_path / "job.json"
     job.JobFile(rid, store, spec.to_json(), str(tmp_path / "run"), 1, "local").write(job_file)
     monkeypatch.setenv("PDMCTL_JOB_ID", "first")
@@ -520,12 +523,17 @@ def test_a_toy_job_records_its_provenance_and_each_attempt(store: str, tmp_path:
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                           cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
     assert record.provenance["commit"] == head and record.provenance["version.torch"] == torch.__version__
-    assert record.provenance["eval_sampling"] == "n=2 temperature=1.0 top_p=1.0 max_tokens=4"
-    assert record.provenance["data"].startswith("addition:")
+    assert record.provenance["dirty"] in ("yes", "no") and record.provenance["version.pdmctl"] == metadata.version("pdmctl")
     assert [(a["attempt"], a["job_id"], a["requeues"]) for a in record.attempts] == [(1, "first", 0), (2, "second", 1)]
     (row,) = build_report(sweep.ledger, ["job"], definition()).provenance
     assert row.attempts == 2 and row.job_ids == ("first", "second") and row.values["commit"] == (head,)
-    assert row.mixed == ()
+    assert row.mixed == () and row.values["data"] == ("not recorded",)  # the synthetic backend has no data
+    toy = dict(flat_config(grid.expand(["seed=0", "backend.eval_samples=4"], sweep="t")[0].config))
+    fields = get_backend("toy").provenance(toy, tmp_path)
+    assert fields["eval_sampling"] == "n=4 temperature=1.0 top_p=1.0 max_tokens=4"
+    assert fields["data"].startswith("addition:") and fields == get_backend("toy").provenance(toy, tmp_path)
+    llm = get_backend("toy").provenance({**toy, "model": "toy-llm"}, tmp_path)
+    assert llm["data"].startswith("chain:") and llm["data"] != fields["data"]
 
 
 # ---------------------------------------------------------------------------

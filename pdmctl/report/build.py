@@ -143,7 +143,7 @@ def build_report(ledger: Ledger, sweeps: Sequence[str], definition: Definition, 
         analysis=direction,
         queries=getattr(ledger, "queries", 0) - queries_before,
         provenance=provenance_rows(data),
-        pass_k=pass_k_rows(data, definition, labels, ledger.uri),
+        pass_k=pass_k_rows(data, definition, labels, ledger),
     )
 
 
@@ -194,14 +194,15 @@ def pooling_notes(report: Report) -> list[str]:
 # ---------------------------------------------------------------------------
 
 
-def _run_pass_k(point: RunPoint, definition: Definition, uri: str) -> tuple[int, dict[str, tuple]] | None:
+def _run_pass_k(point: RunPoint, definition: Definition, uri: str, location: str | None
+                ) -> tuple[int, dict[str, tuple]] | None:  # fmt: skip
     """(n, column label -> (pass@k, maj@k) arrays over passk.ks_for(n)) for one run, or None where it has
     no per-sample record at every evaluation the table reads (or the numbers of samples differ)."""
     loaded = {}
     for column in definition.columns:
         dataset = point.metrics[column.label].removeprefix("eval/")
         for step in point.steps:
-            found = load_samples(uri, point.run_id, dataset, step)
+            found = load_samples(uri, point.run_id, dataset, step, location)
             if found is None:
                 return None
             loaded[column.label, step] = (np.asarray(found[0]), np.asarray(found[1]))
@@ -220,15 +221,17 @@ def _run_pass_k(point: RunPoint, definition: Definition, uri: str) -> tuple[int,
     return n, per_label
 
 
-def pass_k_rows(data: Collected, definition: Definition, labels: Sequence[str], uri: str) -> list[PassKRow]:
+def pass_k_rows(data: Collected, definition: Definition, labels: Sequence[str], ledger: Ledger) -> list[PassKRow]:
     rows: list[tuple[RowKey, tuple[int, ...], int, dict[str, list[tuple]]]] = []
+    counted = [p.run_id for points in data.by_row.values() for p in points]
+    locations = ledger.artifact_locations(counted) if counted else {}
     for row in data.rows:
         points = data.by_row[row]
         if not points:
             continue
         runs = []
         for p in points:
-            found = _run_pass_k(p, definition, uri)
+            found = _run_pass_k(p, definition, ledger.uri, locations.get(p.run_id))
             if found is None:
                 break
             runs.append(found)

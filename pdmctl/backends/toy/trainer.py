@@ -96,10 +96,7 @@ class Learner:
         norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
         self.optimizer.step()
         metrics = {**metrics, "grad_norm": float(norm)}  # before clipping (the analysis's decomposition)
-        if not shape:
-            return metrics
-        return {**metrics, **policy_shape(logits.detach(), resp_mask, cfg.k),
-                "rollout_probs_diff_mean": rollout_probs_diff(logits.detach(), batch, resp_mask)}  # fmt: skip
+        return {**metrics, **policy_shape(logits.detach(), resp_mask, cfg.k, batch)} if shape else metrics
 
     def state_dict(self, step: int, cfg: ToyConfig) -> dict[str, object]:
         return {
@@ -119,30 +116,29 @@ class Learner:
         return int(state["step"])
 
 
-def policy_shape(logits: torch.Tensor, resp_mask: torch.Tensor, k: int) -> dict[str, float]:
+def policy_shape(logits: torch.Tensor, resp_mask: torch.Tensor, k: int, batch: Rollout | None = None) -> dict[str, float]:
     """The policy's mean token entropy (nats) and mean top-K mass over the response tokens, from the
-    training forward's logits [B, T, V] (before the update): what an LLM run's entropy curve shows."""
+    training forward's logits [B, T, V] (before the update): what an LLM run's entropy curve shows.
+
+    With the rollout `batch`, also the rollout/trainer gap as VeRL's `training/rollout_probs_diff_mean`
+    measures it: the mean over response tokens of |π(y_t) − μ(y_t)|, the trainer's probability of the
+    sampled token against the engine's. On a step's first mini-batch, before its update, both hold the
+    same weights: the gap is the precision's alone (fp8 or bf16 rollout against the float32 trainer)."""
     with torch.no_grad():
         log_pi = torch.log_softmax(logits.float(), -1)
         pi = log_pi.exp()
         entropy = -(pi * log_pi).sum(-1)
         topk_mass = pi.topk(min(k, pi.shape[-1]), -1).values.sum(-1)
         n = resp_mask.sum().clamp_min(1)
-        return {
+        out = {
             "entropy": float((entropy * resp_mask).sum() / n),
             "topk_mass": float((topk_mass * resp_mask).sum() / n),
         }
-
-
-def rollout_probs_diff(logits: torch.Tensor, batch: Rollout, resp_mask: torch.Tensor) -> float:
-    """The rollout/trainer gap as VeRL's `training/rollout_probs_diff_mean` measures it: the mean over
-    response tokens of |π(y_t) − μ(y_t)|, the trainer's probability of the sampled token against the
-    engine's. On a step's first mini-batch, before its update, the two hold the same weights: the gap
-    is the precision's alone (fp8 or bf16 rollout against the float32 trainer)."""
-    with torch.no_grad():
-        log_pi = torch.log_softmax(logits.float(), -1).gather(-1, batch.sampled_ids.unsqueeze(-1)).squeeze(-1)
-        diff = (log_pi.exp() - batch.sampled_logprobs.float().exp()).abs()
-        return float((diff * resp_mask).sum() / resp_mask.sum().clamp_min(1))
+        if batch is not None:
+            sampled = pi.gather(-1, batch.sampled_ids.unsqueeze(-1)).squeeze(-1)
+            gap = (sampled - batch.sampled_logprobs.float().exp()).abs()
+            out["rollout_probs_diff_mean"] = float((gap * resp_mask).sum() / n)
+        return out
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
