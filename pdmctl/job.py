@@ -86,6 +86,7 @@ def run(job_file: Path) -> int:
     print(f"pdmctl job: run {spec.key} ({spec.summary}) attempt {attempt} in {job.run_dir}", flush=True)
     try:
         backend = get_backend(spec.backend)
+        record_provenance(logger, spec, backend, job, attempt)
         final = backend.run(
             flat_config(spec.config), Path(job.run_dir), trial_tracker(logger, Path(job.run_dir))
         )
@@ -104,6 +105,19 @@ def run(job_file: Path) -> int:
     logger.finish(FINISHED)
     print(f"pdmctl job: finished {json.dumps(dict(final), default=float)}", flush=True)
     return 0
+
+
+def record_provenance(logger: RunLogger, spec: RunSpec, backend, job: JobFile, attempt: int) -> None:
+    """Where this attempt's numbers come from (pdmctl.provenance), into the run's tags; a store that
+    refuses them is said in the log, and the run goes on."""
+    from pdmctl import provenance
+
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    try:
+        fields = provenance.collect(spec.config, lambda: backend.provenance(flat_config(spec.config), Path(job.run_dir)))
+        logger.record_provenance(attempt, job_id_from_env(), fields, executor=job.executor, requeues=restarts)
+    except Exception as exc:
+        print(f"pdmctl job: provenance not recorded ({type(exc).__name__}: {exc})".splitlines()[0], flush=True)
 
 
 def main() -> None:

@@ -15,9 +15,10 @@ import pytest
 from scipy import stats as sps
 from typer.testing import CliRunner
 
+from pdmctl import grid
 from pdmctl.backends.toy import ToyConfig
 from pdmctl.ledger import FAILED, KILLED, RunLogger
-from pdmctl.report import resample
+from pdmctl.report import power, resample
 from pdmctl.report.build import baseline_row, build_report
 from pdmctl.report.collect import RowKey
 from pdmctl.report.definition import At, Confidence, ReportError, load_definition, parse_definition
@@ -33,7 +34,14 @@ from pdmctl.report.stats import (
     values_at,
     welch_interval,
 )
-from pdmctl.report.tables import comparison_csv, excluded_table, results_csv, results_table, seeds_csv
+from pdmctl.report.tables import (
+    comparison_csv,
+    excluded_table,
+    power_table,
+    results_csv,
+    results_table,
+    seeds_csv,
+)
 from pdmctl.report.write import write_report
 
 sys.path.insert(0, str(Path(__file__).parent))  # the synthetic-sweep helpers beside this file
@@ -376,6 +384,156 @@ def test_direction_analysis_table(store: str, tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ReportError, match="not a direction analysis"):
         build_report(sweep.ledger, ["dir"], definition(), analysis=tmp_path / "bad.json")
+
+
+def test_the_report_says_under_each_comparison_how_many_seeds_it_needs(store: str) -> None:
+    sweep = make_sweep(store, "power", ["mask=pdm_agg,dppo_topk_kl", "seed=0,1,2,3"])
+    rng = np.random.default_rng(3)
+    differences = []
+    for seed in range(4):
+        base = rng.uniform(0.2, 0.4)
+        d = 0.03 + rng.normal(0, 0.04)
+        differences.append(d)
+        for mask, value in (("dppo_topk_kl", base), ("pdm_agg", base + d)):
+            write_points(sweep.ledger, [(sweep.run_id(mask, seed), "eval/toy24", 4, value),
+                                        (sweep.run_id(mask, seed), "eval/toy25", 4, value)])  # fmt: skip
+    finish(sweep.ledger, list(sweep.specs))
+    report = build_report(sweep.ledger, ["power"], definition())
+    (comp,) = report.comparisons
+    cell = comp.cells["AIME24"]
+    d = np.array(differences)
+    assert cell.spread == pytest.approx(d.std(ddof=1))
+    assert cell.seeds_needed == power.seeds_needed(abs(d.mean()) / d.std(ddof=1)) and cell.seeds_needed > 4
+    assert cell.resolvable == pytest.approx(power.resolvable(4) * d.std(ddof=1))
+    table = power_table(report)
+    (row,) = table.rows
+    assert row[3] == f"{cell.seeds_needed} (has 4); resolves |Δ| ≥ {100 * cell.resolvable:.1f}"
+    assert "80% power" in table.title and "noncentral t" in table.note
+    header, first = comparison_csv(report).splitlines()[:2]
+    assert "AIME24 seeds for 80% power" in header and f",{cell.seeds_needed}," in first
+
+
+def _samples(rng: np.random.Generator, problems: int = 6, n: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """Answers 0-3 per sample (-1: none), 2 the right one: many ties."""
+    answers = rng.integers(-1, 4, (problems, n))
+    return (answers == 2).astype(int), answers
+
+
+def test_pass_and_majority_at_k_from_each_runs_stored_samples(store: str, tmp_path: Path) -> None:
+    from test_report_passk import brute_force
+
+    sweep = make_sweep(store, "passk", ["mask=pdm_agg,dppo_topk_kl", "seed=0,1,2"])
+    rng = np.random.default_rng(2)
+    stored = {}
+    for rid, spec in sweep.specs.items():
+        logger = RunLogger(store, rid)
+        for dataset in ("toy24", "toy25"):
+            correct, answers = _samples(rng)
+            stored[rid, dataset] = (correct, answers)
+            if not (spec.config["mask"]["name"] == "pdm_agg" and spec.seed == 2):  # one run stored none
+                logger.log_per_problem(dataset, 4, correct.mean(1).tolist(), correct=correct.tolist(),
+                                       answers=answers.tolist())  # fmt: skip
+        write_points(sweep.ledger, [(rid, f"eval/{d}", 4, float(stored[rid, d][0].mean())) for d in ("toy24", "toy25")])
+    finish(sweep.ledger, list(sweep.specs))
+    report = build_report(sweep.ledger, ["passk"], definition())
+    (row,) = report.pass_k  # pdm_agg's row lacks one run's samples: left out, never averaged in part
+    assert row.row.mask == "dppo_topk_kl" and row.samples == 8 and row.ks == (1, 2, 4, 8) and row.seeds == (0, 1, 2)
+    ids = [sweep.run_id("dppo_topk_kl", s) for s in (0, 1, 2)]
+    for k in row.ks:
+        per_seed = {kind: [] for kind in ("pass", "maj")}
+        for rid in ids:
+            by_problem = [brute_force(c.tolist(), a.tolist(), k) for c, a in zip(*stored[rid, "toy25"], strict=True)]
+            per_seed["pass"].append(np.mean([p for p, _ in by_problem]))
+            per_seed["maj"].append(np.mean([m for _, m in by_problem]))
+        for kind, values in per_seed.items():
+            cell = row.cells["AIME25", kind, k]
+            assert cell.mean == pytest.approx(np.mean(values), abs=1e-12)
+            assert cell.interval == t_estimates([values], 0.95)[0].interval
+    table = next(r for r in report.rows if r.row.mask == "dppo_topk_kl")
+    assert row.cells["Average", "pass", 1].mean == pytest.approx(table.cells["Average"].mean)  # pass@1 = avg@n
+    out = tmp_path / "out"
+    write_report(report, out)
+    lines = list(csv.DictReader(io.StringIO((out / "passk.csv").read_text())))
+    assert len(lines) == 3 * 2 * 4 and {line["metric"] for line in lines} == {"pass@k", "maj@k"}
+    assert 'id="passk"' in (out / "index.html").read_text()
+
+
+def test_provenance_and_the_mismatch_panel_in_the_report_and_the_command(store: str, tmp_path: Path, monkeypatch) -> None:
+    from pdmctl.cli import app
+
+    sweep = make_sweep(store, "prov", ["mask=pdm_agg,dppo_topk_kl", "seed=0,1"])
+    versions = {"version.pdmctl": "0.1.0", "version.verl": "0.9.1", "version.vllm": "absent",
+                "version.torch": "2.13.0+cpu", "data": "addition:abc", "eval_sampling": "n=16"}  # fmt: skip
+    for rid, spec in sweep.specs.items():
+        log_evals(sweep, rid, (0.3 + 0.01 * spec.seed, 0.25))
+        # pdm_agg's seed 1 ran on other code; the testbed's own gap for one mask, VeRL's name for the other
+        commit = "b" * 40 if (spec.config["mask"]["name"], spec.seed) == ("pdm_agg", 1) else "a" * 40
+        RunLogger(store, rid).record_provenance(1, f"job-{spec.seed}", {"commit": commit, "dirty": "no", **versions})
+        gap = "train/rollout_probs_diff_mean" if spec.config["mask"]["name"] == "pdm_agg" else "training/rollout_probs_diff_mean"
+        write_points(sweep.ledger, [(rid, name, step, value) for step in (1, 2, 3, 4)
+                                    for name, value in ((gap, 0.01 * step), ("train/out_of_region_frac", 0.1),
+                                                        ("train/disagreement_count", 3.0 + spec.seed))])  # fmt: skip
+    finish(sweep.ledger, list(sweep.specs))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["report", "prov", "--tracking-uri", store, "--panels", "mismatch", "-o", "out"])
+    assert result.exit_code == 0, result.output
+    assert ("provenance: row toy-small · bf16 pdm_agg pools runs of 2 commit values (aaaaaaaaaaaa, bbbbbbbbbbbb)"
+            in " ".join(result.output.split()))
+    assert "Seeds for 80% power" in result.output
+    out = tmp_path / "out"
+    assert sorted(p.name for p in (out / "figures").iterdir()) == ["mismatch_toy-small_bf16.png"]
+    page = (out / "index.html").read_text()
+    assert 'id="provenance"' in page and "aaaaaaaaaa, bbbbbbbbbb (!)" in page
+    assert "train/rollout_probs_diff_mean, training/rollout_probs_diff_mean" in html.unescape(page)  # the caption
+    rows = {r["mask"]: r for r in csv.DictReader(io.StringIO((out / "results.csv").read_text()))}
+    assert rows["pdm_agg"]["commit"] == f"{'a' * 40} {'b' * 40}" and rows["pdm_agg"]["pools"] == "commit"
+    assert rows["dppo_topk_kl"]["pools"] == "" and rows["dppo_topk_kl"]["job ids"] == "job-0 job-1"
+    assert rows["dppo_topk_kl"]["torch"] == "2.13.0+cpu"
+    report = build_report(sweep.ledger, ["prov"], definition())
+    (curves,) = report.curves
+    lines = {line.row.mask: line for line in curves.mismatch_panels["disagreement count"]}
+    assert list(lines["pdm_agg"].centre) == pytest.approx([3.5] * 4) and lines["pdm_agg"].n_seeds == 2
+    assert list(curves.mismatch_panels["rollout/trainer gap"][0].steps) == [1, 2, 3, 4]
+    bad = CliRunner().invoke(app, ["report", "prov", "--tracking-uri", store, "--panels", "eval,curves"])
+    assert bad.exit_code == 2 and "--panels: 'curves' is not one of eval, dynamics, mismatch" in bad.output
+
+
+def test_a_job_records_its_provenance_and_each_attempt(store: str, tmp_path: Path, monkeypatch) -> None:
+    """A real job (the synthetic backend: the job's path, not the training, is under test), run twice as a
+    requeue would: the report's provenance row names this checkout's commit, the versions and both attempts.
+    The testbed's own part (data digest, evaluation sampling) from its backend hook."""
+    import subprocess
+    from importlib import metadata
+
+    import torch
+
+    from pdmctl import job
+    from pdmctl.backends.registry import flat_config, get_backend
+
+    sweep = make_sweep(store, "job", ["backend=synthetic", "model=synthetic", "mask=pdm_agg", "seed=0"])
+    ((rid, spec),) = sweep.specs.items()
+    job_file = tmp_path / "job.json"
+    job.JobFile(rid, store, spec.to_json(), str(tmp_path / "run"), 1, "local").write(job_file)
+    monkeypatch.setenv("PDMCTL_JOB_ID", "first")
+    assert job.run(job_file) == 0
+    monkeypatch.setenv("PDMCTL_JOB_ID", "second")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert job.run(job_file) == 0
+    (record,) = sweep.ledger.runs("job")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+    assert record.provenance["commit"] == head and record.provenance["version.torch"] == torch.__version__
+    assert record.provenance["dirty"] in ("yes", "no") and record.provenance["version.pdmctl"] == metadata.version("pdmctl")
+    assert [(a["attempt"], a["job_id"], a["requeues"]) for a in record.attempts] == [(1, "first", 0), (2, "second", 1)]
+    (row,) = build_report(sweep.ledger, ["job"], definition()).provenance
+    assert row.attempts == 2 and row.job_ids == ("first", "second") and row.values["commit"] == (head,)
+    assert row.mixed == () and row.values["data"] == ("not recorded",)  # the synthetic backend has no data
+    toy = dict(flat_config(grid.expand(["seed=0", "backend.eval_samples=4"], sweep="t")[0].config))
+    fields = get_backend("toy").provenance(toy, tmp_path)
+    assert fields["eval_sampling"] == "n=4 temperature=1.0 top_p=1.0 max_tokens=4"
+    assert fields["data"].startswith("addition:") and fields == get_backend("toy").provenance(toy, tmp_path)
+    llm = get_backend("toy").provenance({**toy, "model": "toy-llm"}, tmp_path)
+    assert llm["data"].startswith("chain:") and llm["data"] != fields["data"]
 
 
 # ---------------------------------------------------------------------------

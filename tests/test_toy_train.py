@@ -23,13 +23,21 @@ def _run(cfg: ToyConfig, workdir: Path, stop_after: int | None = None) -> InMemo
 def test_logs_every_metric_of_the_tracker_interface(tmp_path: Path) -> None:
     tracker = _run(TINY, tmp_path)
     for name in ("reward", "response_length", "ppo_kl", "mask_frac", "out_of_region_frac", "mean_divergence",
-                 "disagreement_count", "entropy", "topk_mass"):  # fmt: skip
+                 "disagreement_count", "entropy", "topk_mass", "rollout_probs_diff_mean"):  # fmt: skip
         assert [step for step, _ in tracker.history(f"train/{name}")] == list(range(1, 7))
     for dataset in ("toy24", "toy25"):
         assert [step for step, _ in tracker.history(f"eval/{dataset}")] == [0, 2, 4, 6]
         steps = [step for step, _ in tracker.per_problem[dataset]]
         assert steps == [0, 2, 4, 6]
         assert all(len(accs) == 40 for _, accs in tracker.per_problem[dataset])
+        # each sample's grade and answer (pass@k, maj@k): the per-problem accuracies are their means
+        for (step, accs), (same, correct, answers) in zip(tracker.per_problem[dataset], tracker.samples[dataset],
+                                                          strict=True):  # fmt: skip
+            assert same == step and len(correct) == len(answers) == 40
+            assert all(len(c) == len(a) == 2 for c, a in zip(correct, answers, strict=True))
+            assert [sum(c) / 2 for c in correct] == accs
+    # the rollout/trainer gap of a bf16 rollout against the float32 trainer: small, never zero
+    assert all(0 < gap < 0.05 for _, gap in tracker.history("train/rollout_probs_diff_mean"))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000004.pt", "step_00000006.pt"]
 
 

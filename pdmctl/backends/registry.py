@@ -43,6 +43,9 @@ class Backend:
     describe: Callable[[list[tuple[str, Mapping[str, Any], Path]], Mapping[str, Any]], list[str]] = (
         lambda runs, cluster: []
     )
+    # what a job records of its run besides the code and the versions (pdmctl.provenance): the data
+    # manifest's digest (`data`) and the evaluation's sampling parameters (`eval_sampling`); in the job
+    provenance: Callable[[Mapping[str, Any], Path], dict[str, str]] = lambda flat, run_dir: {}
 
 
 def flat_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -97,6 +100,24 @@ def _toy_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mappin
     from pdmctl.backends.toy import ToyConfig, train
 
     return train(ToyConfig.from_mapping(flat), run_dir, tracker)
+
+
+def _toy_provenance(flat: Mapping[str, Any], run_dir: Path) -> dict[str, str]:
+    """The held-out problems (fixed by their seeds) and the evaluation's sampling."""
+    import hashlib
+
+    from pdmctl.backends.toy import ToyConfig
+    from pdmctl.backends.toy.tasks import task_of
+    from pdmctl.backends.toy.trainer import EVAL_SETS
+
+    cfg = ToyConfig.from_mapping(flat)
+    task = task_of(cfg.model)
+    h = hashlib.sha256(task.name.encode())
+    for name in EVAL_SETS:
+        problems = task.heldout(name)
+        h.update(name.encode() + problems.prompts.numpy().tobytes() + problems.answers.numpy().tobytes())
+    return {"data": f"{task.name}:{h.hexdigest()[:16]}",
+            "eval_sampling": f"n={cfg.eval_samples} temperature=1.0 top_p=1.0 max_tokens={task.max_response_len}"}
 
 
 # --- verl: the real engine ------------------------------------------------------------------
@@ -223,6 +244,20 @@ def _verl_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mappi
     return tracker.copy_metrics(launch.pdmctl_metric_name)  # VeRL's names -> eval/aime24, train/reward, ...
 
 
+def _verl_provenance(flat: Mapping[str, Any], run_dir: Path) -> dict[str, str]:
+    """The digest of the parquet files the job trains and validates on, and the validation's sampling."""
+    from pdmctl.provenance import file_digest
+
+    launch = _verl_module()
+    cfg = _verl_job_config(flat, run_dir)
+    preset = launch.MODEL_PRESETS[cfg["model"]]
+    data_dir = Path(cfg["data_dir"])
+    files = [data_dir / preset.train_file, *(data_dir / f for f in launch.VAL_FILES)]
+    return {"data": file_digest(files),
+            "eval_sampling": f"n={cfg.get('val_n', 16)} temperature={cfg.get('temperature', 1.0)} top_p=1.0 "
+                             f"max_tokens={preset.max_response_length}"}  # fmt: skip
+
+
 def _verl_check_cluster(flat: Mapping[str, Any], cluster: Mapping[str, Any]) -> None:
     """An offline cluster (`Executor.job_settings`): the weights and data are on its shared storage."""
     if cluster.get("offline"):
@@ -256,10 +291,10 @@ def _synthetic() -> Backend:
 
 
 BACKENDS: dict[str, Backend] = {
-    "toy": Backend("toy", _toy_defaults, _toy_validate, _toy_run),
+    "toy": Backend("toy", _toy_defaults, _toy_validate, _toy_run, provenance=_toy_provenance),
     "verl": Backend("verl", _verl_defaults, _verl_validate, _verl_run, lambda flat: _verl_module().final_step(flat),
                     lambda flat: _verl_module().run_nodes(_verl_job_config(flat, Path("/pdmctl-validate"))),
-                    _verl_check_cluster, _verl_describe),  # fmt: skip
+                    _verl_check_cluster, _verl_describe, _verl_provenance),  # fmt: skip
     "synthetic": _synthetic(),  # a known objective for pdmctl tune's tests and benchmark
 }
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pdmctl.ledger.base import Ledger
 from pdmctl.ledger.client import ClientLedger
-from pdmctl.ledger.logger import RunLogger, load_per_problem
+from pdmctl.ledger.logger import RunLogger, load_per_problem, load_samples
 from pdmctl.ledger.records import (
     FAILED,
     FINISHED,
@@ -32,6 +32,7 @@ from pdmctl.ledger.records import (
     SCHEDULED,
     STATUS_METRICS,
     TAG,
+    TAG_PROVENANCE,
     TERMINAL,
     LedgerError,
     RunRecord,
@@ -60,9 +61,9 @@ def open_ledger(uri: str) -> Ledger:
 
 
 __all__ = [
-    "BUSY_ENV", "FAILED", "FINISHED", "HTTP_TIMEOUT_S", "KILLED", "RUNNING", "SCHEDULED", "STATUS_METRICS", "TAG",
+    "BUSY_ENV", "FAILED", "FINISHED", "HTTP_TIMEOUT_S", "KILLED", "RUNNING", "SCHEDULED", "STATUS_METRICS", "TAG", "TAG_PROVENANCE",
     "TERMINAL", "ClientLedger", "Ledger", "LedgerError", "RunLogger", "RunRecord", "SqlLedger", "Submission",
     "_redact", "busy_seconds", "check_reachable", "check_uri", "close_stores", "default_tracking_uri", "flatten",
-    "is_database_uri", "ledger_exists", "load_per_problem", "metric_value", "open_ledger", "resolve_tracking_uri",
+    "is_database_uri", "ledger_exists", "load_per_problem", "load_samples", "metric_value", "open_ledger", "resolve_tracking_uri",
     "run_dir_of", "spec_tags", "sqlite_path",
 ]  # fmt: skip

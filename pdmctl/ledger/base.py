@@ -54,6 +54,10 @@ class Ledger:
         """run id -> metric -> [(step, value)] sorted by step."""
         raise NotImplementedError
 
+    def artifact_locations(self, run_ids: Sequence[str]) -> dict[str, str]:
+        """run id -> its artifact root (MLflow's artifact_uri), for reading a run's artifacts directly."""
+        raise NotImplementedError
+
     def sweeps(self) -> list[str]:
         return sorted({r.sweep for r in self.runs()})
 

@@ -187,6 +187,13 @@ class ClientLedger(Ledger):
             list(pool.map(update, run_ids))
 
     @_server_call
+    def artifact_locations(self, run_ids):
+        with ThreadPoolExecutor(16) as pool:
+            found = list(pool.map(lambda rid: (rid, self.client.get_run(rid).info.artifact_uri), run_ids))
+        self.queries += len(run_ids)
+        return dict(found)
+
+    @_server_call
     def metric_histories(self, run_ids, keys=None):
         def one(run_id: str) -> tuple[str, dict[str, list[tuple[int, float]]]]:
             names = keys if keys is not None else list(self.client.get_run(run_id).data.metrics)

@@ -4,8 +4,11 @@ scores, notices, the end)."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
 
 from pdmctl.ledger.records import (
     _TAG_VALUE_MAX,
@@ -14,6 +17,7 @@ from pdmctl.ledger.records import (
     TAG_EXECUTOR,
     TAG_JOB,
     TAG_NOTICE,
+    TAG_PROVENANCE,
     TAG_REASON,
     TAG_SUBMITTED,
 )
@@ -43,6 +47,17 @@ class RunLogger:
         _retry(lambda: self.client.log_batch(self.run_id, tags=tags))
         _retry(lambda: self.client.update_run(self.run_id, status=RUNNING))
 
+    def record_provenance(self, attempt: int, job_id: str, fields: Mapping[str, str], **about: Any) -> None:
+        """The attempt's provenance (pdmctl.provenance.collect) as `pdmctl.prov.*` tags: the fields (the
+        latest attempt's win) and a record of this attempt (job id, start, commit, `about`)."""
+        from mlflow.entities import RunTag
+
+        record = {"job_id": job_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                  **{k: fields[k] for k in ("commit", "dirty") if k in fields}, **about}  # fmt: skip
+        tags = [RunTag(f"{TAG_PROVENANCE}{k}", str(v)[:_TAG_VALUE_MAX]) for k, v in fields.items()]
+        tags.append(RunTag(f"{TAG_PROVENANCE}attempt.{attempt}", json.dumps(record)[:_TAG_VALUE_MAX]))
+        _retry(lambda: self.client.log_batch(self.run_id, tags=tags))
+
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
@@ -57,10 +72,15 @@ class RunLogger:
         for m in batch:
             self.last_logged[m.key] = step
 
-    def log_per_problem(self, dataset: str, step: int, accuracies: Sequence[float]) -> None:
-        _retry(lambda: self.client.log_dict(self.run_id, {"step": step, "dataset": dataset,
-                                                          "accuracies": [float(a) for a in accuracies]},
-                                            f"per_problem/{dataset}/step_{step:07d}.json"))  # fmt: skip
+    def log_per_problem(self, dataset: str, step: int, accuracies: Sequence[float], *,
+                        correct: Sequence[Sequence[int]] | None = None,
+                        answers: Sequence[Sequence[int]] | None = None) -> None:  # fmt: skip
+        data: dict[str, Any] = {"step": step, "dataset": dataset, "accuracies": [float(a) for a in accuracies]}
+        if correct is not None:  # per problem, per sample: 1 if graded correct; the answer's id (-1: none)
+            data["correct"] = [[int(c) for c in row] for row in correct]
+        if answers is not None:
+            data["answers"] = [[int(a) for a in row] for row in answers]
+        _retry(lambda: self.client.log_dict(self.run_id, data, f"per_problem/{dataset}/step_{step:07d}.json"))
 
     def copy_metrics(self, rename) -> dict[str, float]:
         """Log every metric another writer put into this run under `rename(name)` (skipping None).
@@ -109,3 +129,29 @@ def load_per_problem(uri: str, run_id: str, dataset: str) -> dict[int, list[floa
         out[int(data["step"])] = [float(a) for a in data["accuracies"]]
     return out
 
+
+
+def load_samples(uri: str, run_id: str, dataset: str, step: int, location: str | None = None
+                 ) -> tuple[list[list[int]], list[list[int]]] | None:  # fmt: skip
+    """One evaluation's per-sample correctness and answer ids (problems × samples), or None where the run
+    logged none at that step (runs of older pdmctl, or VeRL runs until they store them). `location`: the
+    run's artifact root (`Ledger.artifact_locations`); a local one is read directly (MLflow's download
+    takes half a second a file)."""
+    path = f"per_problem/{dataset}/step_{step:07d}.json"
+    try:
+        if location and urlparse(location).scheme in ("", "file"):
+            local = Path(urlparse(location).path if location.startswith("file:") else location) / path
+            if not local.is_file():
+                return None
+            data = json.loads(local.read_text())
+        else:
+            _mlflow_client(uri)  # quiets MLflow's logging
+            import mlflow.artifacts
+
+            data = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=path,
+                                                                       tracking_uri=uri)).read_text())  # fmt: skip
+    except Exception:
+        return None
+    if "correct" not in data or "answers" not in data:
+        return None
+    return data["correct"], data["answers"]

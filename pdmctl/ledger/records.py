@@ -27,6 +27,9 @@ TAG_SPEC, TAG_SUMMARY, TAG_RUN_DIR, TAG_REASON = (
 # ledger (or the job itself) knows the job id; one not confirmed is looked up in the executor
 TAG_SUBMISSION, TAG_SUBMITTED = "pdmctl.submission", "pdmctl.submitted"
 TAG_NOTICE = "pdmctl.notice"  # what the current attempt wants the user to know (status shows it)
+# provenance (pdmctl.provenance): `pdmctl.prov.<field>` the latest attempt's, `pdmctl.prov.attempt.<n>` each
+# attempt's job id, start and code (JSON)
+TAG_PROVENANCE = "pdmctl.prov."
 RUN_NAME_TAG = "mlflow.runName"
 USER_TAG = "mlflow.user"
 
@@ -64,6 +67,19 @@ class RunRecord:
     submission: str | None = None
     submitted: str | None = None
     notice: str | None = None
+    provenance: dict[str, str] = field(default_factory=dict)  # pdmctl.prov.* tags without the prefix
+
+    @property
+    def attempts(self) -> list[dict[str, Any]]:
+        """Each recorded attempt (job id, executor, start, commit, ...), in attempt order."""
+        out = []
+        for name, value in self.provenance.items():
+            if name.startswith("attempt."):
+                try:
+                    out.append({"attempt": int(name.removeprefix("attempt.")), **json.loads(value)})
+                except (ValueError, TypeError):
+                    continue
+        return sorted(out, key=lambda a: a["attempt"])
 
     @property
     def pending_submission(self) -> str | None:
@@ -180,5 +196,6 @@ def _record(run_id: str, status: str, start: int | None, end: int | None, tags: 
         submission=tags.get(TAG_SUBMISSION) or None,
         submitted=tags.get(TAG_SUBMITTED) or None,
         notice=tags.get(TAG_NOTICE) or None,
+        provenance={k.removeprefix(TAG_PROVENANCE): v for k, v in tags.items() if k.startswith(TAG_PROVENANCE)},
     )
 

@@ -188,6 +188,16 @@ class SqlLedger(Ledger):
                 series.sort()
         return {rid: dict(v) for rid, v in out.items()}
 
+    def artifact_locations(self, run_ids):
+        runs = self.t["runs"]
+        out = {}
+        with self._usable(), self.engine.connect() as conn:
+            for chunk in _chunks(list(run_ids), 500):
+                query = self._sa.select(runs.c.run_uuid, runs.c.artifact_uri).where(runs.c.run_uuid.in_(chunk))
+                out.update({rid: location for rid, location in conn.execute(query)})
+                self.queries += 1
+        return out
+
     # -- writing --------------------------------------------------------------------------
 
     def _create_runs(self, sweep, specs, run_dir):

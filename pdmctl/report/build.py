@@ -7,6 +7,7 @@ turns it into files. Nothing here draws or formats.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections import defaultdict
@@ -16,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pdmctl.ledger import Ledger, load_per_problem
-from pdmctl.report import intervals, resample
+from pdmctl.ledger import Ledger, RunRecord, load_per_problem, load_samples
+from pdmctl.provenance import PACKAGES, POOLING_FIELDS
+from pdmctl.report import intervals, passk, power, resample
 from pdmctl.report.collect import Collected, Exclusion, RowKey, RunPoint, collect
 from pdmctl.report.definition import Definition, ReportError
 from pdmctl.report.stats import (
@@ -50,6 +52,30 @@ class ComparisonRow:
 
 
 @dataclass(frozen=True)
+class ProvenanceRow:
+    """Where a row's numbers come from: each field's distinct values over its runs (and their attempts)."""
+
+    row: RowKey
+    values: dict[str, tuple[str, ...]]  # field (commit, dirty, version.torch, data, ...) -> its values
+    runs: int
+    attempts: int  # recorded attempts over the row's runs (a requeue or a resume is one more)
+    job_ids: tuple[str, ...]
+    mixed: tuple[str, ...]  # the pooling fields that take more than one value among the row's runs
+
+
+@dataclass(frozen=True)
+class PassKRow:
+    """pass@k and maj@k of a row's runs, for each column (and the average) and k: mean over seeds with the
+    seed interval, from each run's per-sample correctness at the evaluation(s) the table reads."""
+
+    row: RowKey
+    seeds: tuple[int, ...]
+    samples: int  # n: samples per problem
+    ks: tuple[int, ...]
+    cells: dict[tuple[str, str, int], Estimate]  # (column label, "pass" | "maj", k) -> estimate
+
+
+@dataclass(frozen=True)
 class Line:
     """One row's curve on one panel: mean over seeds and its band at every step."""
 
@@ -68,6 +94,8 @@ class SettingCurves:
     chosen_by_best: bool  # more rows than a figure holds: each mask at its best row by the average
     eval_panels: dict[str, list[Line]]  # panel label -> lines
     dynamics_panels: dict[str, list[Line]]
+    mismatch_panels: dict[str, list[Line]] = field(default_factory=dict)
+    mismatch_metrics: dict[str, tuple[str, ...]] = field(default_factory=dict)  # panel -> the metrics drawn
 
 
 @dataclass(frozen=True)
@@ -85,6 +113,8 @@ class Report:
     baseline_present: bool
     analysis: dict | None = None  # the direction analysis (AnalysisResult as JSON), when given
     queries: int = 0  # statements the ledger sent to the store for this report
+    provenance: list[ProvenanceRow] = field(default_factory=list)
+    pass_k: list[PassKRow] = field(default_factory=list)
 
 
 def build_report(ledger: Ledger, sweeps: Sequence[str], definition: Definition, *, two_level: bool = False,
@@ -112,7 +142,117 @@ def build_report(ledger: Ledger, sweeps: Sequence[str], definition: Definition, 
         baseline_present=any(r.mask == definition.baseline for r in data.rows),
         analysis=direction,
         queries=getattr(ledger, "queries", 0) - queries_before,
+        provenance=provenance_rows(data),
+        pass_k=pass_k_rows(data, definition, labels, ledger),
     )
+
+
+# ---------------------------------------------------------------------------
+# Provenance (pdmctl.provenance; recorded by each attempt of a job)
+# ---------------------------------------------------------------------------
+
+NOT_RECORDED = "not recorded"
+PROVENANCE_FIELDS = ("commit", "dirty", *(f"version.{p}" for p in PACKAGES), "data", "eval_sampling")
+
+
+def _attempts(record: RunRecord) -> list[dict]:
+    return record.attempts or ([{"attempt": record.attempt, "job_id": record.job_id}] if record.job_id else [])
+
+
+def provenance_rows(data: Collected) -> list[ProvenanceRow]:
+    out = []
+    for row in data.rows:
+        records = [data.records[p.run_id] for p in data.by_row[row] if p.run_id in data.records]
+        if not records:
+            continue
+        values = {f: tuple(sorted({r.provenance.get(f, NOT_RECORDED) for r in records})) for f in PROVENANCE_FIELDS}
+        attempts = [a for r in records for a in _attempts(r)]
+        # a run resumed under other code: its attempts' commits differ, though its latest tags are one
+        commits = set(values["commit"]) | {a["commit"] for a in attempts if a.get("commit")}
+        mixed = [f for f in POOLING_FIELDS if f in values and len(values[f]) > 1]
+        if len(commits) > 1 and "commit" not in mixed:
+            mixed.insert(0, "commit")
+            values["commit"] = tuple(sorted(commits))
+        out.append(ProvenanceRow(row, values, len(records), len(attempts),
+                                 tuple(str(a["job_id"]) for a in attempts if a.get("job_id")), tuple(mixed)))  # fmt: skip
+    return out
+
+
+def pooling_notes(report: Report) -> list[str]:
+    """One line per row that pools runs of different commits, versions or data."""
+    lines = []
+    for p in report.provenance:
+        if p.mixed:
+            parts = [f"{len(p.values[f])} {f.removeprefix('version.')} values ({', '.join(v[:12] for v in p.values[f])})"
+                     for f in p.mixed]  # fmt: skip
+            lines.append(f"row {p.row.setting} {p.row.label} pools runs of {'; '.join(parts)}")
+    return lines
+
+
+# ---------------------------------------------------------------------------
+# pass@k and maj@k from per-sample correctness
+# ---------------------------------------------------------------------------
+
+
+def _run_pass_k(point: RunPoint, definition: Definition, uri: str, location: str | None
+                ) -> tuple[int, dict[str, tuple]] | None:  # fmt: skip
+    """(n, column label -> (pass@k, maj@k) arrays over passk.ks_for(n)) for one run, or None where it has
+    no per-sample record at every evaluation the table reads (or the numbers of samples differ)."""
+    loaded = {}
+    for column in definition.columns:
+        dataset = point.metrics[column.label].removeprefix("eval/")
+        for step in point.steps:
+            found = load_samples(uri, point.run_id, dataset, step, location)
+            if found is None:
+                return None
+            loaded[column.label, step] = (np.asarray(found[0]), np.asarray(found[1]))
+    sizes = {c.shape[1] for c, _ in loaded.values() if c.ndim == 2}
+    if len(sizes) != 1 or any(c.ndim != 2 or c.shape != a.shape for c, a in loaded.values()):
+        return None
+    n = sizes.pop()
+    ks = passk.ks_for(n)
+    per_label = {}
+    try:
+        for column in definition.columns:
+            per_step = [passk.scores(*loaded[column.label, step], ks) for step in point.steps]
+            per_label[column.label] = tuple(np.mean([s[i] for s in per_step], axis=0) for i in (0, 1))
+    except ValueError:  # answers that contradict their grades (passk._groups): not usable, left out
+        return None
+    return n, per_label
+
+
+def pass_k_rows(data: Collected, definition: Definition, labels: Sequence[str], ledger: Ledger) -> list[PassKRow]:
+    rows: list[tuple[RowKey, tuple[int, ...], int, dict[str, list[tuple]]]] = []
+    counted = [p.run_id for points in data.by_row.values() for p in points]
+    locations = ledger.artifact_locations(counted) if counted else {}
+    for row in data.rows:
+        points = data.by_row[row]
+        if not points:
+            continue
+        runs = []
+        for p in points:
+            found = _run_pass_k(p, definition, ledger.uri, locations.get(p.run_id))
+            if found is None:
+                break
+            runs.append(found)
+        if len(runs) != len(points) or len({n for n, _ in runs}) != 1:
+            continue
+        per_label = {label: [r[1][label] for r in runs] for label in (c.label for c in definition.columns)}
+        if definition.average:
+            per_label[definition.average] = [tuple(np.mean([r[1][c.label][i] for c in definition.columns], axis=0)
+                                                   for i in (0, 1)) for r in runs]  # fmt: skip
+        rows.append((row, tuple(p.seed for p in points), runs[0][0], per_label))
+    samples, keys = [], []
+    for row, _, n, per_label in rows:
+        for label in (lbl for lbl in labels if lbl in per_label):
+            for m, kind in enumerate(("pass", "maj")):
+                for j, k in enumerate(passk.ks_for(n)):
+                    samples.append([float(run[m][j]) for run in per_label[label]])
+                    keys.append((row, label, kind, k))
+    estimates = dict(zip(keys, intervals.seed_intervals(samples, definition.confidence), strict=True))
+    return [PassKRow(row, seeds, n, tuple(passk.ks_for(n)),
+                     {(label, kind, k): e for (r, label, kind, k), e in estimates.items() if r == row})
+            for row, seeds, n, _ in rows]  # fmt: skip
 
 
 def _run_values(point: RunPoint, labels: Sequence[str], average: str | None) -> dict[str, float]:
@@ -207,17 +347,43 @@ def comparisons(data: Collected, definition: Definition, labels: Sequence[str]) 
         cells = {}
         for label in labels:
             d, estimate = next(results)
-            cells[label] = Comparison(estimate, probability_of_improvement_paired(d), True, len(matched),
-                                      p_value=paired_p_value(d))  # fmt: skip
+            cells[label] = with_power(Comparison(estimate, probability_of_improvement_paired(d), True, len(matched),
+                                                 p_value=paired_p_value(d)), d)  # fmt: skip
         out[row] = ComparisonRow(row, base, matched, cells)
     for row, base, _, mine, theirs in unpaired:
         cells = {}
         for label in labels:
             x, y = [v[label] for v in mine.values()], [v[label] for v in theirs.values()]
             comparison = intervals.compare_unpaired(x, y, definition.confidence)
-            cells[label] = dataclasses.replace(comparison, p_value=welch_p_value(x, y))
+            cells[label] = with_power(dataclasses.replace(comparison, p_value=welch_p_value(x, y)), x, y)
         out[row] = ComparisonRow(row, base, (), cells)
     return with_holm([out[row] for row in with_points if row in out], labels)
+
+
+def with_power(comparison: Comparison, x: Sequence[float], y: Sequence[float] | None = None) -> Comparison:
+    """The comparison with the seeds its difference needs (80% power at 5%, `power`) given the seeds'
+    observed spread, and the smallest difference the present seeds resolve. `x`: the per-seed differences
+    (paired), or the mask's values against the baseline's `y` (unpaired: the pooled spread, seeds per mask)."""
+    a = np.asarray(x, dtype=float)
+    if y is None:
+        if a.size < 2:
+            return comparison
+        spread, resolvable = float(a.std(ddof=1)), _resolvable(a.size, None)
+    else:
+        b = np.asarray(y, dtype=float)
+        if a.size < 2 or b.size < 2:
+            return comparison
+        pooled = ((a.size - 1) * a.var(ddof=1) + (b.size - 1) * b.var(ddof=1)) / (a.size + b.size - 2)
+        spread, resolvable = math.sqrt(pooled), _resolvable(a.size, b.size)
+    difference = comparison.difference.mean
+    effect = abs(difference) / spread if spread > 0 else (math.inf if difference != 0 else 0.0)
+    return dataclasses.replace(comparison, spread=spread, resolvable=resolvable * spread,
+                               seeds_needed=power.seeds_needed(effect, paired=y is None))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _resolvable(n_x: int, n_y: int | None) -> float:
+    return power.resolvable(n_x, n_y)
 
 
 def with_holm(rows: list[ComparisonRow], labels: Sequence[str]) -> list[ComparisonRow]:
@@ -275,6 +441,9 @@ def curves(
     chosen = {s: plotted_rows(rs, definition) for s, rs in settings.items()}
     drawn = [p for keys, _ in chosen.values() for key in keys for p in data.by_row[key]]
     metrics = {m for p in drawn for m in p.metrics.values()} | {panel.metric for panel in definition.dynamics}
+    mismatch = definition.mismatch if "mismatch" in definition.panels else ()
+    metrics |= {m for panel in mismatch for m in panel.metrics}
+    drawn_metrics: dict[tuple[str, str], set[str]] = defaultdict(set)  # (setting, panel) -> metrics drawn
     histories = ledger.metric_histories([p.run_id for p in drawn], sorted(metrics)) if drawn else {}
     pending: list[
         tuple[str, str, str, RowKey, np.ndarray, np.ndarray]
@@ -296,13 +465,21 @@ def curves(
                 series = [run.get(panel.metric) for run in runs]
                 if all(series):
                     pending.append((setting, "dynamics", panel.label, key, *aligned(series)))
+            for panel in mismatch:  # each run's first metric of the panel's that it logged
+                names = [next((m for m in panel.metrics if run.get(m)), None) for run in runs]
+                if all(names):
+                    drawn_metrics[setting, panel.label].update(names)
+                    pending.append((setting, "mismatch", panel.label, key,
+                                    *aligned([run[m] for run, m in zip(runs, names, strict=True)])))  # fmt: skip
     computed = intervals.bands([values for *_, values in pending], definition.confidence.for_bands)
     panels: dict[tuple[str, str], dict[str, list[Line]]] = defaultdict(lambda: defaultdict(list))
     for (setting, kind, label, key, steps, values), (centre, low, high) in zip(
         pending, computed, strict=True
     ):
         panels[setting, kind][label].append(Line(key, steps, centre, low, high, values.shape[0]))
-    return [SettingCurves(setting, keys, by_best, dict(panels[setting, "eval"]), dict(panels[setting, "dynamics"]))
+    return [SettingCurves(setting, keys, by_best, dict(panels[setting, "eval"]), dict(panels[setting, "dynamics"]),
+                          dict(panels[setting, "mismatch"]),
+                          {label: tuple(sorted(drawn_metrics[setting, label])) for label in panels[setting, "mismatch"]})
             for setting, (keys, by_best) in chosen.items() if keys]  # fmt: skip
 
 

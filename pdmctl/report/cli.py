@@ -40,6 +40,14 @@ def report(
         bool,
         typer.Option("--two-level", help="Bootstrap over seeds and problems where per-problem scores exist."),
     ] = False,
+    panels: Annotated[
+        str | None,
+        typer.Option(
+            "--panels",
+            help="Figures to draw, comma-separated: eval (learning curves), dynamics, mismatch (the "
+            "rollout/trainer gap, out-of-region fraction, disagreements); none for no figure. Default: all.",
+        ),
+    ] = None,
     definition: Annotated[
         str, typer.Option("--definition", "-d", help="Report definition: reports/NAME.yaml or a path.")
     ] = "default",
@@ -65,9 +73,9 @@ def report(
     """Tables of avg@16 with seed confidence intervals, comparisons with the baseline, learning curves."""
     from pdmctl.ledger import ledger_exists, open_ledger
     from pdmctl.orchestrate import make_context
-    from pdmctl.report.build import build_report
+    from pdmctl.report.build import build_report, pooling_notes
     from pdmctl.report.definition import ReportError, load_definition
-    from pdmctl.report.tables import comparison_table, excluded_table, results_table, to_rich
+    from pdmctl.report.tables import comparison_table, excluded_table, power_table, results_table, to_rich
     from pdmctl.report.write import write_report
     from pdmctl.terminal import check_output, console, fail, guard
 
@@ -80,7 +88,8 @@ def report(
         if out is not None:
             check_output(out, "--out", directory=True)
         try:
-            spec = load_definition(definition).with_options(at=at, baseline=baseline, interval=interval)
+            spec = load_definition(definition).with_options(at=at, baseline=baseline, interval=interval,
+                                                            panels=panels)  # fmt: skip
         except ReportError as exc:
             fail(str(exc))
         ctx = make_context(cluster, tracking_uri)
@@ -102,6 +111,10 @@ def report(
     written = write_report(result, out_dir)
     console.print(to_rich(results_table(result)))
     console.print(to_rich(comparison_table(result)))
+    if result.comparisons:
+        console.print(to_rich(power_table(result)))
+    for line in pooling_notes(result):
+        console.print(f"provenance: {line}", highlight=False)
     if result.excluded:
         console.print(to_rich(excluded_table(result)))
     console.print(f"wrote {len(written)} files to {out_dir}/ — open {written[-1]}", highlight=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdmctl.ledger import FINISHED, STATUS_METRICS, Ledger, RunRecord, flatten
@@ -67,6 +67,7 @@ class Collected:
     excluded: list[Exclusion]
     rows: list[RowKey]  # every row with a run in the ledger, in table order
     dims: tuple[str, ...]  # labels of the row dimensions that vary
+    records: dict[str, RunRecord] = field(default_factory=dict)  # run id -> its ledger record (provenance)
 
 
 def _row_fields(record: RunRecord, config: Mapping[str, Any]) -> dict[str, str]:
@@ -198,7 +199,7 @@ def collect(ledger: Ledger, sweeps: Sequence[str], definition: Definition) -> Co
     by_row: dict[RowKey, list[RunPoint]] = {row: [] for row in rows}
     for p in sorted(points, key=lambda p: p.seed):
         by_row[p.row].append(p)
-    return Collected(by_row, excluded, rows, dims)
+    return Collected(by_row, excluded, rows, dims, {r.run_id: r for r in records})
 
 
 def _evaluations(

@@ -15,6 +15,7 @@ REPORT_DIR = Path(os.environ.get("PDMCTL_REPORT_DIR", PROJECT_DIR / "reports"))
 T_METHOD = "t"  # Student's t (Welch's for unpaired differences); the others are scipy.stats.bootstrap's
 CI_METHODS = (T_METHOD, "percentile", "bca")
 _LAST_N = re.compile(r"^last-([1-9][0-9]*)$")
+PANEL_KINDS = ("eval", "dynamics", "mismatch")  # the figures `--panels` chooses among
 
 
 class ReportError(ValueError):
@@ -33,6 +34,17 @@ class Column:
 class Panel:
     label: str
     metric: str
+
+
+# The rollout/trainer mismatch panel (issue 29): each a label and the metrics that can fill it, the first a
+# run logged wins (VeRL 0.9.1's names where the rollout's log-probs are kept, then rollout correction's,
+# then the testbed's own, which measures what VeRL's first does)
+DEFAULT_MISMATCH = (
+    Column("rollout/trainer gap", ("training/rollout_probs_diff_mean", "train/rollout_probs_diff_mean",
+                                   "rollout_corr/log_ppl_abs_diff", "rollout_corr/kl")),
+    Column("out-of-region fraction", ("train/out_of_region_frac", "actor/pdmctl/out_of_region_frac")),
+    Column("disagreement count", ("train/disagreement_count", "actor/pdmctl/disagreement_count")),
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -86,22 +98,38 @@ class Definition:
     dynamics: tuple[Panel, ...] = ()
     max_lines: int = 12
     description: str = ""
+    mismatch: tuple[Column, ...] = DEFAULT_MISMATCH
+    panels: tuple[str, ...] = PANEL_KINDS  # the figures drawn (--panels)
 
     @property
     def eval_metrics(self) -> tuple[str, ...]:
         return tuple(m for c in self.columns for m in c.metrics)
 
     def with_options(
-        self, *, at: str | None = None, baseline: str | None = None, interval: str | None = None
-    ) -> Definition:
+        self, *, at: str | None = None, baseline: str | None = None, interval: str | None = None,
+        panels: str | None = None,
+    ) -> Definition:  # fmt: skip
         if interval is not None and interval not in CI_METHODS:
             raise ReportError(f"--interval: {interval!r} is not one of {', '.join(CI_METHODS)}")
         return replace(
             self,
+            panels=parse_panels(panels) if panels is not None else self.panels,
             at=At.parse(at) if at is not None else self.at,
             baseline=baseline if baseline is not None else self.baseline,
             confidence=replace(self.confidence, method=interval) if interval is not None else self.confidence,
         )
+
+
+def parse_panels(text: str) -> tuple[str, ...]:
+    """`eval,mismatch` -> the figure kinds, checked; `none` draws no figure."""
+    if text.strip() == "none":
+        return ()
+    chosen = [p.strip() for p in text.split(",")]
+    unknown = [p for p in chosen if p not in PANEL_KINDS]
+    if unknown or not chosen:
+        raise ReportError(f"--panels: {(unknown or [text])[0]!r} is not one of {', '.join(PANEL_KINDS)} "
+                          "(comma-separated), or none")  # fmt: skip
+    return tuple(dict.fromkeys(chosen))
 
 
 def load_definition(name_or_path: str = "default") -> Definition:
@@ -126,6 +154,7 @@ def parse_definition(data: dict[str, Any], default_name: str = "default") -> Def
         "confidence",
         "dynamics",
         "max_lines",
+        "mismatch",
     }
     unknown = set(data) - known
     if unknown:
@@ -153,4 +182,6 @@ def parse_definition(data: dict[str, Any], default_name: str = "default") -> Def
         confidence=conf,
         dynamics=tuple(Panel(str(p["label"]), str(p["metric"])) for p in data.get("dynamics") or []),
         max_lines=int(data.get("max_lines", 12)),
-    )
+        mismatch=DEFAULT_MISMATCH if data.get("mismatch") is None else tuple(
+            Column(str(c["label"]), tuple(str(m) for m in c["metrics"])) for c in data["mismatch"]),
+    )  # fmt: skip

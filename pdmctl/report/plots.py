@@ -72,3 +72,8 @@ def curve_figure(curves: SettingCurves, band: str) -> bytes:
 def dynamics_figure(curves: SettingCurves, band: str) -> bytes:
     title = f"{curves.setting}: training dynamics, mean over seeds and {band}"
     return _panels(title, curves.dynamics_panels, colours(curves.rows), 1.0, "")
+
+
+def mismatch_figure(curves: SettingCurves, band: str) -> bytes:
+    title = f"{curves.setting}: rollout/trainer mismatch, mean over seeds and {band}"
+    return _panels(title, curves.mismatch_panels, colours(curves.rows), 1.0, "")

@@ -54,6 +54,9 @@ class Comparison:
     n_baseline: int
     p_value: float = math.nan  # two-sided t-test of no difference (paired t, or Welch's); NaN: no test
     p_holm: float = math.nan  # p adjusted by Holm's procedure over the table's family (one column)
+    spread: float = math.nan  # the seeds' standard deviation the test sees (of the differences; pooled)
+    seeds_needed: int | None = None  # seeds (pairs) for 80% power at 5% at the observed difference (power)
+    resolvable: float = math.nan  # the smallest |difference| the present seeds detect with 80% power
 
 
 def mean(values: Sequence[float]) -> float:

@@ -9,10 +9,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdmctl.report.build import Report, family_sizes
+from pdmctl.report.build import PROVENANCE_FIELDS, ProvenanceRow, Report, family_sizes, pooling_notes
 from pdmctl.report.collect import RowKey
 from pdmctl.report.intervals import describe, describe_unpaired, short_name
-from pdmctl.report.stats import Comparison, Estimate, format_estimate, format_p
+from pdmctl.report.stats import Comparison, Estimate, format_estimate, format_p, pct
 
 TWO_LEVEL_MARK = "‡"
 
@@ -119,6 +119,100 @@ def comparison_table(report: Report) -> TextTable:
     title = f"vs {report.definition.baseline}, {short_name(report.definition.confidence)} intervals"
     return TextTable("comparison", title, headers, rows, comparison_note(report),
                      3 + len(report.dims))  # fmt: skip
+
+
+def _needed_cell(c: Comparison) -> str:
+    if not math.isfinite(c.spread):
+        return "n/a"
+    if c.seeds_needed is None:
+        needed = "none (Δ = 0)" if c.difference.mean == 0 else "> 1000"
+    else:
+        needed = str(c.seeds_needed)
+    return f"{needed} (has {c.difference.n}); resolves |Δ| ≥ {pct(c.resolvable)}"
+
+
+def power_note(report: Report) -> str:
+    return (
+        "Seeds needed: the fewest seeds (pairs of matched seeds; per mask where unpaired) at which the table's "
+        "two-sided t-test at 5% detects the observed difference with 80% power, taking the seeds' observed "
+        "standard deviation (of the per-seed differences; pooled where unpaired) for the true one: exact power "
+        "of the t-test under a noncentral t (scipy.stats.nct). resolves: the smallest |difference|, in "
+        "percentage points, that the present seeds detect with 80% power at that spread. With few seeds the "
+        "spread is itself uncertain: a guide to the next sweep's size, not a promise. n/a: fewer than 2 seeds."
+    )
+
+
+def power_table(report: Report) -> TextTable:
+    rows, previous = [], None
+    for comp in report.comparisons:
+        rows.append((*_row_cells(comp.row, report.dims, previous), comp.baseline.label,
+                     *(_needed_cell(comp.cells[label]) for label in report.labels)))  # fmt: skip
+        previous = comp.row
+    headers = ("setting", "mask", *report.dims, "baseline", *(f"seeds needed {label}" for label in report.labels))
+    return TextTable("power", f"Seeds for 80% power at 5% against {report.definition.baseline}", headers, rows,
+                     power_note(report), 3 + len(report.dims))  # fmt: skip
+
+
+def pass_k_label(report: Report) -> str:
+    return report.definition.average or report.definition.columns[0].label
+
+
+def pass_k_note(report: Report) -> str:
+    c = report.definition.confidence
+    return (
+        f"{pass_k_label(report)}, in %: the mean over problems of each problem's unbiased estimate from its n samples "
+        "at the evaluation the results table reads, then the mean over seeds with the "
+        f"{describe(c)}. pass@k: 1 − C(n − c, k) / C(n, k) for c correct of n (Chen et al. 2021; "
+        "scipy.stats.hypergeom): the chance that k of the n samples, drawn without replacement, hold a correct "
+        "one. maj@k: the same expectation of a majority vote of k samples on their answers (samples without an "
+        "answer do not vote): 1 if the correct answer has the most votes alone, 1/t if it ties with t − 1 other "
+        "answers, else 0. pass@1 = maj@1 = avg@n. Per column in passk.csv; rows whose runs stored no "
+        "per-sample correctness are left out."
+    )
+
+
+def pass_k_table(report: Report) -> TextTable:
+    label = pass_k_label(report)
+    ks = sorted({k for r in report.pass_k for k in r.ks})
+    rows, previous = [], None
+    for r in report.pass_k:
+        for kind in ("pass", "maj"):
+            cells = [format_estimate(r.cells[label, kind, k]) if (label, kind, k) in r.cells else "" for k in ks]
+            rows.append((*_row_cells(r.row, report.dims, previous), f"{kind}@k", *cells, str(r.samples),
+                         str(len(r.seeds))))  # fmt: skip
+            previous = r.row
+    headers = ("setting", "mask", *report.dims, "metric", *(f"k={k}" for k in ks), "n", "seeds")
+    title = f"pass@k and maj@k ({label}), {short_name(report.definition.confidence)} intervals"
+    return TextTable("passk", title, headers, rows, pass_k_note(report), 3 + len(report.dims))
+
+
+_PROVENANCE_HEADERS = {"commit": "commit", "dirty": "dirty", "version.pdmctl": "pdmctl", "version.verl": "VeRL",
+                       "version.vllm": "vLLM", "version.torch": "torch", "data": "data",
+                       "eval_sampling": "eval sampling"}  # fmt: skip
+
+
+def _short(field: str, value: str) -> str:
+    return value[:10] if field == "commit" and len(value) == 40 else value
+
+
+def provenance_table(report: Report) -> TextTable:
+    rows, previous = [], None
+    for p in report.provenance:
+        cells = [", ".join(_short(f, v) for v in p.values[f]) + (" (!)" if f in p.mixed else "")
+                 for f in PROVENANCE_FIELDS]  # fmt: skip
+        rows.append((*_row_cells(p.row, report.dims, previous), *cells, str(p.runs), str(p.attempts),
+                     " ".join(p.job_ids)))  # fmt: skip
+        previous = p.row
+    headers = ("setting", "mask", *report.dims, *(_PROVENANCE_HEADERS[f] for f in PROVENANCE_FIELDS), "runs",
+               "attempts", "job ids")  # fmt: skip
+    notes = pooling_notes(report)
+    note = ("Where each row's numbers come from, as each attempt of its runs recorded it (pdmctl.provenance): the "
+            "code's commit and whether its tracked files differed from it (dirty), the versions the job imported, "
+            "the digest of the data it evaluated on, the evaluation's sampling; attempts counts every attempt of "
+            "the row's runs (requeues and resumes add one each), with their job ids. A field with several values "
+            "lists them all. (!): the row pools runs that differ there. "
+            + (" ".join(n + "." for n in notes) if notes else "Every row's runs agree on code, versions and data."))  # fmt: skip
+    return TextTable("provenance", "Provenance", headers, rows, note, len(headers))
 
 
 def excluded_table(report: Report) -> TextTable:
@@ -266,8 +360,10 @@ def results_csv(report: Report) -> str:
     writer = csv.writer(buf)
     writer.writerow(["setting", "mask", *report.dims,
                      *(f"{label} {part} (%)" for label in report.labels for part in ("mean", "low", "high")),
-                     "n", "seeds", "interval"])  # fmt: skip
+                     "n", "seeds", "interval", *(_PROVENANCE_HEADERS[f] for f in PROVENANCE_FIELDS), "attempts",
+                     "job ids", "pools"])  # fmt: skip
     c = report.definition.confidence
+    provenance = {p.row: p for p in report.provenance}
     for r in report.rows:
         method = f"{short_name(c)} over seeds" + (
             "; two-level percentile bootstrap over seeds and problems where per-problem scores exist"
@@ -276,7 +372,28 @@ def results_csv(report: Report) -> str:
         )
         writer.writerow([r.row.setting, r.row.mask, *(r.row.dim(d) for d in report.dims),
                          *(f for label in report.labels for f in _estimate_fields(r.cells[label])),
-                         len(r.seeds), " ".join(map(str, r.seeds)), method])  # fmt: skip
+                         len(r.seeds), " ".join(map(str, r.seeds)), method, *_provenance_fields(provenance.get(r.row))])  # fmt: skip
+    return buf.getvalue()
+
+
+def _provenance_fields(p: ProvenanceRow | None) -> list[str]:
+    if p is None:
+        return [""] * (len(PROVENANCE_FIELDS) + 3)
+    return [*(" ".join(p.values[f]) for f in PROVENANCE_FIELDS), str(p.attempts), " ".join(p.job_ids),
+            " ".join(f.removeprefix("version.") for f in p.mixed)]  # fmt: skip
+
+
+def pass_k_csv(report: Report) -> str:
+    """Every row, column, metric and k: mean, interval, samples per problem, seeds."""
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["setting", "mask", *report.dims, "column", "metric", "k", "mean (%)", "low (%)", "high (%)",
+                     "n samples", "seeds", "interval"])  # fmt: skip
+    name = f"{short_name(report.definition.confidence)} over seeds"
+    for r in report.pass_k:
+        for (label, kind, k), e in r.cells.items():
+            writer.writerow([r.row.setting, r.row.mask, *(r.row.dim(d) for d in report.dims), label, f"{kind}@k", k,
+                             *_estimate_fields(e), r.samples, " ".join(map(str, r.seeds)), name])  # fmt: skip
     return buf.getvalue()
 
 
@@ -299,7 +416,8 @@ def comparison_csv(report: Report) -> str:
     writer = csv.writer(buf)
     writer.writerow(["setting", "mask", *report.dims, "baseline",
                      *(f"{label} {part}" for label in report.labels
-                       for part in ("diff (pp)", "low (pp)", "high (pp)", "P(improve)", "p", "p Holm")),
+                       for part in ("diff (pp)", "low (pp)", "high (pp)", "P(improve)", "p", "p Holm",
+                                    "seeds for 80% power", "resolvable (pp)")),
                      "paired", "seeds", "interval"])  # fmt: skip
     conf = report.definition.confidence
     for comp in report.comparisons:
@@ -308,7 +426,8 @@ def comparison_csv(report: Report) -> str:
             c = comp.cells[label]
             p = c.probability_of_improvement
             fields += [*_estimate_fields(c.difference), "" if math.isnan(p) else f"{p:.4f}",
-                       *("" if math.isnan(v) else f"{v:.6g}" for v in (c.p_value, c.p_holm))]  # fmt: skip
+                       *("" if math.isnan(v) else f"{v:.6g}" for v in (c.p_value, c.p_holm)),
+                       "" if c.seeds_needed is None else str(c.seeds_needed), _num(c.resolvable)]  # fmt: skip
         writer.writerow([comp.row.setting, comp.row.mask, *(comp.row.dim(d) for d in report.dims),
                          comp.baseline.label, *fields, bool(comp.seeds), " ".join(map(str, comp.seeds)),
                          f"{short_name(conf)} over the per-seed differences" if comp.seeds

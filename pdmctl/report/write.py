@@ -18,6 +18,10 @@ from pdmctl.report.tables import (
     comparison_table,
     direction_table,
     excluded_table,
+    pass_k_csv,
+    pass_k_table,
+    power_table,
+    provenance_table,
     results_csv,
     results_table,
     seeds_csv,
@@ -50,20 +54,35 @@ def slug(text: str) -> str:
 
 def tables(report: Report) -> list[TextTable]:
     out = [results_table(report), comparison_table(report)]
+    if report.comparisons:
+        out.append(power_table(report))
+    if report.pass_k:
+        out.append(pass_k_table(report))
     if report.analysis is not None:
         out.append(direction_table(report.analysis))
+    if report.provenance:
+        out.append(provenance_table(report))
     return [*out, excluded_table(report)]
 
 
 def figures(report: Report) -> list[FigureFile]:
     out = []
     band = f"{short_name(report.definition.confidence.for_bands)} band"
+    kinds = report.definition.panels
     for curves in report.curves:
         note = _selection_note(curves)
-        out.append(FigureFile(f"curves_{slug(curves.setting)}.png",
-                          f"{curves.setting}: held-out avg@16 against step; line = mean over seeds, band = "
-                          f"{_band_note(report)}.{note}", plots.curve_figure(curves, band)))  # fmt: skip
-        if curves.dynamics_panels:
+        if "eval" in kinds:
+            out.append(FigureFile(f"curves_{slug(curves.setting)}.png",
+                              f"{curves.setting}: held-out avg@16 against step; line = mean over seeds, band = "
+                              f"{_band_note(report)}.{note}", plots.curve_figure(curves, band)))  # fmt: skip
+        if curves.mismatch_panels and "mismatch" in kinds:
+            metrics = "; ".join(f"{label}: {', '.join(names)}" for label, names in curves.mismatch_metrics.items())
+            out.append(FigureFile(f"mismatch_{slug(curves.setting)}.png",
+                              f"{curves.setting}: the rollout/trainer mismatch over training, per mask and setting "
+                              f"({metrics}; each run's first of the panel's metrics that it logged); line = mean "
+                              f"over seeds, band = {_band_note(report)}.{note}",
+                              plots.mismatch_figure(curves, band)))  # fmt: skip
+        if curves.dynamics_panels and "dynamics" in kinds:
             out.append(FigureFile(f"dynamics_{slug(curves.setting)}.png",
                               f"{curves.setting}: training dynamics "
                               f"({', '.join(curves.dynamics_panels)}); line = mean over seeds, band = "
@@ -108,6 +127,8 @@ def write_report(report: Report, out_dir: Path) -> list[Path]:
     put("results.csv", results_csv(report))
     put("seeds.csv", seeds_csv(report))
     put("comparison.csv", comparison_csv(report))
+    if report.pass_k:
+        put("passk.csv", pass_k_csv(report))
     put("results.md", markdown_page(report, grids, figs))
     put("results.tex", "\n".join(to_latex(t) for t in grids))
     put("index.html", html_page(report, grids, figs))
@@ -138,7 +159,8 @@ def html_page(report: Report, grids: list[TextTable], figs: list[FigureFile]) ->
     by_key = {t.key: t for t in grids}
     sections = [
         ("Results", ["results"]),
-        ("Against the baseline", ["comparison"]),
+        ("Against the baseline", ["comparison", "power"]),
+        ("pass@k and maj@k", ["passk"]),
         ("Direction analysis", ["direction"]),
     ]
     for heading, keys in sections:
@@ -147,11 +169,13 @@ def html_page(report: Report, grids: list[TextTable], figs: list[FigureFile]) ->
             body.append(f"<h2>{heading}</h2>")
             body += [to_html(t) for t in present]
     if figs:
-        body.append("<h2>Learning curves and training dynamics</h2>")
+        body.append("<h2>Learning curves, the rollout/trainer mismatch and training dynamics</h2>")
     for fig in figs:
         data = base64.b64encode(fig.png).decode("ascii")
         body.append(f'<figure><img src="data:image/png;base64,{data}" alt="{html.escape(fig.caption)}">'
                     f"<figcaption class=note>{html.escape(fig.caption)}</figcaption></figure>")  # fmt: skip
+    if "provenance" in by_key:
+        body += ["<h2>Provenance</h2>", to_html(by_key["provenance"])]
     excluded = by_key["excluded"]
     body += [
         "<h2>Left out</h2>",

@@ -110,8 +110,8 @@ class TrialTracker:
         if value is not None:
             self._report(value, step)
 
-    def log_per_problem(self, dataset: str, step: int, accuracies: Sequence[float]) -> None:
-        self.inner.log_per_problem(dataset, step, accuracies)
+    def log_per_problem(self, dataset: str, step: int, accuracies: Sequence[float], **samples: Any) -> None:
+        self.inner.log_per_problem(dataset, step, accuracies, **samples)
 
     def _report(self, value: float, step: int) -> None:
         import optuna

@@ -109,9 +109,8 @@ def responses(
     return torch.where(work.unsqueeze(1), long, short)
 
 
-def score(problems: Problems, sampled: torch.Tensor) -> torch.Tensor:
-    """float [B]: 1 where the response, up to its first EOS, ends in ANSWER, the right two digits and
-    EOS, with ANSWER nowhere else: the grader reads only the final answer, never the work."""
+def _graded(sampled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bool [B]: the response has the answer's form, long [B, ANSWER_LEN]: the tokens in its place)."""
     lengths = addition.response_lengths(sampled)
     within = torch.arange(sampled.shape[1]) < lengths.unsqueeze(1)
     start = (lengths - 1 - ANSWER_LEN).clamp_min(1)  # the position of the answer's first digit
@@ -119,5 +118,18 @@ def score(problems: Problems, sampled: torch.Tensor) -> torch.Tensor:
     digits = sampled.gather(1, start.unsqueeze(1) + torch.arange(ANSWER_LEN))
     one_marker = ((sampled == ANSWER) & within).sum(1) == 1
     ended = sampled.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1) == EOS
-    right = (digits == problems.answers).all(1)
-    return (ended & one_marker & (marker == ANSWER) & right & (lengths >= SHORT_LEN)).float()
+    return ended & one_marker & (marker == ANSWER) & (lengths >= SHORT_LEN), digits
+
+
+def answer_ids(sampled: torch.Tensor) -> torch.Tensor:
+    """long [B]: the two tokens the grader reads as one number (first × VOCAB_SIZE + second), -1 where the
+    response has no answer: `score` is 1 exactly where this is the problem's answer."""
+    formed, digits = _graded(sampled)
+    return torch.where(formed, digits[:, 0] * VOCAB_SIZE + digits[:, 1], -1)
+
+
+def score(problems: Problems, sampled: torch.Tensor) -> torch.Tensor:
+    """float [B]: 1 where the response, up to its first EOS, ends in ANSWER, the right two digits and
+    EOS, with ANSWER nowhere else: the grader reads only the final answer, never the work."""
+    formed, digits = _graded(sampled)
+    return (formed & (digits == problems.answers).all(1)).float()

@@ -172,6 +172,16 @@ def response_mask(responses: torch.Tensor) -> torch.Tensor:
     return (torch.arange(responses.shape[1]) < response_lengths(responses).unsqueeze(1)).float()
 
 
+def answer_ids(responses: torch.Tensor) -> torch.Tensor:
+    """long [B]: the answer each response gives as a number (10 × first digit + second digit, the first
+    in any form), -1 where it gives none (not two digits then EOS). `score` is 1 exactly where this is
+    the problem's answer; maj@k votes on it."""
+    first, second = digit_of(responses[:, FREE_LEN]), responses[:, FREE_LEN + 1]
+    ended = (responses[:, -1] == EOS) & (response_lengths(responses) == MAX_RESPONSE_LEN)  # EOS right after
+    formed = ended & (first >= 0) & (second < 10)
+    return torch.where(formed, 10 * first + second, -1)
+
+
 def score(problems: Problems, responses: torch.Tensor) -> torch.Tensor:
     """Exact-match reward, float [B]: the answer digits (the first in any form), then EOS, nothing else."""
     answer = responses[:, FREE_LEN:]

@@ -27,6 +27,7 @@ class Task:
     )
     response_lengths: Callable[[torch.Tensor], torch.Tensor] = addition.response_lengths
     response_mask: Callable[[torch.Tensor], torch.Tensor] = addition.response_mask
+    answer_ids: Callable[[torch.Tensor], torch.Tensor] = addition.answer_ids  # maj@k's votes (-1: none)
 
 
 TASKS: dict[str, Task] = {
@@ -34,7 +35,8 @@ TASKS: dict[str, Task] = {
         "addition", addition.MAX_RESPONSE_LEN, addition.sample_train, addition.heldout, addition.score
     ),
     "chain": Task(
-        "chain", llm_task.MAX_RESPONSE_LEN, llm_task.sample_train, llm_task.heldout, llm_task.score, True
+        "chain", llm_task.MAX_RESPONSE_LEN, llm_task.sample_train, llm_task.heldout, llm_task.score, True,
+        answer_ids=llm_task.answer_ids,
     ),
 }
 

@@ -96,7 +96,7 @@ class Learner:
         norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
         self.optimizer.step()
         metrics = {**metrics, "grad_norm": float(norm)}  # before clipping (the analysis's decomposition)
-        return {**metrics, **policy_shape(logits.detach(), resp_mask, cfg.k)} if shape else metrics
+        return {**metrics, **policy_shape(logits.detach(), resp_mask, cfg.k, batch)} if shape else metrics
 
     def state_dict(self, step: int, cfg: ToyConfig) -> dict[str, object]:
         return {
@@ -116,19 +116,29 @@ class Learner:
         return int(state["step"])
 
 
-def policy_shape(logits: torch.Tensor, resp_mask: torch.Tensor, k: int) -> dict[str, float]:
+def policy_shape(logits: torch.Tensor, resp_mask: torch.Tensor, k: int, batch: Rollout | None = None) -> dict[str, float]:
     """The policy's mean token entropy (nats) and mean top-K mass over the response tokens, from the
-    training forward's logits [B, T, V] (before the update): what an LLM run's entropy curve shows."""
+    training forward's logits [B, T, V] (before the update): what an LLM run's entropy curve shows.
+
+    With the rollout `batch`, also the rollout/trainer gap as VeRL's `training/rollout_probs_diff_mean`
+    measures it: the mean over response tokens of |π(y_t) − μ(y_t)|, the trainer's probability of the
+    sampled token against the engine's. On a step's first mini-batch, before its update, both hold the
+    same weights: the gap is the precision's alone (fp8 or bf16 rollout against the float32 trainer)."""
     with torch.no_grad():
         log_pi = torch.log_softmax(logits.float(), -1)
         pi = log_pi.exp()
         entropy = -(pi * log_pi).sum(-1)
         topk_mass = pi.topk(min(k, pi.shape[-1]), -1).values.sum(-1)
         n = resp_mask.sum().clamp_min(1)
-        return {
+        out = {
             "entropy": float((entropy * resp_mask).sum() / n),
             "topk_mass": float((topk_mass * resp_mask).sum() / n),
         }
+        if batch is not None:
+            sampled = pi.gather(-1, batch.sampled_ids.unsqueeze(-1)).squeeze(-1)
+            gap = (sampled - batch.sampled_logprobs.float().exp()).abs()
+            out["rollout_probs_diff_mean"] = float((gap * resp_mask).sum() / n)
+        return out
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -154,7 +164,7 @@ def train_step(learner: Learner, cfg: ToyConfig) -> dict[str, float]:
         metrics = learner.update(mini, advantages[rows], cfg, shape=i == 0)
         # the policy's shape on the first mini-batch, before the step's first update: a random 1/minibatches
         # of the rollout (all of it costs a log-softmax and a top-K over every token's vocabulary again)
-        shape = shape or {f"train/{name}": metrics[name] for name in ("entropy", "topk_mass")}
+        shape = shape or {f"train/{name}": metrics[name] for name in ("entropy", "topk_mass", "rollout_probs_diff_mean")}
         for name in _UPDATE_METRICS:
             totals[name] += metrics[name] * n_tokens
         disagreements += metrics["disagreement_count"]
@@ -176,8 +186,11 @@ def evaluate(learner: Learner, cfg: ToyConfig, step: int, tracker: Tracker) -> d
     for name in EVAL_SETS:
         problems = learner.task.heldout(name).repeat(cfg.eval_samples)
         rollout = learner.engine.generate(problems.prompts, generator)
-        per_problem = learner.task.score(problems, rollout.sampled_ids).view(-1, cfg.eval_samples).mean(1)
-        tracker.log_per_problem(name, step, per_problem.tolist())
+        correct = learner.task.score(problems, rollout.sampled_ids).view(-1, cfg.eval_samples)
+        per_problem = correct.mean(1)
+        answers = learner.task.answer_ids(rollout.sampled_ids).view(-1, cfg.eval_samples)
+        tracker.log_per_problem(name, step, per_problem.tolist(), correct=correct.long().tolist(),
+                                answers=answers.tolist())  # per sample: pass@k and maj@k (report)
         scores[f"eval/{name}"] = float(per_problem.mean())
     tracker.log_metrics(scores, step)
     return scores
