@@ -113,10 +113,10 @@ def score(problems: Problems, sampled: torch.Tensor) -> torch.Tensor:
     """float [B]: 1 where the response, up to its first EOS, ends in ANSWER, the right two digits and
     EOS, with ANSWER nowhere else: the grader reads only the final answer, never the work."""
     lengths = addition.response_lengths(sampled)
-    within = torch.arange(sampled.shape[1]) < lengths.unsqueeze(1)
+    within = torch.arange(sampled.shape[1], device=sampled.device) < lengths.unsqueeze(1)
     start = (lengths - 1 - ANSWER_LEN).clamp_min(1)  # the position of the answer's first digit
     marker = sampled.gather(1, (start - 1).unsqueeze(1)).squeeze(1)
-    digits = sampled.gather(1, start.unsqueeze(1) + torch.arange(ANSWER_LEN))
+    digits = sampled.gather(1, start.unsqueeze(1) + torch.arange(ANSWER_LEN, device=sampled.device))
     one_marker = ((sampled == ANSWER) & within).sum(1) == 1
     ended = sampled.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1) == EOS
     right = (digits == problems.answers).all(1)
