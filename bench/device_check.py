@@ -40,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 VOCAB, K = 151_936, 20
@@ -268,19 +269,25 @@ def correctness(torch, plan: Plan, report) -> dict:
             with kernel("torch"):
                 ref = masks.token_diagnostics(*cpu_args, **kwargs)
             for path, choice in paths.items():
-                with kernel(choice):
-                    got = masks.token_diagnostics(*dev_args, **kwargs)
-                got = masks.Diagnostics(**{f.name: getattr(got, f.name).cpu() for f in dataclasses.fields(got)})
-                entry = compare(torch, method, ref, got, inputs)
+                try:
+                    with kernel(choice):
+                        got = masks.token_diagnostics(*dev_args, **kwargs)
+                    got = masks.Diagnostics(**{f.name: getattr(got, f.name).cpu() for f in dataclasses.fields(got)})
+                    entry = compare(torch, method, ref, got, inputs)
+                except Exception as exc:  # recorded; the other cases and paths still run
+                    entry = {"error": one_line(exc)}
                 result["paths"].setdefault(path, {}).setdefault(dtype_name, {})[f"{method}/{divergence}/{estimator}"] = entry
         report.progress(f"correctness {dtype_name}: {len(plan.cases)} cases x {len(paths)} device path(s)")
-    flat = [e for p in result["paths"].values() for d in p.values() for e in d.values()]
+    every = [e for p in result["paths"].values() for d in p.values() for e in d.values()]
+    flat = [e for e in every if "error" not in e]
+    result["errors"] = len(every) - len(flat)
     result["cases_checked"] = len(flat)
     result["decisions_differ"] = sum(e["decisions_differ"] for e in flat)
     result["unexplained"] = sum(e["unexplained"] for e in flat)
     result["masked_cpu"] = sum(e["masked_cpu"] for e in flat)
     result["values_disagree"] = sum(not e["values_agree"] for e in flat)
-    result["ok"] = result["unexplained"] == 0 and result["values_disagree"] == 0 and result["masked_cpu"] > 0
+    result["ok"] = (result["errors"] == 0 and result["unexplained"] == 0 and result["values_disagree"] == 0
+                    and result["masked_cpu"] > 0)  # fmt: skip
     return result
 
 
@@ -363,22 +370,35 @@ def measure(torch, cases: dict, repeats: int, cuda: bool) -> dict:
 
     times: dict[str, list[float]] = {name: [] for name in cases}
     peak: dict[str, int] = {}
+    failed: dict[str, str] = {}
     for rep in range(repeats + 1):
         for name, fn in cases.items():
+            if name in failed:
+                continue
             sync()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
                 before = torch.cuda.memory_allocated()
             t0 = time.perf_counter()
-            out = fn()
-            sync()
+            try:
+                out = fn()
+                sync()
+            except Exception as exc:  # one case's failure (the kernel's compiler, memory) is its result
+                failed[name] = one_line(exc)
+                continue
             elapsed = time.perf_counter() - t0
             if cuda:
                 peak[name] = max(peak.get(name, 0), torch.cuda.max_memory_allocated() - before)
             del out
             if rep:
                 times[name].append(elapsed)
-    return {name: {"ms": 1e3 * statistics.median(ts), "peak_extra_bytes": peak.get(name)} for name, ts in times.items()}
+    return {name: {"error": failed[name]} if name in failed else
+            {"ms": 1e3 * statistics.median(ts), "peak_extra_bytes": peak.get(name)} for name, ts in times.items()}  # fmt: skip
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
 def cost(torch, plan: Plan, report, deadline: float) -> dict:
@@ -407,6 +427,8 @@ def cost(torch, plan: Plan, report, deadline: float) -> dict:
                 entry["cases"] = results
             out["sizes"].append(entry)
             report.progress(f"cost {label} {dtype_name}: {entry.get('skipped', 'measured')}")
+    out["errors"] = sum("error" in c for e in out["sizes"] for c in e.get("cases", {}).values())
+    out["ok"] = out["errors"] == 0
     return out
 
 
@@ -414,12 +436,14 @@ def ratios(results: dict, goals: bool) -> dict:
     """Each case's time and peak memory as ratios; against the issue's goals where `goals` (a GPU)."""
     base, base32 = results["log_softmax"], results["log_softmax->fp32"]
     for name, r in results.items():
+        if "error" in r:
+            continue
         family = "tv" if "topk_tv" in name else "kl"
         dppo = results[f"dppo topk_{family}"]
-        r["x_log_softmax"] = r["ms"] / base["ms"]
-        r["x_log_softmax_fp32"] = r["ms"] / base32["ms"]
-        r["x_dppo"] = r["ms"] / dppo["ms"]
-        if r["peak_extra_bytes"] is not None and base["peak_extra_bytes"]:
+        r["x_log_softmax"] = r["ms"] / base.get("ms", math.nan)
+        r["x_log_softmax_fp32"] = r["ms"] / base32.get("ms", math.nan)
+        r["x_dppo"] = r["ms"] / dppo.get("ms", math.nan)
+        if r["peak_extra_bytes"] is not None and base.get("peak_extra_bytes"):
             r["peak_x_log_softmax"] = r["peak_extra_bytes"] / base["peak_extra_bytes"]
         if goals and name.startswith("pdm") and "[torch path]" not in name:
             r["goal_met"] = r["x_dppo"] <= GOALS["pdm_vs_dppo"] and r["x_log_softmax"] <= GOALS["pdm_vs_log_softmax"]
@@ -434,6 +458,18 @@ def ratios(results: dict, goals: bool) -> dict:
 
 
 def toy(torch, plan: Plan) -> dict:
+    """The toy testbed on the device, through the device's default path; if that raises, the error
+    and a second run through the torch path (so one device session still learns whether it trains)."""
+    try:
+        return train_toy(torch, plan)
+    except Exception as exc:
+        first = one_line(exc)
+    with kernel("torch"):
+        result = train_toy(torch, plan)
+    return {**result, "ok": False, "error_on_default_path": first, "retried_with": "torch path"}
+
+
+def train_toy(torch, plan: Plan) -> dict:
     from pdmctl import masks
     from pdmctl.backends.base import InMemoryTracker
     from pdmctl.backends.toy import ToyConfig, train
@@ -484,6 +520,10 @@ def text(data: dict) -> str:
     lines = [f"device check ({data.get('mode')}), {data.get('seconds')} s"]
     env = data.get("environment", {})
     lines.append("  " + ", ".join(f"{k} {v}" for k, v in env.items()))
+    failed = {name for name in ("imports", "correctness", "cost", "toy") if "error" in data.get(name, {})}
+    for name in sorted(failed):
+        lines.append(f"{name}: FAILED: {data[name]['error']}\n{data[name]['traceback']}")
+    data = {k: v for k, v in data.items() if k not in failed}
     imp = data.get("imports")
     if imp:
         lines.append(f"imports: {'ok' if imp['ok'] else 'FAIL'}: pdmctl and the check import "
@@ -494,11 +534,17 @@ def text(data: dict) -> str:
     if cor:
         lines.append(f"\ncorrectness: {'ok' if cor['ok'] else 'FAIL'}: V={cor['vocab']} K={cor['k']} delta={cor['delta']}, "
                      f"{cor['plain_rows']} ordinary + {cor['confident_rows']} confident rows, {cor['cases_checked']} "
-                     f"comparisons, {cor['masked_cpu']} masked tokens on CPU, {cor['decisions_differ']} decisions "
+                     f"comparisons ({cor['errors']} raised), {cor['masked_cpu']} masked tokens on CPU, {cor['decisions_differ']} decisions "
                      f"differ, {cor['unexplained']} not explained by rounding, {cor['values_disagree']} cases with "
                      f"D or r apart by more than {AGREE:g}")  # fmt: skip
         for path, by_dtype in cor["paths"].items():
-            for dtype, cases in by_dtype.items():
+            for dtype, all_cases in by_dtype.items():
+                for case, e in all_cases.items():
+                    if "error" in e:
+                        lines.append(f"  {path:6s} {dtype:8s} {case}: FAILED: {e['error']}")
+                cases = {c: e for c, e in all_cases.items() if "error" not in e}
+                if not cases:
+                    continue
                 worst_d = max(e["max_diff_D"] for e in cases.values())
                 worst_r = max(e["max_rel_diff_ratio"] for e in cases.values())
                 worst_dd = max(e["max_rel_diff_Ddot"] for e in cases.values())
@@ -523,12 +569,17 @@ def text(data: dict) -> str:
             lines.append(f"    {'case':32s} {'ms':>9s} {'x lsm':>7s} {'x lsm32':>7s} {'x dppo':>7s} {'peak GiB':>9s} "
                          f"{'peak x':>7s} goal")  # fmt: skip
             for name, r in entry["cases"].items():
+                if "error" in r:
+                    lines.append(f"    {name:32s} FAILED: {r['error']}")
+                    continue
                 peak = "" if r["peak_extra_bytes"] is None else f"{r['peak_extra_bytes'] / 2**30:.3f}"
                 peak_x = f"{r['peak_x_log_softmax']:.3f}" if "peak_x_log_softmax" in r else ""
                 goal = {True: "met", False: "MISSED"}.get(r.get("goal_met"), "")
                 lines.append(f"    {name:32s} {r['ms']:9.2f} {r['x_log_softmax']:7.3f} {r['x_log_softmax_fp32']:7.3f} "
                              f"{r['x_dppo']:7.3f} {peak:>9s} {peak_x:>7s} {goal}")  # fmt: skip
     t = data.get("toy")
+    if t and "error_on_default_path" in t:
+        lines.append(f"\ntoy: FAILED on the device's default path: {t['error_on_default_path']}; again through the torch path:")
     if t:
         lines.append(f"\ntoy: {'ok' if t['ok'] else 'FAIL'}: {t['steps']} steps in {t['seconds']:.1f} s on "
                      f"{','.join(t['weights_on'])}, row statistics by {t['row_stats_path']}, rewards "
@@ -536,6 +587,14 @@ def text(data: dict) -> str:
     if "ok" in data:
         lines.append(f"\n{'ALL CHECKS PASSED' if data['ok'] else 'SOME CHECK FAILED'}")
     return "\n".join(lines) + "\n"
+
+
+def guarded(fn, *args) -> dict:
+    """A section's result, or its error (one line and the traceback's end): the next section runs."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        return {"ok": False, "error": one_line(exc), "traceback": traceback.format_exc()[-3000:]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -567,12 +626,12 @@ def main(argv: list[str] | None = None) -> int:
     report.section("mode", "cpu" if args.cpu else "cuda")
     report.section("environment", environment(torch))
     report.progress(f"{report.data['environment']}")
-    report.section("correctness", correctness(torch, plan, report))
-    report.section("cost", cost(torch, plan, report, t0 + args.budget_s))
-    report.section("toy", toy(torch, plan))
+    report.section("correctness", guarded(correctness, torch, plan, report))
+    report.section("cost", guarded(cost, torch, plan, report, t0 + args.budget_s))
+    report.section("toy", guarded(toy, torch, plan))
     report.progress("toy trained")
-    report.section("imports", imports_check(watch))
-    ok = all(report.data[s]["ok"] for s in ("correctness", "toy", "imports"))
+    report.section("imports", guarded(imports_check, watch))
+    ok = all(report.data[s]["ok"] for s in ("correctness", "cost", "toy", "imports"))
     report.section("ok", ok)
     print(text(report.data), end="")
     return 0 if ok else 1
