@@ -1,7 +1,19 @@
 #!/usr/bin/env bash
-# The first GPU session in one command: the engine checks CI runs on CPU, run on a GPU with CUDA vLLM.
+# The engine checks on a user's own GPU node, in one command: what CI runs with vLLM's CPU build, run
+# with CUDA vLLM.
 #
 #   bash scripts/gpu-check.sh [QWEN3_4B_BASE_DIR]
+#
+# What it needs (it is not the check for the device machine this project is lent, which has no
+# network and Python 3.12: that one is scripts/device-check.sh, torch/Triton/numpy only):
+#   - an NVIDIA GPU node with nvidia-smi and a CUDA driver vLLM 0.24.0's wheel runs on;
+#   - Python 3.11 (python3.11, or $PDMCTL_ENGINE_PYTHON) and network access to the package index:
+#     step 1 installs vLLM's CUDA build, VeRL 0.9.1 and their dependencies (Ray among them), several GB;
+#   - for step 3, root and Debian's slurm-wlm (installed or installable); without them the step is
+#     left out with one line saying why;
+#   - for step 4, a local copy of Qwen/Qwen3-4B-Base (no model hub is asked) and a GPU that holds
+#     one training step of it (bf16 weights, gradients and Adam states: about 64 GB before
+#     activations, so an 80 GB GPU or more), and about 50 GB of disk for its one checkpoint.
 #
 # 1. An engine environment with vLLM's CUDA build (.venv-gpu, or $PDMCTL_ENGINE_ENV): engine-env.sh --cuda.
 # 2. The tiny Qwen3 and its data (the same build as CI's), then CI's engine tests on it with
@@ -12,9 +24,11 @@
 #    clusters/slurm-local-gpu.yaml: the job body a cluster run takes (Ray inside the allocation, the
 #    trainer on the job's GPU, MLflow), then `pdmctl status`. Where SLURM cannot start, one line says
 #    why and the step is left out (the others still count).
-# 4. With QWEN3_4B_BASE_DIR (a local copy of Qwen/Qwen3-4B-Base; the machine may have no hub): one
-#    training step of the qwen3-4b-base preset from those weights, on the tiny data (its prompts are
-#    text; the 4B model's own tokenizer reads them), through `pdmctl sweep --wait`, then `pdmctl status`.
+# 4. With QWEN3_4B_BASE_DIR: one training step of the qwen3-4b-base preset from those weights on data
+#    of its own, written here: 256 two-digit sums as the training set (two batches of the preset's
+#    128 prompts: VeRL drops a last partial batch, so fewer than 128 rows leave its dataloader empty)
+#    and 8 held-out sums under each of the aime24/aime25 names, in VeRL's layout through
+#    `pdmctl data prepare`; validation at 2 samples a problem. Then `pdmctl status`.
 #
 # Every step prints its time. Nothing here has run yet: no GPU has been available to this project.
 set -euo pipefail
@@ -60,10 +74,23 @@ fi
 
 if [ -n "$WEIGHTS" ]; then
   WORK="$(mktemp -d /tmp/pdmctl-gpu-check.XXXXXX)"
+  step "data for one step of the 4B preset: 256 training sums, 8 + 8 held out ($WORK/data)"
+  "$ENV_DIR/bin/python" - "$WORK" <<'PY'
+import json, sys
+from pathlib import Path
+
+work = Path(sys.argv[1])
+pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+for name, rows in (("train", pairs[0::3][:256]), ("aime24", pairs[1::3][:8]), ("aime25", pairs[2::3][:8])):
+    with (work / f"{name}.jsonl").open("w") as f:  # disjoint sets of distinct problems
+        f.writelines(json.dumps({"problem": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n" for a, b in rows)
+PY
+  "$ENV_DIR/bin/pdmctl" data prepare "$WORK/data" --train "$WORK/train.jsonl" --aime24 "$WORK/aime24.jsonl" \
+    --aime25 "$WORK/aime25.jsonl"
   step "one step of Qwen3-4B-Base from $WEIGHTS (work directory $WORK)"
   (cd "$WORK" && "$ENV_DIR/bin/pdmctl" sweep backend=verl model=qwen3-4b-base mask=pdm_agg k=20 \
-     "backend.model_path=$WEIGHTS" "backend.data_dir=$PDMCTL_TINY_DIR/data" backend.total_training_steps=1 \
-     backend.save_freq=1 backend.nnodes=1 --name gpu-check --wait \
+     "backend.model_path=$WEIGHTS" "backend.data_dir=$WORK/data" backend.total_training_steps=1 \
+     backend.save_freq=1 backend.val_n=2 backend.nnodes=1 --name gpu-check --wait \
    && "$ENV_DIR/bin/pdmctl" status gpu-check)
 fi
 step "done"

@@ -112,10 +112,10 @@ def responses(
 def _graded(sampled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(bool [B]: the response has the answer's form, long [B, ANSWER_LEN]: the tokens in its place)."""
     lengths = addition.response_lengths(sampled)
-    within = torch.arange(sampled.shape[1]) < lengths.unsqueeze(1)
+    within = torch.arange(sampled.shape[1], device=sampled.device) < lengths.unsqueeze(1)
     start = (lengths - 1 - ANSWER_LEN).clamp_min(1)  # the position of the answer's first digit
     marker = sampled.gather(1, (start - 1).unsqueeze(1)).squeeze(1)
-    digits = sampled.gather(1, start.unsqueeze(1) + torch.arange(ANSWER_LEN))
+    digits = sampled.gather(1, start.unsqueeze(1) + torch.arange(ANSWER_LEN, device=sampled.device))
     one_marker = ((sampled == ANSWER) & within).sum(1) == 1
     ended = sampled.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1) == EOS
     return ended & one_marker & (marker == ANSWER) & (lengths >= SHORT_LEN), digits

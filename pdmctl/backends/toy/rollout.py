@@ -96,7 +96,8 @@ class RolloutEngine:
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One id per row of probs [B, V], long [B, 1], by inverting the cumulative distribution at a
     uniform draw: what torch.multinomial does, at a fraction of its cost over a 4,096-token vocabulary
-    on CPU (it was a quarter of a training step)."""
+    on CPU (it was a quarter of a training step). The draws come from `generator` (the run's, on CPU)
+    whatever the device of `probs`, so a run on a GPU draws the same uniforms."""
     cdf = probs.cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype).to(cdf.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).clamp_max(probs.shape[-1] - 1)

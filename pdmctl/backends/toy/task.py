@@ -56,6 +56,10 @@ class Problems:
     def __len__(self) -> int:
         return self.prompts.shape[0]
 
+    def to(self, device: torch.device | str) -> Problems:
+        """The same problems on `device` (the trainer's: CPU, or a GPU)."""
+        return Problems(self.prompts.to(device), self.answers.to(device), self.answer_lens.to(device))
+
     def repeat(self, n: int) -> Problems:
         """Each problem n times in a row (a GRPO group is n consecutive rows)."""
         return Problems(
@@ -169,7 +173,8 @@ def response_lengths(responses: torch.Tensor) -> torch.Tensor:
 
 def response_mask(responses: torch.Tensor) -> torch.Tensor:
     """float [B, T]: 1 on the tokens that belong to the response (the rest were sampled past EOS)."""
-    return (torch.arange(responses.shape[1]) < response_lengths(responses).unsqueeze(1)).float()
+    positions = torch.arange(responses.shape[1], device=responses.device)
+    return (positions < response_lengths(responses).unsqueeze(1)).float()
 
 
 def answer_ids(responses: torch.Tensor) -> torch.Tensor:
@@ -186,6 +191,6 @@ def score(problems: Problems, responses: torch.Tensor) -> torch.Tensor:
     """Exact-match reward, float [B]: the answer digits (the first in any form), then EOS, nothing else."""
     answer = responses[:, FREE_LEN:]
     read = torch.cat([digit_of(answer[:, :1]), answer[:, 1:]], dim=1)
-    within = torch.arange(answer.shape[1]) < problems.answer_lens.unsqueeze(1)
+    within = torch.arange(answer.shape[1], device=answer.device) < problems.answer_lens.unsqueeze(1)
     same = ((read == problems.answers) | ~within).all(1)
     return (same & (response_lengths(responses) == FREE_LEN + problems.answer_lens)).float()

@@ -3,6 +3,9 @@
 Resumption is exact on CPU: a checkpoint holds the weights, Adam's state, the
 training RNG and the step; evaluation draws from its own generator seeded by
 (seed, step), so neither evaluating nor resuming changes what training samples.
+
+`train(..., device="cuda")` trains on a GPU (scripts/device-check.sh): the policy, the rollout
+engine and the batches live there; every random draw still comes from the run's CPU generator.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pdmctl.backends.toy.rollout import Rollout, RolloutEngine
 from pdmctl.backends.toy.tasks import TASKS, Task, task_of
 
 EVAL_SETS = ("toy24", "toy25")
+CPU = torch.device("cpu")
 HOLD_ENV, HOLD_S_ENV = "PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_TOY_HOLD_S"  # tests only: hold after this checkpoint
 KEEP_CHECKPOINTS = 2
 _UPDATE_METRICS = ("mask_frac", "out_of_region_frac", "mean_divergence", "ppo_kl")  # token-weighted means
@@ -62,10 +66,12 @@ class Learner:
     engine: RolloutEngine
     generator: torch.Generator  # training randomness: problems, sampling, mini-batch order
     task: Task = TASKS["addition"]  # the preset's task (tasks.task_of)
+    device: torch.device = CPU  # where the policy, the engine and the batches live
 
     @classmethod
-    def from_base(cls, cfg: ToyConfig) -> Learner:
-        policy = load_base_model(cfg.model)
+    def from_base(cls, cfg: ToyConfig, device: torch.device | str | None = None) -> Learner:
+        device = torch.device(device or "cpu")
+        policy = load_base_model(cfg.model).to(device)
         the_task = task_of(cfg.model)
         return cls(
             policy=policy,
@@ -75,11 +81,12 @@ class Learner:
             ),
             generator=torch.Generator().manual_seed(cfg.seed),
             task=the_task,
+            device=device,
         )
 
     def rollout(self, problems: task.Problems) -> Rollout:
         self.engine.sync(self.policy)
-        return self.engine.generate(problems.prompts, self.generator)
+        return self.engine.generate(problems.prompts.to(self.device), self.generator)
 
     def update(
         self, batch: Rollout, advantages: torch.Tensor, cfg: ToyConfig, shape: bool = False
@@ -151,10 +158,11 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 def train_step(learner: Learner, cfg: ToyConfig) -> dict[str, float]:
     """Rollout one batch, then `minibatches` updates on it in a random order; the step's metrics."""
     problems = learner.task.sample_train(cfg.prompts_per_step, learner.generator).repeat(cfg.group_size)
+    problems = problems.to(learner.device)
     batch = learner.rollout(problems)
     rewards = learner.task.score(problems, batch.sampled_ids)
     advantages = grpo_advantages(rewards, cfg.group_size)
-    order = torch.randperm(len(problems), generator=learner.generator)
+    order = torch.randperm(len(problems), generator=learner.generator).to(learner.device)
     totals = dict.fromkeys(_UPDATE_METRICS, 0.0)
     disagreements, tokens = 0.0, 0.0
     shape: dict[str, float] = {}
@@ -184,7 +192,7 @@ def evaluate(learner: Learner, cfg: ToyConfig, step: int, tracker: Tracker) -> d
     generator = torch.Generator().manual_seed(_eval_seed(cfg.seed, step))
     scores: dict[str, float] = {}
     for name in EVAL_SETS:
-        problems = learner.task.heldout(name).repeat(cfg.eval_samples)
+        problems = learner.task.heldout(name).repeat(cfg.eval_samples).to(learner.device)
         rollout = learner.engine.generate(problems.prompts, generator)
         correct = learner.task.score(problems, rollout.sampled_ids).view(-1, cfg.eval_samples)
         per_problem = correct.mean(1)
@@ -197,12 +205,18 @@ def evaluate(learner: Learner, cfg: ToyConfig, step: int, tracker: Tracker) -> d
 
 
 def train(
-    cfg: ToyConfig, workdir: Path, tracker: Tracker, *, stop_after: int | None = None
+    cfg: ToyConfig,
+    workdir: Path,
+    tracker: Tracker,
+    *,
+    stop_after: int | None = None,
+    device: torch.device | str | None = None,
 ) -> dict[str, float]:
-    """Train (resuming from workdir/checkpoints when a checkpoint is there); the final metrics."""
+    """Train (resuming from workdir/checkpoints when a checkpoint is there); the final metrics.
+    `device`: where to train (None: CPU)."""
     checkpoints = Path(workdir) / "checkpoints"
     checkpoints.mkdir(parents=True, exist_ok=True)
-    learner = Learner.from_base(cfg)
+    learner = Learner.from_base(cfg, device)
     start = 0
     loaded = load_latest_checkpoint(checkpoints, tracker)
     if loaded is not None:
