@@ -40,7 +40,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, pairwise
 from operator import attrgetter, methodcaller
 from pathlib import Path
 from typing import Any, Protocol
@@ -327,42 +327,52 @@ def carry_topk(
     bsz, width = responses.shape
     if len(supports) != bsz:
         raise ValueError(f"{len(supports)} top-K supports for a batch of {bsz} responses")
-    ids_out, logprobs_out = np.empty(bsz, dtype=object), np.empty(bsz, dtype=object)
-    missing_total, first_missing = 0, None
     for i, support in enumerate(supports):
         if support.ids.shape[-1] != k + 1:
             raise ValueError(f"response {i}: width {support.ids.shape[-1]} != K+1 = {k + 1}")
-        t = min(support.ids.shape[0], width)
-        ids, logprobs = support.ids[:t], support.logprobs[:t]
-        tokens, generated = responses[i, :t], response_mask[i].bool()
-        found = torch.zeros(width, dtype=torch.bool)
-        found[:t] = ((ids == tokens[:, None]) & torch.isfinite(logprobs)).any(-1)
-        missing = generated & ~found
-        if bool(missing.any()):
-            missing_total += int(missing.sum())
-            first_missing = first_missing or (i, int(torch.nonzero(missing)[0]))
-            continue
-        sampled_logprobs = rollout_log_probs[i, :t].float()
-        slot_ids, slot_logprobs = sampled_slot(ids[:, :k], logprobs[:, :k], tokens, sampled_logprobs)
-        differs = (ids[:, k].long() != slot_ids) | (_bits(logprobs[:, k]) != _bits(slot_logprobs))
-        differs &= generated[:t]
-        if bool(differs.any()):
-            p = int(torch.nonzero(differs)[0])
-            raise RuntimeError(
-                f"pdmctl: response {i}, position {p}: the support's slot K (id {int(ids[p, k])}, log-prob "
-                f"{float(logprobs[p, k])!r}) is not the sampled token {int(tokens[p])} with VeRL's rollout log-prob "
-                f"{float(rollout_log_probs[i, p])!r}; the carry rebuilds slot K from those two"
-            )
-        ids_out[i] = int32_ids(ids[:, :k]).contiguous().numpy()
-        logprobs_out[i] = logprobs[:, :k].float().contiguous().numpy()
-    if missing_total:
-        sample, position = first_missing
+    lengths = torch.tensor([min(support.ids.shape[0], width) for support in supports], dtype=torch.long)
+    # the batch's rows, response after response, in one array each: the checks run once per batch, and
+    # each response's carried arrays are row slices of them (contiguous: Ray sends each as one buffer)
+    top_ids = int32_ids(_rows(supports, "ids", lengths, slice(0, k)))
+    top_logprobs = _rows(supports, "logprobs", lengths, slice(0, k)).float()
+    slot_ids = _rows(supports, "ids", lengths, k).long()
+    slot_logprobs = _rows(supports, "logprobs", lengths, k).float()
+    held = torch.arange(width)[None, :] < lengths[:, None]  # [bsz, width]: the positions the supports hold
+    tokens, generated = responses[held].long(), response_mask.bool()
+    in_top = ((top_ids == tokens[:, None]) & torch.isfinite(top_logprobs)).any(-1)
+    found = in_top | ((slot_ids == tokens) & torch.isfinite(slot_logprobs))
+    missing = generated.clone()  # a generated position no support holds is missing
+    missing[held] &= ~found
+    if bool(missing.any()):
+        sample, position = (int(i) for i in torch.nonzero(missing)[0])
         raise RuntimeError(
-            f"pdmctl: the rollout top-K rows do not line up with the response tokens ({missing_total} "
+            f"pdmctl: the rollout top-K rows do not line up with the response tokens ({int(missing.sum())} "
             f"generated tokens are not in their row's TopK ∪ {{k}}; first: sample {sample}, position {position}). "
             "pdmctl carries top-K for single-turn agent loops only"
         )
+    sampled_logprobs = rollout_log_probs[held].float()
+    rebuilt_ids, rebuilt_logprobs = sampled_slot(top_ids, top_logprobs, tokens, sampled_logprobs)
+    differs = (slot_ids != rebuilt_ids) | (_bits(slot_logprobs) != _bits(rebuilt_logprobs))
+    differs &= generated[held]
+    if bool(differs.any()):
+        row = int(torch.nonzero(differs)[0])
+        sample, position = (int(i) for i in torch.nonzero(held)[row])
+        raise RuntimeError(
+            f"pdmctl: response {sample}, position {position}: the support's slot K (id {int(slot_ids[row])}, "
+            f"log-prob {float(slot_logprobs[row])!r}) is not the sampled token {int(tokens[row])} with VeRL's "
+            f"rollout log-prob {float(sampled_logprobs[row])!r}; the carry rebuilds slot K from those two"
+        )
+    ids_out, logprobs_out = np.empty(bsz, dtype=object), np.empty(bsz, dtype=object)
+    ids_np, logprobs_np = top_ids.numpy(), top_logprobs.numpy()
+    for i, (start, end) in enumerate(pairwise([0, *lengths.cumsum(0).tolist()])):
+        ids_out[i], logprobs_out[i] = ids_np[start:end], logprobs_np[start:end]
     return ids_out, logprobs_out
+
+
+def _rows(supports: Sequence[RolloutTopK], field: str, lengths: torch.Tensor, columns: Any) -> torch.Tensor:
+    """The supports' first `lengths[i]` rows of `columns`, response after response, in one new tensor."""
+    parts = [getattr(support, field)[:t, columns] for support, t in zip(supports, lengths.tolist(), strict=True)]
+    return torch.cat(parts) if parts else getattr(supports, field, torch.empty(0))
 
 
 # ---------------------------------------------------------------------------
