@@ -71,6 +71,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import pickle
 import random
 import resource
@@ -86,7 +87,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from topk_reference import reference_extract_topk, reference_pad_topk, vllm_flat_response
+from topk_reference import (
+    reference_check_alignment,
+    reference_extract_topk,
+    reference_pad_topk,
+    vllm_flat_response,
+)
 
 from pdmctl.backends.verl import topk
 
@@ -220,7 +226,7 @@ def extraction(args: argparse.Namespace) -> None:
     per_response = (batch.ids[0].nbytes + batch.logprobs[0].nbytes) / 2**20
     carried = (batch.ids.nbytes + batch.logprobs.nbytes) / 2**30
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(f"\ncarried tensors: {per_response:.2f} MiB per response ([{tokens}, {k + 1}] int64 ids + float32 "
+    print(f"\nthe padded layout (carried until 634251f; --sections carry for today's): {per_response:.2f} MiB per response ([{tokens}, {k + 1}] int64 ids + float32 "
           f"log-probs; as Python lists {list_bytes / 2**20:.1f} MiB), the padded batch "
           f"[{n}, {tokens}, {k + 1}] {carried:.2f} GiB; peak RSS of this process {peak_rss:.2f} GiB")  # fmt: skip
 
@@ -289,11 +295,11 @@ def synthetic_share(rng: np.random.Generator, lengths: np.ndarray, cap: int, k: 
 def _ray_pickle(obj: Any) -> tuple[Any, int, int, float]:
     """Pickle and unpickle `obj` as Ray does (protocol 5, buffers out of band): (copy, bytes in band,
     bytes out of band, seconds)."""
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     buffers: list[pickle.PickleBuffer] = []
     wire = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
     back = pickle.loads(wire, buffers=buffers)
-    seconds = time.perf_counter() - t0
+    seconds = time.process_time() - t0
     return back, len(wire), sum(b.raw().nbytes for b in buffers), seconds
 
 
@@ -311,9 +317,10 @@ def run_layout(layout: str, lengths: np.ndarray, cap: int, k: int, workers: int,
         share_lengths = lengths[share]
         id_dtype = np.int64 if layout == "padded" else np.int32  # what the server handed over
         supports, responses, mask, rollout_lp = synthetic_share(rng, share_lengths, cap, k, id_dtype)
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         if layout == "padded":  # _postprocess until 634251f: pad the share to the batch's response length
             padded = reference_pad_topk(supports, cap, k)
+            reference_check_alignment(padded, responses, mask)
             proto = DataProto.from_dict({topk.TOPK_IDS_KEY: padded.ids, topk.TOPK_LOGPROBS_KEY: padded.logprobs})
             del padded
         else:
@@ -321,43 +328,43 @@ def run_layout(layout: str, lengths: np.ndarray, cap: int, k: int, workers: int,
             proto = DataProto.from_dict({"rollout_log_probs": torch.zeros(len(share), 1)},
                                         non_tensors={topk.TOPK_IDS_KEY: ids, topk.TOPK_LOGPROBS_KEY: lps})  # fmt: skip
             del ids, lps
-        out["layout"] += time.perf_counter() - t0
+        out["layout"] += time.process_time() - t0
         del supports, responses, mask, rollout_lp
         proto, in_band, out_of_band, seconds = _ray_pickle(proto)  # agent-loop worker -> driver
         out["to_driver"] += seconds
         out["wire_in_band"] += in_band
         out["wire_out_of_band"] += out_of_band
         shares.append(proto)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     batch = DataProto.concat(shares)
     del shares, proto
     batch.reorder(torch.from_numpy(np.random.default_rng(2).permutation(len(lengths))))  # balance_batch
-    out["concat"] = time.perf_counter() - t0
+    out["concat"] = time.process_time() - t0
     if layout == "padded":
         carried_bytes = sum(t.nbytes for t in batch.batch.values())
     else:
         carried_bytes = sum(a.nbytes for key in (topk.TOPK_IDS_KEY, topk.TOPK_LOGPROBS_KEY)
                             for a in batch.non_tensor_batch[key])  # fmt: skip
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     data = batch.to_tensordict()
     chunks = tu.chunk_tensordict(data, dp)
     received = None
     for chunk in chunks:  # the driver -> each data-parallel rank
         received, _, _, _ = _ray_pickle(chunk)
-    out["to_ranks"] = time.perf_counter() - t0
+    out["to_ranks"] = time.process_time() - t0
     if layout == "padded":  # the last rank's share, each response's positions read off the padding
         value = received[topk.TOPK_IDS_KEY]
         valid = (value[..., 0] != 0) | torch.isfinite(received[topk.TOPK_LOGPROBS_KEY][..., 0])
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         rows = value[valid], received[topk.TOPK_LOGPROBS_KEY][valid]
-        out["read"] = time.perf_counter() - t0
+        out["read"] = time.process_time() - t0
     else:
         value = received[topk.TOPK_IDS_KEY]
         chunk_lengths = torch.tensor([a.shape[0] for a in value])
         valid = torch.arange(cap)[None, :] < chunk_lengths[:, None]
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         rows = topk._carried_rows(value, valid), topk._carried_rows(received[topk.TOPK_LOGPROBS_KEY], valid)
-        out["read"] = time.perf_counter() - t0
+        out["read"] = time.process_time() - t0
     del rows, received, chunks, data, batch
     out["bytes"] = carried_bytes
     out["peak"] = _memory()[1] - baseline
@@ -368,7 +375,8 @@ def carry_at_scale(args: argparse.Namespace) -> None:
     k = args.k
     scales = [("4B", "dense 4B", 1024, 8192), ("30B", "MoE 30B", 4096, 16384)]
     print(f"\nthe carry at scale, K={k}: {args.agent_workers} agent-loop workers, {args.dp} data-parallel ranks, "
-          f"one process, torch threads {torch.get_num_threads()}")  # fmt: skip
+          f"one process, torch threads {torch.get_num_threads()}; seconds are this process's CPU seconds "
+          f"(load average {os.getloadavg()[0]:.1f} at the start)")  # fmt: skip
     summary = []
     for scale, label, n, cap in scales:
         lengths = lengths_for(scale, n, cap, args.mean_tokens)
@@ -386,6 +394,7 @@ def carry_at_scale(args: argparse.Namespace) -> None:
         rows["before"] = {key: v * scale_by for key, v in part.items()}
         rows["before"]["peak"] = part["peak"]
         rows["before"]["bytes"] = padded_bytes
+        rows["before"]["read"] = part["read"] * n / args.dp / len(sample)  # one rank's share, as after
         before_note = (f"the bytes computed ({n:,} x {cap:,} x {k + 1} x 12 B); the seconds measured on "
                        f"{len(sample)} of these responses (one agent-loop worker, one rank) and scaled x{scale_by:.0f}; "
                        f"the peak is that sample's ({part['peak'] / part['bytes']:.1f}x its {part['bytes'] / GB:.2f} GB "
@@ -405,7 +414,7 @@ def carry_at_scale(args: argparse.Namespace) -> None:
     after = rows["after"]["bytes"]
     verdict = "under" if after < 4 * GB else "NOT under"
     print(f"\n{label} carry per step: {rows['before']['bytes'] / GB:.1f} GB before -> {after / GB:.2f} GB "
-          f"({after / GIB:.2f} GiB) after: {verdict} 4 GB")  # fmt: skip
+          f"({after / GIB:.2f} GiB) after: {verdict} 4 GB (load average {os.getloadavg()[0]:.1f} at the end)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -355,3 +355,20 @@ def test_announce_says_where_once_per_process(capsys, monkeypatch) -> None:
         topk.announce(f"actor {topk._actor_rank()} trained a batch")
     lines = capsys.readouterr().out.splitlines()
     assert lines == [f"pdmctl: actor rank 1 of 2 trained a batch on {socket.gethostname()} (pid {os.getpid()})"]
+
+
+def test_the_actor_reads_the_carried_rows_of_any_mask_in_the_padded_layouts_order() -> None:
+    """`_carried_rows` gives `padded[valid]`'s rows in its order for a mask with holes (tool tokens) and
+    positions no response holds (then `carried` is False there), from each form a micro-batch holds."""
+    a = np.arange(3 * 2, dtype=np.int32).reshape(3, 2)
+    b = np.arange(100, 100 + 2 * 2, dtype=np.int32).reshape(2, 2)
+    valid = torch.tensor([[True, False, True, True], [True, True, True, False]])
+    padded = torch.zeros(2, 4, 2, dtype=torch.int32)
+    padded[0, :3], padded[1, :2] = torch.from_numpy(a), torch.from_numpy(b)
+    nested = torch.nested.nested_tensor_from_jagged(torch.from_numpy(np.concatenate([a, b])), torch.tensor([0, 3, 5]))
+    for form in ([a, b], nested):
+        rows, carried = topk._carried_rows(form, valid)
+        assert carried.tolist() == [True, True, False, True, True, False]
+        assert torch.equal(rows[carried], padded[valid][carried]), type(form)
+    rows, carried = topk._carried_rows(padded, valid)  # one [bsz, T, K] tensor: every position held
+    assert bool(carried.all()) and torch.equal(rows, padded[valid])

@@ -154,3 +154,23 @@ def reference_response_tokens(data: Any, total_rows: int, device: torch.device) 
         advantages=dense(data, "advantages").to(device)[valid].float(),
     )
     return rows, tokens
+
+
+def reference_check_alignment(padded: RolloutTopK, responses: torch.Tensor, response_mask: torch.Tensor) -> None:
+    """`check_alignment` until 634251f, on the padded layout (`topk.carry_topk` checks the same now).
+
+    Every generated token must be in its own row's `TopK ∪ {k}`: the rows line up with the tokens.
+
+    A multi-turn agent loop (tool tokens in the response) or a token builder that edits the
+    generated ids would shift them; the mask would then read another token's top-K, silently.
+    """
+    generated = response_mask.bool()
+    found = ((padded.ids == responses.unsqueeze(-1)) & torch.isfinite(padded.logprobs)).any(-1)
+    missing = generated & ~found
+    if bool(missing.any()):
+        sample, position = (int(i) for i in torch.nonzero(missing)[0])
+        raise RuntimeError(
+            f"pdmctl: the rollout top-K rows do not line up with the response tokens ({int(missing.sum())} "
+            f"generated tokens are not in their row's TopK ∪ {{k}}; first: sample {sample}, position {position}). "
+            "pdmctl carries top-K for single-turn agent loops only"
+        )

@@ -480,8 +480,11 @@ def response_tokens(data: Any, total_rows: int, device: torch.device) -> tuple[t
     rows = response_rows(data, total_rows).to(device)[valid]
     sampled_ids = _dense(data, "responses").to(device)[valid].long()
     sampled_logprobs = _dense(data, "rollout_log_probs").to(device)[valid].float()
-    top_ids, carried = _carried_rows(data[TOPK_IDS_KEY], valid)
-    top_logprobs, _ = _carried_rows(data[TOPK_LOGPROBS_KEY], valid)
+    from verl.utils import tensordict_utils as tu
+
+    # tu.get: a NonTensorStack as the list of its arrays, a tensor as it is
+    top_ids, carried = _carried_rows(tu.get(data, TOPK_IDS_KEY), valid)
+    top_logprobs, _ = _carried_rows(tu.get(data, TOPK_LOGPROBS_KEY), valid)
     top_ids, top_logprobs = top_ids.to(device).long(), top_logprobs.to(device).float()
     carried = carried.to(device)
     # rows the carry does not hold read as `extract_topk`'s padding (id 0, log-prob -inf), slot K included
@@ -508,8 +511,8 @@ def _carried_rows(value: Any, valid: torch.Tensor) -> tuple[torch.Tensor, torch.
         values, lengths = value.values(), value.offsets().diff()
     elif isinstance(value, torch.Tensor):
         values, lengths = value.reshape(-1, value.shape[-1]), torch.full((value.shape[0],), value.shape[1])
-    else:
-        samples = [np.asarray(sample) for sample in value]
+    else:  # a list of arrays; one array where a one-sample stack came back as its single item
+        samples = [value] if isinstance(value, np.ndarray) and value.dtype != object else [np.asarray(x) for x in value]
         values = torch.from_numpy(np.concatenate(samples))
         lengths = torch.tensor([sample.shape[0] for sample in samples])
     sample, position = torch.nonzero(valid, as_tuple=True)
@@ -519,6 +522,8 @@ def _carried_rows(value: Any, valid: torch.Tensor) -> tuple[torch.Tensor, torch.
     index = (lengths.cumsum(0) - lengths)[sample] + position
     if not values.shape[0]:  # nothing carried (responses of no tokens)
         return values.new_zeros(len(index), values.shape[-1]), carried
+    if len(index) == values.shape[0] and torch.equal(index, torch.arange(len(index), device=index.device)):
+        return values, carried  # single-turn: every carried row, in order, and nothing else
     return values[index.masked_fill(~carried, 0)], carried
 
 
