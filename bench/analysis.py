@@ -21,8 +21,9 @@ import time
 
 import torch
 
+from pdmctl.analysis.protocols import DEFAULT_PROTOCOLS
+from pdmctl.analysis.run import default_jobs, run_analysis
 from pdmctl.backends.toy import ToyConfig
-from pdmctl.backends.toy.analysis import DEFAULT_PROTOCOLS, default_jobs, run_analysis
 
 
 def timed(cfg: ToyConfig, seeds: list[int], **kwargs) -> tuple[float, float]:

@@ -43,7 +43,8 @@ def run(cfg: ToyConfig, keep: dict | None = None) -> tuple[float, InMemoryTracke
 
 def print_tails(cfg: ToyConfig, final_policy) -> None:
     """The figures of issue 12: tail shape, what K and the estimator change, the direction analysis."""
-    from pdmctl.backends.toy.analysis import difference_rows, run_analysis
+    from pdmctl.analysis.run import run_analysis
+    from pdmctl.analysis.tables import difference_rows
     from pdmctl.backends.toy.tails import (
         DPPO_TOP20_MEAN,
         PROFILE_KS,

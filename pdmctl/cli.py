@@ -398,18 +398,17 @@ def analyze(
         (spec,) = grid.expand(overrides or [], sweep="analysis")[:1]
         if spec.backend != "toy":
             fail("analyze: runs on the CPU testbed (backend=toy)")
-        from pdmctl.backends.toy import ToyConfig
-        from pdmctl.backends.toy.analysis import (
-            PROTOCOLS,
-            default_jobs,
+        from pdmctl.analysis.protocols import PROTOCOLS
+        from pdmctl.analysis.run import default_jobs, run_analysis
+        from pdmctl.analysis.tables import (
             render_analysis_table,
             render_assumption_table,
             render_decomposition_table,
             render_difference_table,
             render_protocol_table,
-            run_analysis,
             seed_csv,
         )
+        from pdmctl.backends.toy import ToyConfig
 
         chosen = tuple(p.strip() for p in protocols.split(",") if p.strip())
         unknown = [p for p in chosen if p not in PROTOCOLS]
@@ -433,7 +432,7 @@ def analyze(
     console.print(render_decomposition_table(result))
     console.print(render_assumption_table(result))
     if result.bands:
-        from pdmctl.backends.toy.bands import render_band_table
+        from pdmctl.analysis.bands import render_band_table
 
         console.print(render_band_table(result.bands, result.k))
     if json_out is not None:
@@ -443,7 +442,7 @@ def analyze(
         csv_out.write_text(seed_csv(result))
         console.print(f"wrote {csv_out}", highlight=False)
     if figures is not None:
-        from pdmctl.backends.toy.figures import write_figures
+        from pdmctl.analysis.figures import write_figures
 
         for path in write_figures(result, figures):
             console.print(f"wrote {path}", highlight=False)

@@ -126,7 +126,8 @@ def test_the_direction_analysis_estimator_differences_cover(n: int) -> None:
     each rate is a proportion among 40-200 disagreement tokens around a seed-level rate the estimators
     share, as in the analysis; the 95% t-interval of the per-seed differences must cover the true
     difference 95% ± 2% of the time."""
-    from pdmctl.backends.toy.analysis import Comparison, CriterionStats, _estimator_differences
+    from pdmctl.analysis.criteria import _estimator_differences
+    from pdmctl.analysis.results import Comparison, CriterionStats
 
     rng = np.random.default_rng(12)
     truth = {"agg": 0.80, "uni": 0.74, "exact": 0.71}  # mean unsafe-keep rate of each estimator

@@ -8,17 +8,17 @@ import pytest
 import torch
 from rich.console import Console
 
-from pdmctl.backends.toy import ToyConfig
-from pdmctl.backends.toy.analysis import (
-    DEFAULT_PROTOCOLS,
-    ESTIMATORS,
+from pdmctl.analysis.protocols import DEFAULT_PROTOCOLS
+from pdmctl.analysis.results import ESTIMATORS
+from pdmctl.analysis.run import run_analysis
+from pdmctl.analysis.tables import (
     analysis_rows,
     render_analysis_table,
     render_difference_table,
     render_protocol_table,
-    run_analysis,
     seed_csv,
 )
+from pdmctl.backends.toy import ToyConfig
 
 
 def test_analysis_reports_each_estimator_against_the_ratio_criterion() -> None:
@@ -125,7 +125,8 @@ def test_every_criterion_starts_from_the_same_weights_and_optimizer_state(monkey
 
 
 def test_sgd_protocol_is_a_gradient_step_as_long_as_the_fresh_adam_step() -> None:
-    from pdmctl.backends.toy.analysis import snapshot, stale_batch, take_update
+    from pdmctl.analysis.protocols import snapshot, take_update
+    from pdmctl.backends.toy.probe import stale_batch
 
     cfg = ToyConfig(prompts_per_step=16)
     learner, batch, advantages = stale_batch(cfg)

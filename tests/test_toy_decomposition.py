@@ -9,18 +9,14 @@ import pytest
 import torch
 
 from pdmctl import masks
-from pdmctl.backends.toy import ToyConfig, decomposition, task
-from pdmctl.backends.toy.analysis import (
-    ESTIMATORS,
-    _analyse_seed,
-    _assumption_rows,
-    _decomposition_rows,
-    diagnostics,
-    snapshot,
-    stale_batch,
-    take_update,
-)
+from pdmctl.analysis import decomposition
+from pdmctl.analysis.decomposition_rows import _assumption_rows, _decomposition_rows
+from pdmctl.analysis.protocols import snapshot, take_update
+from pdmctl.analysis.results import ESTIMATORS
+from pdmctl.analysis.run import _analyse_seed
+from pdmctl.backends.toy import ToyConfig, task
 from pdmctl.backends.toy.model import forward
+from pdmctl.backends.toy.probe import diagnostics, stale_batch
 from tests.conftest import pdmctl
 
 CFG = ToyConfig(prompts_per_step=16)

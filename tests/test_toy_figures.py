@@ -6,9 +6,10 @@ import json
 
 import pytest
 
+from pdmctl.analysis.figures import FIGURES, delta_d_cdf, main, position_stats, seed_pairs, write_figures
+from pdmctl.analysis.results import ESTIMATORS
+from pdmctl.analysis.run import run_analysis
 from pdmctl.backends.toy import ToyConfig
-from pdmctl.backends.toy.analysis import ESTIMATORS, run_analysis
-from pdmctl.backends.toy.figures import FIGURES, delta_d_cdf, main, position_stats, seed_pairs, write_figures
 
 
 @pytest.fixture(scope="module")

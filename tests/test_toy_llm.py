@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdmctl.analysis.bands import BANDS, BandCounter, band_analysis, topk_mass
 from pdmctl.backends.base import InMemoryTracker
 from pdmctl.backends.toy import ToyConfig, basemodel, llm_task, train
-from pdmctl.backends.toy.bands import BANDS, BandCounter, band_analysis, topk_mass
 from pdmctl.backends.toy.model import MODEL_PRESETS, PRECISIONS
 from pdmctl.backends.toy.rollout import RolloutEngine
 from pdmctl.backends.toy.tasks import task_of

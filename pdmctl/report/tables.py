@@ -231,7 +231,7 @@ def excluded_table(report: Report) -> TextTable:
 
 def direction_table(analysis: dict) -> TextTable:
     """The direction analysis, through the toy backend's own row builder (imports torch: only when asked)."""
-    from pdmctl.backends.toy.analysis import ANALYSIS_COLUMNS, analysis_rows
+    from pdmctl.analysis.tables import ANALYSIS_COLUMNS, analysis_rows
 
     result = _analysis_result(analysis)
     n = max(len(result.seeds), 1)
@@ -245,7 +245,7 @@ def direction_table(analysis: dict) -> TextTable:
 
 
 def _analysis_result(data: dict):
-    from pdmctl.backends.toy.analysis import (
+    from pdmctl.analysis.results import (
         AnalysisResult,
         AssumptionRow,
         Comparison,
@@ -266,7 +266,7 @@ def _analysis_result(data: dict):
     by_protocol = {p: [comparison(c) for c in cs] for p, cs in data.get("protocol_comparisons", {}).items()}
     decomposed = [DecompositionRow(**r) for r in data.get("decomposition", [])]
     assumption = [AssumptionRow(**r) for r in data.get("logit_assumption", [])]
-    from pdmctl.backends.toy.bands import BandStats
+    from pdmctl.analysis.bands import BandStats
 
     bands = [BandStats(**b) for b in data.get("bands", [])]  # written before the bands (issue 19): none
     tokens = [DisagreementTokens(**t) for t in data.get("disagreement_tokens", [])]  # written before: none

@@ -88,7 +88,7 @@ def figures(report: Report) -> list[FigureFile]:
                               f"({', '.join(curves.dynamics_panels)}); line = mean over seeds, band = "
                               f"{_band_note(report)}.{note}", plots.dynamics_figure(curves, band)))  # fmt: skip
     if report.analysis is not None and report.analysis.get("disagreement_tokens"):  # analyses before: no data
-        from pdmctl.backends.toy.figures import render
+        from pdmctl.analysis.figures import render
         from pdmctl.report.tables import _analysis_result
 
         result = _analysis_result(report.analysis)

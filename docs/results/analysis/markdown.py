@@ -9,7 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from pdmctl.backends.toy.analysis import (
+from pdmctl.analysis.bands import BAND_COLUMNS, band_rows
+from pdmctl.analysis.tables import (
     ANALYSIS_COLUMNS,
     ASSUMPTION_COLUMNS,
     DECOMPOSITION_COLUMNS,
@@ -21,7 +22,6 @@ from pdmctl.backends.toy.analysis import (
     difference_rows,
     protocol_rows,
 )
-from pdmctl.backends.toy.bands import BAND_COLUMNS, band_rows
 from pdmctl.report.tables import _analysis_result
 
 

@@ -7,7 +7,7 @@ Two measurements, both on the default preset unless told otherwise:
   summarised over positions as quantiles (DPPO reports top-20 holding 99.4% of
   an LLM's mass on average);
 - `k_and_estimator_effects`: on stale rollout batches (the direction
-  analysis's, `analysis.stale_batch`), how much K and the tail estimator
+  analysis's, `probe.stale_batch`), how much K and the tail estimator
   change D, the keep decisions and the sign of Ḋ on the out-of-region tokens.
 """
 
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from pdmctl.backends.toy import task
-from pdmctl.backends.toy.analysis import diagnostics, stale_batch
 from pdmctl.backends.toy.config import ToyConfig
 from pdmctl.backends.toy.model import PRECISIONS, TinyTransformer
+from pdmctl.backends.toy.probe import diagnostics, stale_batch
 from pdmctl.backends.toy.rollout import Rollout, RolloutEngine
 
 PROFILE_KS = (5, 10, 20, 50)

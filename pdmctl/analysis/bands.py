@@ -115,10 +115,10 @@ def _share(count: int, n: int) -> float | None:
 
 
 def band_analysis(cfg, seeds: list[int]) -> list[BandStats]:
-    """The bands on the analysis's stale batches (analysis.stale_batch), the same tokens as its tables."""
+    """The bands on the analysis's stale batches (probe.stale_batch, in the testbed), the same tokens as its tables."""
     import dataclasses
 
-    from pdmctl.backends.toy.analysis import diagnostics, stale_batch
+    from pdmctl.backends.toy.probe import diagnostics, stale_batch
 
     counter = BandCounter.empty()
     for seed in seeds:
@@ -203,7 +203,7 @@ def base_band_profile(preset: str = "toy-llm", prompts: int = 1024, seed: int = 
     }
 
 
-if __name__ == "__main__":  # python -m pdmctl.backends.toy.bands [preset]
+if __name__ == "__main__":  # python -m pdmctl.analysis.bands [preset]
     import sys
 
     print(torch.backends.cpu.get_cpu_capability(), base_band_profile(*sys.argv[1:2]))

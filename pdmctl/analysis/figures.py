@@ -1,6 +1,6 @@
 """The paper's token-level figures (§4.2, Figs 3-4) from a direction analysis (analysis.AnalysisResult).
 
-    python -m pdmctl.backends.toy.figures analysis.json DIR    # from `pdmctl analyze --json`
+    python -m pdmctl.analysis.figures analysis.json DIR    # from `pdmctl analyze --json`
     pdmctl analyze --seeds 61 --figures DIR                    # the same, from the run itself
 
 Four PNGs, each from the result's own numbers (nothing is recomputed):
@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pdmctl.backends.toy.analysis import ESTIMATORS, AnalysisResult, DisagreementTokens
+from pdmctl.analysis.results import ESTIMATORS, AnalysisResult, DisagreementTokens
 
 FIGURES = ("delta_d_cdf", "seed_pairs", "disagreements", "positions")
 COLORS = {"ratio": "tab:red", "predictive": "tab:blue"}
@@ -212,7 +212,7 @@ def main(argv: list[str]) -> None:
     from pdmctl.report.tables import _analysis_result
 
     if len(argv) != 2:
-        raise SystemExit("usage: python -m pdmctl.backends.toy.figures ANALYSIS.json DIR")
+        raise SystemExit("usage: python -m pdmctl.analysis.figures ANALYSIS.json DIR")
     result = _analysis_result(json.loads(Path(argv[0]).read_text()))
     if not result.disagreement_tokens:
         raise SystemExit(f"{argv[0]}: written before the figures' data (no disagreement_tokens); run analyze again")

@@ -42,6 +42,7 @@ from pdmctl import masks
 from pdmctl.backends.toy import task
 from pdmctl.backends.toy.config import ToyConfig
 from pdmctl.backends.toy.model import PRECISIONS
+from pdmctl.backends.toy.probe import flat_diagnostics
 from pdmctl.backends.toy.rollout import Rollout
 
 CHUNK_TOKENS = 256  # tokens per vmapped pass: [256, 2, the blocks' parameters] of float32 scratch
@@ -112,28 +113,6 @@ def update_parts(
     denom = v.sqrt() / math.sqrt(1 - beta2**s) + group["eps"]
     precondition = group["lr"] / (1 - beta1**s) / denom
     return UpdateParts(step, -precondition * beta1 * m_prev, -precondition * (1 - beta1), grad, clip)
-
-
-def flat_diagnostics(
-    logits: torch.Tensor, batch: Rollout, advantages: torch.Tensor, cfg: ToyConfig, *, method: str, estimator: str
-) -> masks.Diagnostics:
-    """`masks.token_diagnostics` of every generated token of `batch` ([B*T] each) under `cfg`'s δ and
-    divergence, with `method` and `estimator` as given."""
-    return masks.token_diagnostics(
-        logits.reshape(-1, logits.shape[-1]),
-        batch.sampled_ids.reshape(-1),
-        batch.topk_ids.reshape(-1, batch.topk_ids.shape[-1]),
-        batch.topk_logprobs.reshape(-1, batch.topk_ids.shape[-1]),
-        batch.sampled_logprobs.reshape(-1),
-        advantages.unsqueeze(1).expand(batch.sampled_ids.shape).reshape(-1),
-        method=method,
-        divergence=cfg.divergence,
-        estimator=estimator,
-        delta=cfg.delta,
-        delta_low=cfg.delta_low,
-        eps_low=cfg.eps_low,
-        eps_high=cfg.eps_high,
-    )
 
 
 def loss_coefficients(
