@@ -19,7 +19,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from pdmctl.executors import ClusterProfile, Executor, JobRequest, JobState, load_profile, make_executor
-from pdmctl.executors.base import ExecutorError
+from pdmctl.executors.base import ExecutorError, check_placeholders
 from pdmctl.job import JobFile
 from pdmctl.ledger import (
     FAILED,
@@ -269,8 +269,15 @@ class RunDirError(OSError):
 
 def check_before_submit(ctx: Context) -> Executor:
     """Everything that can refuse the work, before anything is written."""
+    check_placeholders(ctx.profile)  # first: a placeholder tracking_uri or workdir fails less clearly below
     check_reachable(ctx.tracking_uri)
     _check_writable(ctx.run_root)
+    return check_profile(ctx)
+
+
+def check_profile(ctx: Context) -> Executor:
+    """The profile filled in, and the cluster able to run its jobs as profiled (what a dry run checks too)."""
+    check_placeholders(ctx.profile)
     executor = make_executor(ctx.profile)
     executor.check()
     return executor
