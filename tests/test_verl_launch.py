@@ -432,15 +432,20 @@ def test_a_key_verl_would_not_take_is_refused_in_one_line(override: str, message
     assert "\n" not in str(info.value)
 
 
-def test_a_verl_key_on_another_backend_and_an_unknown_backend_key_at_the_cli(tmp_path: Path) -> None:
+def test_a_verl_key_on_another_backend_and_an_unknown_backend_key_at_the_cli(workdir: Path) -> None:
+    from typer.testing import CliRunner
+
+    from pdmctl.cli import app
     from pdmctl.grid import GridError, expand
 
     with pytest.raises(GridError, match=r"sets backend=verl's own config, and this run's backend is toy"):
         expand(["verl.trainer.balance_batch=false"], None, "s")
-    result = pdmctl("sweep", "backend=verl", "model=qwen3-4b-base", "+backend.gpu_memory_utilization=0.8",
-                    "--dry-run", cwd=tmp_path)  # fmt: skip
-    assert result.returncode == 2 and result.stderr.startswith("error: backend.gpu_memory_utilization: not a field")
-    assert len(result.stderr.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []
+    result = CliRunner().invoke(app, ["sweep", "backend=verl", "model=qwen3-4b-base",
+                                      "+backend.gpu_memory_utilization=0.8", "--dry-run"])  # fmt: skip
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert errors[0].startswith("error: backend.gpu_memory_utilization: not a field of backend verl")
+    assert list(workdir.iterdir()) == []
 
 
 def test_every_verl_key_pdmctl_sets_from_a_setting_of_its_own_is_refused_as_verl_key() -> None:
