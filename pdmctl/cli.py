@@ -77,11 +77,11 @@ def sweep(
 
     with _guard():
         sweep_file = grid.load_sweep_file(file) if file else None
-        specs = grid.expand(overrides or [], sweep_file, name, max_runs=max_runs)
         ctx = orchestrate.make_context(cluster, tracking_uri)
+        orchestrate.check_placeholders(ctx.profile)  # before a grid whose checks may take seconds
+        specs = grid.expand(overrides or [], sweep_file, name, max_runs=max_runs)
         if dry_run:
-            executor = orchestrate.make_executor(ctx.profile)
-            executor.check()
+            executor = orchestrate.check_profile(ctx)
             orchestrate.check_runs(specs, ctx, executor)
             plan = orchestrate.plan(specs, ctx, read_only=True)
             _print_plan(plan, ctx, executor)

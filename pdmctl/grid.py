@@ -254,6 +254,7 @@ def compose(overrides: Sequence[str]) -> dict[str, Any]:
     """
     groups, values = [], []
     for o in overrides:
+        _refuse_engine_node(_override_key(o))
         (groups if _override_key(o).split(".")[0] in _config_groups() else values).append(o)
     _check_options(groups)
     groups += _implied_data(groups)
@@ -280,6 +281,8 @@ def _implied_data(groups: Sequence[str]) -> list[str]:
 
 def _apply(config: dict[str, Any], override) -> None:
     key = override.key_or_group
+    if _apply_engine_key(config, override):
+        return
     *parents, leaf = key.split(".")
     node = config
     for i, part in enumerate(parents):
@@ -303,6 +306,46 @@ def _apply(config: dict[str, Any], override) -> None:
         if leaf not in node:
             raise GridError(f"{key}: unknown key (no such field in the run config; '+{key}=...' adds one)")
         node[leaf] = override.value()
+
+
+def _apply_engine_key(config: dict[str, Any], override) -> bool:
+    """`verl.<key>=v` (`+`, `++` alike; `~` leaves the key to pdmctl and the engine, on the command line over
+    a sweep file that sets it too): a key of the run's engine's own config, kept as one flat mapping
+    `backend.verl` (in the run key) that the backend checks against the engine's schema. False: not such a key."""
+    key = override.key_or_group
+    engines = _engine_prefixes()
+    prefix, _, rest = key.partition(".")
+    if prefix not in engines:
+        return False
+    backend = config["backend"]["name"]
+    if engines[prefix] != backend:
+        raise GridError(f"{key}: {prefix}.<key> sets backend={engines[prefix]}'s own config, and this run's "
+                        f"backend is {backend}")  # fmt: skip
+    if not rest:
+        raise GridError(f"{key}: give the key, as {prefix}.<key>=<value>")
+    settings = config["backend"].setdefault(prefix, {})
+    if override.is_delete():
+        settings.pop(rest, None)
+        if not settings:
+            del config["backend"][prefix]
+    else:
+        settings[rest] = override.value()
+    return True
+
+
+def _engine_prefixes() -> dict[str, str]:
+    """The grid's prefixes for engines' own config keys -> their backend (`verl` -> verl)."""
+    from pdmctl.backends.registry import BACKENDS
+
+    return {b.engine_keys: name for name, b in BACKENDS.items() if b.engine_keys}
+
+
+def _refuse_engine_node(key: str) -> None:
+    """`backend.verl...` is where `verl.<key>` settings are kept, set only through that prefix (one key each)."""
+    head, _, rest = key.partition(".")
+    engine = rest.split(".")[0]
+    if head == "backend" and engine in _engine_prefixes():
+        raise GridError(f"{key}: set {engine}'s own keys one by one, as {engine}.<key>=<value>")
 
 
 def _validate_backend(config: dict[str, Any]) -> None:

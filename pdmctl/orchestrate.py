@@ -19,7 +19,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from pdmctl.executors import ClusterProfile, Executor, JobRequest, JobState, load_profile, make_executor
-from pdmctl.executors.base import ExecutorError
+from pdmctl.executors.base import ExecutorError, check_placeholders
 from pdmctl.job import JobFile
 from pdmctl.ledger import (
     FAILED,
@@ -260,7 +260,7 @@ def plan(specs: list[RunSpec], ctx: Context, *, read_only: bool = True) -> Sweep
                 states[r.key] = (
                     RunState.QUEUED if r.run_id in recovered else run_state(r, js or job.get(r.run_id))
                 )
-    return SweepPlan(specs, states)
+    return SweepPlan(settings_first(specs), states)
 
 
 class RunDirError(OSError):
@@ -269,8 +269,15 @@ class RunDirError(OSError):
 
 def check_before_submit(ctx: Context) -> Executor:
     """Everything that can refuse the work, before anything is written."""
+    check_placeholders(ctx.profile)  # first: a placeholder tracking_uri or workdir fails less clearly below
     check_reachable(ctx.tracking_uri)
     _check_writable(ctx.run_root)
+    return check_profile(ctx)
+
+
+def check_profile(ctx: Context) -> Executor:
+    """The profile filled in, and the cluster able to run its jobs as profiled (what a dry run checks too)."""
+    check_placeholders(ctx.profile)
     executor = make_executor(ctx.profile)
     executor.check()
     return executor
@@ -297,14 +304,30 @@ def check_runs(specs: Sequence[RunSpec], ctx: Context, executor: Executor) -> No
 
 
 def describe_runs(specs: Sequence[RunSpec], ctx: Context, executor: Executor) -> list[str]:
-    """What --dry-run prints of the jobs themselves, per backend (VeRL: the command each job runs)."""
+    """What --dry-run prints of the jobs themselves, per backend (VeRL: every distinct command, the cost)."""
+    from pdmctl.backends.registry import DescribedRun, flat_config, get_backend
+
+    cluster = {**executor.job_settings(), "nodes": executor.nodes_per_job(), "tracking_uri": ctx.tracking_uri,
+               "max_concurrent": ctx.profile.max_concurrent}  # fmt: skip
+    by_backend: dict[str, list[DescribedRun]] = defaultdict(list)
+    for spec in specs:
+        by_backend[spec.backend].append(DescribedRun(spec.key, spec.summary, flat_config(spec.config),
+                                                     ctx.run_dir_parent(spec) / "RUN_ID"))  # fmt: skip
+    return [line for name, runs in by_backend.items() for line in get_backend(name).describe(runs, cluster)]
+
+
+def settings_first(specs: Sequence[RunSpec]) -> list[RunSpec]:
+    """The runs in array order: one run of each setting first (a backend's engine path: VeRL's model,
+    precision and strategy), then the rest in grid order, so that every path starts on the first day."""
     from pdmctl.backends.registry import flat_config, get_backend
 
-    cluster = {**executor.job_settings(), "nodes": executor.nodes_per_job(), "tracking_uri": ctx.tracking_uri}
-    by_backend: dict[str, list[tuple[str, dict, Path]]] = defaultdict(list)
+    seen: set[tuple[str, str]] = set()
+    first, rest = [], []
     for spec in specs:
-        by_backend[spec.backend].append((spec.summary, flat_config(spec.config), ctx.run_dir_parent(spec) / "RUN_ID"))
-    return [line for name, runs in by_backend.items() for line in get_backend(name).describe(runs, cluster)]
+        setting = (spec.backend, get_backend(spec.backend).setting(flat_config(spec.config)))
+        (rest if setting in seen else first).append(spec)
+        seen.add(setting)
+    return first + rest
 
 
 def _check_writable(path: Path) -> None:

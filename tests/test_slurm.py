@@ -390,7 +390,11 @@ def test_scheduler_array_split_at_max_array_size(tmp_path: Path, monkeypatch) ->
      ({"nodes": 3}, "cluster bad: partition debug has 1 node(s); the profile asks for nodes: 3"),
      ({"mem_gb": 100000}, "cluster bad: partition debug: no node has 100000 GB of memory"),
      ({"sbatch": ["--constraint=nosuchfeature"]},
-      "cluster bad: sbatch refused the job array: Invalid feature specification")],
+      "cluster bad: sbatch refused the job array: Invalid feature specification"),
+     ({"sbatch": ["--exclusive"]}, "cluster bad: partition debug has 1 node(s) and a job takes 1 node(s), each "
+      "whole (--exclusive): max_concurrent 6 x nodes 1 cannot run at once; at most 1 can (set max_concurrent: 1)"),
+     ({"cpus_per_task": 32}, "cluster bad: partition debug has 1 node(s) and a job takes 1 node(s), 2 job(s) to a "
+      "node by its CPUs: max_concurrent 6 x nodes 1 cannot run at once; at most 2 can")],
 )  # fmt: skip
 def test_bad_profile_values_get_one_clear_line(tmp_path: Path, options, message) -> None:
     from typer.testing import CliRunner

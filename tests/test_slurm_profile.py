@@ -1,15 +1,25 @@
 """The SLURM executor without a cluster: profile options, time formats, sacct/squeue parsing, arrays,
-the dry-run script of the h20 profile."""
+the dry-run script of the h20 profile, runs at once against a partition, placeholders, a failing setup."""
 
 from __future__ import annotations
 
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pdmctl.executors import ExecutorError, JobState, load_profile, make_executor
-from pdmctl.executors.base import ClusterProfile
-from pdmctl.executors.slurm import SlurmExecutor, SlurmOptions, expand_job_id, parse_job_states, parse_time
+from pdmctl.executors.base import CLUSTER_DIR, ClusterProfile
+from pdmctl.executors.slurm import (
+    SlurmExecutor,
+    SlurmOptions,
+    expand_job_id,
+    parse_job_states,
+    parse_partitions,
+    parse_time,
+)
 
 
 def _profile(tmp_path: Path, **options) -> ClusterProfile:
@@ -151,3 +161,108 @@ def test_a_bad_profile_is_one_line_and_exit_2_at_the_cli(tmp_path: Path) -> None
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, (name, result.stderr)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home.yaml", "latin1.yaml", "typo.yaml"]
+
+
+# --- issue 25: runs at once against the partition, placeholders, a setup that fails ---------------
+
+
+def _h20_profile(tmp_path: Path, **changes) -> ClusterProfile:
+    """clusters/h20.yaml as loaded, with its partition named and `changes` applied."""
+    h20 = load_profile("h20")
+    options = {**h20.options, "partition": "gpu", **changes}
+    return ClusterProfile(name="h20", executor="slurm", workdir=str(tmp_path),
+                          max_concurrent=options.pop("max_concurrent", h20.max_concurrent), options=options)  # fmt: skip
+
+
+def _h20_partition(nodes: int) -> str:
+    """`sinfo -h -o SINFO_FORMAT` of an H20 partition of `nodes` nodes (the shape an H20 site prints)."""
+    return f"gpu*|up|2-00:00:00|{nodes}|192|2000000|gpu:8(S:0-1)\n"
+
+
+def test_max_concurrent_times_nodes_is_checked_against_the_partition(tmp_path: Path) -> None:
+    executor = make_executor(_h20_profile(tmp_path))  # max_concurrent 4, nodes 4, --exclusive
+    with pytest.raises(ExecutorError) as info:
+        executor.check_partitions(parse_partitions(_h20_partition(4)))
+    assert str(info.value) == ("cluster h20: partition gpu has 4 node(s) and a job takes 4 node(s), each whole "
+                               "(--exclusive): max_concurrent 4 x nodes 4 cannot run at once; at most 1 can "
+                               "(set max_concurrent: 1)")  # fmt: skip
+    executor.check_partitions(parse_partitions(_h20_partition(16)))
+    make_executor(_h20_profile(tmp_path, max_concurrent=1)).check_partitions(parse_partitions(_h20_partition(4)))
+    with pytest.raises(ExecutorError, match=r"at most 3 can \(set max_concurrent: 3\)"):
+        make_executor(_h20_profile(tmp_path, sbatch=[], nodes=2)).check_partitions(  # --mem=0 gone too: shared
+            parse_partitions("gpu*|up|infinite|6|192|2000000|gpu:8\n"))  # 8 GPUs a job: one to a node
+
+
+def test_jobs_that_share_a_node_are_counted_by_what_each_takes(tmp_path: Path) -> None:
+    """Without --exclusive or --mem=0, a 64-CPU, 8-GPU node holds min(64/16, 8/2, 1000/100) = 4 jobs."""
+    partition = parse_partitions("debug*|up|infinite|1|64|1024000|gpu:8\n")
+    shared = {"partition": "debug", "cpus_per_task": 16, "gpus_per_node": 2, "mem_gb": 100}
+    SlurmExecutor(_profile(tmp_path, **shared)).check_partitions(partition)  # max_concurrent 4
+    five = ClusterProfile(name="t", executor="slurm", workdir=str(tmp_path), max_concurrent=5, options=shared)
+    with pytest.raises(ExecutorError, match=r"4 job\(s\) to a node by its CPUs: max_concurrent 5 x nodes 1 "):
+        SlurmExecutor(five).check_partitions(partition)
+
+
+def test_a_placeholder_left_in_the_profile_is_refused_in_one_line(tmp_path: Path) -> None:
+    from pdmctl.executors.base import check_placeholders
+
+    with pytest.raises(ExecutorError) as info:
+        check_placeholders(load_profile("h20"))  # as shipped: CHANGE-ME everywhere
+    message = str(info.value)
+    assert message.startswith("cluster h20: tracking_uri still holds the placeholder 'CHANGE-ME' "
+                              "('http://CHANGE-ME-mlflow-host:5000'); also in workdir, ")  # fmt: skip
+    for field in ("partition", "account", "qos", "setup[0]", "setup[1]", "models_dir", "data_dir",
+                  "env.NCCL_SOCKET_IFNAME", "env.GLOO_SOCKET_IFNAME"):  # fmt: skip
+        assert field in message, field
+    assert "\n" not in message
+    filled = {"tracking_uri": "http://mlflow:5000", "workdir": "/shared/runs", "partition": "gpu", "account": "a",
+              "qos": "q", "setup": ["source /shared/env/bin/activate"], "models_dir": "/shared/models",
+              "data_dir": "/shared/data", "env": {"NCCL_SOCKET_IFNAME": "ib0"}}  # fmt: skip
+    for where, value, left in (("setup", ["module load <your-cuda-module>"], "setup[0]"),
+                               ("env", {"NCCL_SOCKET_IFNAME": "change_me"}, "env.NCCL_SOCKET_IFNAME"),
+                               ("qos", "TODO", "qos")):  # fmt: skip
+        path = tmp_path / f"{where}.yaml"
+        path.write_text(yaml.safe_dump({**yaml.safe_load(Path(CLUSTER_DIR / "h20.yaml").read_text()), **filled,
+                                        where: value}))  # fmt: skip
+        with pytest.raises(ExecutorError, match=rf"^cluster h20: {re.escape(left)} still holds the placeholder"):
+            check_placeholders(load_profile(str(path)))
+    path.write_text(yaml.safe_dump({**yaml.safe_load(Path(CLUSTER_DIR / "h20.yaml").read_text()), **filled}))
+    check_placeholders(load_profile(str(path)))
+
+
+def test_the_paper_sweep_on_the_shipped_h20_profile_is_refused_at_the_cli(tmp_path: Path) -> None:
+    from tests.conftest import pdmctl
+
+    result = pdmctl("sweep", "--file", "paper-main", "--cluster", "h20", "--dry-run", cwd=tmp_path)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: cluster h20: tracking_uri still holds the placeholder 'CHANGE-ME'")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failing_setup_line_ends_the_job_there_and_is_named(tmp_path: Path) -> None:
+    """The sbatch script the dry run prints, run by bash (the interpreter replaced by echo): a setup line
+    that fails ends it before the job starts, with the line in its output; none is wrapped in `|| true`."""
+    assert not any("|| true" in line for line in load_profile("h20").options["setup"])
+
+    def run_script(setup: list[str]) -> subprocess.CompletedProcess:
+        text = SlurmExecutor(_profile(tmp_path, setup=setup, python="/bin/echo")).describe([None])
+        script = "\n".join(line[2:] for line in text.split("sbatch script of the first array:\n", 1)[1].splitlines())
+        return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+
+    ok = run_script(["export PDMCTL_SETUP_A=1", "echo set-up-$PDMCTL_SETUP_A"])
+    assert ok.returncode == 0 and "set-up-1" in ok.stdout and "-u -m submitit.core._submit" in ok.stdout, ok
+    failed = run_script(["echo before", "ls /nonexistent-pdmctl-module", "echo after"])
+    assert failed.returncode != 0 and "before" in failed.stdout, failed
+    assert "after" not in failed.stdout and "submitit" not in failed.stdout
+    assert "RuntimeError: a setup line of the cluster profile failed (exit 2): ls /nonexistent-pdmctl-module" in failed.stderr
+
+
+@pytest.mark.parametrize(
+    "value", [{"qwen3-4b-base": {"rollout": 3000}}, {"qwen3-4b-base": {"rollout": 0, "train": 1}}, [1, 2],
+              {"qwen3-4b-base": {"rollout": "fast", "train": 1}}],
+)  # fmt: skip
+def test_a_bad_throughput_is_one_line(tmp_path: Path, value) -> None:
+    with pytest.raises(ExecutorError, match=r"^cluster t: throughput: ") as info:
+        SlurmOptions.from_profile(_profile(tmp_path, throughput=value))
+    assert "\n" not in str(info.value)

@@ -1,8 +1,10 @@
 """A VeRL run against its cluster profile, without a cluster: node counts, offline weights and data,
-checkpoint retention, network settings, the head's address and ports, what --dry-run shows (issue 18)."""
+checkpoint retention, network settings, the head's address and ports, what --dry-run shows (issue 18),
+every command, every run and the cost (issue 25)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -207,21 +209,96 @@ def test_nccl_timeout_is_1800_across_nodes_and_the_profiles_where_set(monkeypatc
 # --- what --dry-run shows (review 8, and 4's sizes) --------------------------------------------
 
 
-def test_dry_run_prints_the_first_jobs_verl_command_what_the_others_change_and_the_checkpoints(workdir: Path) -> None:
+def test_dry_run_prints_every_distinct_command_its_runs_a_verl_key_and_the_checkpoints(workdir: Path) -> None:
     result = pdmctl("sweep", "backend=verl", "model=qwen3-4b-base", "backend.nnodes=1", "k=10,20",
-                    "backend.max_ckpt_to_keep=2", "--dry-run", cwd=workdir)  # fmt: skip
+                    "backend.max_ckpt_to_keep=2", "verl.actor_rollout_ref.rollout.gpu_memory_utilization=0.85",
+                    "--dry-run", cwd=workdir)  # fmt: skip
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "VeRL job of run 1 (" in out and "python -m pdmctl.backends.verl.launch train" in out
+    assert "VeRL jobs: 2 run(s), 1 setting(s), 2 distinct command(s)" in out
+    assert "command 1.1 (" in out and "python -m pdmctl.backends.verl.launch train" in out
     for override in ("+actor_rollout_ref.actor.policy_loss.topk=10", "trainer.max_actor_ckpt_to_keep=2",
-                     "trainer.nnodes=1", "actor_rollout_ref.model.path="):  # fmt: skip
+                     "trainer.nnodes=1", "actor_rollout_ref.model.path=", "data.seed=SEED",
+                     "actor_rollout_ref.rollout.gpu_memory_utilization=0.85"):  # fmt: skip
         assert override in out, override
-    differs = next(line for line in out.splitlines() if line.startswith("run 2 ("))
+    differs = next(line for line in out.splitlines() if line.startswith("  command 1.2 differs from 1.1 in: "))
     assert "+actor_rollout_ref.actor.policy_loss.topk=20" in differs and "model.path" not in differs
-    sizes = next(line for line in out.splitlines() if line.startswith("checkpoints: "))
-    assert "48.3 GB each" in sizes and "2 kept" in sizes and "96.5 GB for run 1" in sizes
-    assert "193.1 GB for the 2 run(s)" in sizes
+    runs = [line for line in out.splitlines() if line.startswith("    runs: ")]
+    keys = re.findall(r"│ \d+\s+│ ([0-9a-f]{12}) │", out)  # the plan's table
+    assert len(runs) == len(keys) == 2 and all(sum(key in line for line in runs) == 1 for key in keys)
+    assert "cost: not estimated: the cluster profile states no throughput for qwen3-4b-base" in out  # local
+    sizes = next(line for line in out.splitlines() if line.startswith("  checkpoints: "))
+    assert "48.3 GB each" in sizes and "2 kept" in sizes and "96.5 GB a run" in sizes
+    assert "193.1 GB for the setting" in sizes
     assert sorted(p.name for p in workdir.iterdir()) == []  # a dry run writes nothing
+
+
+def _parquet(data_dir: Path, train_rows: int) -> None:
+    """The train file with `train_rows` rows and AIME 2024 / 2025 with 30 each (the dry run reads the counts)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for name, rows in ((launch.TRAIN_FILE, train_rows), (launch.VAL_FILES[0], 30), (launch.VAL_FILES[1], 30)):
+        pq.write_table(pa.table({"row": list(range(rows))}), data_dir / name)
+
+
+def test_the_paper_sweeps_dry_run_shows_every_command_every_run_and_the_cost(tmp_path: Path) -> None:
+    """paper-main on the h20 profile: 48 runs, 4 settings first in the array, 16 distinct commands each
+    shown (the 30B Megatron FP8 one whole), every run under its command, GPU-hours and wall time per run,
+    setting and sweep from batch x n x response length and the profile's throughput, the storage."""
+    from pdmctl.backends.verl.describe import Throughput
+    from pdmctl.grid import load_sweep_file
+    from pdmctl.orchestrate import describe_runs, plan
+
+    models, data = _staged(tmp_path, "Qwen3-4B-Base", "Qwen3-8B-Base", "Qwen3-30B-A3B-Base")
+    _parquet(data, train_rows=17_408)
+    profile = load_profile(_h20(tmp_path, models_dir=str(models), data_dir=str(data)))
+    ctx = Context(profile, f"sqlite:///{tmp_path / 'none.db'}")
+    ordered = plan(expand([], load_sweep_file("paper-main")), ctx).to_submit
+    assert len(ordered) == 48
+    settings = [(s.config["model"]["name"], s.config["precision"]["name"]) for s in ordered]
+    assert settings[:4] == [("qwen3-4b-base", "bf16"), ("qwen3-8b-base", "bf16"),
+                            ("qwen3-30b-a3b-base", "fp8_e2e"), ("qwen3-30b-a3b-base", "fp8_rollout")]  # fmt: skip
+    lines = describe_runs(ordered, ctx, make_executor(profile))
+    text = "\n".join(lines)
+    assert lines[0].startswith("VeRL jobs: 48 run(s), 4 setting(s), 16 distinct command(s)")
+    assert sum(line.startswith("  command ") for line in lines) == 16
+    listed = " ".join(line for line in lines if line.startswith("    runs: "))
+    assert all(listed.count(spec.key) == 1 for spec in ordered)
+    megatron = text[text.index("  command 3.1 ("):text.index("  command 3.2 ")]
+    assert "model_engine=megatron" in megatron and "override_transformer_config.fp8=e4m3" in megatron
+    assert "actor_rollout_ref.actor.megatron.expert_model_parallel_size=8" in megatron
+
+    rates = {m: Throughput(**r) for m, r in yaml.safe_load((Path(__file__).parents[1] / "clusters" / "h20.yaml")
+                                                          .read_text())["throughput"].items()}  # fmt: skip
+    total_hours, run_seconds = 0.0, []
+    for model, batch, n, response in (("qwen3-4b-base", 128, 8, 8192), ("qwen3-8b-base", 128, 8, 8192),
+                                      ("qwen3-30b-a3b-base", 256, 16, 16384), ("qwen3-30b-a3b-base", 256, 16, 16384)):  # fmt: skip
+        steps, rate, gpus = 17_408 // batch, rates[model], 32
+        validations = 1 + steps // 10 + (steps % 10 > 0)  # before training, every 10 steps, the last
+        tokens, held_out = batch * n * response, 60 * 16 * response
+        seconds = steps * (tokens / (rate.rollout * gpus) + tokens / (rate.train * gpus)) + validations * held_out / (rate.rollout * gpus)
+        assert f"{steps} steps of {tokens / 1e6:.2f} M tokens generated and trained, {validations} validations" in text
+        assert f"setting cost: 12 run(s), {12 * seconds * gpus / 3600:,.0f} GPU-hours" in text
+        total_hours += 12 * seconds * gpus / 3600
+        run_seconds += [seconds] * 12
+    sweep = lines[-1]
+    assert sweep.startswith(f"sweep cost: 48 run(s), {total_hours:,.0f} GPU-hours; ")
+    days = float(sweep.split("GPU-hours; ")[1].split(" days")[0])
+    assert sum(run_seconds) / 4 <= days * 86400 * 1.001 and days * 86400 <= sum(run_seconds) / 4 + max(run_seconds)
+    assert "at max_concurrent 4 (4 x 4 node(s) at a time)" in sweep
+    kept = sum(12 * 3 * launch.MODEL_PRESETS[m].parameters * 12 for m in
+               ("qwen3-4b-base", "qwen3-8b-base", "qwen3-30b-a3b-base", "qwen3-30b-a3b-base"))  # fmt: skip
+    assert f"checkpoints: {kept / 1e12:.2f} TB at most" in sweep
+
+
+def test_a_sweep_of_one_setting_keeps_its_grid_order() -> None:
+    from pdmctl.orchestrate import settings_first
+
+    specs = expand(["seed=0,1,2", "k=10,20"], None, "s")
+    assert settings_first(specs) == specs
+    mixed = expand(["precision=bf16,fp8_rollout", "seed=0,1"], None, "s")  # grid order: bf16 0, 1, fp8 0, 1
+    assert [s.config["precision"]["name"] for s in settings_first(mixed)] == ["bf16", "fp8_rollout", "bf16", "fp8_rollout"]
 
 
 def test_checkpoints_kept_are_the_saves_where_a_run_saves_fewer() -> None:

@@ -89,9 +89,18 @@ def test_the_v1_trainer_is_chosen_by_the_environment(monkeypatch: pytest.MonkeyP
 
 
 def test_mask_values_reach_the_config() -> None:
+    """...and the run's own VeRL keys (issue 25): a declared one, one in a mapping VeRL leaves open (Hydra's
+    `+`), one pdmctl also sets (the run's wins, the token budget follows), and val_before_train."""
+    own = {"actor_rollout_ref.rollout.gpu_memory_utilization": 0.85,
+           "actor_rollout_ref.rollout.engine_kwargs.vllm.enforce_eager": True, "data.max_response_length": 4096}  # fmt: skip
     run = {**BASE, "model": "qwen3-8b-base", "method": "pdm", "divergence": "topk_tv", "estimator": "exact",
-           "delta": 0.2, "delta_low": 0.1, "k": 50, "eps_low": 0.2, "eps_high": 0.28, "ratio_cap": 5.0}  # fmt: skip
+           "delta": 0.2, "delta_low": 0.1, "k": 50, "eps_low": 0.2, "eps_high": 0.28, "ratio_cap": 5.0,
+           "verl": own, "val_before_train": False}  # fmt: skip
     config = launch.compose(launch.verl_overrides(run))
+    rollout = config.actor_rollout_ref.rollout
+    assert rollout.gpu_memory_utilization == 0.85 and rollout.engine_kwargs.vllm.enforce_eager is True
+    assert config.data.max_response_length == 4096 and config.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 2048 + 4096
+    assert config.trainer.val_before_train is False
     loss = config.actor_rollout_ref.actor.policy_loss
     assert (loss.divergence, loss.estimator, loss.delta, loss.delta_low, loss.topk) == (
         "topk_tv",
@@ -353,3 +362,115 @@ def test_each_backend_names_the_final_step_a_tune_trial_never_prunes() -> None:
     assert get_backend("verl").final_step({"model": "qwen3-tiny", "total_training_steps": None}) == 3
     assert get_backend("toy").final_step({"steps": 40}) == 40
     assert get_backend("synthetic").final_step({"steps": 9}) == 9
+
+
+# --- every VeRL key settable from a grid, every unknown key refused (issue 25, item 5) -------------
+
+
+def _overrides(spec) -> list[str]:
+    from pdmctl.backends.registry import _verl_job_config, flat_config
+
+    return launch.verl_overrides(_verl_job_config(flat_config(spec.config), Path("/runs/r")))
+
+
+def test_a_verl_key_from_the_grid_reaches_the_command_and_the_run_key(tmp_path: Path) -> None:
+    from pdmctl.grid import expand, load_sweep_file
+
+    base = ["backend=verl", "model=qwen3-4b-base"]
+    specs = expand([*base, "verl.actor_rollout_ref.rollout.gpu_memory_utilization=0.8,0.9"], None, "s")
+    (plain,) = expand(base, None, "s")
+    assert len({plain.key, *(s.key for s in specs)}) == 3
+    for spec, value in zip(specs, (0.8, 0.9), strict=True):
+        assert spec.config["backend"]["verl"] == {"actor_rollout_ref.rollout.gpu_memory_utilization": value}
+        assert f"actor_rollout_ref.rollout.gpu_memory_utilization={value}" in _overrides(spec)
+    (added,) = expand([*base, "+verl.actor_rollout_ref.rollout.gpu_memory_utilization=0.8"], None, "s")
+    assert added.key == specs[0].key  # `+` or not, the same setting
+    (fields,) = expand([*base, "verl.data.max_response_length=4096", "backend.val_before_train=false",
+                        "verl.actor_rollout_ref.rollout.engine_kwargs.vllm.enforce_eager=true"], None, "s")  # fmt: skip
+    overrides = _overrides(fields)
+    assert "data.max_response_length=4096" in overrides and "data.max_response_length=8192" not in overrides
+    assert "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=6144" in overrides  # the budget follows
+    assert "trainer.val_before_train=false" in overrides
+    assert "+actor_rollout_ref.rollout.engine_kwargs.vllm.enforce_eager=true" in overrides  # not in VeRL's yaml: +
+    sweep = tmp_path / "s.yaml"  # a sweep file's settings, and `~` on the command line over them
+    sweep.write_text("grid: {backend: verl, model: qwen3-4b-base}\n"
+                     "settings: [{verl.actor_rollout_ref.rollout.gpu_memory_utilization: 0.8}]\n")  # fmt: skip
+    assert [s.key for s in expand([], load_sweep_file(str(sweep)), "s")] == [specs[0].key]
+    key = "verl.actor_rollout_ref.rollout.gpu_memory_utilization"
+    assert [s.key for s in expand([f"~{key}"], load_sweep_file(str(sweep)), "s")] == [plain.key]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [("+backend.gpu_memory_utilization=0.8", r"^backend\.gpu_memory_utilization: not a field of backend verl "
+      r"\(its fields: .*\); a VeRL config key is set as verl\.<key>, e\.g\. "
+      r"verl\.actor_rollout_ref\.rollout\.gpu_memory_utilization=0\.8$"),
+     ("verl.actor_rollout_ref.rollout.gpu_memory_utilisation=0.8", r"^verl\.actor_rollout_ref\.rollout\."
+      r"gpu_memory_utilisation: not in VeRL's config \(RolloutConfig has no field 'gpu_memory_utilisation'; "
+      r"did you mean 'gpu_memory_utilization'\?\)$"),
+     ("verl.actor_rollout_ref.rollout.gpu_memory_utilization=most", r"'most' does not fit VeRL's "
+      r"RolloutConfig\.gpu_memory_utilization \(Value 'most' of type 'str' could not be converted to Float\)"),
+     ("verl.trainer.balance_batch=maybe", r"^verl\.trainer\.balance_batch: must be true or false \(VeRL's "
+      r"default is True\), got 'maybe'$"),
+     ("verl.trainer.blance_batch=true", r"VeRL's config has no trainer\.blance_batch; did you mean 'balance_batch'"),
+     ("verl.actor_rollout_ref.actor.optim.lr=1e-5", r"^verl\.actor_rollout_ref\.actor\.optim\.lr: pdmctl sets "
+      r"it from backend\.lr; set that instead$"),
+     ("verl.trainer.val_before_train=false", r"pdmctl sets it from backend\.val_before_train"),
+     ("verl.actor_rollout_ref.actor.policy_loss.loss_mode=vanilla", r"from mask, delta, delta_low and k"),
+     ("verl.trainer={total_epochs:2}", r"^verl\.trainer: pdmctl sets trainer\.use_v1 from "),
+     ("verl.actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", r"a key of VeRL's megatron engine, "
+      r"and this run trains on dp \(backend\.strategy=megatron changes it\)"),
+     ("+backend.verl.trainer.balance_batch=false", r"set verl's own keys one by one, as verl\.<key>=<value>"),
+     ("verl=5", r"^verl: give the key, as verl\.<key>=<value>$")],
+)  # fmt: skip
+def test_a_key_verl_would_not_take_is_refused_in_one_line(override: str, message: str) -> None:
+    from pdmctl.grid import GridError, expand
+    from pdmctl.spec import SpecError
+
+    with pytest.raises((GridError, SpecError), match=message) as info:
+        expand(["backend=verl", "model=qwen3-4b-base", override], None, "s")
+    assert "\n" not in str(info.value)
+
+
+def test_a_verl_key_on_another_backend_and_an_unknown_backend_key_at_the_cli(workdir: Path) -> None:
+    from typer.testing import CliRunner
+
+    from pdmctl.cli import app
+    from pdmctl.grid import GridError, expand
+
+    with pytest.raises(GridError, match=r"sets backend=verl's own config, and this run's backend is toy"):
+        expand(["verl.trainer.balance_batch=false"], None, "s")
+    result = CliRunner().invoke(app, ["sweep", "backend=verl", "model=qwen3-4b-base",
+                                      "+backend.gpu_memory_utilization=0.8", "--dry-run"])  # fmt: skip
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert errors[0].startswith("error: backend.gpu_memory_utilization: not a field of backend verl")
+    assert list(workdir.iterdir()) == []
+
+
+def test_every_verl_key_pdmctl_sets_from_a_setting_of_its_own_is_refused_as_verl_key() -> None:
+    """Changing any of pdmctl's own settings changes only VeRL keys of launch.PDMCTL_KEYS: none can be set
+    twice (as verl.<key> and as the setting), so the run config says what ran. The token budget follows
+    max_prompt_length but stays the run's to tune (throughput, not what is trained)."""
+    tunable = {"actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+               "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"}  # fmt: skip
+    base = {**BASE, "model": "qwen3-4b-base"}
+    changes = {"seed": 7, "lr": 3e-6, "temperature": 0.7, "val_n": 4, "save_freq": 5, "test_freq": 5,
+               "val_before_train": False, "total_epochs": 2, "total_training_steps": 9, "max_ckpt_to_keep": 1,
+               "max_prompt_length": 1024, "k": 50, "delta": 0.3, "delta_low": 0.1, "method": "dppo",
+               "divergence": "topk_tv", "estimator": "uni", "eps_low": 0.1, "eps_high": 0.2, "ratio_cap": 3.0,
+               "loss_agg_mode": "seq-mean-token-mean", "precision": "fp8_e2e", "strategy": "megatron",
+               "checkpoint_dir": "/elsewhere", "data_dir": "/d2", "model_path": "/m", "experiment": "e2",
+               "run_name": "r2", "nnodes": 1}  # fmt: skip
+
+    def command(run: dict) -> dict[str, str]:
+        return dict(o.lstrip("+").split("=", 1) for o in launch.verl_overrides(run))
+
+    before = command(base)
+    for field, value in changes.items():
+        after = command({**base, field: value})
+        changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)} - tunable
+        assert changed, field  # the setting reaches the command
+        owned = {k for k in changed if any(k == o or k.startswith(f"{o}.") for o in launch.PDMCTL_KEYS)}
+        preset = {k for k in changed - owned if field in ("precision", "strategy") and "megatron" in k}
+        assert changed - owned - preset == set(), field  # megatron's parallel sizes come from the preset

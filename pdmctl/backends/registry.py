@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import importlib
 import math
 import os
 import sys
-import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,13 +37,25 @@ class Backend:
     nodes: Callable[[Mapping[str, Any]], int | None] = lambda flat: None
     # before submitting to a cluster (login node): raise ValueError for what the job would fail on
     check_cluster: Callable[[Mapping[str, Any], Mapping[str, Any]], None] = lambda flat, cluster: None
-    # what --dry-run prints of the jobs: [(summary, flat config, run directory)], the cluster's settings
-    describe: Callable[[list[tuple[str, Mapping[str, Any], Path]], Mapping[str, Any]], list[str]] = (
-        lambda runs, cluster: []
-    )
+    # what --dry-run prints of the jobs (in array order), given the cluster's settings
+    describe: Callable[[list[DescribedRun], Mapping[str, Any]], list[str]] = lambda runs, cluster: []
+    # the grid's prefix for the engine's own config keys (verl: `verl.<VeRL key>=v`, kept as backend.verl)
     # what a job records of its run besides the code and the versions (pdmctl.provenance): the data
     # manifest's digest (`data`) and the evaluation's sampling parameters (`eval_sampling`); in the job
     provenance: Callable[[Mapping[str, Any], Path], dict[str, str]] = lambda flat, run_dir: {}
+    engine_keys: str | None = None
+    # runs of one setting share an engine path (verl: model, precision, strategy): the array starts with one of each
+    setting: Callable[[Mapping[str, Any]], str] = lambda flat: f"{flat['model']} {flat['precision']}"
+
+
+@dataclass(frozen=True)
+class DescribedRun:
+    """A run as --dry-run describes it: its key, its summary line, its flat config, its run directory."""
+
+    key: str
+    summary: str
+    flat: Mapping[str, Any]
+    run_dir: Path
 
 
 def flat_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -143,6 +153,17 @@ def _verl_job_config(flat: Mapping[str, Any], run_dir: Path) -> dict[str, Any]:
     return {**flat, "data_dir": str(data_dir), "checkpoint_dir": str(run_dir.resolve() / "checkpoints")}
 
 
+def _verl_unknown_fields(flat: Mapping[str, Any]) -> None:
+    """A backend.* key the VeRL backend does not have (`+backend.gpu_memory_utilization=0.8` would change the
+    run key and reach nothing): refused, pointing at `verl.<key>` for VeRL's own keys."""
+    known = {*SHARED_FIELDS, *_verl_defaults(), "verl"}
+    unknown = sorted(set(flat) - known)
+    if unknown:
+        raise ValueError(f"backend.{unknown[0]}: not a field of backend verl (its fields: "
+                         f"{', '.join(sorted(set(_verl_defaults())))}); a VeRL config key is set as verl.<key>, "
+                         "e.g. verl.actor_rollout_ref.rollout.gpu_memory_utilization=0.8")  # fmt: skip
+
+
 # VeRL's ActorConfig.__post_init__ (verl 0.9.1, verl/workers/config/actor.py) accepts these and no other
 VERL_LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                        "seq-mean-token-sum-norm")  # fmt: skip
@@ -180,7 +201,9 @@ def _verl_fields(flat: Mapping[str, Any]) -> None:
 
 
 def _verl_schema_check(name: str, value: Any, target: str, verl_field: str) -> None:
-    field_schema = _verl_field_schema(target, verl_field)
+    from pdmctl.backends.verl.schema import field_schema as verl_field_schema
+
+    field_schema = verl_field_schema(target, verl_field)
     if field_schema is None:  # VeRL is not installed where the sweep is submitted: pdmctl's own checks only
         return
     from omegaconf import OmegaConf
@@ -193,25 +216,12 @@ def _verl_schema_check(name: str, value: Any, target: str, verl_field: str) -> N
         raise ValueError(f"{name}: {value!r} does not fit VeRL's {target.rsplit('.', 1)[1]}.{verl_field} ({why})") from None
 
 
-@functools.lru_cache(maxsize=32)
-def _verl_field_schema(target: str, verl_field: str):
-    """An OmegaConf schema of one field of one of VeRL's config dataclasses, typed as VeRL types it."""
-    module, _, name = target.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except ImportError:
-        return None
-    from omegaconf import MISSING, OmegaConf
-
-    hint = typing.get_type_hints(cls)[verl_field]
-    return OmegaConf.structured(dataclasses.make_dataclass(f"{name}_{verl_field}", [(verl_field, hint, MISSING)]))
-
-
 def _verl_validate(flat: Mapping[str, Any]) -> None:
     """Build the job's overrides and parse each with Hydra's own parser, as the job will after the queue wait."""
     from pdmctl.backends.verl.quoting import OverrideError, check_overrides
 
     launch = _verl_module()
+    _verl_unknown_fields(flat)
     _verl_fields(flat)
     cfg = _verl_job_config(flat, Path("/pdmctl-validate"))
     try:
@@ -266,22 +276,25 @@ def _verl_check_cluster(flat: Mapping[str, Any], cluster: Mapping[str, Any]) -> 
                                  or str(Path("data/verl").resolve()))  # fmt: skip
 
 
-def _verl_describe(runs: list[tuple[str, Mapping[str, Any], Path]], cluster: Mapping[str, Any]) -> list[str]:
-    """The first job's VeRL command, what the others change, the checkpoints (`launch.describe_jobs`)."""
+def _verl_describe(runs: list[DescribedRun], cluster: Mapping[str, Any]) -> list[str]:
+    """Every distinct VeRL command by setting, each run under its command, the cost (`describe.describe_jobs`)."""
     if not runs:
         return []
     launch = _verl_module()
+    from pdmctl.backends.verl import describe
+
     environ = {var: str(cluster[name]) for var, name in (("PDMCTL_MODELS_DIR", "models_dir"),
                ("PDMCTL_DATA_DIR", "data_dir"), ("PDMCTL_NCCL_TIMEOUT", "nccl_timeout")) if cluster.get(name)}  # fmt: skip
     if cluster.get("offline"):
         environ.update(dict.fromkeys(launch.OFFLINE_ENV, "1"))
     environ.update(cluster.get("env") or {})
     jobs = []
-    for summary, flat, run_dir in runs:
-        cfg = {**flat, "data_dir": flat.get("data_dir") or environ.get("PDMCTL_DATA_DIR")}
-        jobs.append((summary, {**_verl_job_config(cfg, run_dir), "mlflow_run_id": "RUN_ID",
-                               "tracking_uri": cluster.get("tracking_uri") or "TRACKING_URI"}))  # fmt: skip
-    return launch.describe_jobs(jobs, int(cluster.get("nodes") or 1), environ)
+    for run in runs:
+        cfg = {**run.flat, "data_dir": run.flat.get("data_dir") or environ.get("PDMCTL_DATA_DIR")}
+        job = {**_verl_job_config(cfg, run.run_dir), "mlflow_run_id": "RUN_ID",
+               "tracking_uri": cluster.get("tracking_uri") or "TRACKING_URI"}  # fmt: skip
+        jobs.append(describe.Job(run.key, run.summary, launch.setting(job), job))
+    return describe.describe_jobs(jobs, int(cluster.get("nodes") or 1), environ, cluster)
 
 
 def _synthetic() -> Backend:
@@ -294,7 +307,8 @@ BACKENDS: dict[str, Backend] = {
     "toy": Backend("toy", _toy_defaults, _toy_validate, _toy_run, provenance=_toy_provenance),
     "verl": Backend("verl", _verl_defaults, _verl_validate, _verl_run, lambda flat: _verl_module().final_step(flat),
                     lambda flat: _verl_module().run_nodes(_verl_job_config(flat, Path("/pdmctl-validate"))),
-                    _verl_check_cluster, _verl_describe, _verl_provenance),  # fmt: skip
+                    _verl_check_cluster, _verl_describe, provenance=_verl_provenance, engine_keys="verl",
+                    setting=lambda flat: _verl_module().setting(_verl_job_config(flat, Path("/pdmctl-validate")))),  # fmt: skip
     "synthetic": _synthetic(),  # a known objective for pdmctl tune's tests and benchmark
 }
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -120,6 +121,34 @@ def load_profile(name_or_path: str) -> ClusterProfile:
 
         SlurmOptions.from_profile(profile)  # its unknown keys and wrong types, now
     return profile
+
+
+# What a profile template leaves for its user to fill in: CHANGE-ME (clusters/h20.yaml), REPLACE-ME,
+# <an-angle-bracketed-name>, TODO, FIXME.
+PLACEHOLDER = re.compile(r"CHANGE[-_ ]?ME|REPLACE[-_ ]?ME|<[A-Za-z][\w.-]*>|(?-i:\bTODO\b|\bFIXME\b)", re.IGNORECASE)
+
+
+def check_placeholders(profile: ClusterProfile) -> None:
+    """Refuse, in one line, a profile with a placeholder left in any of its values (paths, partition, setup:
+    lines, env: values, ...): it would go into the job script as it is and fail after the queue wait."""
+    found = [(where, text) for where, text in _values(
+        {"name": profile.name, "tracking_uri": profile.tracking_uri, "workdir": profile.workdir, **profile.options}
+    ) if PLACEHOLDER.search(text)]  # fmt: skip
+    if found:
+        (where, text), others = found[0], [w for w, _ in found[1:]]
+        also = f"; also in {', '.join(others)}" if others else ""
+        raise ExecutorError(f"cluster {profile.name}: {where} still holds the placeholder "
+                            f"{PLACEHOLDER.search(text)[0]!r} ({text!r}){also}: fill each in before submitting "
+                            "(docs/CLUSTER.md)")  # fmt: skip
+
+
+def _values(node: Any, where: str = "") -> list[tuple[str, str]]:
+    """(where, text) of every string in a profile's values: `setup[1]`, `env.NCCL_SOCKET_IFNAME`."""
+    if isinstance(node, Mapping):
+        return [item for key, value in node.items() for item in _values(value, f"{where}.{key}" if where else str(key))]
+    if isinstance(node, list | tuple):
+        return [item for i, value in enumerate(node) for item in _values(value, f"{where}[{i}]")]
+    return [(where, node)] if isinstance(node, str) else []
 
 
 class Executor(ABC):

@@ -22,6 +22,8 @@ Profile options (clusters/<name>.yaml, beside `executor: slurm`; all optional):
                                  workers see it (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_HCA, ...)
     nccl_timeout                 seconds for VeRL's process-group operations (default: 1800 when a job
                                  has more than one node, VeRL's 600 otherwise)
+    throughput                   tokens per second per GPU, per model: {MODEL: {rollout: R, train: T}}, for
+                                 the cost --dry-run prints (docs/CLUSTER.md, "Cost")
 
 How a job ends and what the ledger learns:
 * Finished, failed: the job writes it into its MLflow run itself (`pdmctl.job`), and its exit code
@@ -52,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import getpass
 import io
+import math
 import os
 import re
 import shlex
@@ -110,6 +113,7 @@ class SlurmOptions:
     data_dir: str | None = None
     env: tuple[tuple[str, str], ...] = ()
     nccl_timeout: int | None = None
+    throughput: tuple[tuple[str, float, float], ...] = ()  # (model, rollout, train) tokens/s per GPU
 
     @classmethod
     def from_profile(cls, profile: ClusterProfile) -> SlurmOptions:
@@ -145,6 +149,8 @@ class SlurmOptions:
                 values[name] = value
             elif name == "env":
                 values[name] = _env_block(value, where)
+            elif name == "throughput":
+                values[name] = _throughput_block(value, where)
             elif name in ("sbatch", "setup"):
                 if (
                     isinstance(value, str)
@@ -192,6 +198,20 @@ def _env_block(value: Any, where: str) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def _throughput_block(value: Any, where: str) -> tuple[tuple[str, float, float], ...]:
+    if not isinstance(value, dict):
+        raise ExecutorError(f"{where}: throughput: must be a mapping of model: {{rollout: N, train: N}}, got {value!r}")
+    out = []
+    for model, rates in value.items():
+        if not isinstance(rates, dict) or set(rates) != {"rollout", "train"} or not all(
+            isinstance(r, int | float) and not isinstance(r, bool) and math.isfinite(r) and r > 0 for r in rates.values()
+        ):  # fmt: skip
+            raise ExecutorError(f"{where}: throughput: {model}: must be {{rollout: N, train: N}}, tokens per second "
+                                f"per GPU (numbers > 0), got {rates!r}")  # fmt: skip
+        out.append((str(model), float(rates["rollout"]), float(rates["train"])))
+    return tuple(out)
+
+
 def parse_time(value: Any, where: str = "cluster") -> int:
     """SLURM's time formats (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) -> whole minutes."""
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
@@ -227,14 +247,18 @@ class SlurmExecutor(Executor):
 
     def check(self) -> None:
         """Refuse what `sinfo` shows cannot run: no SLURM, unknown partition, more nodes, GPUs,
-        CPUs, memory or time than the partition has. What only the scheduler knows (accounts,
-        QOS, constraints) is refused by sbatch, and `submit` reports its reason."""
+        CPUs, memory or time than the partition has, more runs at once than it holds. What only the
+        scheduler knows (accounts, QOS, constraints) is refused by sbatch, and `submit` reports its reason."""
         where = f"cluster {self.profile.name}"
         missing = [c for c in COMMANDS if shutil.which(c) is None]
         if missing:
             raise ExecutorError(f"{where}: SLURM commands not found here ({', '.join(missing)}); "
                                 "submit from a login node of the cluster")  # fmt: skip
-        partitions = self._partitions()
+        self.check_partitions(self._partitions())
+
+    def check_partitions(self, partitions: dict[str, _Partition]) -> None:
+        """`check` against partitions as `sinfo` describes them (`parse_partitions`)."""
+        where = f"cluster {self.profile.name}"
         opts = self.options
         if not partitions:
             raise ExecutorError(f"{where}: sinfo shows no partitions")
@@ -270,25 +294,44 @@ class SlurmExecutor(Executor):
         if opts.signal_delay_s >= opts.time * 60:
             raise ExecutorError(f"{where}: signal_delay_s ({opts.signal_delay_s} s) must be shorter than "
                                 f"the time limit ({opts.time} min)")  # fmt: skip
+        concurrent = self.profile.max_concurrent
+        per_node, why = self.jobs_per_node(part)
+        at_once = part.nodes * per_node // opts.nodes
+        if concurrent is not None and concurrent > at_once:
+            raise ExecutorError(f"{label} has {part.nodes} node(s) and a job takes {opts.nodes} node(s), {why}: "
+                                f"max_concurrent {concurrent} x nodes {opts.nodes} cannot run at once; at most "
+                                f"{at_once} can (set max_concurrent: {at_once})")  # fmt: skip
+
+    def jobs_per_node(self, part: _Partition) -> tuple[int, str]:
+        """How many of this profile's jobs one node of the partition holds at once, and why."""
+        opts = self.options
+        extra = opts.extra_sbatch()
+        if "exclusive" in extra:
+            return 1, "each whole (--exclusive)"
+        if str(extra.get("mem", "")).strip() == "0":
+            return 1, "all of each one's memory (--mem=0)"
+        if self._select_type() == "select/linear":
+            return 1, "each whole (SelectType=select/linear)"
+        fits = {"CPUs": part.max_cpus // opts.cpus_per_task}
+        if opts.gpus_per_node:
+            fits["GPUs"] = part.max_gpus(opts.gpu_type) // opts.gpus_per_node
+        if opts.mem_gb:
+            fits["memory"] = int(part.max_mem_mb // (opts.mem_gb * 1024))
+        limit = min(fits, key=lambda k: fits[k])
+        count = max(1, fits[limit])
+        return count, f"{count} job(s) to a node by its {limit}"
+
+    def _select_type(self) -> str:
+        try:
+            return self._scheduler_config().get("SelectType", "")
+        except ExecutorError:
+            return ""
 
     def nodes_per_job(self) -> int:
         return self.options.nodes
 
     def _partitions(self) -> dict[str, _Partition]:
-        out = _run(["sinfo", "-h", "-o", "%P|%a|%l|%D|%c|%m|%G"], what="sinfo")
-        partitions: dict[str, _Partition] = {}
-        for line in out.splitlines():
-            cols = line.strip().split("|")
-            if len(cols) != 7:
-                continue
-            raw, avail, limit, nodes, cpus, mem, gres = cols
-            name = raw.rstrip("*")
-            part = partitions.setdefault(name, _Partition(name, raw.endswith("*"), avail, _limit_min(limit)))
-            part.nodes += int(nodes or 0)
-            part.max_cpus = max(part.max_cpus, _int_prefix(cpus))
-            part.max_mem_mb = max(part.max_mem_mb, _int_prefix(mem))
-            part.gres.update(g for g in gres.split(",") if g and g != "(null)")
-        return partitions
+        return parse_partitions(_run(["sinfo", "-h", "-o", SINFO_FORMAT], what="sinfo"))
 
     def max_array_size(self) -> int:
         """Tasks per array: the cluster's MaxArraySize (indices 0 .. MaxArraySize-1)."""
@@ -354,7 +397,7 @@ class SlurmExecutor(Executor):
             f"export PDMCTL_EXECUTOR=slurm PDMCTL_NUM_THREADS=${{SLURM_CPUS_PER_TASK:-{opts.cpus_per_task}}}",
             "export OMP_NUM_THREADS=$PDMCTL_NUM_THREADS",
             *self.job_exports(),
-            *opts.setup,
+            *_fatal(opts.setup),
             *(f"export {key}={shlex.quote(value)}" for key, value in opts.env),  # after setup: the profile wins
         ]
         params: dict[str, Any] = {
@@ -382,7 +425,9 @@ class SlurmExecutor(Executor):
     def job_settings(self) -> dict[str, Any]:
         opts = self.options
         return {"offline": opts.offline, "models_dir": opts.models_dir, "data_dir": opts.data_dir,
-                "nccl_timeout": opts.nccl_timeout, "env": dict(opts.env)}  # fmt: skip
+                "nccl_timeout": opts.nccl_timeout, "env": dict(opts.env), "time": opts.time,
+                "max_timeouts": opts.max_timeouts,
+                "throughput": {model: {"rollout": r, "train": t} for model, r, t in opts.throughput}}  # fmt: skip
 
     @property
     def python(self) -> str:
@@ -548,6 +593,26 @@ class _Partition:
         return best
 
 
+SINFO_FORMAT = "%P|%a|%l|%D|%c|%m|%G"  # partition, availability, time limit, nodes, CPUs, memory (MB), gres
+
+
+def parse_partitions(text: str) -> dict[str, _Partition]:
+    """`sinfo -h -o SINFO_FORMAT` lines -> the partitions (one line per node group, summed by partition)."""
+    partitions: dict[str, _Partition] = {}
+    for line in text.splitlines():
+        cols = line.strip().split("|")
+        if len(cols) != 7:
+            continue
+        raw, avail, limit, nodes, cpus, mem, gres = cols
+        name = raw.rstrip("*")
+        part = partitions.setdefault(name, _Partition(name, raw.endswith("*"), avail, _limit_min(limit)))
+        part.nodes += int(nodes or 0)
+        part.max_cpus = max(part.max_cpus, _int_prefix(cpus))
+        part.max_mem_mb = max(part.max_mem_mb, _int_prefix(mem))
+        part.gres.update(g for g in gres.split(",") if g and g != "(null)")
+    return partitions
+
+
 def parse_job_states(text: str) -> dict[str, JobState]:
     """`ID|STATE` lines of sacct or squeue -> job id -> state; pending ranges `123_[0-9,12%4]` expanded."""
     out: dict[str, JobState] = {}
@@ -573,6 +638,16 @@ def expand_job_id(job: str) -> list[str]:
         low, _, high = item.partition("-")
         out += [f"{base}_{i}" for i in range(int(low), int(high or low) + 1)]
     return out
+
+
+def _fatal(setup: Sequence[str]) -> list[str]:
+    """The profile's setup lines, each one's failure ending the job there, with the line named in the job's
+    output: a module that does not load or an environment that does not activate fails now, not as an
+    import error hours later on another node (no `|| true` around them)."""
+    if not setup:
+        return []
+    return ["set -e", "trap 'echo \"RuntimeError: a setup line of the cluster profile failed (exit $?): "
+            "$BASH_COMMAND\" >&2' ERR", *setup, "trap - ERR", "set +e"]
 
 
 def _comment(requests: Sequence[JobRequest]) -> str | None:

@@ -108,7 +108,7 @@ def tune(
             ctx = orchestrate.make_context(cluster, tracking_uri)
             plan = tune_study.check(study_name, request, options, ctx, storage)
             if dry_run:
-                orchestrate.make_executor(ctx.profile).check()
+                orchestrate.check_profile(ctx)
                 _print_plan(plan, options, ctx)
                 return
             driver = tune_study.Driver(plan, options, ctx)

@@ -129,6 +129,7 @@ DEFAULTS: dict[str, Any] = {
     "val_n": 16,
     "save_freq": None,  # None: the model preset's (10 for the Qwen3 presets)
     "test_freq": 10,
+    "val_before_train": True,  # validate before the first step too (the step-0 point of a curve)
     "total_epochs": 1,
     "max_prompt_length": 2048,
     "experiment": "pdmctl",
@@ -178,7 +179,18 @@ def _resolved(run_config: Mapping[str, Any]) -> dict[str, Any]:
     nnodes = cfg["nnodes"]
     if nnodes is not None and (not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1):
         raise LaunchConfigError(f"nnodes: must be a whole number >= 1, got {nnodes!r}")
+    if not isinstance(cfg["val_before_train"], bool):
+        raise LaunchConfigError(f"val_before_train: must be true or false, got {cfg['val_before_train']!r}")
+    if not isinstance(cfg.get("verl") or {}, Mapping):
+        raise LaunchConfigError(f"verl: VeRL keys are set one by one as verl.<key>=<value>, got {cfg['verl']!r}")
     return cfg
+
+
+def setting(run_config: Mapping[str, Any]) -> str:
+    """A run's engine path: model, precision and training strategy (the runs of one setting differ only in
+    what the same code reads: the mask, δ, K, the seed, VeRL keys)."""
+    cfg = _resolved(run_config)
+    return f"{cfg['model']} {cfg['precision']} on {cfg['strategy']}"
 
 
 def run_nodes(run_config: Mapping[str, Any]) -> int:
@@ -243,8 +255,10 @@ def verl_overrides(
     rollout = "actor_rollout_ref.rollout"
     run_name = cfg["run_name"] or cfg.get("mlflow_run_id") or f"{cfg['model']}-{cfg['method']}-s{cfg['seed']}"
     data_dir = Path(str(cfg["data_dir"]))
+    own = _own_overrides(cfg, "megatron" if megatron else "dp")
     prompt_length = preset.max_prompt_length or cfg["max_prompt_length"]
-    token_budget = prompt_length + preset.max_response_length
+    response_length = int((cfg.get("verl") or {}).get("data.max_response_length", preset.max_response_length))
+    token_budget = prompt_length + response_length
     v1 = use_v1_trainer()
     nodes = nnodes or run_nodes(cfg)
     out = [
@@ -258,7 +272,7 @@ def verl_overrides(
         f"data.val_files=[{','.join(quoted(data_dir / f) for f in VAL_FILES)}]",
         f"data.train_batch_size={preset.train_batch_size}",
         f"data.max_prompt_length={prompt_length}",
-        f"data.max_response_length={preset.max_response_length}",
+        f"data.max_response_length={response_length}",
         "data.filter_overlong_prompts=true",
         f"data.seed={cfg['seed']}",
         # model
@@ -302,7 +316,7 @@ def verl_overrides(
         f"trainer.save_freq={cfg['save_freq']}",
         "trainer.resume_mode=auto",
         f"trainer.test_freq={cfg['test_freq']}",
-        "trainer.val_before_train=true",
+        f"trainer.val_before_train={str(cfg['val_before_train']).lower()}",
         f"trainer.total_epochs={cfg['total_epochs']}",
         f"trainer.total_training_steps={cfg['total_training_steps'] or preset.total_training_steps or 'null'}",
         f"trainer.nnodes={nodes}",
@@ -328,6 +342,87 @@ def verl_overrides(
         ]
     else:
         out += [f"{actor}.strategy=fsdp2", "actor_rollout_ref.ref.strategy=fsdp2"]
+    return _with_own(out, own)
+
+
+# VeRL keys pdmctl sets from a setting of its own, or that the job relies on: a run sets the setting, never
+# the key (`verl.<key>` is refused, naming what sets it), so that the run config says what ran.
+PDMCTL_KEYS: dict[str, str] = {
+    "model_engine": "from backend.strategy; set that instead",
+    "actor_rollout_ref.actor.strategy": "from backend.strategy; set that instead",
+    "actor_rollout_ref.ref.strategy": "from backend.strategy; set that instead",
+    "trainer.use_v1": f"from {TRAINER_ENV} (v0 or v1)",
+    "data.train_files": "from backend.data_dir; set that instead",
+    "data.val_files": "from backend.data_dir (AIME 2024 and 2025: the report's avg@16); set that instead",
+    "data.max_prompt_length": "from backend.max_prompt_length; set that instead",
+    "data.seed": "from seed; set that instead",
+    "actor_rollout_ref.model.path": "from the model and backend.model_path; set that instead",
+    "actor_rollout_ref.model.use_fused_kernels": "off: the masks need the full logits",
+    "actor_rollout_ref.model.external_lib": "to its plugin (every worker imports the masks)",
+    "actor_rollout_ref.actor.optim.lr": "from backend.lr; set that instead",
+    "actor_rollout_ref.actor.loss_agg_mode": "from mask.loss_agg_mode; set that instead",
+    "actor_rollout_ref.actor.clip_ratio_low": "from mask.eps_low; set that instead",
+    "actor_rollout_ref.actor.clip_ratio_high": "from mask.eps_high; set that instead",
+    "actor_rollout_ref.actor.clip_ratio_c": "from mask.ratio_cap; set that instead",
+    "actor_rollout_ref.actor.policy_loss": "from mask, delta, delta_low and k; set those instead",
+    "actor_rollout_ref.rollout.name": "to vllm (the top-K log-probs come from vLLM)",
+    "actor_rollout_ref.rollout.temperature": "from backend.temperature (the masks divide by it); set that instead",
+    "actor_rollout_ref.rollout.calculate_log_probs": "on: the masks read the rollout's log-probs",
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs": "from k; set that instead",
+    "actor_rollout_ref.rollout.val_kwargs.n": "from backend.val_n; set that instead",
+    "actor_rollout_ref.rollout.val_kwargs.temperature": "from backend.temperature; set that instead",
+    "actor_rollout_ref.rollout.quantization": "from precision; set that instead",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.fp8": "from precision; set that instead",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.fp8_recipe": "from precision; set that instead",
+    "actor_rollout_ref.actor.optim.override_optimizer_config.fp8_recipe": "from precision; set that instead",
+    "actor_rollout_ref.nccl_timeout": "from the cluster profile's nccl_timeout",
+    "trainer.logger": "to console and mlflow: the ledger reads the run's MLflow run",
+    "trainer.project_name": "from the ledger (the sweep's experiment)",
+    "trainer.experiment_name": "from the ledger (the run's MLflow run)",
+    "trainer.default_local_dir": "to the run directory's checkpoints/ (pdmctl resume reads it)",
+    "trainer.resume_mode": "to auto (a requeued job resumes from its checkpoint)",
+    "trainer.save_freq": "from backend.save_freq; set that instead",
+    "trainer.test_freq": "from backend.test_freq; set that instead",
+    "trainer.val_before_train": "from backend.val_before_train; set that instead",
+    "trainer.total_epochs": "from backend.total_epochs; set that instead",
+    "trainer.total_training_steps": "from backend.total_training_steps; set that instead",
+    "trainer.nnodes": "from the job's allocation (the profile's nodes, backend.nnodes)",
+    "trainer.n_gpus_per_node": f"from the node's GPUs ({GPUS_ENV})",
+    "trainer.max_actor_ckpt_to_keep": "from backend.max_ckpt_to_keep; set that instead",
+    "ray_kwargs.ray_init.runtime_env.env_vars": "from the job's environment (the profile's env:)",
+}
+
+
+def _own_overrides(cfg: Mapping[str, Any], engine: str) -> dict[str, str]:
+    """The run's own VeRL keys (`verl.<key>=<value>` in a grid) as overrides, each checked against VeRL's
+    config schema (`schema.check`) and refused where pdmctl sets the key itself (PDMCTL_KEYS)."""
+    settings = cfg.get("verl") or {}
+    if not settings:
+        return {}
+    from pdmctl.backends.verl import schema
+
+    out = {}
+    for key, value in sorted(settings.items()):
+        for owned, how in PDMCTL_KEYS.items():
+            if key == owned or key.startswith(f"{owned}.") or owned.startswith(f"{key}."):
+                raise LaunchConfigError(f"verl.{key}: pdmctl sets {'it' if key == owned else owned} {how}")
+        try:
+            declared = schema.check(key, value, engine)
+            out[key] = f"{'' if declared else '+'}{key}={schema.hydra_value(value)}"
+        except schema.SchemaError as exc:
+            raise LaunchConfigError(str(exc)) from None
+    return out
+
+
+def _with_own(overrides: list[str], own: Mapping[str, str]) -> list[str]:
+    """`overrides` with the run's own VeRL keys in place of pdmctl's value for the same key, or after them."""
+    out = list(overrides)
+    where = {o.split("=", 1)[0].lstrip("+"): i for i, o in enumerate(out)}
+    for key, override in own.items():
+        if key in where:
+            out[where[key]] = override
+        else:
+            out.append(override)
     return out
 
 
@@ -857,52 +952,15 @@ def evaluation_from_line(line: str) -> tuple[int, dict[str, float]] | None:
 BYTES_PER_PARAMETER_IN_A_CHECKPOINT = 12  # fp32 weights + Adam's two fp32 moments (VeRL saves all three)
 
 
-def checkpoint_bytes(run_config: Mapping[str, Any]) -> tuple[int, int, int | None]:
+def checkpoint_bytes(run_config: Mapping[str, Any], steps: int | None = None) -> tuple[int, int, int | None]:
     """(bytes of one checkpoint, checkpoints kept, checkpoints saved or None where the step count
-    comes from the data): what a run leaves on disk at most."""
+    comes from the data and `steps` does not say it): what a run leaves on disk at most."""
     cfg = _resolved(run_config)
     preset = MODEL_PRESETS[cfg["model"]]
-    steps = final_step(cfg)
+    steps = final_step(cfg) or steps
     saves = None if steps is None else -(-steps // int(cfg["save_freq"])) if int(cfg["save_freq"]) > 0 else 0
     kept = int(cfg["max_ckpt_to_keep"]) if saves is None else min(int(cfg["max_ckpt_to_keep"]), saves)
     return preset.parameters * BYTES_PER_PARAMETER_IN_A_CHECKPOINT, kept, saves
-
-
-def describe_jobs(runs: list[tuple[str, dict[str, Any]]], nodes: int, environ: Mapping[str, str]) -> list[str]:
-    """What `--dry-run` prints of VeRL jobs: the first run's command as its job will run it, what the
-    other runs change in it, and the checkpoints they keep. `runs`: (summary, job config)."""
-    import shlex
-
-    shown = 20  # a paper-size sweep has dozens of runs: the first ones tell the pattern
-    lines = []
-    commands = [verl_overrides(cfg, nnodes=nodes, environ=environ) + ray_env_overrides(job_env(cfg))
-                for _, cfg in runs[:shown]]  # fmt: skip
-    first_env = {**job_env(runs[0][1]), **environ}
-    lines.append(f"VeRL job of run 1 ({runs[0][0]}) on {nodes} node(s), after the job body has started Ray "
-                 "(launch.JOB_BODY):")  # fmt: skip
-    lines.append("  " + " \\\n    ".join(
-        ["env " + " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(first_env.items())),
-         "python -m pdmctl.backends.verl.launch train", *(shlex.quote(o) for o in commands[0])]))  # fmt: skip
-    first = dict(o.split("=", 1) for o in commands[0])
-    for i, ((summary, _), overrides) in enumerate(zip(runs[1:shown], commands[1:], strict=True), 2):
-        mine = dict(o.split("=", 1) for o in overrides)
-        changed = [f"{k}={v}" for k, v in mine.items() if first.get(k) != v]
-        dropped = [f"~{k}" for k in first if k not in mine]
-        lines.append(f"run {i} ({summary}) differs in: {' '.join(changed + dropped) or 'nothing'}")
-    if len(runs) > shown:
-        lines.append(f"(and {len(runs) - shown} more run(s), not listed here)")
-    total = sum(size * kept for size, kept, _ in (checkpoint_bytes(cfg) for _, cfg in runs))
-    size, kept, saves = checkpoint_bytes(runs[0][1])
-    preset = MODEL_PRESETS[runs[0][1]["model"]]
-    lines.append(f"checkpoints: {_gb(size)} each ({preset.parameters / 1e9:.2f} B parameters x "
-                 f"{BYTES_PER_PARAMETER_IN_A_CHECKPOINT} bytes: fp32 weights and Adam's two moments), "
-                 f"{kept} kept (max_ckpt_to_keep{'' if saves is None else f'; {saves} saved'}): "
-                 f"{_gb(size * kept)} for run 1; {_gb(total)} for the {len(runs)} run(s) of this submission")  # fmt: skip
-    return lines
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e12:.2f} TB" if n >= 1e12 else f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def final_step(run_config: Mapping[str, Any]) -> int | None:
