@@ -112,14 +112,7 @@ def load_profile(name_or_path: str) -> ClusterProfile:
             Path(profile.workdir).expanduser()
         except RuntimeError as exc:  # `~nosuchuser/x`
             raise ExecutorError(f"cluster {profile.name}: workdir: {profile.workdir!r}: {exc}") from exc
-    if profile.executor == "local" and profile.options:
-        unknown = sorted(profile.options)[0]
-        raise ExecutorError(f"cluster {profile.name}: unknown key {unknown!r} for the local executor "
-                            f"(known: {', '.join(PROFILE_KEYS)})")  # fmt: skip
-    if profile.executor == "slurm":
-        from pdmctl.executors.slurm import SlurmOptions
-
-        SlurmOptions.from_profile(profile)  # its unknown keys and wrong types, now
+    executor_class(profile).check_options(profile)  # its own keys: unknown ones and wrong types, now
     return profile
 
 
@@ -156,6 +149,15 @@ class Executor(ABC):
 
     def __init__(self, profile: ClusterProfile) -> None:
         self.profile = profile
+
+    @classmethod
+    def check_options(cls, profile: ClusterProfile) -> None:
+        """Refuse the profile's executor-specific keys (`options`) this executor does not know or whose
+        values have the wrong type (raise ExecutorError, one line); reads the profile only."""
+        if profile.options:
+            unknown = sorted(profile.options)[0]
+            raise ExecutorError(f"cluster {profile.name}: unknown key {unknown!r} for the {profile.executor} "
+                                f"executor (known: {', '.join(PROFILE_KEYS)})")  # fmt: skip
 
     def check(self) -> None:
         """Refuse a profile that cannot work, before anything is submitted (raise ExecutorError)."""
@@ -196,12 +198,16 @@ class Executor(ABC):
 EXECUTORS = {"local": "pdmctl.executors.local:LocalExecutor", "slurm": "pdmctl.executors.slurm:SlurmExecutor"}
 
 
-def make_executor(profile: ClusterProfile) -> Executor:
+def executor_class(profile: ClusterProfile) -> type[Executor]:
+    """The profile's executor class, imported by its entry in EXECUTORS (this module imports none of them)."""
     module, _, cls = EXECUTORS[profile.executor].partition(":")
     try:
-        executor_cls = getattr(importlib.import_module(module), cls)
+        return getattr(importlib.import_module(module), cls)
     except ImportError as exc:
         raise ExecutorError(
             f"cluster {profile.name}: executor {profile.executor} is not available ({exc})"
         ) from exc
-    return executor_cls(profile)
+
+
+def make_executor(profile: ClusterProfile) -> Executor:
+    return executor_class(profile)(profile)

@@ -237,6 +237,10 @@ def parse_time(value: Any, where: str = "cluster") -> int:
 class SlurmExecutor(Executor):
     name = "slurm"
 
+    @classmethod
+    def check_options(cls, profile: ClusterProfile) -> None:
+        SlurmOptions.from_profile(profile)  # raises ExecutorError for an unknown key or a wrong type
+
     def __init__(self, profile: ClusterProfile) -> None:
         super().__init__(profile)
         self.options = SlurmOptions.from_profile(profile)
