@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdmctl.backends.verl import launch
+from pdmctl.backends.verl import jobbody, launch
 from pdmctl.backends.verl.quoting import quoted
 from pdmctl.executors import ExecutorError, load_profile, make_executor
 from pdmctl.grid import expand
@@ -67,9 +67,9 @@ def test_inside_the_job_the_trainer_spans_the_allocation(monkeypatch: pytest.Mon
     run = {**BASE, "model": "qwen3-4b-base"}
     monkeypatch.delenv("SLURM_NNODES", raising=False)
     monkeypatch.delenv("SLURM_JOB_NUM_NODES", raising=False)
-    assert "trainer.nnodes=4" in launch.build_job_command(run)
+    assert "trainer.nnodes=4" in jobbody.build_job_command(run)
     monkeypatch.setenv("SLURM_NNODES", "2")
-    command = launch.build_job_command(run)
+    command = jobbody.build_job_command(run)
     assert "trainer.nnodes=2" in command and "trainer.nnodes=4" not in command
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdmctl.backends.verl import cpu, launch, tiny
+from pdmctl.backends.verl import cpu, launch, metrics, tiny
 from tests.test_verl_launch import BASE
 
 pytestmark = pytest.mark.verl
@@ -60,7 +60,7 @@ def test_tiny_splits_are_disjoint_and_named_for_the_report() -> None:
     assert not (splits["train"] & splits["aime24"]) and not (splits["train"] & splits["aime25"])
     assert not (splits["aime24"] & splits["aime25"])
     assert {row["data_source"] for row in tiny.verl_rows("aime24", "aime24")} == {"aime24"}
-    assert launch.pdmctl_metric_name("val-core/aime24/acc/mean_at_16") == "eval/aime24"
+    assert metrics.pdmctl_metric_name("val-core/aime24/acc/mean_at_16") == "eval/aime24"
 
 
 def test_tiny_tokenizer_has_what_verls_qwen_agent_loop_requires() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pdmctl.backends.verl import launch
+from pdmctl.backends.verl import jobbody
 
 FAKE_SRUN = r"""#!/bin/bash
 node=all
@@ -72,7 +72,7 @@ def nodes(tmp_path: Path) -> dict[str, str]:
 
 
 def _body() -> list[str]:
-    return ["bash", "-c", launch.JOB_BODY, "pdmctl-verl", "trainer.total_epochs=1"]
+    return ["bash", "-c", jobbody.JOB_BODY, "pdmctl-verl", "trainer.total_epochs=1"]
 
 
 def _log(env: dict[str, str]) -> str:
@@ -102,7 +102,7 @@ def test_a_finished_trainer_stops_ray_on_every_node_and_releases_the_pipe(nodes:
     """The trainer's output pipe ends when the trainer does: the background `ray start` steps (which
     live until `ray stop`) write to the job log's fd, not to the pipe."""
     started = time.monotonic()
-    launch._run_trainer(_body(), {**os.environ, **nodes}, stall_s=60)
+    jobbody._run_trainer(_body(), {**os.environ, **nodes}, stall_s=60)
     assert time.monotonic() - started < 30
     log = _log(nodes)
     assert "ray start on nodeA" in log and "ray start on nodeB" in log
@@ -116,7 +116,7 @@ def test_an_engine_job_ends_its_leftovers_on_the_other_nodes_after_ray(nodes: di
     """A CPU engine job (PDMCTL_ENGINE_TAG set): once each node's Ray is ended, one step on every node but
     the first ends what carries the tag there (vLLM's engine cores outlive Ray); the first node's are
     pdmctl's own (cpu.cleanup). The step itself does not carry the tag."""
-    launch._run_trainer(_body(), {**os.environ, **nodes, "PDMCTL_ENGINE_TAG": "tag-1"}, stall_s=60)
+    jobbody._run_trainer(_body(), {**os.environ, **nodes, "PDMCTL_ENGINE_TAG": "tag-1"}, stall_s=60)
     log = _log(nodes)
     (step,) = [line for line in log.splitlines() if "verl.cpu cleanup" in line]
     assert step.startswith("srun[nodeB] env -u PDMCTL_ENGINE_TAG -u VERL_PLATFORM ") and " cleanup tag-1 " in step, log
@@ -129,8 +129,8 @@ def test_a_failed_ray_start_ends_the_job_at_once_with_its_reason(nodes: dict[str
     every node, the head's step ended, the trainer never started, and the run's reason says why."""
     env = {**os.environ, **nodes, "FAKE_FAIL_NODE": "nodeB", "FAKE_WAIT": "sleep 300"}
     started = time.monotonic()
-    with pytest.raises(launch.EngineJobError, match="a Ray node step ended while the cluster was starting"):
-        launch._run_trainer(_body(), env, stall_s=60)
+    with pytest.raises(jobbody.EngineJobError, match="a Ray node step ended while the cluster was starting"):
+        jobbody._run_trainer(_body(), env, stall_s=60)
     assert time.monotonic() - started < 30
     assert "ray ended on nodeA" in _log(nodes) and " train" not in _log(nodes)
     assert _all_ended(nodes)
@@ -139,16 +139,16 @@ def test_a_failed_ray_start_ends_the_job_at_once_with_its_reason(nodes: dict[str
 def test_a_failed_wait_for_ray_stops_ray_and_fails_the_run(nodes: dict[str, str]) -> None:
     """Under `set -e` a failed `wait-ray` used to exit before `ray stop`."""
     env = {**os.environ, **nodes, "FAKE_WAIT": "echo 'TimeoutError: only 1 of 2 Ray nodes came up within 120s'; exit 1"}
-    with pytest.raises(launch.EngineJobError, match="only 1 of 2 Ray nodes"):
-        launch._run_trainer(_body(), env, stall_s=60)
+    with pytest.raises(jobbody.EngineJobError, match="only 1 of 2 Ray nodes"):
+        jobbody._run_trainer(_body(), env, stall_s=60)
     assert "ray ended on nodeA" in _log(nodes) and "ray ended on nodeB" in _log(nodes)
     assert _all_ended(nodes)
 
 
 def test_a_dead_trainer_fails_the_run_with_its_error_and_stops_ray(nodes: dict[str, str]) -> None:
     env = {**os.environ, **nodes, "FAKE_TRAIN": "echo 'ValueError: the actor died'; exit 1"}
-    with pytest.raises(launch.EngineJobError, match="ValueError: the actor died"):
-        launch._run_trainer(_body(), env, stall_s=60)
+    with pytest.raises(jobbody.EngineJobError, match="ValueError: the actor died"):
+        jobbody._run_trainer(_body(), env, stall_s=60)
     assert "ray ended on nodeA" in _log(nodes) and "ray ended on nodeB" in _log(nodes)
     assert _all_ended(nodes)
 
@@ -160,13 +160,13 @@ def test_the_head_address_is_its_ipv4_and_the_port_is_the_jobs(nodes: dict[str, 
            "FAKE_TRAIN": 'echo "addr=$RAY_ADDRESS omp=${OMP_NUM_THREADS-unset}"'}  # fmt: skip
     del env["PDMCTL_RAY_HEAD_IP"]
     lines: list[str] = []
-    launch._run_trainer(_body(), env, on_line=lines.append, stall_s=60)
+    jobbody._run_trainer(_body(), env, on_line=lines.append, stall_s=60)
     assert "addr=10.1.2.3:32340 omp=unset\n" in lines, lines
     log = _log(nodes)
     assert "--port=32340" in log and "--node-manager-port=32341" in log and "--include-dashboard=false" in log
     kept = {**env, "OMP_NUM_THREADS": "4"}  # set by the profile's env block: kept
     lines.clear()
-    launch._run_trainer(_body(), kept, on_line=lines.append, stall_s=60)
+    jobbody._run_trainer(_body(), kept, on_line=lines.append, stall_s=60)
     assert "addr=10.1.2.3:32340 omp=4\n" in lines, lines
 
 
@@ -174,14 +174,14 @@ def test_a_head_without_an_ipv4_address_is_one_line(nodes: dict[str, str], tmp_p
     (tmp_path / "bin" / "hostname").write_text("#!/bin/bash\necho 127.0.1.1 ::1\n")
     env = {**os.environ, **nodes}
     del env["PDMCTL_RAY_HEAD_IP"]
-    with pytest.raises(launch.EngineJobError, match=r"no IPv4 address other than 127\.x for the Ray head nodeA"):
-        launch._run_trainer(_body(), env, stall_s=60)
+    with pytest.raises(jobbody.EngineJobError, match=r"no IPv4 address other than 127\.x for the Ray head nodeA"):
+        jobbody._run_trainer(_body(), env, stall_s=60)
 
 
 CANCEL = textwrap.dedent(
     """
     import os, signal, sys, time
-    from pdmctl.backends.verl import launch
+    from pdmctl.backends.verl import jobbody
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # as executors.slurm.PdmctlJob does
 
     def on_line(line):
@@ -190,7 +190,7 @@ CANCEL = textwrap.dedent(
 
     started = time.monotonic()
     try:
-        launch._run_trainer(sys.argv[1:], dict(os.environ), on_line=on_line, stall_s=60)
+        jobbody._run_trainer(sys.argv[1:], dict(os.environ), on_line=on_line, stall_s=60)
     except KeyboardInterrupt:
         print(f"ended in {time.monotonic() - started:.1f}")
     """
@@ -212,8 +212,8 @@ def test_a_job_that_blocks_sigterm_can_still_end_its_trainer(nodes: dict[str, st
 
 def test_the_trainer_process_starts_with_sigterm_unblocked() -> None:
     code = "import signal, subprocess, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}); " \
-           "from pdmctl.backends.verl import launch; " \
-           "launch._run_trainer(['grep', 'SigBlk', '/proc/self/status'], {}, stall_s=30)"  # fmt: skip
+           "from pdmctl.backends.verl import jobbody; " \
+           "jobbody._run_trainer(['grep', 'SigBlk', '/proc/self/status'], {}, stall_s=30)"  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
     mask = int(out.split()[-1], 16)
     assert not mask & (1 << (signal.SIGTERM - 1)), out

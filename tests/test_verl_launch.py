@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from verl.utils.config import omega_conf_to_dataclass
 
 from pdmctl import masks
-from pdmctl.backends.verl import launch, plugin, topk
+from pdmctl.backends.verl import jobbody, launch, metrics, plugin, topk
 from tests.conftest import pdmctl
 
 pytestmark = pytest.mark.verl
@@ -134,7 +134,7 @@ def test_bad_run_configs_fail_with_one_clear_line() -> None:
 
 
 def test_job_command_is_valid_bash_and_carries_the_overrides() -> None:
-    cmd = launch.build_job_command({**BASE, "model": "qwen3-30b-a3b-base"}, python="/venv/bin/python")
+    cmd = jobbody.build_job_command({**BASE, "model": "qwen3-30b-a3b-base"}, python="/venv/bin/python")
     assert cmd[0] == "env" and "PDMCTL_PYTHON=/venv/bin/python" in cmd and "MLFLOW_RUN_ID=0123abcd" in cmd
     body = cmd[cmd.index("-c") + 1]
     subprocess.run(["bash", "-n", "-c", body], check=True)
@@ -143,10 +143,10 @@ def test_job_command_is_valid_bash_and_carries_the_overrides() -> None:
 
 
 def test_metric_mapping() -> None:
-    assert launch.pdmctl_metric_name("val-core/aime24/acc/mean@16") == "eval/aime24"
-    assert launch.pdmctl_metric_name("val-core/aime25/acc/mean_at_16") == "eval/aime25"
-    assert launch.pdmctl_metric_name("val-core/aime25/reward/mean@16") is None
-    assert launch.map_metrics({"actor/pdmctl/mask_frac": 0.1, "timing/gen": 3.0}) == {"train/mask_frac": 0.1}
+    assert metrics.pdmctl_metric_name("val-core/aime24/acc/mean@16") == "eval/aime24"
+    assert metrics.pdmctl_metric_name("val-core/aime25/acc/mean_at_16") == "eval/aime25"
+    assert metrics.pdmctl_metric_name("val-core/aime25/reward/mean@16") is None
+    assert metrics.map_metrics({"actor/pdmctl/mask_frac": 0.1, "timing/gen": 3.0}) == {"train/mask_frac": 0.1}
 
 
 def _config(precision: str = "bf16", **changes: object):
@@ -299,10 +299,10 @@ def test_a_validation_line_verl_prints_gives_the_trial_its_evaluation() -> None:
     step 0's validation (val-core avg@16 of both held-out sets) and a training step (no validation)."""
     validation = (DATA / "verl_step0_validation_line.txt").read_text()
     training = (DATA / "verl_step1_training_line.txt").read_text()
-    assert launch.evaluation_from_line(validation) == (0, {"eval/aime24": 0.26171875, "eval/aime25": 0.14453125})
-    assert launch.evaluation_from_line(training) is None
-    assert launch.evaluation_from_line("step:3 - val-core/other/acc/mean@16:0.5") is None  # not a held-out set
-    assert launch.evaluation_from_line("val-core/aime24/acc/mean@16:0.5") is None  # no step
+    assert metrics.evaluation_from_line(validation) == (0, {"eval/aime24": 0.26171875, "eval/aime25": 0.14453125})
+    assert metrics.evaluation_from_line(training) is None
+    assert metrics.evaluation_from_line("step:3 - val-core/other/acc/mean@16:0.5") is None  # not a held-out set
+    assert metrics.evaluation_from_line("val-core/aime24/acc/mean@16:0.5") is None  # no step
     assert launch.final_step({"model": "qwen3-tiny"}) == 3
     assert launch.final_step({"model": "qwen3-tiny", "total_training_steps": 5}) == 5
     assert launch.final_step({"model": "qwen3-4b-base"}) is None  # by epochs
@@ -328,7 +328,7 @@ def test_an_exception_from_the_line_hook_ends_the_trainer_and_propagates(tmp_pat
 
     started = time.monotonic()
     with pytest.raises(Stop):
-        launch._run_trainer([sys.executable, str(script)], {}, hook)
+        jobbody._run_trainer([sys.executable, str(script)], {}, hook)
     assert time.monotonic() - started < 30  # the 60 s script was ended, not waited for
     assert [line.split()[0] for line in seen] == ["step:0", "step:1", "step:2", "step:3"]
 
@@ -342,18 +342,18 @@ def test_a_trainer_that_prints_nothing_for_too_long_is_ended_as_hung(tmp_path, m
     script = tmp_path / "hung.py"
     script.write_text("import time\nprint('RuntimeError: a worker died', flush=True)\ntime.sleep(600)\n")
     started = time.monotonic()
-    with pytest.raises(launch.EngineJobError, match=r"printed nothing for 2 s .*RuntimeError: a worker died"):
-        launch._run_trainer([sys.executable, str(script)], {}, stall_s=2)
+    with pytest.raises(jobbody.EngineJobError, match=r"printed nothing for 2 s .*RuntimeError: a worker died"):
+        jobbody._run_trainer([sys.executable, str(script)], {}, stall_s=2)
     assert time.monotonic() - started < 40
     failing = tmp_path / "failing.py"
     failing.write_text("print('step:0 - x:1')\nprint('ValueError: bad batch')\nraise SystemExit(3)\n")
-    with pytest.raises(launch.EngineJobError, match=r"^ValueError: bad batch$"):
-        launch._run_trainer([sys.executable, str(failing)], {}, stall_s=60)
-    monkeypatch.setenv(launch.STALL_ENV, "soon")
+    with pytest.raises(jobbody.EngineJobError, match=r"^ValueError: bad batch$"):
+        jobbody._run_trainer([sys.executable, str(failing)], {}, stall_s=60)
+    monkeypatch.setenv(jobbody.STALL_ENV, "soon")
     with pytest.raises(launch.LaunchConfigError, match="PDMCTL_ENGINE_STALL_S: must be a number of seconds > 0"):
-        launch.stall_seconds()
-    monkeypatch.setenv(launch.STALL_ENV, "90")
-    assert launch.stall_seconds() == 90.0
+        jobbody.stall_seconds()
+    monkeypatch.setenv(jobbody.STALL_ENV, "90")
+    assert jobbody.stall_seconds() == 90.0
 
 
 def test_each_backend_names_the_final_step_a_tune_trial_never_prunes() -> None:

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("verl")
 
-from pdmctl.backends.verl import launch
+from pdmctl.backends.verl import jobbody, launch
 
 pytestmark = [pytest.mark.verl, pytest.mark.slurm]
 
@@ -30,7 +30,7 @@ def test_job_body_starts_ray_and_the_probe_reaches_it(tmp_path: Path, stray_toke
     else:
         home.mkdir()
     run = {"model": "qwen3-4b-base", "checkpoint_dir": str(tmp_path / "ckpt"), "data_dir": str(tmp_path)}
-    cmd = launch.build_job_command(run, python=sys.executable)
+    cmd = jobbody.build_job_command(run, python=sys.executable)
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
     cmd[1:1] = [f"HOME={home}", f"{launch.PROBE_ENV}=1", "PDMCTL_GPUS_PER_NODE=0", f"PDMCTL_RAY_TMP={ray_tmp}",
                 "PDMCTL_RAY_HEAD_IP=127.0.0.1", "PDMCTL_RAY_WAIT_S=120"]  # fmt: skip
@@ -58,7 +58,7 @@ def test_a_failed_ray_start_ends_the_job_fast_and_stops_ray(tmp_path: Path) -> N
     import time
 
     run = {"model": "qwen3-tiny", "checkpoint_dir": str(tmp_path / "ckpt"), "data_dir": str(tmp_path)}
-    cmd = launch.build_job_command(run, python=sys.executable)
+    cmd = jobbody.build_job_command(run, python=sys.executable)
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     cmd[1:1] = [f"HOME={tmp_path}", f"{launch.PROBE_ENV}=1", "PDMCTL_GPUS_PER_NODE=0", f"PDMCTL_RAY_TMP={ray_tmp}",
                 "PDMCTL_RAY_HEAD_IP=127.0.0.1", "PDMCTL_RAY_PORT=99999", "PDMCTL_RAY_WAIT_S=300"]  # fmt: skip

@@ -133,9 +133,10 @@ def _toy_provenance(flat: Mapping[str, Any], run_dir: Path) -> dict[str, str]:
 # --- verl: the real engine ------------------------------------------------------------------
 
 
-def _verl_module():
+def _verl_module(name: str = "launch"):
+    """`pdmctl.backends.verl.<name>` (launch: the command; jobbody: the job on its nodes; metrics: names)."""
     try:
-        return importlib.import_module("pdmctl.backends.verl.launch")
+        return importlib.import_module(f"pdmctl.backends.verl.{name}")
     except ImportError as exc:  # the [verl] extra is optional
         raise ValueError(f"backend: verl needs the [verl] extra (pip install 'pdmctl[verl]'): {exc}") from exc
 
@@ -232,7 +233,7 @@ def _verl_validate(flat: Mapping[str, Any]) -> None:
 
 def _verl_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mapping[str, float]:
     """Run VeRL inside the job (Ray across the SLURM allocation), logging into the ledger's MLflow run."""
-    launch = _verl_module()
+    jobbody, metrics = _verl_module("jobbody"), _verl_module("metrics")
     uri, run_id = getattr(tracker, "uri", None), getattr(tracker, "run_id", None)
     if uri is None or run_id is None:
         raise ValueError("backend: verl logs through MLflow itself and needs the job's ledger tracker")
@@ -242,16 +243,16 @@ def _verl_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mappi
     if report is not None:
 
         def on_line(line: str) -> None:  # each validation VeRL prints goes to the trial, which may prune
-            if (found := launch.evaluation_from_line(line)) is not None:
+            if (found := metrics.evaluation_from_line(line)) is not None:
                 report(found[1], found[0])
 
     try:
-        launch.run(cfg, python=sys.executable, on_line=on_line)
+        jobbody.run(cfg, python=sys.executable, on_line=on_line)
     except BaseException:
         with contextlib.suppress(Exception):  # what VeRL logged so far, under pdmctl's names too
-            tracker.copy_metrics(launch.pdmctl_metric_name)
+            tracker.copy_metrics(metrics.pdmctl_metric_name)
         raise
-    return tracker.copy_metrics(launch.pdmctl_metric_name)  # VeRL's names -> eval/aime24, train/reward, ...
+    return tracker.copy_metrics(metrics.pdmctl_metric_name)  # VeRL's names -> eval/aime24, train/reward, ...
 
 
 def _verl_provenance(flat: Mapping[str, Any], run_dir: Path) -> dict[str, str]:

@@ -85,7 +85,7 @@ def describe_jobs(jobs: Sequence[Job], nodes: int, environ: Mapping[str, str], c
         group.setdefault((tuple(command.overrides), tuple(sorted(command.env.items()))), command).jobs.append(job)
     commands = sum(len(group) for group in settings.values())
     lines = [f"VeRL jobs: {len(jobs)} run(s), {len(settings)} setting(s), {commands} distinct command(s), each as its "
-             f"job runs it on {nodes} node(s) after the job body has started Ray (launch.JOB_BODY); SEED, KEY and "
+             f"job runs it on {nodes} node(s) after the job body has started Ray (jobbody.JOB_BODY); SEED, KEY and "
              "RUN_ID stand for each run's own; the array starts with one run of each setting"]  # fmt: skip
     throughputs = _throughputs(cluster)
     per_run: list[tuple[Job, RunCost | None]] = []

@@ -1,0 +1,465 @@
+"""A VeRL job on its nodes: the SLURM job body (Ray on every node of the allocation, then the trainer,
+its stall watchdog, cleanup however it ends), the trainer on this machine outside SLURM, and the job
+body's steps (`python -m pdmctl.backends.verl.launch {wait-ray,probe,train}`)."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pdmctl.backends.verl.launch import (
+    MODEL_PRESETS,
+    TOPK_ENV,
+    LaunchConfigError,
+    _resolved,
+    allocated_nodes,
+    compose,
+    job_env,
+    ray_env_overrides,
+    resolve_local_model,
+    verl_overrides,
+)
+
+# ---------------------------------------------------------------------------
+# The job body: Ray on the SLURM allocation, then the trainer
+# ---------------------------------------------------------------------------
+
+JOB_BODY = r"""
+set -euo pipefail
+# One node name per element; quoting "$(...)" here would make one element of all names.
+mapfile -t NODES < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?not inside a SLURM allocation}")
+N="${#NODES[@]}"
+HEAD="${NODES[0]}"
+JOB_STARTED="$(date +%s)"
+# the `ray` beside the job's Python (a virtualenv need not be on the nodes' PATH)
+RAY="$(dirname "$PDMCTL_PYTHON")/ray"
+[ -x "$RAY" ] || RAY=ray
+# Background steps write to the job's log (fd PDMCTL_LOG_FD, kept open by pdmctl) or nowhere, never to
+# the trainer's output pipe: a step that outlived the trainer would hold that pipe open.
+if [ -n "${PDMCTL_LOG_FD:-}" ]; then exec 3>&"$PDMCTL_LOG_FD"; else exec 3>/dev/null; fi
+BACKGROUND=()
+MAIN=""  # wait-ray, then the trainer: each the leader of a process group of its own (setsid), so
+# that what it started ends with it and no stray child keeps the trainer's output pipe open
+SETSID="$(command -v setsid || true)"
+STATUS=0
+# However the job ends (a failed start, the trainer's exit, a signal): end the trainer, end Ray on
+# every node (this job's `ray start` steps, bounded), keep the job's status.
+cleanup() {
+  STATUS=$?
+  trap - EXIT INT TERM
+  set +e
+  if [ -n "$MAIN" ] && kill -0 -- "-$MAIN" 2>/dev/null; then  # its whole process group
+    kill -TERM -- "-$MAIN" 2>/dev/null
+    for _ in $(seq 30); do kill -0 -- "-$MAIN" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- "-$MAIN" 2>/dev/null
+  fi
+  # Each node's Ray is its `ray start --block` step: srun passes the TERM to it, and Ray's reaper ends
+  # that node's raylet and workers. Not `ray stop`, which ends every Ray on the node, another job's too.
+  for pid in "${BACKGROUND[@]}"; do kill -TERM "$pid" 2>/dev/null; done
+  for _ in $(seq "${PDMCTL_RAY_STOP_S:-60}"); do
+    alive=0
+    for pid in "${BACKGROUND[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && break
+    sleep 1
+  done
+  for pid in "${BACKGROUND[@]}"; do kill -KILL "$pid" 2>/dev/null; done
+  # A CPU engine job's processes that Ray's teardown leaves behind (vLLM's engine cores, reparented to
+  # the node's init) and its /dev/shm segments, on the other nodes: pdmctl ends the first node's itself
+  # (cpu.cleanup). They carry the job's engine tag, which srun passed to the node's `ray start`.
+  if [ -n "${PDMCTL_ENGINE_TAG:-}" ] && [ "$N" -gt 1 ]; then
+    timeout "${PDMCTL_NODE_CLEANUP_S:-60}" srun --nodes=$((N - 1)) --ntasks=$((N - 1)) --ntasks-per-node=1 \
+      -w "$(IFS=,; echo "${NODES[*]:1}")" --overlap env -u PDMCTL_ENGINE_TAG -u VERL_PLATFORM \
+      "$PDMCTL_PYTHON" -m pdmctl.backends.verl.cpu cleanup "$PDMCTL_ENGINE_TAG" "$JOB_STARTED" >&3 2>&1
+  fi
+  exit "$STATUS"
+}
+trap cleanup EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
+# The head's IPv4 address: not the first word of `hostname --ip-address`, which may be 127.0.1.1 or an
+# IPv6 address (PDMCTL_RAY_HEAD_IP overrides it; a one-node test cluster uses 127.0.0.1).
+if [ -n "${PDMCTL_RAY_HEAD_IP:-}" ]; then
+  HEAD_IP="$PDMCTL_RAY_HEAD_IP"
+else
+  HEAD_IP="$(srun --nodes=1 --ntasks=1 -w "$HEAD" --overlap sh -c 'hostname --ip-address; hostname -I 2>/dev/null || true' \
+    | tr ' ' '\n' | grep -E '^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$' | grep -v '^127\.' | head -n 1 || true)"
+  [ -n "$HEAD_IP" ] || { echo "RuntimeError: no IPv4 address other than 127.x for the Ray head $HEAD (set PDMCTL_RAY_HEAD_IP)"; exit 1; }
+fi
+# Ports of this job's own: a block of 10 from the job id in 20000-32759 (below Linux's ephemeral
+# ports, above Ray's worker ports), so two jobs sharing a node do not meet on Ray's fixed defaults.
+BASE="${PDMCTL_RAY_PORT:-$((20000 + (${SLURM_JOB_ID:-0} % 1276) * 10))}"
+PORTS=(--node-manager-port=$((BASE + 1)) --object-manager-port=$((BASE + 2))
+  --ray-client-server-port=$((BASE + 3)) --dashboard-agent-listen-port=$((BASE + 4))
+  --dashboard-agent-grpc-port=$((BASE + 5)) --metrics-export-port=$((BASE + 6))
+  --runtime-env-agent-port=$((BASE + 7)))
+GPUS="${PDMCTL_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}"
+# PDMCTL_RAY_CPUS: logical CPUs for Ray (a CPU engine job runs more workers than it has cores)
+CPUS="${PDMCTL_RAY_CPUS:-${SLURM_CPUS_ON_NODE:-1}}"
+RAY_TMP="${PDMCTL_RAY_TMP:-/tmp/ray-$SLURM_JOB_ID}"
+export RAY_ADDRESS="$HEAD_IP:$BASE"
+# The job's OMP_NUM_THREADS is its CPU count (for the job's own process): Ray gives each worker its
+# own only where the variable is unset. One the profile's env sets on purpose is kept.
+if [ "${OMP_NUM_THREADS:-}" = "${PDMCTL_NUM_THREADS:-}" ]; then unset OMP_NUM_THREADS; fi
+# Token authentication with a token of this job's own, so the cluster neither depends on what the
+# user's ~/.ray/auth_token holds (Ray >= 2.52 turns auth on when that file exists and
+# RAY_AUTH_MODE is unset, and a driver without it is then refused) nor is open to others on the
+# network. The environment carries it to every srun step, Ray node and the driver.
+export RAY_AUTH_MODE=token
+RAY_AUTH_TOKEN="$("$PDMCTL_PYTHON" -c "import secrets; print(secrets.token_hex(32))")"
+export RAY_AUTH_TOKEN
+# The package must import on every node before any Ray worker starts.
+srun --nodes="$N" --ntasks="$N" --ntasks-per-node=1 --overlap \
+  "$PDMCTL_PYTHON" -c "import pdmctl.backends.verl.launch"
+# Since Slurm 22.05 a step does not inherit --cpus-per-task: each Ray node step asks for the job's CPUs.
+STEP_CPUS=(${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"})
+srun --nodes=1 --ntasks=1 -w "$HEAD" --overlap "${STEP_CPUS[@]}" \
+  "$RAY" start --head --node-ip-address="$HEAD_IP" --port="$BASE" "${PORTS[@]}" --include-dashboard=false \
+  --num-cpus="$CPUS" --num-gpus="$GPUS" --temp-dir="$RAY_TMP" --disable-usage-stats --block >&3 2>&1 &
+BACKGROUND+=($!)
+sleep "${PDMCTL_RAY_HEAD_WAIT:-5}"
+for node in "${NODES[@]:1}"; do
+  srun --nodes=1 --ntasks=1 -w "$node" --overlap "${STEP_CPUS[@]}" \
+    "$RAY" start --address="$RAY_ADDRESS" "${PORTS[@]}" --num-cpus="$CPUS" --num-gpus="$GPUS" \
+    --disable-usage-stats --block >&3 2>&1 &
+  BACKGROUND+=($!)
+done
+# Wait for every node; a `ray start` step that ends meanwhile fails the start at once, not at the timeout.
+$SETSID "$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch wait-ray --nodes "$N" --timeout "${PDMCTL_RAY_WAIT_S:-120}" &
+MAIN=$!
+while kill -0 "$MAIN" 2>/dev/null; do
+  for pid in "${BACKGROUND[@]}"; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "RuntimeError: a Ray node step ended while the cluster was starting (its output is in the job log)"
+      exit 1
+    fi
+  done
+  sleep 1
+done
+wait "$MAIN"
+MAIN=""
+# The trainer in the background, waited for: a TERM to this shell is then handled at once (the
+# trap ends the trainer and Ray), not after the trainer exits.
+if [ "${PDMCTL_VERL_PROBE:-0}" = "1" ]; then
+  $SETSID "$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch probe &
+else
+  $SETSID "$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch train "$@" &
+fi
+MAIN=$!
+wait "$MAIN"
+"""
+
+
+def build_job_command(run_config: Mapping[str, Any], python: str | None = None) -> list[str]:
+    """`[env, K=V..., bash, -c, JOB_BODY, pdmctl-verl, override...]`: what the SLURM executor runs.
+
+    The overrides travel as positional arguments (`"$@"`), so no value is ever
+    re-parsed by a shell; the environment goes through `env` for the same reason.
+    """
+    env = {**job_env(run_config), "PDMCTL_PYTHON": python or "python3"}
+    # the trainer spans the nodes the job has (VeRL's recipe: trainer.nnodes="${SLURM_NNODES}");
+    # submission checked that the profile gives the run's count
+    overrides = verl_overrides(run_config, nnodes=allocated_nodes()) + ray_env_overrides(job_env(run_config))
+    return [
+        "env",
+        *(f"{k}={v}" for k, v in sorted(env.items())),
+        "bash",
+        "-c",
+        JOB_BODY,
+        "pdmctl-verl",
+        *overrides,
+    ]
+
+
+def build_local_command(run_config: Mapping[str, Any], python: str | None = None) -> list[str]:
+    """The trainer on this machine, outside SLURM: VeRL starts (and stops) its own Ray."""
+    cfg = _resolved(run_config)
+    env = job_env(cfg)
+    overrides = verl_overrides(cfg) + ray_env_overrides(env)
+    if MODEL_PRESETS[cfg["model"]].device == "cpu":
+        from pdmctl.backends.verl import cpu
+
+        overrides += cpu.local_ray_overrides()
+    module = "pdmctl.backends.verl.launch"
+    return ["env", *(f"{k}={v}" for k, v in sorted(env.items())), python or "python3", "-m", module, "train",
+            *overrides]  # fmt: skip
+
+
+
+def run(run_config: Mapping[str, Any], python: str, on_line: Callable[[str], None] | None = None) -> None:
+    """Run one VeRL job to its end: on SLURM through the job body, elsewhere VeRL's own local Ray.
+
+    `on_line` sees every line the trainer prints (a tune trial reads its evaluations there); an
+    exception it raises ends the trainer as a cancel does, and propagates.
+
+    A CPU engine job takes this machine's lock (one at a time) and, however it ends, leaves
+    none of its processes or shared-memory segments behind (vLLM's outlive Ray's teardown).
+    """
+    import time
+
+    cfg = resolve_local_model(run_config)
+    on_slurm = "SLURM_JOB_ID" in os.environ
+    command = build_job_command(cfg, python) if on_slurm else build_local_command(cfg, python)
+    if MODEL_PRESETS[cfg["model"]].device != "cpu":
+        _run_trainer(command, dict(os.environ), on_line)
+        return
+    from pdmctl.backends.verl import cpu
+
+    tag = cpu.new_tag()
+    with cpu.machine_lock():
+        ended, segments = cpu.cleanup_orphans()  # of a job killed outright (kill -9, OOM)
+        if ended or segments:
+            print(f"pdmctl: ended {ended} engine process(es) and removed {len(segments)} /dev/shm "
+                  "segment(s) left by an engine job that was killed", flush=True)  # fmt: skip
+        started = time.time()
+        try:
+            _run_trainer(command, {**os.environ, cpu.ENGINE_TAG_ENV: tag}, on_line)
+        finally:
+            ended, segments = cpu.cleanup(tag, started)
+            if ended or segments:
+                print(f"pdmctl: ended {ended} leftover engine process(es), removed {len(segments)} "
+                      "/dev/shm segment(s)", flush=True)  # fmt: skip
+
+
+class EngineJobError(RuntimeError):
+    """The VeRL trainer exited with an error; the message is its last exception line."""
+
+
+_ERROR_LINE = re.compile(r"^(?:\w+\.)*\w*(?:Error|Exception|Interrupt)\b: .+")
+
+
+STALL_ENV = "PDMCTL_ENGINE_STALL_S"  # seconds without a line from the trainer before it is ended as hung
+DEFAULT_STALL_S = 1800.0  # VeRL and vLLM print at least a line a step; a GPU step of 8k tokens takes minutes
+
+
+def stall_seconds() -> float:
+    """How long the trainer may print nothing (PDMCTL_ENGINE_STALL_S, default 30 min)."""
+    given = os.environ.get(STALL_ENV, "").strip()
+    if not given:
+        return DEFAULT_STALL_S
+    try:
+        value = float(given)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise LaunchConfigError(f"{STALL_ENV}: must be a number of seconds > 0, got {given!r}")
+    return value
+
+
+class _Stalled(Exception):
+    pass
+
+
+LOG_FD_ENV = "PDMCTL_LOG_FD"  # the job body's fd of the job log (for its background steps' output)
+
+
+def _log_fd() -> int | None:
+    """A duplicate of this process's stdout for the trainer's command (None where stdout has no fd)."""
+    try:
+        return os.dup(sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _default_signals() -> None:
+    """In the trainer's process before it runs: SIGTERM unblocked. A SLURM job blocks it for itself
+    (`executors.slurm.PdmctlJob`) and a blocked mask is inherited, so `terminate()` (a cancel, a pruned
+    trial, a hang) would otherwise not reach the trainer or the job body."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _run_trainer(
+    command: list[str], env: dict[str, str], on_line: Callable[[str], None] | None = None,
+    stall_s: float | None = None,
+) -> None:  # fmt: skip
+    """Run the trainer, its output passed through to the job log; a failure raises with its reason.
+
+    The reason is the last `SomethingError: message` line the trainer printed (Ray prints the
+    worker's exception last), so the ledger says what failed, not only an exit status. A trainer
+    that prints nothing for `stall_s` seconds is ended as hung (a worker that died inside a
+    collective, such as the weight sync, leaves the others waiting for ever).
+    """
+    import queue
+    import subprocess
+    import threading
+    import time
+
+    stall_s = stall_seconds() if stall_s is None else stall_s
+    last_error = ""
+    lines: queue.Queue[str | None] = queue.Queue()
+    log_fd = _log_fd()
+    if log_fd is not None:  # the job body's background steps write to the log itself, not to this pipe
+        env = {**env, LOG_FD_ENV: str(log_fd)}
+    try:
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace", bufsize=1, pass_fds=() if log_fd is None else (log_fd,),
+                                preexec_fn=_default_signals)  # fmt: skip
+    finally:
+        if log_fd is not None:
+            os.close(log_fd)
+    stream = proc.stdout
+    assert stream is not None
+
+    def pump() -> None:  # a thread, so that silence can be timed (a blocked read cannot)
+        try:
+            for line in stream:
+                lines.put(line)
+        except (OSError, ValueError):
+            pass
+        finally:
+            lines.put(None)
+
+    threading.Thread(target=pump, name="pdmctl-trainer-output", daemon=True).start()
+    try:
+        last = time.monotonic()
+        while True:
+            try:
+                line = lines.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() - last > stall_s:
+                    raise _Stalled from None
+                continue
+            if line is None:
+                break
+            last = time.monotonic()
+            sys.stdout.write(line)
+            if _ERROR_LINE.match(line.strip()):
+                last_error = line.strip()
+            if on_line is not None:
+                on_line(line)
+    except BaseException as exc:  # a cancel (SIGTERM -> job.Cancelled), a pruned trial, a hang: end it
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if isinstance(exc, _Stalled):
+            after = f"; its last error line: {last_error}" if last_error else ""
+            raise EngineJobError(f"the trainer printed nothing for {stall_s:.0f} s and was ended as hung{after}") from None
+        raise
+    proc.wait()
+    stream.close()  # the pump has seen the end of it
+    sys.stdout.flush()
+    if proc.returncode != 0:
+        raise EngineJobError(last_error or f"the VeRL trainer exited with status {proc.returncode}")
+
+
+
+def wait_for_ray(nodes: int, timeout_s: float) -> None:
+    """Block until `nodes` Ray nodes are alive (the workers start asynchronously)."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    address = os.environ.get("RAY_ADDRESS", "auto")
+    if address != "auto":  # ray.init waits on an absent head without end: bound the wait ourselves
+        _wait_for_port(address, deadline)
+    ray.init(address=address, log_to_driver=False)
+    try:
+        while True:
+            alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+            if alive >= nodes:
+                print(f"pdmctl: {alive} Ray node(s) up", flush=True)
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {alive} of {nodes} Ray nodes came up within {timeout_s:.0f}s")
+            time.sleep(1.0)
+    finally:
+        ray.shutdown()
+
+
+def _wait_for_port(address: str, deadline: float) -> None:
+    import socket
+    import time
+
+    host, _, port = address.rpartition(":")
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no Ray head answered at {address}: did `ray start --head` fail?"
+                ) from None
+            time.sleep(1.0)
+
+
+def probe() -> None:
+    """A task on the cluster in place of the trainer: the cluster starts, schedules, and sees the plugin env."""
+    import socket
+
+    import ray
+
+    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
+
+    @ray.remote(num_cpus=1)
+    def where() -> dict[str, str]:
+        import pdmctl.backends.verl.launch  # noqa: F401  (the package imports on the worker)
+
+        return {"host": socket.gethostname(), TOPK_ENV: os.environ.get(TOPK_ENV, "")}
+
+    try:
+        result = ray.get(where.remote(), timeout=120)
+        nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+        print(f"PDMCTL_PROBE_OK host={result['host']} nodes={nodes}", flush=True)
+    finally:
+        ray.shutdown()
+
+
+def train(overrides: list[str]) -> None:
+    """VeRL's `main_ppo`, with pdmctl's fail-fast check before Ray starts the first rollout."""
+    from verl.trainer.main_ppo import (
+        TaskRunnerV1,
+        auto_set_device,
+        need_critic,
+        need_reference_policy,
+        run_ppo,
+        validate_config,
+    )
+
+    from pdmctl.backends.verl.plugin import check_run_config
+
+    config = compose(overrides)
+    check_run_config(config)
+    auto_set_device(config)
+    validate_config(
+        config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config)
+    )
+    if config.trainer.use_v1:  # as VeRL's own main_ppo chooses
+        print("pdmctl: VeRL's V1 trainer (TransferQueue)", flush=True)
+        run_ppo(config, task_runner_class=TaskRunnerV1)
+    else:
+        from verl.trainer.main_ppo_v0 import TaskRunner
+
+        run_ppo(config, task_runner_class=TaskRunner)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m pdmctl.backends.verl.launch")
+    sub = parser.add_subparsers(dest="step", required=True)
+    wait = sub.add_parser("wait-ray")
+    wait.add_argument("--nodes", type=int, required=True)
+    wait.add_argument("--timeout", type=float, default=300.0)
+    sub.add_parser("probe")
+    train_parser = sub.add_parser("train")
+    train_parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.step == "wait-ray":
+        wait_for_ray(args.nodes, args.timeout)
+    elif args.step == "probe":
+        probe()
+    else:
+        train(args.overrides)
+
