@@ -80,6 +80,9 @@ def sweep(
         specs = grid.expand(overrides or [], sweep_file, name, max_runs=max_runs)
         ctx = orchestrate.make_context(cluster, tracking_uri)
         if dry_run:
+            from pdmctl.testhooks import check_environment
+
+            check_environment()  # what the submission would refuse
             executor = orchestrate.make_executor(ctx.profile)
             executor.check()
             orchestrate.check_runs(specs, ctx, executor)

@@ -269,6 +269,9 @@ class RunDirError(OSError):
 
 def check_before_submit(ctx: Context) -> Executor:
     """Everything that can refuse the work, before anything is written."""
+    from pdmctl.testhooks import check_environment
+
+    check_environment()
     check_reachable(ctx.tracking_uri)
     _check_writable(ctx.run_root)
     executor = make_executor(ctx.profile)

@@ -59,8 +59,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from pdmctl.ledger import LedgerError
     from pdmctl.orchestrate import RunDirError, RunNotFound
     from pdmctl.spec import SpecError
+    from pdmctl.testhooks import TestHookError
 
-    return (GridError, SpecError, LedgerError, ExecutorError, RunNotFound, RunDirError)
+    return (GridError, SpecError, LedgerError, ExecutorError, RunNotFound, RunDirError, TestHookError)
 
 
 @contextlib.contextmanager
