@@ -37,6 +37,9 @@ TrackingOpt = Annotated[
     ),
 ]
 
+MAX_SEEDS = MAX_RUNS  # analyze --seeds: as many as a sweep may have runs
+MAX_SEED = 2**63 - 1  # torch.manual_seed takes a signed 64-bit seed
+
 STATE_STYLE = {
     "finished": "green", "running": "cyan", "queued": "blue", "not started": "dim", "new": "dim",
     "failed": "red", "lost": "red", "cancelled": "yellow", "timeout": "magenta", "preempted": "magenta",
@@ -387,8 +390,10 @@ def analyze(
     from pdmctl.backends.registry import flat_config
 
     with _guard():
-        if seeds < 1:
-            fail(f"--seeds: must be >= 1, got {seeds}")
+        if not 1 <= seeds <= MAX_SEEDS:
+            fail(f"--seeds: must be in [1, {MAX_SEEDS:,}], got {seeds}")
+        if not 0 <= first_seed <= MAX_SEED - seeds + 1:  # torch's seeds are 64-bit
+            fail(f"--first-seed: must be in [0, {MAX_SEED - seeds + 1}] for {seeds} seed(s), got {first_seed}")
         if json_out is not None:  # before the analysis, not after it
             check_output(json_out, "--json", directory=False)
         if csv_out is not None:
@@ -398,7 +403,13 @@ def analyze(
         for name, value in (("--jobs", jobs), ("--threads", threads)):
             if value is not None and value < 1:
                 fail(f"{name}: must be >= 1, got {value}")
-        (spec,) = grid.expand(overrides or [], sweep="analysis")[:1]
+        specs = grid.expand(overrides or [], sweep="analysis")
+        if len(specs) > 1:
+            varied = sorted(k for k, v in flat_config(specs[0].config).items()
+                            if any(flat_config(s.config).get(k) != v for s in specs[1:]))  # fmt: skip
+            fail(f"analyze: one config at a time; the overrides make {len(specs)} ({', '.join(varied)} vary): "
+                 "run one analyze per value")  # fmt: skip
+        (spec,) = specs
         if spec.backend != "toy":
             fail("analyze: runs on the CPU testbed (backend=toy)")
         from pdmctl.backends.toy import ToyConfig
@@ -413,12 +424,17 @@ def analyze(
             run_analysis,
             seed_csv,
         )
+        from pdmctl.backends.toy.basemodel import BaseModelError, check_base_model
 
         chosen = tuple(p.strip() for p in protocols.split(",") if p.strip())
         unknown = [p for p in chosen if p not in PROTOCOLS]
         if unknown or not chosen or len(set(chosen)) != len(chosen):
             fail(f"--protocols: {protocols!r}: name each of {', '.join(PROTOCOLS)} at most once")
         cfg = ToyConfig.from_mapping(flat_config(spec.config))
+        try:
+            check_base_model(cfg.model)  # the shipped file whole, or a warm-up cache that can take the build
+        except BaseModelError as exc:
+            fail(str(exc))
     n_jobs = min(jobs or default_jobs(), seeds)
     with console.status(f"analysing {seeds} seed(s) in {n_jobs} process(es) ..."):
         result = run_analysis(

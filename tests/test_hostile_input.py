@@ -621,3 +621,173 @@ def test_verl_fields_are_checked_at_submit(store: Path, override: str, needle: s
 def test_verl_fields_are_checked_against_verls_own_schema(store: Path, override: str, needle: str) -> None:  # noqa: F811
     pytest.importorskip("verl")
     refused(store, ["sweep", *VERL, override], needle)
+
+
+# == round three (issue 28) ==========================================================================
+
+
+# -- 1: a test's hook left in a user's shell ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("hook", ["PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_VERL_HOLD_AT_STEP", "PDMCTL_VERL_FAIL"])
+@pytest.mark.parametrize("command", [["sweep", "seed=0", *SYN], ["sweep", "seed=0", *SYN, "--dry-run"], ["resume"],
+                                     ["tune", "delta=interval(0.05,0.3)", *SYN, "--trials", "1"]])  # fmt: skip
+def test_a_tests_hook_is_refused_outside_a_test(workdir: Path, monkeypatch: pytest.MonkeyPatch, hook: str,
+                                                command: list[str]) -> None:  # fmt: skip
+    monkeypatch.setenv(hook, "2")
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")  # as in a user's shell: no test is running
+    refused(workdir, command, f"{hook}='2' is set: a test's hook, which would hold or break the jobs; unset it")
+
+
+def test_the_hooks_are_the_holds_and_the_failure_injection(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdmctl import testhooks
+    from pdmctl.backends.toy import trainer
+    from pdmctl.backends.verl import launch, resume
+
+    names = {trainer.HOLD_ENV, trainer.HOLD_S_ENV, resume.HOLD_ENV, resume.HOLD_S_ENV, launch.HOLD_ENV,
+             launch.HOLD_S_ENV, launch.FAIL_ENV}  # fmt: skip
+    assert names == set(testhooks.HOOKS)
+    monkeypatch.setenv(trainer.HOLD_ENV, "4")
+    testhooks.check_environment()  # a test that sets a hook submits: pytest's PYTEST_CURRENT_TEST is set
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    with pytest.raises(testhooks.TestHookError):
+        testhooks.check_environment()
+    monkeypatch.setenv(trainer.HOLD_ENV, "")  # set but empty: no hook (the job reads it as none)
+    testhooks.check_environment()
+
+
+# -- 2, 11: a profile's values reach the sbatch script: one line each, numbers finite ------------------
+
+
+SLURM_LOCAL = (Path(__file__).resolve().parents[1] / "clusters" / "slurm-local.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [('account: "acct\\ntouch PWNED"', "account: 'acct\\ntouch PWNED' holds a control character ('\\n')"),
+     ('qos: "q\\nx"', "qos: 'q\\nx' holds a control character"),
+     ('job_name: "j\\n#SBATCH --x"', "job_name: 'j\\n#SBATCH --x' holds a control character"),
+     ('partition: "debug\\r"', "partition: 'debug\\r' holds a control character ('\\r')"),
+     ('sbatch: ["--constraint=a\\rb"]', "sbatch: '--constraint=a\\rb' holds a control character ('\\r')"),
+     ('setup: ["module load x\\nexit 1"]', "setup: 'module load x\\nexit 1' holds a control character"),
+     ('env: {NCCL_SOCKET_IFNAME: "eth0\\u0085"}', "env.NCCL_SOCKET_IFNAME: 'eth0\\x85' holds a control character"),
+     ('workdir: "/tmp/runs\\nx"', "workdir: '/tmp/runs\\nx' holds a control character"),
+     ("mem_gb: .nan", "mem_gb: must be a positive number, got nan"),
+     ("mem_gb: .inf", "mem_gb: must be a positive number, got inf")],
+)  # fmt: skip
+def test_a_profile_value_that_would_break_the_script_is_refused(workdir: Path, line: str, needle: str) -> None:
+    (workdir / "p.yaml").write_text(SLURM_LOCAL + line + "\n")
+    for command in (["sweep", "seed=0", *SYN, "--dry-run"], ["sweep", "seed=0", *SYN], ["status"]):
+        refused(workdir, [*command, "--cluster", "p.yaml"], f"cluster slurm-local: {needle}")
+
+
+def test_every_sbatch_line_of_an_odd_but_valid_profile_comes_before_the_first_command(tmp_path: Path) -> None:
+    import subprocess
+
+    import yaml
+
+    from pdmctl.executors import load_profile
+    from pdmctl.executors.slurm import SlurmExecutor
+
+    fields = {**yaml.safe_load(SLURM_LOCAL), "account": "a b;c", "qos": "q$x", "job_name": "it's \"mine\"",
+              "sbatch": ["--constraint=h20&fast", "--exclusive"], "setup": ["module load\tcuda  # a tab: setup only"],
+              "env": {"A": "x y'z"}, "workdir": str(tmp_path / "runs with space")}  # fmt: skip
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(fields))
+    executor = SlurmExecutor(load_profile(str(tmp_path / "p.yaml")))
+    executor.max_array_size = lambda: 1001  # type: ignore[method-assign] (no scheduler asked)
+    text = executor.describe([None, None])
+    script = "\n".join(line[2:] for line in text.split("sbatch script of the first array:\n", 1)[1].splitlines())
+    assert subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True).returncode == 0, script
+    lines = [ln for ln in script.splitlines()[1:] if ln.strip()]  # after the #! line
+    first_command = next(i for i, ln in enumerate(lines) if not ln.startswith("#"))
+    sbatch = [i for i, ln in enumerate(lines) if ln.startswith("#SBATCH")]
+    assert len(sbatch) >= 12 and max(sbatch) < first_command, script
+    for option in ("--account='a b;c'", "--array=0-1%", "--partition=debug", "--requeue", "--signal=B:USR2@30",
+                   "--time=30", "--constraint='h20&fast'"):  # fmt: skip
+        assert any(option in lines[i] for i in sbatch), (option, script)
+
+
+# -- 3: analyze over a grid; 6, 12: --seeds and --first-seed bounded ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [(["--json", "g.json", "delta=0.05,0.3"], "analyze: one config at a time; the overrides make 2 (delta vary)"),
+     (["k=10,20", "delta=0.1,0.2"], "the overrides make 4 (delta, k vary)"),
+     (["--seeds", "100000000"], "--seeds: must be in [1, 100,000], got 100000000"),
+     (["--first-seed", "99999999999999999999"], "--first-seed: must be in [0, 9223372036854775788] for 20 seed(s)"),
+     (["--first-seed", "-1"], "--first-seed: must be in [0, "),
+     (["--seeds", "2", "--first-seed", str(2**63 - 1)], "for 2 seed(s), got 9223372036854775807")],
+)  # fmt: skip
+def test_analyze_refuses_a_grid_and_unbounded_seeds(workdir: Path, args: list[str], needle: str) -> None:
+    refused(workdir, ["analyze", *args], needle)
+
+
+# -- 7, 8: PDMCTL_CACHE: the warm-up's cache, the tracking server's lock --------------------------------
+
+
+@pytest.mark.parametrize("cache", ["a file", "relative"])
+@pytest.mark.parametrize("command", [["sweep", "seed=0"], ["sweep", "seed=0", "--dry-run"], ["analyze", "--seeds", "1"]])
+def test_an_unusable_warm_up_cache_is_refused_before_any_job(workdir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             cache: str, command: list[str]) -> None:  # fmt: skip
+    (workdir / "afile").write_text("mine\n")
+    monkeypatch.setenv("PDMCTL_TOY_BASE", "warmup")
+    monkeypatch.setenv("PDMCTL_CACHE", str(workdir / "afile") if cache == "a file" else "cache")
+    needle = (f"the warm-up's cache {workdir / 'afile'}: {workdir / 'afile'} is a file, not a directory"
+              if cache == "a file" else "PDMCTL_CACHE='cache': must be an absolute path")  # fmt: skip
+    refused(workdir, command, needle)
+
+
+def test_the_lock_of_a_tracking_server_is_in_one_cache_whatever_the_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdmctl import ledger
+
+    uri = "http://127.0.0.1:9/"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PDMCTL_CACHE", "")  # an unset variable in a script: the default, not ./locks
+    for cwd in (tmp_path, tmp_path / "home"):
+        cwd.mkdir(exist_ok=True)
+        monkeypatch.chdir(cwd)
+        assert ledger._lock_path(uri).parent == tmp_path / "home" / ".cache" / "pdmctl" / "locks"
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("PDMCTL_CACHE", str(tmp_path / "afile"))
+    with pytest.raises(ledger.LedgerError, match=r"afile/locks/\w+\.lock: Not a directory") as info, \
+            ledger._file_lock(ledger._lock_path(uri)):
+        pass
+    assert "\n" not in str(info.value)
+    monkeypatch.setenv("PDMCTL_CACHE", "rel")
+    with pytest.raises(ledger.LedgerError, match="PDMCTL_CACHE='rel': must be an absolute path"):
+        ledger._lock_path(uri)
+
+
+# -- 14: a killed analyze leaves no worker behind ------------------------------------------------------
+
+
+def test_a_worker_ends_with_its_killed_parent(tmp_path: Path) -> None:
+    """What `pdmctl analyze`'s pool workers run first (`run_analysis`'s initializer): kill -9 of the parent
+    ends the worker at once, mid-task (SIGINT already ended them cleanly)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    worker = ("import os, sys, time; from pdmctl.lifetime import end_with_parent; end_with_parent(int(sys.argv[1])); "
+              "print('ready', flush=True); time.sleep(60)")  # fmt: skip
+    parent = subprocess.Popen([sys.executable, "-c", "import os, subprocess, sys; child = subprocess.Popen("
+                               "[sys.executable, '-c', sys.argv[1], str(os.getpid())]); print(child.pid, flush=True); "
+                               "child.wait()", worker], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    try:
+        assert parent.stdout.readline() == "ready\n"
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{child}").exists() and Path(f"/proc/{child}/status").read_text().find("State:\tZ") < 0:
+            assert time.monotonic() < deadline, "the worker outlived its parent"
+            time.sleep(0.05)
+    finally:
+        if Path(f"/proc/{child}").exists():
+            os.kill(child, signal.SIGKILL)

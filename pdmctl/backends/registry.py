@@ -86,9 +86,8 @@ def _toy_validate(flat: Mapping[str, Any]) -> None:
     from pdmctl.backends.toy import ToyConfig, basemodel
 
     cfg = ToyConfig.from_mapping(flat)
-    try:  # the base model every job would start from: a bad source or a damaged file fails here, not in 8 jobs
-        if basemodel.base_source() == "shipped":
-            basemodel.check_shipped(cfg.model)
+    try:  # the base model every job would start from: a bad source, a damaged file or an unusable cache
+        basemodel.check_base_model(cfg.model)  # fails here, not in 8 jobs
     except basemodel.BaseModelError as exc:
         raise ValueError(str(exc)) from None
 

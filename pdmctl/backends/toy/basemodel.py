@@ -161,7 +161,30 @@ def write_shipped(preset_name: str) -> tuple[Path, str, WarmUpReport]:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PDMCTL_CACHE") or Path.home() / ".cache" / "pdmctl" / "toy-base")
+    from pdmctl.cache import CacheError
+    from pdmctl.cache import cache_dir as pdmctl_cache
+
+    try:
+        return pdmctl_cache(Path.home() / ".cache" / "pdmctl" / "toy-base")
+    except CacheError as exc:
+        raise BaseModelError(str(exc)) from None
+
+
+def check_base_model(preset_name: str) -> None:
+    """Before any work (BaseModelError, one line): the shipped file whole, or (warm-up) a cache that holds
+    the base already or can take its build."""
+    from pdmctl.cache import CacheError, check_writable_dir
+
+    if base_source() == "shipped":
+        check_shipped(preset_name)
+        return
+    path = base_model_path(preset_name)
+    if path.is_file():
+        return
+    try:
+        check_writable_dir(path.parent, "PDMCTL_TOY_BASE=warmup: the warm-up's cache")
+    except CacheError as exc:
+        raise BaseModelError(str(exc)) from None
 
 
 def cache_key(preset_name: str) -> str:
