@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -316,28 +317,47 @@ def logs(
         path = orchestrate.log_file(view.record, ctx, attempt)
         if not path.exists() and not follow:
             fail(f"run {view.key}: no log yet at {path} (state: {view.state})")
-    _tail(
-        path,
-        follow,
-        lambda: orchestrate.find_run(orchestrate.status(ctx, None), run).state in orchestrate.ACTIVE,
-    )
+        ended = _tail(path, follow, lambda: orchestrate.find_run(orchestrate.status(ctx, None), run).state
+                      in orchestrate.ACTIVE)  # fmt: skip
+        if ended:
+            fail(f"run {view.key}: {ended}", code=1)
 
 
-def _tail(path: Path, follow: bool, still_running) -> None:
-    pos = 0
-    while True:
-        if path.exists():
-            with open(path, "rb") as fh:
-                fh.seek(pos)
-                chunk = fh.read()
-                pos += len(chunk)
-            sys.stdout.write(chunk.decode(errors="replace"))
-            sys.stdout.flush()
-        if not follow:
-            return
-        if not still_running():
-            return
-        time.sleep(1.0)
+TAIL_BLOCK = 1 << 20  # the log goes to stdout a block at a time, never whole into memory
+
+
+def _tail(path: Path, follow: bool, still_running, poll: float = 1.0) -> str | None:
+    """Print the log at `path`; with `follow`, what it gains until the run ends. Returns why following
+    stopped early (the log was removed or replaced: it will never grow again), else None."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character cut by a block's end
+    fh, seen = None, None
+    try:
+        while True:
+            if fh is None and path.exists():
+                fh = open(path, "rb")  # noqa: SIM115 (closed below; kept open across polls, as tail -f)
+                seen = os.fstat(fh.fileno()).st_ino
+            if fh is not None:
+                while block := fh.read(TAIL_BLOCK):
+                    sys.stdout.write(decoder.decode(block))
+                sys.stdout.write(decoder.decode(b"", final=not follow))
+                sys.stdout.flush()
+            if not follow:
+                return None
+            if fh is not None:
+                try:
+                    now = path.stat().st_ino
+                except OSError:
+                    now = None
+                if now != seen:
+                    return f"its log {path} was {'removed' if now is None else 'replaced'} while following"
+            if not still_running():
+                return None
+            time.sleep(poll)
+    finally:
+        if fh is not None:
+            fh.close()
 
 
 @app.command(context_settings={"ignore_unknown_options": True})
@@ -518,7 +538,17 @@ def main() -> None:
     except typer.Abort:  # end of input at a prompt: as typer's own standalone mode ends it
         print("Aborted!", file=sys.stderr)
         code = 1
+    except KeyboardInterrupt:  # outside the command (typer turns one inside it into Exit(130))
+        interrupted()
+    if code == 130:
+        interrupted()
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def interrupted() -> None:
+    """Ctrl-C: one line, the shell's exit code for SIGINT (128 + 2), whenever it comes."""
+    print("pdmctl: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -337,7 +337,10 @@ def _compose_groups(groups: tuple[str, ...]) -> dict[str, Any]:
     config = _copy(_hydra_compose(()))
     for override in _parse(groups):
         option = override.value() if not override.is_delete() else None
-        node = _plain_option(override.key_or_group, option) if isinstance(option, str) else None
+        # a group's option names a file of configs/<group>/; a value inside the group (`backend.data_dir=/x`)
+        # never does (its value is no file name: /x.yaml, or one too long for the file system)
+        plain = isinstance(option, str) and override.key_or_group in _config_groups()
+        node = _plain_option(override.key_or_group, option) if plain else None
         if node is None:
             return _hydra_compose(groups)
         config[override.key_or_group] = node

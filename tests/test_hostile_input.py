@@ -791,3 +791,58 @@ def test_a_worker_ends_with_its_killed_parent(tmp_path: Path) -> None:
     finally:
         if Path(f"/proc/{child}").exists():
             os.kill(child, signal.SIGKILL)
+
+
+# -- 16, 17: logs: a removed log ends --follow; a big log streams ------------------------------------
+
+
+def test_logs_streams_a_log_and_follow_ends_when_the_log_is_removed(tmp_path: Path, capsys) -> None:
+    from pdmctl import cli
+
+    log = tmp_path / "attempt-1.log"
+    text = "é" * (cli.TAIL_BLOCK // 2 + 3) + "end\n"  # a two-byte character across the blocks' boundary
+    log.write_text(text)
+    assert cli._tail(log, follow=False, still_running=lambda: True) is None
+    assert capsys.readouterr().out == text
+    polls = []
+
+    def still_running() -> bool:  # the run goes on; its directory is removed after the first poll
+        polls.append(1)
+        if len(polls) == 1:
+            log.unlink()
+        return len(polls) < 50
+
+    why = cli._tail(log, follow=True, still_running=still_running, poll=0.01)
+    assert why == f"its log {log} was removed while following" and len(polls) == 1
+    assert capsys.readouterr().out == text
+
+
+# -- 18: Ctrl-C while pdmctl starts ------------------------------------------------------------------
+
+
+INTERRUPT_AT_IMPORT = """
+import importlib.abc, os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores it)
+MODULE = sys.argv[1]
+class Interrupt(importlib.abc.MetaPathFinder):  # Ctrl-C the moment MODULE starts importing
+    def find_spec(self, name, path, target=None):
+        if name == MODULE:
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["pdmctl", *sys.argv[2:]]
+from pdmctl.entry import main
+main()
+"""
+
+
+@pytest.mark.parametrize(("module", "command"), [("typer", ["status"]), ("pdmctl.grid", ["sweep", "seed=0", *SYN])])
+def test_ctrl_c_while_pdmctl_starts_is_one_line(workdir: Path, module: str, command: list[str]) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", INTERRUPT_AT_IMPORT, module, *command], cwd=workdir,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 130 and lines == ["pdmctl: interrupted"], proc.stderr[-3000:]
+    assert not list(workdir.iterdir())
