@@ -846,3 +846,161 @@ def test_ctrl_c_while_pdmctl_starts_is_one_line(workdir: Path, module: str, comm
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 130 and lines == ["pdmctl: interrupted"], proc.stderr[-3000:]
     assert not list(workdir.iterdir())
+
+
+# -- 5: a study storage Optuna cannot use, refused before anything is written -----------------------------
+
+
+TUNE = ["tune", "delta=interval(0.05,0.3)", *SYN, "--trials", "1"]
+
+
+@pytest.mark.parametrize(
+    ("storage", "needle"),
+    [("not a database", "mlflow.optuna.db is not a SQLite database (move it away, or name another file)"),
+     ("a directory", "mlflow.optuna.db is not a file"),
+     ("missing directory", "directory /nonexistent/dir does not exist"),
+     ("the ledger", "is the ledger itself; Optuna's tables need a database of their own"),
+     ("another schema", "other.db holds other tables than Optuna's (runs, ...)")],
+)  # fmt: skip
+def test_a_study_storage_optuna_cannot_use_is_refused_first(workdir: Path, storage: str, needle: str) -> None:
+    import sqlite3
+
+    args = list(TUNE)
+    if storage == "not a database":
+        (workdir / "mlflow.optuna.db").write_text("not a database\n")
+    elif storage == "a directory":
+        (workdir / "mlflow.optuna.db").mkdir()
+    elif storage == "missing directory":
+        args += ["--storage", "sqlite:////nonexistent/dir/o.db"]
+    elif storage == "the ledger":
+        args += ["--storage", f"sqlite:///{workdir / 'mlflow.db'}"]
+    else:
+        conn = sqlite3.connect(workdir / "other.db")
+        conn.execute("CREATE TABLE runs (id INTEGER)")
+        conn.close()
+        args += ["--storage", f"sqlite:///{workdir / 'other.db'}"]
+    refused(workdir, args, needle)
+    refused(workdir, [*args, "--dry-run"], needle)
+    assert not (workdir / "mlflow.db").exists()  # no ledger created
+
+
+# -- 10: a tune file's fields typed; glob() in a space (half-fixed) ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tune", "needle"),
+    [("grid: [1, 2]\ntune: {space: {delta: 'interval(0.05,0.3)'}, trials: 2}", "grid: must be a mapping"),
+     ("tune: {space: [delta], trials: 2}", "tune: space: must be a mapping of key: value, got ['delta']"),
+     ("tune: {space: 5, trials: 2}", "tune: space: must be a mapping of key: value, got 5"),
+     ("tune: {space: {delta: 'interval(0.05,0.3)'}, trials: many}", "tune: trials: must be an integer, got 'many'"),
+     ("tune: {space: {delta: 'interval(0.05,0.3)'}, trials: 2.5}", "tune: trials: must be an integer, got 2.5"),
+     ("tune: {space: {delta: 'interval(0.05,0.3)'}, trials: 2, sampler: 5}", "tune: sampler: must be a string")],
+)  # fmt: skip
+def test_a_tune_files_fields_are_typed(workdir: Path, tune: str, needle: str) -> None:
+    (workdir / "t.yaml").write_text(f"name: t\n{tune}\n")
+    refused(workdir, ["tune", "--file", "t.yaml", *SYN, "--dry-run"], needle)
+
+
+def test_glob_in_a_tune_space_is_a_choice_of_the_options_it_matches(workdir: Path) -> None:
+    from pdmctl.tune.space import parse_space
+
+    (mask,) = [p for p in parse_space(["mask=glob(pdm_*,exclude=pdm_topk*)", *SYN]).params]
+    assert mask.name == "mask" and mask.distribution.choices == ("pdm_agg", "pdm_exact", "pdm_uni")
+    refused(workdir, ["tune", "delta=glob(*)", *SYN, "--trials", "2", "--dry-run"],
+            "glob() selects options of a config group")  # fmt: skip
+    refused(workdir, ["tune", "mask=glob(zz*)", *SYN, "--trials", "2", "--dry-run"], "sweeps over no values")
+
+
+# -- 15: two drivers on a new study at once ---------------------------------------------------------------
+
+
+def _open_study_together(plan, options, barrier) -> None:
+    from pdmctl.tune.study import open_study
+
+    barrier.wait()
+    open_study(plan, options)
+
+
+def test_two_drivers_creating_a_study_at_once_both_open_it(tmp_path: Path) -> None:
+    import multiprocessing
+
+    import optuna
+
+    from pdmctl import orchestrate
+    from pdmctl.tune import study as tune_study
+    from tests.conftest import sqlite_uri
+
+    ctx = orchestrate.make_context("local", sqlite_uri(tmp_path))
+    options = tune_study.Options(trials=1)
+    plan = tune_study.check("st", tune_study.Request(overrides=("delta=interval(0.05,0.3)", *SYN)), options, ctx,
+                            None)  # fmt: skip
+    fork = multiprocessing.get_context("fork")  # this process's imports, so both start at once
+    barrier = fork.Barrier(2)
+    drivers = [fork.Process(target=_open_study_together, args=(plan, options, barrier)) for _ in range(2)]
+    for d in drivers:
+        d.start()
+    for d in drivers:
+        d.join(120)
+    assert [d.exitcode for d in drivers] == [0, 0]
+    assert [s.study_name for s in optuna.get_all_study_summaries(plan.storage)] == ["st"]
+
+
+# -- 9, 13: report --analysis whole; an output directory that cannot be created ------------------------
+
+
+@pytest.mark.parametrize(
+    ("analysis", "needle"),
+    [({"comparisons": []}, "is not a whole direction analysis (TypeError: AnalysisResult.__init__() missing 7"),
+     ("without seeds", "is not a whole direction analysis (TypeError: AnalysisResult.__init__() missing 1 "
+                       "required positional argument: 'seeds')"),
+     ({"comparisons": [{"x": 1}]}, "is not a whole direction analysis (KeyError: 'ratio')")],
+)  # fmt: skip
+def test_report_refuses_an_analysis_that_is_not_whole(store: Path, analysis, needle: str) -> None:  # noqa: F811
+    import json
+
+    if analysis == "without seeds":
+        shipped = Path(__file__).resolve().parents[1] / "docs" / "results" / "analysis" / "toy-small" / "analysis.json"
+        analysis = {k: v for k, v in json.loads(shipped.read_text()).items() if k != "seeds"}
+    (store / "a.json").write_text(json.dumps(analysis))
+    refused(store, ["report", "--analysis", "a.json"], f"--analysis: a.json {needle}")
+
+
+@pytest.mark.parametrize("command", [["report", "--out", "/proc/pdmctl"], ["analyze", "--json", "/proc/x.json"]])
+def test_an_output_the_file_system_will_not_take_is_refused_first(store: Path, command: list[str]) -> None:  # noqa: F811
+    refused(store, command, f"{command[2]}: cannot be created in /proc")
+
+
+# -- half-fixed: every VeRL field checked at submit; a data_dir too long ---------------------------------
+
+
+def test_every_verl_backend_field_has_a_check() -> None:
+    from pdmctl.backends.registry import VERL_FIELD_CHECKS, _verl_defaults
+
+    assert set(VERL_FIELD_CHECKS) == set(_verl_defaults())
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [("backend.test_freq=soon", "backend.test_freq: must be an integer >= 1 (steps between evaluations"),
+     ("backend.save_freq=0", "backend.save_freq: must be an integer >= 1 (steps between checkpoints"),
+     ("backend.total_epochs=-2", "backend.total_epochs: must be an integer >= 1, got -2"),
+     ("backend.max_prompt_length=1.5", "backend.max_prompt_length: must be an integer >= 1 (tokens), got 1.5"),
+     ("backend.max_ckpt_to_keep=0", "backend.max_ckpt_to_keep: must be an integer >= 1 or null"),
+     ("backend.strategy=ddp", "backend.strategy: must be fsdp2, megatron or null"),
+     ("backend.data_dir=data", "backend.data_dir: must be an absolute path or null")],
+)  # fmt: skip
+def test_each_verl_field_is_checked_at_submit(workdir: Path, override: str, needle: str) -> None:
+    refused(workdir, ["sweep", *VERL, "backend.nnodes=1", override, "--dry-run"], needle)
+
+
+@pytest.mark.parametrize("field", ["data_dir", "model_path"])
+def test_a_path_too_long_for_the_file_system_is_one_line(workdir: Path, field: str) -> None:
+    import yaml
+
+    from tests.test_verl_cluster import _staged
+
+    models, _ = _staged(workdir / "shared", "Qwen3-4B-Base")
+    profile = {**yaml.safe_load(SLURM_LOCAL), "models_dir": str(models)}  # offline: the files are checked
+    (workdir / "p.yaml").write_text(yaml.safe_dump(profile))
+    refused(workdir, ["sweep", *VERL, "backend.nnodes=1", f"backend.{field}=/" + "d" * 300, "--dry-run",
+                      "--cluster", "p.yaml"], "/" + "d" * 59 + "...: File name too long")  # fmt: skip

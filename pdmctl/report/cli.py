@@ -65,7 +65,7 @@ def report(
     """Tables of avg@16 with seed confidence intervals, comparisons with the baseline, learning curves."""
     from pdmctl.ledger import ledger_exists, open_ledger
     from pdmctl.orchestrate import make_context
-    from pdmctl.report.build import build_report
+    from pdmctl.report.build import build_report, load_analysis
     from pdmctl.report.definition import ReportError, load_definition
     from pdmctl.report.tables import comparison_table, excluded_table, results_table, to_rich
     from pdmctl.report.write import write_report
@@ -81,6 +81,8 @@ def report(
             check_output(out, "--out", directory=True)
         try:
             spec = load_definition(definition).with_options(at=at, baseline=baseline, interval=interval)
+            if analysis is not None:  # whole, before the store is opened
+                load_analysis(analysis)
         except ReportError as exc:
             fail(str(exc))
         ctx = make_context(cluster, tracking_uri)

@@ -305,25 +305,7 @@ class Driver:
         self.cpu_seconds = 0.0  # the same, CPU time of this process (what a loaded machine does not inflate)
 
     def open(self) -> None:
-        import optuna
-        import sqlalchemy
-
-        try:
-            # one process at a time creates the storage's schema and the study: two drivers started together
-            # on a new storage would both insert alembic's version row (UNIQUE constraint failed)
-            with uri_lock(self.plan.storage):
-                storage = create_storage(self.plan.storage)
-                self.study = optuna.create_study(
-                    study_name=self.plan.name,
-                    storage=storage,
-                    sampler=make_sampler(self.options.sampler, self.options.seed, self.plan.space),
-                    pruner=make_pruner(self.plan.request.pruner),
-                    direction=self.plan.request.direction,
-                    load_if_exists=True,
-                )
-        except (sqlalchemy.exc.SQLAlchemyError, RuntimeError) as exc:  # a server that refuses, a schema
-            why = " ".join(str(exc).split("\n")[0].split())[:200]  # Optuna cannot read (RuntimeError)
-            raise TuneError(f"study storage {_redact(self.plan.storage)}: cannot be opened ({why})") from None
+        self.study = open_study(self.plan, self.options)
         if self.options.seed is not None:  # a continued study must not replay the first invocation's draws
             done = len(self.study.get_trials(deepcopy=False))
             self.study.sampler = make_sampler(self.options.sampler, self.options.seed + done, self.plan.space)
@@ -500,6 +482,28 @@ def run_objective(history: dict[str, list[tuple[int, float]]], metrics: Sequence
     if at == "final":
         return series[-1][1]
     return (max if direction == "maximize" else min)(v for _, v in series)
+
+
+def open_study(plan: Plan, options: Options):
+    """The study, created with its storage's schema where new (TuneError, one line, where it cannot be)."""
+    import optuna
+    import sqlalchemy
+
+    try:
+        # one process at a time creates the storage's schema and the study: two drivers started together on
+        # a new storage would both insert alembic's version row (UNIQUE constraint failed: alembic_version)
+        with uri_lock(plan.storage):
+            return optuna.create_study(
+                study_name=plan.name,
+                storage=create_storage(plan.storage),
+                sampler=make_sampler(options.sampler, options.seed, plan.space),
+                pruner=make_pruner(plan.request.pruner),
+                direction=plan.request.direction,
+                load_if_exists=True,
+            )
+    except (sqlalchemy.exc.SQLAlchemyError, RuntimeError) as exc:  # a server that refuses; a schema Optuna
+        why = " ".join(str(exc).split("\n")[0].split())[:200]  # cannot read (RuntimeError)
+        raise TuneError(f"study storage {_redact(plan.storage)}: cannot be opened ({why})") from None
 
 
 def create_storage(url: str):
