@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -96,7 +97,15 @@ def shipped_path(preset_name: str) -> Path:
 
 
 def sha256_of(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    stat = path.stat()
+    return _sha256_of(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
+    """A file's digest, once per version of it (size and mtime are the key): a grid of 1,000 runs checks
+    the shipped base model once, not 1,000 times."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def recipe_of(preset_name: str) -> dict:
