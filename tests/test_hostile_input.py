@@ -955,19 +955,19 @@ def test_two_drivers_creating_a_study_at_once_both_open_it(tmp_path: Path) -> No
                        "required positional argument: 'seeds')"),
      ({"comparisons": [{"x": 1}]}, "is not a whole direction analysis (KeyError: 'ratio')")],
 )  # fmt: skip
-def test_report_refuses_an_analysis_that_is_not_whole(store: Path, analysis, needle: str) -> None:  # noqa: F811
+def test_report_refuses_an_analysis_that_is_not_whole(workdir: Path, analysis, needle: str) -> None:
     import json
 
     if analysis == "without seeds":
         shipped = Path(__file__).resolve().parents[1] / "docs" / "results" / "analysis" / "toy-small" / "analysis.json"
         analysis = {k: v for k, v in json.loads(shipped.read_text()).items() if k != "seeds"}
-    (store / "a.json").write_text(json.dumps(analysis))
-    refused(store, ["report", "--analysis", "a.json"], f"--analysis: a.json {needle}")
+    (workdir / "a.json").write_text(json.dumps(analysis))
+    refused(workdir, ["report", "--analysis", "a.json"], f"--analysis: a.json {needle}")
 
 
 @pytest.mark.parametrize("command", [["report", "--out", "/proc/pdmctl"], ["analyze", "--json", "/proc/x.json"]])
-def test_an_output_the_file_system_will_not_take_is_refused_first(store: Path, command: list[str]) -> None:  # noqa: F811
-    refused(store, command, f"{command[2]}: cannot be created in /proc")
+def test_an_output_the_file_system_will_not_take_is_refused_first(workdir: Path, command: list[str]) -> None:
+    refused(workdir, command, f"{command[2]}: cannot be created in /proc")
 
 
 # -- half-fixed: every VeRL field checked at submit; a data_dir too long ---------------------------------
