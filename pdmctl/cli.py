@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -36,6 +37,9 @@ TrackingOpt = Annotated[
         "--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, the profile's, ./mlflow.db)."
     ),
 ]
+
+MAX_SEEDS = MAX_RUNS  # analyze --seeds: as many as a sweep may have runs
+MAX_SEED = 2**63 - 1  # torch.manual_seed takes a signed 64-bit seed
 
 STATE_STYLE = {
     "finished": "green", "running": "cyan", "queued": "blue", "not started": "dim", "new": "dim",
@@ -81,6 +85,9 @@ def sweep(
         orchestrate.check_placeholders(ctx.profile)  # before a grid whose checks may take seconds
         specs = grid.expand(overrides or [], sweep_file, name, max_runs=max_runs)
         if dry_run:
+            from pdmctl.testhooks import check_environment
+
+            check_environment()  # what the submission would refuse
             executor = orchestrate.check_profile(ctx)
             orchestrate.check_runs(specs, ctx, executor)
             plan = orchestrate.plan(specs, ctx, read_only=True)
@@ -310,28 +317,47 @@ def logs(
         path = orchestrate.log_file(view.record, ctx, attempt)
         if not path.exists() and not follow:
             fail(f"run {view.key}: no log yet at {path} (state: {view.state})")
-    _tail(
-        path,
-        follow,
-        lambda: orchestrate.find_run(orchestrate.status(ctx, None), run).state in orchestrate.ACTIVE,
-    )
+        ended = _tail(path, follow, lambda: orchestrate.find_run(orchestrate.status(ctx, None), run).state
+                      in orchestrate.ACTIVE)  # fmt: skip
+        if ended:
+            fail(f"run {view.key}: {ended}", code=1)
 
 
-def _tail(path: Path, follow: bool, still_running) -> None:
-    pos = 0
-    while True:
-        if path.exists():
-            with open(path, "rb") as fh:
-                fh.seek(pos)
-                chunk = fh.read()
-                pos += len(chunk)
-            sys.stdout.write(chunk.decode(errors="replace"))
-            sys.stdout.flush()
-        if not follow:
-            return
-        if not still_running():
-            return
-        time.sleep(1.0)
+TAIL_BLOCK = 1 << 20  # the log goes to stdout a block at a time, never whole into memory
+
+
+def _tail(path: Path, follow: bool, still_running, poll: float = 1.0) -> str | None:
+    """Print the log at `path`; with `follow`, what it gains until the run ends. Returns why following
+    stopped early (the log was removed or replaced: it will never grow again), else None."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character cut by a block's end
+    fh, seen = None, None
+    try:
+        while True:
+            if fh is None and path.exists():
+                fh = open(path, "rb")  # noqa: SIM115 (closed below; kept open across polls, as tail -f)
+                seen = os.fstat(fh.fileno()).st_ino
+            if fh is not None:
+                while block := fh.read(TAIL_BLOCK):
+                    sys.stdout.write(decoder.decode(block))
+                sys.stdout.write(decoder.decode(b"", final=not follow))
+                sys.stdout.flush()
+            if not follow:
+                return None
+            if fh is not None:
+                try:
+                    now = path.stat().st_ino
+                except OSError:
+                    now = None
+                if now != seen:
+                    return f"its log {path} was {'removed' if now is None else 'replaced'} while following"
+            if not still_running():
+                return None
+            time.sleep(poll)
+    finally:
+        if fh is not None:
+            fh.close()
 
 
 @app.command(context_settings={"ignore_unknown_options": True})
@@ -384,8 +410,10 @@ def analyze(
     from pdmctl.backends.registry import flat_config
 
     with _guard():
-        if seeds < 1:
-            fail(f"--seeds: must be >= 1, got {seeds}")
+        if not 1 <= seeds <= MAX_SEEDS:
+            fail(f"--seeds: must be in [1, {MAX_SEEDS:,}], got {seeds}")
+        if not 0 <= first_seed <= MAX_SEED - seeds + 1:  # torch's seeds are 64-bit
+            fail(f"--first-seed: must be in [0, {MAX_SEED - seeds + 1}] for {seeds} seed(s), got {first_seed}")
         if json_out is not None:  # before the analysis, not after it
             check_output(json_out, "--json", directory=False)
         if csv_out is not None:
@@ -395,7 +423,13 @@ def analyze(
         for name, value in (("--jobs", jobs), ("--threads", threads)):
             if value is not None and value < 1:
                 fail(f"{name}: must be >= 1, got {value}")
-        (spec,) = grid.expand(overrides or [], sweep="analysis")[:1]
+        specs = grid.expand(overrides or [], sweep="analysis")
+        if len(specs) > 1:
+            varied = sorted(k for k, v in flat_config(specs[0].config).items()
+                            if any(flat_config(s.config).get(k) != v for s in specs[1:]))  # fmt: skip
+            fail(f"analyze: one config at a time; the overrides make {len(specs)} ({', '.join(varied)} vary): "
+                 "run one analyze per value")  # fmt: skip
+        (spec,) = specs
         if spec.backend != "toy":
             fail("analyze: runs on the CPU testbed (backend=toy)")
         from pdmctl.analysis.protocols import PROTOCOLS
@@ -409,12 +443,17 @@ def analyze(
             seed_csv,
         )
         from pdmctl.backends.toy import ToyConfig
+        from pdmctl.backends.toy.basemodel import BaseModelError, check_base_model
 
         chosen = tuple(p.strip() for p in protocols.split(",") if p.strip())
         unknown = [p for p in chosen if p not in PROTOCOLS]
         if unknown or not chosen or len(set(chosen)) != len(chosen):
             fail(f"--protocols: {protocols!r}: name each of {', '.join(PROTOCOLS)} at most once")
         cfg = ToyConfig.from_mapping(flat_config(spec.config))
+        try:
+            check_base_model(cfg.model)  # the shipped file whole, or a warm-up cache that can take the build
+        except BaseModelError as exc:
+            fail(str(exc))
     n_jobs = min(jobs or default_jobs(), seeds)
     with console.status(f"analysing {seeds} seed(s) in {n_jobs} process(es) ..."):
         result = run_analysis(
@@ -498,7 +537,17 @@ def main() -> None:
     except typer.Abort:  # end of input at a prompt: as typer's own standalone mode ends it
         print("Aborted!", file=sys.stderr)
         code = 1
+    except KeyboardInterrupt:  # outside the command (typer turns one inside it into Exit(130))
+        interrupted()
+    if code == 130:
+        interrupted()
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def interrupted() -> None:
+    """Ctrl-C: one line, the shell's exit code for SIGINT (128 + 2), whenever it comes."""
+    print("pdmctl: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -195,15 +195,24 @@ def _same_key(key: str) -> str:
 def _special_sweeps(overrides: Sequence[str]) -> list[str]:
     """Hydra sweeps the basic sweeper cannot expand: `glob()` over a config group's options becomes the
     list of matching options; `interval()` (a search range, not a grid) is refused for `pdmctl tune`."""
-    from hydra.core.override_parser.types import Glob, IntervalSweep
+    from hydra.core.override_parser.types import IntervalSweep
+
+    for text in overrides:
+        if isinstance(_parse_one(text)._value, IntervalSweep):  # Hydra has no public accessor that does not
+            raise GridError(f"override {text!r}: interval() is a search range for `pdmctl tune`, not a grid; "
+                            "list the values (a,b,c) or use range(start,stop,step)")  # enumerate the sweep
+    return expand_globs(overrides)
+
+
+def expand_globs(overrides: Sequence[str]) -> list[str]:
+    """`glob()` over a config group's options as the list of the options it matches (`mask=pdm_agg,pdm_uni`):
+    a grid's values, or a tune search's choices. A glob over anything else, or matching nothing, is refused."""
+    from hydra.core.override_parser.types import Glob
 
     out = []
     for text in overrides:
         override = _parse_one(text)
         value = override._value  # Hydra has no public accessor that does not enumerate the sweep
-        if isinstance(value, IntervalSweep):
-            raise GridError(f"override {text!r}: interval() is a search range for `pdmctl tune`, not a grid; "
-                            "list the values (a,b,c) or use range(start,stop,step)")  # fmt: skip
         if isinstance(value, Glob):
             group = override.key_or_group
             if group not in _config_groups() or override.is_delete():
@@ -371,7 +380,10 @@ def _compose_groups(groups: tuple[str, ...]) -> dict[str, Any]:
     config = _copy(_hydra_compose(()))
     for override in _parse(groups):
         option = override.value() if not override.is_delete() else None
-        node = _plain_option(override.key_or_group, option) if isinstance(option, str) else None
+        # a group's option names a file of configs/<group>/; a value inside the group (`backend.data_dir=/x`)
+        # never does (its value is no file name: /x.yaml, or one too long for the file system)
+        plain = isinstance(option, str) and override.key_or_group in _config_groups()
+        node = _plain_option(override.key_or_group, option) if plain else None
         if node is None:
             return _hydra_compose(groups)
         config[override.key_or_group] = node

@@ -270,6 +270,9 @@ class RunDirError(OSError):
 def check_before_submit(ctx: Context) -> Executor:
     """Everything that can refuse the work, before anything is written."""
     check_placeholders(ctx.profile)  # first: a placeholder tracking_uri or workdir fails less clearly below
+    from pdmctl.testhooks import check_environment
+
+    check_environment()
     check_reachable(ctx.tracking_uri)
     _check_writable(ctx.run_root)
     return check_profile(ctx)

@@ -48,7 +48,18 @@ def check_output(path: Path, what: str, *, directory: bool) -> None:
         target = path if path.exists() else existing
         if not os.access(target, os.W_OK) or (target.is_dir() and not os.access(target, os.X_OK)):
             fail(f"{what} {path}: {target} is not writable")
-    except OSError as exc:  # a name too long, a loop of links
+        if not path.exists():  # access() says yes to root everywhere, /proc included: try, leave no trace
+            first = path if existing == path.parent else next(p for p in path.parents if p.parent == existing)
+            try:
+                if directory or first != path:
+                    first.mkdir()
+                    first.rmdir()
+                else:
+                    os.close(os.open(first, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+                    first.unlink()
+            except OSError as exc:
+                fail(f"{what} {path}: cannot be created in {existing} ({exc.strerror or exc})")
+    except OSError as exc:  # a name too long, a loop of links, a filesystem that takes no new files
         fail(f"{what} {path}: {exc.strerror or exc}")
 
 
@@ -59,8 +70,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from pdmctl.ledger import LedgerError
     from pdmctl.orchestrate import RunDirError, RunNotFound
     from pdmctl.spec import SpecError
+    from pdmctl.testhooks import TestHookError
 
-    return (GridError, SpecError, LedgerError, ExecutorError, RunNotFound, RunDirError)
+    return (GridError, SpecError, LedgerError, ExecutorError, RunNotFound, RunDirError, TestHookError)
 
 
 @contextlib.contextmanager

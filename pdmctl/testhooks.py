@@ -6,6 +6,11 @@ in about a second; SLURM acts on a time limit or a dead node within 20-60 s).
 nothing logged or checkpointed when its job started (so a requeued or resumed attempt never holds), it
 prints `pdmctl: held at step N …` every 10 s (a job's stall watchdog reads silence as a hang) and lets go
 after `seconds_env` seconds (default 300). Nothing sets these variables but the tests.
+
+**Test-only.** A hook left in a user's shell would stall or break real runs without a word, so submitting
+(`orchestrate.check_before_submit`: sweep, resume, tune) refuses any of `HOOKS` in one line unless pytest is
+running the test that sets it (pytest sets `PYTEST_CURRENT_TEST` for the test in progress, and it reaches
+the processes a test starts; no shell has it).
 """
 
 from __future__ import annotations
@@ -14,6 +19,26 @@ import os
 import time
 
 DEFAULT_HOLD_S = 300.0
+# every variable that is a test's hook: the holds (toy, VeRL) and VeRL's failure injection
+HOOKS = ("PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_TOY_HOLD_S", "PDMCTL_VERL_HOLD_AT_STEP", "PDMCTL_VERL_HOLD_S",
+         "PDMCTL_VERL_FAIL")  # fmt: skip
+UNDER_TEST = "PYTEST_CURRENT_TEST"
+
+
+class TestHookError(RuntimeError):
+    """A test's hook set outside a test; the message is one line."""
+
+    __test__ = False  # not a pytest test class, whatever its name
+
+
+def check_environment() -> None:
+    """Refuse (TestHookError) a test's hook in the environment of a submission that no test made."""
+    if os.environ.get(UNDER_TEST):
+        return
+    for name in HOOKS:
+        if os.environ.get(name):
+            raise TestHookError(f"{name}={os.environ[name][:40]!r} is set: a test's hook, which would hold or "
+                                f"break the jobs; unset it (unset {name}) and submit again")  # fmt: skip
 
 
 def hold_seconds(seconds_env: str) -> float:

@@ -2,8 +2,10 @@
 either succeeds or exits 2 with one line on stderr and no traceback, and a refused call leaves the store
 and the run directories byte for byte as they were.
 
-Hypothesis draws the inputs: overrides, sweep files, cluster profiles, tracking URIs and option values
-that are empty, huge, non-finite, not UTF-8, of the wrong type, or paths. `test_contract_in_process` runs
+Hypothesis draws the inputs: overrides, sweep files, cluster profiles (control characters in the values
+that reach the sbatch script included), tracking URIs, tune files, the options of analyze, tune and logs,
+and the environment variables pdmctl reads, with values that are empty, huge, non-finite, not UTF-8, of
+the wrong type, or paths (issue 20; issue 28). `test_contract_in_process` runs
 `pdmctl.cli.main` (the console script, click's usage errors included) in this process, many examples;
 `test_contract_as_a_user_runs_it` runs the real CLI in a subprocess, a few. Both stay within about a
 minute each. Sweeps always run with --dry-run: a call that succeeds may write, but it must not start jobs
@@ -61,8 +63,27 @@ SWEEP_FILES = st.one_of(
                      b"grid: {delta: interval(0,1)}\n", b"grid: {note: " + HUGE.encode() + b"}\n"]),  # fmt: skip
     st.binary(max_size=40),
 )
-PROFILES = st.sampled_from([b"\xff\xfename: x\n", b"[1, 2]\n", b"executor: nope\n", b"max_concurrent: 0\n",
-                            b"max_concurrent: many\n", b"name: x\nexecutor: local\n", b"{{{\n", b""])  # fmt: skip
+PROFILES = st.one_of(
+    st.sampled_from([b"\xff\xfename: x\n", b"[1, 2]\n", b"executor: nope\n", b"max_concurrent: 0\n",
+                     b"max_concurrent: many\n", b"name: x\nexecutor: local\n", b"{{{\n", b"",
+                     b"executor: slurm\nmem_gb: .nan\n", b"executor: slurm\nmem_gb: .inf\n"]),  # fmt: skip
+    # a control character in any value that reaches the sbatch script (issue 28, item 2)
+    st.builds(lambda field, text: f"executor: slurm\n{field}: {text!r}\n".replace("'", '"').encode(),
+              st.sampled_from(["account", "qos", "job_name", "partition", "gpu_type", "workdir", "python"]),
+              st.text(alphabet=st.sampled_from("ab\n\r\x0b\x85\t"), min_size=1, max_size=6)),
+)
+ENV = st.dictionaries(  # environment variables pdmctl reads, set to nasty values (issue 28)
+    st.sampled_from(["PDMCTL_CACHE", "PDMCTL_TOY_BASE", "PDMCTL_TUNE_STORAGE", "PDMCTL_TOY_HOLD_AT_STEP",
+                     "PDMCTL_VERL_HOLD_AT_STEP", "PDMCTL_VERL_FAIL"]),  # fmt: skip
+    st.sampled_from(["", " ", "2", "warmup", "bogus", "relative/dir", "/proc/pdmctl", "/etc/passwd", "sqlite://",
+                     "\u00e9"]),  # fmt: skip
+    max_size=2,
+)
+TUNE_FILES = st.sampled_from([b"tune: {space: [delta], trials: 2}\n", b"tune: {space: 5, trials: 2}\n",
+                              b"grid: [1]\ntune: {space: {delta: 'interval(0.1,0.2)'}, trials: 2}\n",
+                              b"tune: {space: {delta: 'interval(0.1,0.2)'}, trials: many}\n",
+                              b"tune: {space: {delta: 'interval(0.1,0.2)'}, trials: 2.5}\n",
+                              b"tune: {space: {mask: 'glob(pdm_*)'}, trials: 2}\n", b"tune: 3\n"])  # fmt: skip
 URIS = st.one_of(
     st.sampled_from(["", " ", "foo://bar", "sqlite://", "sqlite:///", "sqlite:///nonexistent/dir/x.db",
                      "http://", "file:///tmp/x", "mysql://u@127.0.0.1:9/x", "sqlite:///" + "d" * 300 + ".db",
@@ -72,8 +93,8 @@ URIS = st.one_of(
 
 
 @st.composite
-def calls(draw) -> tuple[list[str], dict[str, bytes]]:
-    """A command line, and the files (name -> bytes) it refers to."""
+def calls(draw) -> tuple[list[str], dict[str, bytes], dict[str, str]]:
+    """A command line, the files (name -> bytes) it refers to, and the environment it runs in."""
     files: dict[str, bytes] = {}
     kind = draw(st.sampled_from(["sweep", "sweep-file", "cluster", "uri", "status", "report", "resume",
                                  "cancel", "logs", "analyze", "tune"]))  # fmt: skip
@@ -105,14 +126,21 @@ def calls(draw) -> tuple[list[str], dict[str, bytes]]:
         if args[1] == "kept":
             args[1] = "zz"
     elif kind == "logs":
-        args = ["logs", draw(NASTY_TEXT), "--attempt", draw(NASTY_TEXT)]
-    elif kind == "analyze":
-        args = ["analyze", "--seeds", draw(st.sampled_from(["0", "-1", "abc", "nan", ""])), *draw(overrides())]
+        args = ["logs", draw(NASTY_TEXT), "--attempt", draw(NASTY_TEXT), *draw(st.sampled_from([[], ["--follow"]]))]
+    elif kind == "analyze":  # never a valid --seeds: every call is refused before any analysis
+        args = ["analyze", "--seeds", draw(st.sampled_from(["0", "-1", "abc", "nan", "", "100001", "9" * 20])),
+                *draw(overrides())]  # fmt: skip
+        option = draw(st.sampled_from([None, "--first-seed", "--json", "--csv", "--figures", "--jobs", "--threads"]))
+        if option is not None:
+            args += [option, draw(NASTY_TEXT)]
     else:
         args = ["tune", *draw(overrides()), *base, "--trials", draw(NASTY_TEXT), "--dry-run"]
         if draw(st.booleans()):
             args += ["--storage", draw(URIS)]
-    return args, files
+        if draw(st.booleans()):
+            files["t.yaml"] = draw(TUNE_FILES)
+            args += ["--file", "t.yaml"]
+    return args, files, draw(ENV)
 
 
 @pytest.fixture(scope="module")
@@ -145,12 +173,15 @@ def _check(returncode: int, stderr: str, before: dict[str, str], work: Path, arg
         assert after == before, shown + f"\nchanged: {sorted(set(after.items()) ^ set(before.items()))[:6]}"
 
 
-def _main(args: list[str], work: Path) -> tuple[int, str]:
-    """The console script's `main` in this process: its exit code and its stderr."""
+def _main(args: list[str], work: Path, env: dict[str, str]) -> tuple[int, str]:
+    """The console script's `main` in this process, in `env` (as a user's shell: no test running): its
+    exit code and its stderr."""
     from pdmctl.cli import main
 
     saved_env, saved_cwd, saved_argv = dict(os.environ), Path.cwd(), sys.argv
     err, out = io.StringIO(), io.StringIO()
+    os.environ.update(env)
+    os.environ.pop("PYTEST_CURRENT_TEST", None)
     os.chdir(work)
     sys.argv = ["pdmctl", *args]
     try:
@@ -175,11 +206,11 @@ def test_contract_in_process(call, template: Path, tmp_path_factory: pytest.Temp
                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("PDMCTL_STORE_BUSY_S", "5")
-    args, files = call
+    args, files, env = call
     args = [a.encode(errors="surrogateescape").decode(errors="replace") for a in args]  # in-process: str
     work = _fresh(template, files, tmp_path_factory)
     before = snapshot(work)
-    code, stderr = _main(args, work)
+    code, stderr = _main(args, work, env)
     _check(code, stderr, before, work, args)
     shutil.rmtree(work, ignore_errors=True)
 
@@ -188,9 +219,9 @@ def test_contract_in_process(call, template: Path, tmp_path_factory: pytest.Temp
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
 @given(call=calls())
 def test_contract_as_a_user_runs_it(call, template: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    args, files = call  # a lone surrogate reaches the process as the raw byte, as a shell would pass it
+    args, files, env = call  # a lone surrogate reaches the process as the raw byte, as a shell would pass it
     work = _fresh(template, files, tmp_path_factory)
     before = snapshot(work)
-    result = pdmctl(*args, cwd=work, timeout=120, env={"PDMCTL_STORE_BUSY_S": "5"})
+    result = pdmctl(*args, cwd=work, timeout=120, env={**env, "PDMCTL_STORE_BUSY_S": "5"})
     _check(result.returncode, result.stderr, before, work, args)
     shutil.rmtree(work, ignore_errors=True)

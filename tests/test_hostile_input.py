@@ -621,3 +621,386 @@ def test_verl_fields_are_checked_at_submit(store: Path, override: str, needle: s
 def test_verl_fields_are_checked_against_verls_own_schema(store: Path, override: str, needle: str) -> None:  # noqa: F811
     pytest.importorskip("verl")
     refused(store, ["sweep", *VERL, override], needle)
+
+
+# == round three (issue 28) ==========================================================================
+
+
+# -- 1: a test's hook left in a user's shell ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("hook", ["PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_VERL_HOLD_AT_STEP", "PDMCTL_VERL_FAIL"])
+@pytest.mark.parametrize("command", [["sweep", "seed=0", *SYN], ["sweep", "seed=0", *SYN, "--dry-run"], ["resume"],
+                                     ["tune", "delta=interval(0.05,0.3)", *SYN, "--trials", "1"]])  # fmt: skip
+def test_a_tests_hook_is_refused_outside_a_test(workdir: Path, monkeypatch: pytest.MonkeyPatch, hook: str,
+                                                command: list[str]) -> None:  # fmt: skip
+    monkeypatch.setenv(hook, "2")
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")  # as in a user's shell: no test is running
+    refused(workdir, command, f"{hook}='2' is set: a test's hook, which would hold or break the jobs; unset it")
+
+
+def test_the_hooks_are_the_holds_and_the_failure_injection(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdmctl import testhooks
+    from pdmctl.backends.toy import trainer
+    from pdmctl.backends.verl import launch, resume
+
+    names = {trainer.HOLD_ENV, trainer.HOLD_S_ENV, resume.HOLD_ENV, resume.HOLD_S_ENV, launch.HOLD_ENV,
+             launch.HOLD_S_ENV, launch.FAIL_ENV}  # fmt: skip
+    assert names == set(testhooks.HOOKS)
+    monkeypatch.setenv(trainer.HOLD_ENV, "4")
+    testhooks.check_environment()  # a test that sets a hook submits: pytest's PYTEST_CURRENT_TEST is set
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    with pytest.raises(testhooks.TestHookError):
+        testhooks.check_environment()
+    monkeypatch.setenv(trainer.HOLD_ENV, "")  # set but empty: no hook (the job reads it as none)
+    testhooks.check_environment()
+
+
+# -- 2, 11: a profile's values reach the sbatch script: one line each, numbers finite ------------------
+
+
+SLURM_LOCAL = (Path(__file__).resolve().parents[1] / "clusters" / "slurm-local.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [('account: "acct\\ntouch PWNED"', "account: 'acct\\ntouch PWNED' holds a control character ('\\n')"),
+     ('qos: "q\\nx"', "qos: 'q\\nx' holds a control character"),
+     ('job_name: "j\\n#SBATCH --x"', "job_name: 'j\\n#SBATCH --x' holds a control character"),
+     ('partition: "debug\\r"', "partition: 'debug\\r' holds a control character ('\\r')"),
+     ('sbatch: ["--constraint=a\\rb"]', "sbatch: '--constraint=a\\rb' holds a control character ('\\r')"),
+     ('setup: ["module load x\\nexit 1"]', "setup: 'module load x\\nexit 1' holds a control character"),
+     ('env: {NCCL_SOCKET_IFNAME: "eth0\\u0085"}', "env.NCCL_SOCKET_IFNAME: 'eth0\\x85' holds a control character"),
+     ('workdir: "/tmp/runs\\nx"', "workdir: '/tmp/runs\\nx' holds a control character"),
+     ("mem_gb: .nan", "mem_gb: must be a positive number, got nan"),
+     ("mem_gb: .inf", "mem_gb: must be a positive number, got inf")],
+)  # fmt: skip
+def test_a_profile_value_that_would_break_the_script_is_refused(workdir: Path, line: str, needle: str) -> None:
+    (workdir / "p.yaml").write_text(SLURM_LOCAL + line + "\n")
+    for command in (["sweep", "seed=0", *SYN, "--dry-run"], ["sweep", "seed=0", *SYN], ["status"]):
+        refused(workdir, [*command, "--cluster", "p.yaml"], f"cluster slurm-local: {needle}")
+
+
+def test_every_sbatch_line_of_an_odd_but_valid_profile_comes_before_the_first_command(tmp_path: Path) -> None:
+    import subprocess
+
+    import yaml
+
+    from pdmctl.executors import load_profile
+    from pdmctl.executors.slurm import SlurmExecutor
+
+    fields = {**yaml.safe_load(SLURM_LOCAL), "account": "a b;c", "qos": "q$x", "job_name": "it's \"mine\"",
+              "sbatch": ["--constraint=h20&fast", "--exclusive"], "setup": ["module load\tcuda  # a tab: setup only"],
+              "env": {"A": "x y'z"}, "workdir": str(tmp_path / "runs with space")}  # fmt: skip
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(fields))
+    executor = SlurmExecutor(load_profile(str(tmp_path / "p.yaml")))
+    executor.max_array_size = lambda: 1001  # type: ignore[method-assign] (no scheduler asked)
+    text = executor.describe([None, None])
+    script = "\n".join(line[2:] for line in text.split("sbatch script of the first array:\n", 1)[1].splitlines())
+    assert subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True).returncode == 0, script
+    lines = [ln for ln in script.splitlines()[1:] if ln.strip()]  # after the #! line
+    first_command = next(i for i, ln in enumerate(lines) if not ln.startswith("#"))
+    sbatch = [i for i, ln in enumerate(lines) if ln.startswith("#SBATCH")]
+    assert len(sbatch) >= 12 and max(sbatch) < first_command, script
+    for option in ("--account='a b;c'", "--array=0-1%", "--partition=debug", "--requeue", "--signal=B:USR2@30",
+                   "--time=30", "--constraint='h20&fast'"):  # fmt: skip
+        assert any(option in lines[i] for i in sbatch), (option, script)
+
+
+# -- 3: analyze over a grid; 6, 12: --seeds and --first-seed bounded ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [(["--json", "g.json", "delta=0.05,0.3"], "analyze: one config at a time; the overrides make 2 (delta vary)"),
+     (["k=10,20", "delta=0.1,0.2"], "the overrides make 4 (delta, k vary)"),
+     (["--seeds", "100000000"], "--seeds: must be in [1, 100,000], got 100000000"),
+     (["--first-seed", "99999999999999999999"], "--first-seed: must be in [0, 9223372036854775788] for 20 seed(s)"),
+     (["--first-seed", "-1"], "--first-seed: must be in [0, "),
+     (["--seeds", "2", "--first-seed", str(2**63 - 1)], "for 2 seed(s), got 9223372036854775807")],
+)  # fmt: skip
+def test_analyze_refuses_a_grid_and_unbounded_seeds(workdir: Path, args: list[str], needle: str) -> None:
+    refused(workdir, ["analyze", *args], needle)
+
+
+# -- 7, 8: PDMCTL_CACHE: the warm-up's cache, the tracking server's lock --------------------------------
+
+
+@pytest.mark.parametrize("cache", ["a file", "relative"])
+@pytest.mark.parametrize("command", [["sweep", "seed=0"], ["sweep", "seed=0", "--dry-run"], ["analyze", "--seeds", "1"]])
+def test_an_unusable_warm_up_cache_is_refused_before_any_job(workdir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             cache: str, command: list[str]) -> None:  # fmt: skip
+    (workdir / "afile").write_text("mine\n")
+    monkeypatch.setenv("PDMCTL_TOY_BASE", "warmup")
+    monkeypatch.setenv("PDMCTL_CACHE", str(workdir / "afile") if cache == "a file" else "cache")
+    needle = (f"the warm-up's cache {workdir / 'afile'}: {workdir / 'afile'} is a file, not a directory"
+              if cache == "a file" else "PDMCTL_CACHE='cache': must be an absolute path")  # fmt: skip
+    refused(workdir, command, needle)
+
+
+def test_the_lock_of_a_tracking_server_is_in_one_cache_whatever_the_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdmctl import ledger
+
+    uri = "http://127.0.0.1:9/"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PDMCTL_CACHE", "")  # an unset variable in a script: the default, not ./locks
+    for cwd in (tmp_path, tmp_path / "home"):
+        cwd.mkdir(exist_ok=True)
+        monkeypatch.chdir(cwd)
+        assert ledger._lock_path(uri).parent == tmp_path / "home" / ".cache" / "pdmctl" / "locks"
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("PDMCTL_CACHE", str(tmp_path / "afile"))
+    with pytest.raises(ledger.LedgerError, match=r"afile/locks/\w+\.lock: Not a directory") as info, \
+            ledger._file_lock(ledger._lock_path(uri)):
+        pass
+    assert "\n" not in str(info.value)
+    monkeypatch.setenv("PDMCTL_CACHE", "rel")
+    with pytest.raises(ledger.LedgerError, match="PDMCTL_CACHE='rel': must be an absolute path"):
+        ledger._lock_path(uri)
+
+
+# -- 14: a killed analyze leaves no worker behind ------------------------------------------------------
+
+
+def test_a_worker_ends_with_its_killed_parent(tmp_path: Path) -> None:
+    """What `pdmctl analyze`'s pool workers run first (`run_analysis`'s initializer): kill -9 of the parent
+    ends the worker at once, mid-task (SIGINT already ended them cleanly)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    worker = ("import os, sys, time; from pdmctl.lifetime import end_with_parent; end_with_parent(int(sys.argv[1])); "
+              "print('ready', flush=True); time.sleep(60)")  # fmt: skip
+    parent = subprocess.Popen([sys.executable, "-c", "import os, subprocess, sys; child = subprocess.Popen("
+                               "[sys.executable, '-c', sys.argv[1], str(os.getpid())]); print(child.pid, flush=True); "
+                               "child.wait()", worker], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    try:
+        assert parent.stdout.readline() == "ready\n"
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{child}").exists() and Path(f"/proc/{child}/status").read_text().find("State:\tZ") < 0:
+            assert time.monotonic() < deadline, "the worker outlived its parent"
+            time.sleep(0.05)
+    finally:
+        if Path(f"/proc/{child}").exists():
+            os.kill(child, signal.SIGKILL)
+
+
+# -- 16, 17: logs: a removed log ends --follow; a big log streams ------------------------------------
+
+
+def test_logs_streams_a_log_and_follow_ends_when_the_log_is_removed(tmp_path: Path, capsys) -> None:
+    from pdmctl import cli
+
+    log = tmp_path / "attempt-1.log"
+    text = "é" * (cli.TAIL_BLOCK // 2 + 3) + "end\n"  # a two-byte character across the blocks' boundary
+    log.write_text(text)
+    assert cli._tail(log, follow=False, still_running=lambda: True) is None
+    assert capsys.readouterr().out == text
+    polls = []
+
+    def still_running() -> bool:  # the run goes on; its directory is removed after the first poll
+        polls.append(1)
+        if len(polls) == 1:
+            log.unlink()
+        return len(polls) < 50
+
+    why = cli._tail(log, follow=True, still_running=still_running, poll=0.01)
+    assert why == f"its log {log} was removed while following" and len(polls) == 1
+    assert capsys.readouterr().out == text
+
+
+# -- 18: Ctrl-C while pdmctl starts ------------------------------------------------------------------
+
+
+INTERRUPT_AT_IMPORT = """
+import importlib.abc, os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores it)
+MODULE = sys.argv[1]
+class Interrupt(importlib.abc.MetaPathFinder):  # Ctrl-C the moment MODULE starts importing
+    def find_spec(self, name, path, target=None):
+        if name == MODULE:
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["pdmctl", *sys.argv[2:]]
+from pdmctl.entry import main
+main()
+"""
+
+
+@pytest.mark.parametrize(("module", "command"), [("typer", ["status"]), ("pdmctl.grid", ["sweep", "seed=0", *SYN])])
+def test_ctrl_c_while_pdmctl_starts_is_one_line(workdir: Path, module: str, command: list[str]) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", INTERRUPT_AT_IMPORT, module, *command], cwd=workdir,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 130 and lines == ["pdmctl: interrupted"], proc.stderr[-3000:]
+    assert not list(workdir.iterdir())
+
+
+# -- 5: a study storage Optuna cannot use, refused before anything is written -----------------------------
+
+
+TUNE = ["tune", "delta=interval(0.05,0.3)", *SYN, "--trials", "1"]
+
+
+@pytest.mark.parametrize(
+    ("storage", "needle"),
+    [("not a database", "mlflow.optuna.db is not a SQLite database (move it away, or name another file)"),
+     ("a directory", "mlflow.optuna.db is not a file"),
+     ("missing directory", "directory /nonexistent/dir does not exist"),
+     ("the ledger", "is the ledger itself; Optuna's tables need a database of their own"),
+     ("another schema", "other.db holds other tables than Optuna's (runs, ...)")],
+)  # fmt: skip
+def test_a_study_storage_optuna_cannot_use_is_refused_first(workdir: Path, storage: str, needle: str) -> None:
+    import sqlite3
+
+    args = list(TUNE)
+    if storage == "not a database":
+        (workdir / "mlflow.optuna.db").write_text("not a database\n")
+    elif storage == "a directory":
+        (workdir / "mlflow.optuna.db").mkdir()
+    elif storage == "missing directory":
+        args += ["--storage", "sqlite:////nonexistent/dir/o.db"]
+    elif storage == "the ledger":
+        args += ["--storage", f"sqlite:///{workdir / 'mlflow.db'}"]
+    else:
+        conn = sqlite3.connect(workdir / "other.db")
+        conn.execute("CREATE TABLE runs (id INTEGER)")
+        conn.close()
+        args += ["--storage", f"sqlite:///{workdir / 'other.db'}"]
+    refused(workdir, args, needle)
+    refused(workdir, [*args, "--dry-run"], needle)
+    assert not (workdir / "mlflow.db").exists()  # no ledger created
+
+
+# -- 10: a tune file's fields typed; glob() in a space (half-fixed) ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tune", "needle"),
+    [("grid: [1, 2]\ntune: {space: {delta: 'interval(0.05,0.3)'}, trials: 2}", "grid: must be a mapping"),
+     ("tune: {space: [delta], trials: 2}", "tune: space: must be a mapping of key: value, got ['delta']"),
+     ("tune: {space: 5, trials: 2}", "tune: space: must be a mapping of key: value, got 5"),
+     ("tune: {space: {delta: 'interval(0.05,0.3)'}, trials: many}", "tune: trials: must be an integer, got 'many'"),
+     ("tune: {space: {delta: 'interval(0.05,0.3)'}, trials: 2.5}", "tune: trials: must be an integer, got 2.5"),
+     ("tune: {space: {delta: 'interval(0.05,0.3)'}, trials: 2, sampler: 5}", "tune: sampler: must be a string")],
+)  # fmt: skip
+def test_a_tune_files_fields_are_typed(workdir: Path, tune: str, needle: str) -> None:
+    (workdir / "t.yaml").write_text(f"name: t\n{tune}\n")
+    refused(workdir, ["tune", "--file", "t.yaml", *SYN, "--dry-run"], needle)
+
+
+def test_glob_in_a_tune_space_is_a_choice_of_the_options_it_matches(workdir: Path) -> None:
+    from pdmctl.tune.space import parse_space
+
+    (mask,) = [p for p in parse_space(["mask=glob(pdm_*,exclude=pdm_topk*)", *SYN]).params]
+    assert mask.name == "mask" and mask.distribution.choices == ("pdm_agg", "pdm_exact", "pdm_uni")
+    refused(workdir, ["tune", "delta=glob(*)", *SYN, "--trials", "2", "--dry-run"],
+            "glob() selects options of a config group")  # fmt: skip
+    refused(workdir, ["tune", "mask=glob(zz*)", *SYN, "--trials", "2", "--dry-run"], "sweeps over no values")
+
+
+# -- 15: two drivers on a new study at once ---------------------------------------------------------------
+
+
+def _open_study_together(plan, options, barrier) -> None:
+    from pdmctl.tune.study import open_study
+
+    barrier.wait()
+    open_study(plan, options)
+
+
+def test_two_drivers_creating_a_study_at_once_both_open_it(tmp_path: Path) -> None:
+    import multiprocessing
+
+    import optuna
+
+    from pdmctl import orchestrate
+    from pdmctl.tune import study as tune_study
+    from tests.conftest import sqlite_uri
+
+    ctx = orchestrate.make_context("local", sqlite_uri(tmp_path))
+    options = tune_study.Options(trials=1)
+    plan = tune_study.check("st", tune_study.Request(overrides=("delta=interval(0.05,0.3)", *SYN)), options, ctx,
+                            None)  # fmt: skip
+    fork = multiprocessing.get_context("fork")  # this process's imports, so both start at once
+    barrier = fork.Barrier(2)
+    drivers = [fork.Process(target=_open_study_together, args=(plan, options, barrier)) for _ in range(2)]
+    for d in drivers:
+        d.start()
+    for d in drivers:
+        d.join(120)
+    assert [d.exitcode for d in drivers] == [0, 0]
+    assert [s.study_name for s in optuna.get_all_study_summaries(plan.storage)] == ["st"]
+
+
+# -- 9, 13: report --analysis whole; an output directory that cannot be created ------------------------
+
+
+@pytest.mark.parametrize(
+    ("analysis", "needle"),
+    [({"comparisons": []}, "is not a whole direction analysis (TypeError: AnalysisResult.__init__() missing 7"),
+     ("without seeds", "is not a whole direction analysis (TypeError: AnalysisResult.__init__() missing 1 "
+                       "required positional argument: 'seeds')"),
+     ({"comparisons": [{"x": 1}]}, "is not a whole direction analysis (KeyError: 'ratio')")],
+)  # fmt: skip
+def test_report_refuses_an_analysis_that_is_not_whole(workdir: Path, analysis, needle: str) -> None:
+    import json
+
+    if analysis == "without seeds":
+        shipped = Path(__file__).resolve().parents[1] / "docs" / "results" / "analysis" / "toy-small" / "analysis.json"
+        analysis = {k: v for k, v in json.loads(shipped.read_text()).items() if k != "seeds"}
+    (workdir / "a.json").write_text(json.dumps(analysis))
+    refused(workdir, ["report", "--analysis", "a.json"], f"--analysis: a.json {needle}")
+
+
+@pytest.mark.parametrize("command", [["report", "--out", "/proc/pdmctl"], ["analyze", "--json", "/proc/x.json"]])
+def test_an_output_the_file_system_will_not_take_is_refused_first(workdir: Path, command: list[str]) -> None:
+    refused(workdir, command, f"{command[2]}: cannot be created in /proc")
+
+
+# -- half-fixed: every VeRL field checked at submit; a data_dir too long ---------------------------------
+
+
+def test_every_verl_backend_field_has_a_check() -> None:
+    from pdmctl.backends.registry import VERL_FIELD_CHECKS, _verl_defaults
+
+    assert set(VERL_FIELD_CHECKS) == set(_verl_defaults())
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [("backend.test_freq=soon", "backend.test_freq: must be an integer >= 1 (steps between evaluations"),
+     ("backend.save_freq=0", "backend.save_freq: must be an integer >= 1 (steps between checkpoints"),
+     ("backend.total_epochs=-2", "backend.total_epochs: must be an integer >= 1, got -2"),
+     ("backend.max_prompt_length=1.5", "backend.max_prompt_length: must be an integer >= 1 (tokens), got 1.5"),
+     ("backend.max_ckpt_to_keep=0", "backend.max_ckpt_to_keep: must be an integer >= 1 or null"),
+     ("backend.strategy=ddp", "backend.strategy: must be fsdp2, megatron or null"),
+     ("backend.data_dir=data", "backend.data_dir: must be an absolute path or null")],
+)  # fmt: skip
+def test_each_verl_field_is_checked_at_submit(workdir: Path, override: str, needle: str) -> None:
+    refused(workdir, ["sweep", *VERL, "backend.nnodes=1", override, "--dry-run"], needle)
+
+
+@pytest.mark.parametrize("field", ["data_dir", "model_path"])
+def test_a_path_too_long_for_the_file_system_is_one_line(workdir: Path, field: str) -> None:
+    import yaml
+
+    from tests.test_verl_cluster import _staged
+
+    models, _ = _staged(workdir / "shared", "Qwen3-4B-Base")
+    profile = {**yaml.safe_load(SLURM_LOCAL), "models_dir": str(models)}  # offline: the files are checked
+    (workdir / "p.yaml").write_text(yaml.safe_dump(profile))
+    refused(workdir, ["sweep", *VERL, "backend.nnodes=1", f"backend.{field}=/" + "d" * 300, "--dry-run",
+                      "--cluster", "p.yaml"], "/" + "d" * 59 + "...: File name too long")  # fmt: skip

@@ -4,6 +4,7 @@ every command, every run and the cost (issue 25)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -36,14 +37,21 @@ def _check(specs, profile_path: str) -> None:
 
 def _staged(tmp_path: Path, *models: str) -> tuple[Path, Path]:
     """A models directory with a complete copy of each model (config, tokenizer, weights) and the data."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from pdmctl.backends.verl.data import _write_parquet, to_verl_rows
+
     models_dir, data_dir = tmp_path / "models", tmp_path / "data"
     for name in models:
-        for file in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
-            (models_dir / name).mkdir(parents=True, exist_ok=True)
+        (models_dir / name).mkdir(parents=True, exist_ok=True)
+        for file in ("config.json", "tokenizer.json", "tokenizer_config.json"):
             (models_dir / name / file).write_text("{}")
+        save_file({"w": np.zeros((2, 2), dtype=np.float32)}, str(models_dir / name / "model.safetensors"))
     data_dir.mkdir()
+    rows = to_verl_rows([{"problem": "1+1", "answer": "2"}], "aime24", "test")
     for file in (launch.TRAIN_FILE, *launch.VAL_FILES):
-        (data_dir / file).write_text("")
+        _write_parquet(rows, data_dir / file)
     return models_dir, data_dir
 
 
@@ -306,3 +314,58 @@ def test_checkpoints_kept_are_the_saves_where_a_run_saves_fewer() -> None:
     assert (kept, saves) == (2, 2) and size == 353_000 * 12
     size, kept, saves = launch.checkpoint_bytes({**BASE, "model": "qwen3-8b-base"})
     assert (kept, saves) == (3, None) and size == 8_190_735_360 * 12  # steps come from the data
+
+
+# --- whole files, not names (issue 28, item 3) ------------------------------------------------
+
+
+def _shard_index(copy: Path) -> None:
+    (copy / "model.safetensors").rename(copy / "model-00001-of-00002.safetensors")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def _parquet_without(data: Path, column: str | None) -> None:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(data / "aime24.parquet")
+    pq.write_table(table.drop_columns([column]) if column else table.slice(0, 0), data / "aime24.parquet")
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [("empty config", "config.json is empty (0 bytes)"), ("config not JSON", "config.json cannot be read as JSON"),
+     ("empty tokenizer", "tokenizer.json is empty"), ("empty weights", "model.safetensors is empty"),
+     ("weights a directory", "model.safetensors is not a file"),
+     ("weights cut short", "model.safetensors is cut short: its tensors need"),
+     ("weights not safetensors", "model.safetensors is not a safetensors file"),
+     ("a shard missing", "names model-00002-of-00002.safetensors, which is not there"),
+     ("empty parquet", "aime24.parquet is empty (0 bytes)"), ("not parquet", "aime24.parquet is not a parquet file"),
+     ("no prompt column", "aime24.parquet lacks the column(s) VeRL reads: prompt"),
+     ("no rows", "aime24.parquet has no rows")],
+)  # fmt: skip
+def test_empty_or_partial_weights_and_data_are_refused_at_submit(tmp_path: Path, damage: str, message: str) -> None:
+    models, data = _staged(tmp_path, "Qwen3-4B-Base")
+    copy = models / "Qwen3-4B-Base"
+    weights = copy / "model.safetensors"
+    change = {
+        "empty config": lambda: (copy / "config.json").write_bytes(b""),
+        "config not JSON": lambda: (copy / "config.json").write_text("{not json"),
+        "empty tokenizer": lambda: (copy / "tokenizer.json").write_bytes(b""),
+        "empty weights": lambda: weights.write_bytes(b""),
+        "weights a directory": lambda: (weights.unlink(), weights.mkdir()),
+        "weights cut short": lambda: weights.write_bytes(weights.read_bytes()[:-4]),
+        "weights not safetensors": lambda: weights.write_text("{}"),
+        "a shard missing": lambda: _shard_index(copy),
+        "empty parquet": lambda: (data / "aime24.parquet").write_bytes(b""),
+        "not parquet": lambda: (data / "aime24.parquet").write_text("prompt,data_source\n1,2\n"),
+        "no prompt column": lambda: _parquet_without(data, "prompt"),
+        "no rows": lambda: _parquet_without(data, None),
+    }
+    specs = expand(["backend=verl", "model=qwen3-4b-base"], None, "s")
+    profile = _h20(tmp_path, models_dir=str(models), data_dir=str(data))
+    _check(specs, profile)  # the staged copy itself is whole
+    change[damage]()
+    with pytest.raises(ExecutorError, match=re.escape(message)) as info:
+        _check(specs, profile)
+    assert "\n" not in str(info.value)

@@ -94,17 +94,21 @@ def run_analysis(
         finally:
             torch.set_num_threads(before)
     else:
+        import functools
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
+
+        from pdmctl.lifetime import end_with_parent
 
         per_job = threads or 1
         with ProcessPoolExecutor(
             max_workers=min(jobs, len(seeds)),
             mp_context=multiprocessing.get_context("spawn"),  # no forked OpenMP pools, the same on every OS
-            initializer=_worker_threads,
-            initargs=(per_job,),
+            # first thing in a worker, before it imports torch: a killed `pdmctl analyze` leaves none behind
+            initializer=end_with_parent,
+            initargs=(os.getpid(),),
         ) as pool:
-            results = list(pool.map(_seed_task, tasks))
+            results = list(pool.map(functools.partial(_threads_then_seed_task, per_job), tasks))
     return _combine(cfg, list(seeds), tuple(protocols), results, "mismatch-only" if mismatch_only else "stale")
 
 
@@ -118,8 +122,9 @@ class _SeedResult:
     extras: _SeedExtras
 
 
-def _worker_threads(threads: int) -> None:
+def _threads_then_seed_task(threads: int, task: tuple[ToyConfig, tuple[str, ...], bool, bool]) -> _SeedResult:
     torch.set_num_threads(threads)
+    return _seed_task(task)
 
 
 def _seed_task(task: tuple[ToyConfig, tuple[str, ...], bool, bool]) -> _SeedResult:

@@ -99,9 +99,8 @@ def _toy_validate(flat: Mapping[str, Any]) -> None:
     from pdmctl.backends.toy import ToyConfig, basemodel
 
     cfg = ToyConfig.from_mapping(flat)
-    try:  # the base model every job would start from: a bad source or a damaged file fails here, not in 8 jobs
-        if basemodel.base_source() == "shipped":
-            basemodel.check_shipped(cfg.model)
+    try:  # the base model every job would start from: a bad source, a damaged file or an unusable cache
+        basemodel.check_base_model(cfg.model)  # fails here, not in 8 jobs
     except basemodel.BaseModelError as exc:
         raise ValueError(str(exc)) from None
 
@@ -181,6 +180,34 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _path(value: Any, absolute: bool) -> bool:
+    return isinstance(value, str) and bool(value.strip()) and (not absolute or Path(value).is_absolute())
+
+
+# every field of the VeRL backend group (`_verl_defaults`; a test holds the two together): what the job
+# would need of it after the queue wait, checked at submit
+VERL_FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "strategy": (lambda v: v is None or v in _verl_module().STRATEGIES, "fsdp2, megatron or null (by the precision)"),
+    "lr": (lambda v: v is None or (_number(v) and v > 0), "a number > 0 (or null: the model's)"),
+    "temperature": (lambda v: _number(v) and v > 0, "a number > 0"),  # the masks divide the logits by it
+    "val_n": (_count, "an integer >= 1 (samples per held-out problem)"),
+    "save_freq": (lambda v: v is None or _count(v), "an integer >= 1 (steps between checkpoints: resume needs "
+                  "them) or null: the model's"),
+    "test_freq": (_count, "an integer >= 1 (steps between evaluations: avg@16 needs them)"),
+    "total_epochs": (_count, "an integer >= 1"),
+    "max_prompt_length": (_count, "an integer >= 1 (tokens)"),
+    "model_path": (lambda v: v is None or _path(v, absolute=False), "a directory or hub id, or null"),
+    "nnodes": (lambda v: v is None or _count(v), "an integer >= 1 or null: the model's"),
+    "max_ckpt_to_keep": (lambda v: v is None or _count(v), "an integer >= 1 or null: every checkpoint"),
+    "total_training_steps": (lambda v: v is None or _count(v), "an integer >= 1 or null: the model's"),
+    "data_dir": (lambda v: v is None or _path(v, absolute=True), "an absolute path or null: the profile's"),
+}
+
+
 def _verl_fields(flat: Mapping[str, Any]) -> None:
     """The run fields VeRL reads only on the allocation, checked at submit: first against VeRL's own config
     schema (its dataclasses, typed by OmegaConf as VeRL types them) where VeRL is installed, then the values
@@ -189,13 +216,11 @@ def _verl_fields(flat: Mapping[str, Any]) -> None:
         value = flat.get(field)
         if value is not None:
             _verl_schema_check(name, value, target, verl_field)
-    lr, temperature, val_n = flat.get("lr"), flat.get("temperature", 1.0), flat.get("val_n", 16)
-    if lr is not None and not (_number(lr) and lr > 0):
-        raise ValueError(f"backend.lr: must be a number > 0 (or null: the model's), got {lr!r}")
-    if not (_number(temperature) and temperature > 0):  # the masks divide the logits by it
-        raise ValueError(f"backend.temperature: must be a number > 0, got {temperature!r}")
-    if not isinstance(val_n, int) or isinstance(val_n, bool) or val_n < 1:
-        raise ValueError(f"backend.val_n: must be an integer >= 1 (samples per held-out problem), got {val_n!r}")
+    defaults = _verl_defaults()
+    for field, (check, wanted) in VERL_FIELD_CHECKS.items():
+        value = flat.get(field, defaults[field])
+        if not check(value):
+            raise ValueError(f"backend.{field}: must be {wanted}, got {value!r:.80}")
     mode = flat.get("loss_agg_mode", "token-mean")
     if mode not in VERL_LOSS_AGG_MODES:
         raise ValueError(f"mask.loss_agg_mode: unknown {mode!r}; VeRL takes {', '.join(VERL_LOSS_AGG_MODES)}")
@@ -273,8 +298,12 @@ def _verl_check_cluster(flat: Mapping[str, Any], cluster: Mapping[str, Any]) -> 
     """An offline cluster (`Executor.job_settings`): the weights and data are on its shared storage."""
     if cluster.get("offline"):
         launch = _verl_module()
-        launch.check_local_files(flat, cluster.get("models_dir"), flat.get("data_dir") or cluster.get("data_dir")
-                                 or str(Path("data/verl").resolve()))  # fmt: skip
+        try:
+            launch.check_local_files(flat, cluster.get("models_dir"), flat.get("data_dir") or cluster.get("data_dir")
+                                     or str(Path("data/verl").resolve()))  # fmt: skip
+        except OSError as exc:  # a path the file system cannot hold (a name too long), a loop of links
+            name = str(exc.filename or "")
+            raise ValueError(f"{name[:60]}{'...' if len(name) > 60 else ''}: {exc.strerror or exc}") from None
 
 
 def _verl_describe(runs: list[DescribedRun], cluster: Mapping[str, Any]) -> list[str]:

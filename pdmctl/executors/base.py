@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import unicodedata
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -88,6 +89,7 @@ def load_profile(name_or_path: str) -> ClusterProfile:
     except UnicodeDecodeError as exc:
         raise ExecutorError(f"cluster profile: {name_or_path} is not UTF-8 text (byte {exc.start})") from exc
     where = f"cluster {data.get('name') if isinstance(data.get('name'), str) else Path(path).stem}"
+    _refuse_control_characters(data, where)
     for key, types in PROFILE_KEYS.items():
         value = data.get(key)
         if key in data and (not isinstance(value, types) or isinstance(value, bool)):
@@ -142,6 +144,24 @@ def _values(node: Any, where: str = "") -> list[tuple[str, str]]:
     if isinstance(node, list | tuple):
         return [item for i, value in enumerate(node) for item in _values(value, f"{where}[{i}]")]
     return [(where, node)] if isinstance(node, str) else []
+
+
+def _refuse_control_characters(value: Any, where: str, name: str = "") -> None:
+    """Every text of a profile is one line: its values become `#SBATCH` lines and shell lines of the job's
+    script, where a newline or a carriage return would start a line of its own (a tab: `setup` only)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_control_characters(key, where, name)
+            _refuse_control_characters(item, where, f"{name}.{key}" if name else str(key))
+    elif isinstance(value, list):
+        for item in value:
+            _refuse_control_characters(item, where, name)
+    elif isinstance(value, str):
+        allowed = "\t" if name == "setup" else ""
+        bad = next((c for c in value if unicodedata.category(c) == "Cc" and c not in allowed), None)
+        if bad is not None:
+            raise ExecutorError(f"{where}: {name or 'a key'}: {value[:60]!r} holds a control character ({bad!r}); "
+                                "a profile's values are one line each")  # fmt: skip
 
 
 class Executor(ABC):

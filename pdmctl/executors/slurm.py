@@ -135,7 +135,7 @@ class SlurmOptions:
                     raise ExecutorError(f"{where}: {name}: must be an integer >= {low}, got {value!r}")
                 values[name] = value
             elif name == "mem_gb":
-                if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < math.inf:
                     raise ExecutorError(f"{where}: mem_gb: must be a positive number, got {value!r}")
                 values[name] = float(value)
             elif name == "offline":

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Mapping, Sequence
 
 from pdmctl.ledger.records import RunRecord, Submission
-from pdmctl.ledger.store import _file_lock, _lock_path
+from pdmctl.ledger.store import uri_lock
 from pdmctl.spec import RunSpec
 
 
@@ -63,4 +63,4 @@ class Ledger:
 
     def lock(self) -> contextlib.AbstractContextManager[None]:
         """Serialise sweep/resume submissions so that concurrent invocations submit each run once."""
-        return _file_lock(_lock_path(self.uri))
+        return uri_lock(self.uri)

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pdmctl.ledger.records import LedgerError
-from pdmctl.ledger.uris import _first_line, sqlite_path
+from pdmctl.ledger.uris import _first_line, _redact, sqlite_path
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,12 @@ def _mlflow_table_names() -> set[str]:
 
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(path, "a+")  # noqa: SIM115 (closed below)
+    except OSError as exc:  # a file where the directory goes, a read-only cache
+        raise LedgerError(f"lock {path}: {exc.strerror or exc} (where pdmctl serialises submissions)") from None
+    with fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
@@ -189,8 +193,16 @@ def _lock_path(uri: str) -> Path:
     path = sqlite_path(uri)
     if path is not None:
         return path.with_name(path.name + ".pdmctl.lock")
+    from pdmctl.cache import CacheError, cache_dir
+
     digest = hashlib.sha256(uri.encode()).hexdigest()[:16]
-    return (
-        Path(os.environ.get("PDMCTL_CACHE", Path.home() / ".cache" / "pdmctl")) / "locks" / f"{digest}.lock"
-    )
+    try:
+        return cache_dir(Path.home() / ".cache" / "pdmctl") / "locks" / f"{digest}.lock"
+    except CacheError as exc:
+        raise LedgerError(f"the submission lock of {_redact(uri)}: {exc}") from None
+
+
+def uri_lock(uri: str) -> contextlib.AbstractContextManager[None]:
+    """An exclusive lock on a store, across processes: beside a SQLite file, else in pdmctl's cache."""
+    return _file_lock(_lock_path(uri))
 

@@ -73,7 +73,7 @@ def report(
     """Tables of avg@16 with seed confidence intervals, comparisons with the baseline, learning curves."""
     from pdmctl.ledger import ledger_exists, open_ledger
     from pdmctl.orchestrate import make_context
-    from pdmctl.report.build import build_report, pooling_notes
+    from pdmctl.report.build import build_report, load_analysis, pooling_notes
     from pdmctl.report.definition import ReportError, load_definition
     from pdmctl.report.tables import comparison_table, excluded_table, power_table, results_table, to_rich
     from pdmctl.report.write import write_report
@@ -90,6 +90,8 @@ def report(
         try:
             spec = load_definition(definition).with_options(at=at, baseline=baseline, interval=interval,
                                                             panels=panels)  # fmt: skip
+            if analysis is not None:  # whole, before the store is opened
+                load_analysis(analysis)
         except ReportError as exc:
             fail(str(exc))
         ctx = make_context(cluster, tracking_uri)

@@ -9,6 +9,7 @@ import typer
 
 _FILE_OPTIONS = ("trials", "parallel", "objective", "direction", "at", "sampler", "pruner",
                  "seeds_per_trial", "max_attempts", "seed")  # fmt: skip
+_INT_OPTIONS = ("trials", "parallel", "seeds_per_trial", "max_attempts", "seed")
 
 
 def register(app: typer.Typer) -> None:
@@ -138,14 +139,19 @@ def _read_file(path_or_name: str) -> tuple[str, list[str], dict[str, Any]]:
         raise TuneError(f"sweep file: {path}: tune: unknown field {unknown[0]!r} "
                         f"(known: space, {', '.join(_FILE_OPTIONS)})")  # fmt: skip
     where = f"sweep file: {path}"
+    for name, value in (("grid", data.get("grid")), ("tune: space", section.get("space"))):
+        if value is not None and not isinstance(value, dict):
+            raise TuneError(f"{where}: {name}: must be a mapping of key: value, got {value!r:.60}")
     overrides = [f"{k}={_hydra_value(v, f'{where}: grid: {k}')}" for k, v in (data.get("grid") or {}).items()]
     overrides += [f"{k}={_hydra_value(v, f'{where}: tune: space: {k}')}"
                   for k, v in (section.get("space") or {}).items()]  # fmt: skip
-    return (
-        str(data.get("name") or path.stem),
-        overrides,
-        {k: section[k] for k in _FILE_OPTIONS if k in section},
-    )
+    options = {k: section[k] for k in _FILE_OPTIONS if k in section}
+    for key, value in options.items():  # what the command line's options would have typed
+        wanted = int if key in _INT_OPTIONS else str
+        if value is not None and (not isinstance(value, wanted) or isinstance(value, bool)):
+            kind = "an integer" if wanted is int else "a string"
+            raise TuneError(f"{where}: tune: {key}: must be {kind}, got {value!r:.60}")
+    return str(data.get("name") or path.stem), overrides, options
 
 
 def _print_space(plan) -> None:

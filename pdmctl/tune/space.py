@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdmctl.grid import GridError, _hydra, _parse_one, compose
+from pdmctl.grid import GridError, _hydra, _parse_one, compose, expand_globs
 from pdmctl.spec import RunSpec
 
 CategoricalValue = str | int | float | bool | None
@@ -87,7 +87,7 @@ def parse_space(overrides: Sequence[str]) -> SearchSpace:
     searched: list[tuple[str, Any]] = []
     fixed: list[str] = []
     seen: set[str] = set()
-    for text in overrides:
+    for text in expand_globs(overrides):  # `mask=glob(pdm_*)`: a choice among the options it matches
         override = _parse_one(text)
         key = override.key_or_group
         if key in seen:

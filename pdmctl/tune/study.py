@@ -35,7 +35,7 @@ from typing import Any
 from pdmctl import orchestrate
 from pdmctl.backends.registry import flat_config, get_backend
 from pdmctl.grid import check_sweep_name
-from pdmctl.ledger import is_database_uri, ledger_exists, open_ledger, sqlite_path
+from pdmctl.ledger import _redact, is_database_uri, ledger_exists, open_ledger, sqlite_path, uri_lock
 from pdmctl.orchestrate import Context, RunState, RunView
 from pdmctl.spec import RunSpec
 from pdmctl.tune.space import SearchSpace, hydra_session, parse_space
@@ -123,7 +123,9 @@ def check(name: str, request: Request, options: Options | None, ctx: Context, st
         if options.max_attempts < 1:
             raise TuneError(f"--max-attempts: must be >= 1, got {options.max_attempts}")
         make_sampler(options.sampler, options.seed, space)
-    return Plan(name, request, space, metrics, storage_url(ctx.tracking_uri, storage))
+    url = storage_url(ctx.tracking_uri, storage)
+    check_sqlite_storage(url, ctx.tracking_uri)
+    return Plan(name, request, space, metrics, url)
 
 
 def objective_metrics(objective: str, config: dict[str, Any]) -> tuple[str, ...]:
@@ -190,8 +192,6 @@ def check_storage(url: str) -> str:
     (one line) otherwise. Looks at the text and the installed modules only: nothing is connected to."""
     import sqlalchemy
 
-    from pdmctl.ledger import _redact
-
     try:
         parsed = sqlalchemy.engine.make_url(url)
         parsed.get_dialect()  # the dialect, and with it the driver's module
@@ -205,6 +205,55 @@ def check_storage(url: str) -> str:
     if parsed.get_backend_name() == "sqlite" and not (parsed.database or "").strip("/"):
         raise TuneError(f"--storage {url}: a SQLite storage is sqlite:///PATH (a file, not memory)")
     return url
+
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def check_sqlite_storage(url: str, tracking_uri: str) -> None:
+    """A SQLite study storage Optuna can create or open, refused (TuneError, one line) before anything is
+    written: its directory exists, it is not the ledger itself (MLflow and Optuna each keep their schema
+    version in alembic's one `alembic_version` table), and a file already there is a SQLite database whose
+    tables are Optuna's (or none yet) and that this process can write."""
+    import sqlite3
+
+    path = sqlite_path(url)
+    if path is None:
+        return
+    where = f"study storage {url}"
+    ledger = sqlite_path(tracking_uri)
+    try:
+        if ledger is not None and path.resolve() == ledger.resolve():
+            raise TuneError(f"{where}: is the ledger itself; Optuna's tables need a database of their own "
+                            f"(the default: {ledger.with_name(ledger.stem + '.optuna' + ledger.suffix)})")  # fmt: skip
+        if not path.parent.is_dir():
+            raise TuneError(f"{where}: directory {path.parent} does not exist")
+        if not path.exists():
+            if not os.access(path.parent, os.W_OK | os.X_OK):
+                raise TuneError(f"{where}: directory {path.parent} is not writable")
+            return
+        if not path.is_file():
+            raise TuneError(f"{where}: {path} is not a file")
+        with open(path, "rb") as fh:
+            magic = fh.read(len(_SQLITE_MAGIC))
+        if magic and magic != _SQLITE_MAGIC:
+            raise TuneError(f"{where}: {path} is not a SQLite database (move it away, or name another file)")
+        if not os.access(path, os.W_OK):
+            raise TuneError(f"{where}: {path} is not writable")
+        if not magic:
+            return  # an empty file: SQLite makes it a database
+        conn = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)
+        try:
+            tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        raise TuneError(f"{where}: {path} is not a usable SQLite database ({exc})") from None
+    except OSError as exc:
+        raise TuneError(f"{where}: {exc.strerror or exc}") from None
+    if tables and "studies" not in tables:
+        raise TuneError(f"{where}: {path} holds other tables than Optuna's ({', '.join(sorted(tables)[:3])}, ...); "
+                        "name a file of its own")  # fmt: skip
 
 
 def _first_values(space: SearchSpace) -> dict[str, Any]:
@@ -256,17 +305,7 @@ class Driver:
         self.cpu_seconds = 0.0  # the same, CPU time of this process (what a loaded machine does not inflate)
 
     def open(self) -> None:
-        import optuna
-
-        storage = create_storage(self.plan.storage)
-        self.study = optuna.create_study(
-            study_name=self.plan.name,
-            storage=storage,
-            sampler=make_sampler(self.options.sampler, self.options.seed, self.plan.space),
-            pruner=make_pruner(self.plan.request.pruner),
-            direction=self.plan.request.direction,
-            load_if_exists=True,
-        )
+        self.study = open_study(self.plan, self.options)
         if self.options.seed is not None:  # a continued study must not replay the first invocation's draws
             done = len(self.study.get_trials(deepcopy=False))
             self.study.sampler = make_sampler(self.options.sampler, self.options.seed + done, self.plan.space)
@@ -443,6 +482,28 @@ def run_objective(history: dict[str, list[tuple[int, float]]], metrics: Sequence
     if at == "final":
         return series[-1][1]
     return (max if direction == "maximize" else min)(v for _, v in series)
+
+
+def open_study(plan: Plan, options: Options):
+    """The study, created with its storage's schema where new (TuneError, one line, where it cannot be)."""
+    import optuna
+    import sqlalchemy
+
+    try:
+        # one process at a time creates the storage's schema and the study: two drivers started together on
+        # a new storage would both insert alembic's version row (UNIQUE constraint failed: alembic_version)
+        with uri_lock(plan.storage):
+            return optuna.create_study(
+                study_name=plan.name,
+                storage=create_storage(plan.storage),
+                sampler=make_sampler(options.sampler, options.seed, plan.space),
+                pruner=make_pruner(plan.request.pruner),
+                direction=plan.request.direction,
+                load_if_exists=True,
+            )
+    except (sqlalchemy.exc.SQLAlchemyError, RuntimeError) as exc:  # a server that refuses; a schema Optuna
+        why = " ".join(str(exc).split("\n")[0].split())[:200]  # cannot read (RuntimeError)
+        raise TuneError(f"study storage {_redact(plan.storage)}: cannot be opened ({why})") from None
 
 
 def create_storage(url: str):

@@ -1,7 +1,25 @@
-"""The CPU RL testbed: a tiny transformer learns two-digit addition with GRPO through pdmctl.masks."""
+"""The CPU RL testbed: a tiny transformer learns two-digit addition with GRPO through pdmctl.masks.
+
+`ToyConfig` and `MODEL_PRESETS` are what expanding a grid needs; `train` (the trainer, its rollouts and
+tasks) is imported when first asked for, so a dry run never loads the training code (issue 28).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from pdmctl.backends.toy.config import ToyConfig
 from pdmctl.backends.toy.model import MODEL_PRESETS
-from pdmctl.backends.toy.trainer import train
+
+if TYPE_CHECKING:
+    from pdmctl.backends.toy.trainer import train
 
 __all__ = ["MODEL_PRESETS", "ToyConfig", "train"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "train":
+        from pdmctl.backends.toy.trainer import train
+
+        return train
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -96,7 +97,15 @@ def shipped_path(preset_name: str) -> Path:
 
 
 def sha256_of(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    stat = path.stat()
+    return _sha256_of(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
+    """A file's digest, once per version of it (size and mtime are the key): a grid of 1,000 runs checks
+    the shipped base model once, not 1,000 times."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def recipe_of(preset_name: str) -> dict:
@@ -161,7 +170,30 @@ def write_shipped(preset_name: str) -> tuple[Path, str, WarmUpReport]:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PDMCTL_CACHE") or Path.home() / ".cache" / "pdmctl" / "toy-base")
+    from pdmctl.cache import CacheError
+    from pdmctl.cache import cache_dir as pdmctl_cache
+
+    try:
+        return pdmctl_cache(Path.home() / ".cache" / "pdmctl" / "toy-base")
+    except CacheError as exc:
+        raise BaseModelError(str(exc)) from None
+
+
+def check_base_model(preset_name: str) -> None:
+    """Before any work (BaseModelError, one line): the shipped file whole, or (warm-up) a cache that holds
+    the base already or can take its build."""
+    from pdmctl.cache import CacheError, check_writable_dir
+
+    if base_source() == "shipped":
+        check_shipped(preset_name)
+        return
+    path = base_model_path(preset_name)
+    if path.is_file():
+        return
+    try:
+        check_writable_dir(path.parent, "PDMCTL_TOY_BASE=warmup: the warm-up's cache")
+    except CacheError as exc:
+        raise BaseModelError(str(exc)) from None
 
 
 def cache_key(preset_name: str) -> str:

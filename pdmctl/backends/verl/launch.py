@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdmctl.backends.verl import offline
 from pdmctl.backends.verl.quoting import quoted
 from pdmctl.backends.verl.tiny import TRAIN_FILE as TINY_TRAIN_FILE
 
@@ -528,10 +529,6 @@ def model_location(run_config: Mapping[str, Any], models_dir: str | None) -> str
     return str(Path(models_dir) / preset.hf_path.rsplit("/", 1)[-1]) if models_dir else preset.hf_path
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.pt")
-
-
 def check_local_files(run_config: Mapping[str, Any], models_dir: str | None, data_dir: str | None) -> None:
     """On an offline cluster, before submitting (raise LaunchConfigError, one line): the weights are a
     local directory with a config, a tokenizer and weights, and every data file the run reads exists.
@@ -549,21 +546,14 @@ def check_local_files(run_config: Mapping[str, Any], models_dir: str | None, dat
         )
     if not model.is_dir():
         raise LaunchConfigError(f"model {cfg['model']}: {model} is not a directory (stage the weights there: docs/CLUSTER.md)")
-    missing = [what for what, ok in (
-        ("config.json", (model / "config.json").is_file()),
-        (f"a tokenizer ({' or '.join(_TOKENIZER_FILES)})", any((model / f).is_file() for f in _TOKENIZER_FILES)),
-        ("weights (*.safetensors or *.bin)", any(any(model.glob(p)) for p in _WEIGHT_PATTERNS)),
-    ) if not ok]  # fmt: skip
-    if missing:
-        raise LaunchConfigError(f"model {cfg['model']}: {model} lacks {', '.join(missing)}")
+    offline.check_model_dir(model, cfg["model"])  # whole files, not names: issue 28 item 3
     if preset.hf_path is None:
         return
     if not cfg["data_dir"]:
         raise LaunchConfigError("data_dir: set data_dir in the cluster profile or backend.data_dir=/shared/dir")
     data = Path(str(cfg["data_dir"]))
     for name in (preset.train_file, *VAL_FILES):
-        if not (data / name).is_file():
-            raise LaunchConfigError(f"data_dir: {data / name} does not exist (`pdmctl data prepare {data}` writes it)")
+        offline.check_parquet(data / name)
 
 
 def local_model_dir(model: str) -> Path:

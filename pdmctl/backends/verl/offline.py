@@ -1,0 +1,135 @@
+"""What can be checked cheaply on a login node of the weights and data an offline job will read (issue 28,
+item 3): that they are there is not enough, an empty or partial copy fails on the cluster after the queue
+wait. Headers and footers only, never the tensors or the rows: a 60 GB model is checked in milliseconds.
+
+`check_model_dir`: config.json and the tokenizer's JSON parse, and every weight file (every shard the
+safetensors index names) is a non-empty file, a safetensors file's header whole and within the file.
+`check_parquet`: the file opens as parquet, has the columns VeRL's RL dataset reads and at least one row.
+Each raises OfflineFilesError (one line); a file's verdict is cached by its size and modification time,
+so a grid of many runs of one model reads it once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import struct
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# what VeRL's RLHFDataset and its default reward read of a row (pdmctl.backends.verl.data writes them)
+PARQUET_COLUMNS = ("prompt", "data_source", "reward_model")
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on a header
+
+
+class OfflineFilesError(ValueError):
+    """A weight or data file that a job could not read; the message is one line."""
+
+
+def check_model_dir(model: Path, label: str) -> None:
+    """A local model directory as VeRL loads it: a config, a tokenizer, whole weights."""
+    where = f"model {label}: {model}"
+    missing = [what for what, ok in (
+        ("config.json", (model / "config.json").exists()),
+        (f"a tokenizer ({' or '.join(TOKENIZER_FILES)})", any((model / f).exists() for f in TOKENIZER_FILES)),
+        ("weights (*.safetensors or *.bin)", any(any(model.glob(p)) for p in (*WEIGHT_PATTERNS, SAFETENSORS_INDEX))),
+    ) if not ok]  # fmt: skip
+    if missing:
+        raise OfflineFilesError(f"{where} lacks {', '.join(missing)}")
+    _check_file(model / "config.json", where, "json")
+    for name in TOKENIZER_FILES:
+        if (model / name).exists():
+            _check_file(model / name, where, "json" if name.endswith(".json") else "bytes")
+    index = model / SAFETENSORS_INDEX
+    if index.exists():
+        _check_file(index, where, "json")
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise OfflineFilesError(f"{where}: {SAFETENSORS_INDEX} has no weight_map naming the shards")
+        for shard in sorted(set(map(str, weight_map.values()))):
+            if Path(shard).name != shard:
+                raise OfflineFilesError(f"{where}: {SAFETENSORS_INDEX} names {shard!r}, not a file in the directory")
+            if not (model / shard).exists():
+                raise OfflineFilesError(f"{where}: {SAFETENSORS_INDEX} names {shard}, which is not there")
+            _check_file(model / shard, where, "safetensors")
+        return
+    for pattern in WEIGHT_PATTERNS:
+        for path in sorted(model.glob(pattern)):
+            _check_file(path, where, "safetensors" if path.suffix == ".safetensors" else "bytes")
+
+
+def check_parquet(path: Path) -> None:
+    """A data file VeRL's dataset can read: parquet, its columns, a row at least."""
+    if not path.exists():
+        raise OfflineFilesError(f"data_dir: {path} does not exist (`pdmctl data prepare {path.parent}` writes it)")
+    _check_file(path, "data_dir", "parquet", str(path))
+
+
+def _check_file(path: Path, where: str, kind: str, shown: str | None = None) -> None:
+    label = f"{where}: {shown or path.name}"
+    try:
+        stat = path.stat()
+    except OSError as exc:
+        raise OfflineFilesError(f"{label}: {exc.strerror or exc}") from None
+    if not path.is_file():
+        raise OfflineFilesError(f"{label} is not a file")
+    problem = _problem(str(path), kind, stat.st_size, stat.st_mtime_ns)
+    if problem:
+        raise OfflineFilesError(f"{label} {problem}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _problem(path: str, kind: str, size: int, mtime_ns: int) -> str | None:
+    """What is wrong with the file (None: nothing); size and mtime are the cache's key."""
+    if size == 0:
+        return "is empty (0 bytes)"
+    try:
+        if kind == "json":
+            with open(path, "rb") as fh:
+                json.loads(fh.read())
+        elif kind == "safetensors":
+            return _safetensors_problem(path, size)
+        elif kind == "parquet":
+            return _parquet_problem(path)
+    except (OSError, ValueError) as exc:
+        return f"cannot be read as {kind.upper()}: {' '.join(str(exc).split())[:120]}"
+    return None
+
+
+def _safetensors_problem(path: str, size: int) -> str | None:
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return "is not a safetensors file (shorter than its header's length)"
+        (length,) = struct.unpack("<Q", head)
+        if not 0 < length <= min(_MAX_HEADER, size - 8):
+            return f"is not a safetensors file (a header of {length} bytes in a file of {size})"
+        header = json.loads(fh.read(length))
+    if not isinstance(header, dict):
+        return "is not a safetensors file (its header is not a JSON object)"
+    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"
+            and isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2]  # fmt: skip
+    if len(ends) != len([n for n in header if n != "__metadata__"]):
+        return "is not a safetensors file (a tensor without data_offsets)"
+    if ends and 8 + length + max(ends) > size:
+        return f"is cut short: its tensors need {8 + length + max(ends)} bytes, the file has {size}"
+    return None
+
+
+def _parquet_problem(path: str) -> str | None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        return f"is not a parquet file ({' '.join(str(exc).split())[:120]})"
+    names = set(meta.schema_arrow.names)
+    lacking = [c for c in PARQUET_COLUMNS if c not in names]
+    if lacking:
+        return f"lacks the column(s) VeRL reads: {', '.join(lacking)} (has {', '.join(sorted(names)) or 'none'})"
+    if meta.metadata.num_rows < 1:
+        return "has no rows"
+    return None
