@@ -78,14 +78,3 @@ def pytest_make_collect_report(collector):
     outcome = yield
     _fail_skip(outcome.get_result())
 
-
-# The main suite runs in parallel (pytest-xdist, `--dist loadgroup`: `.ci/run`, the README): tests that use
-# the machine's one SLURM cluster or PostgreSQL server run one at a time in one worker (some look jobs up
-# by the profile's shared job name, some fill the node on purpose); every other test has its own directory.
-SERVICE_FILES = {"test_slurm.py", "test_verl_slurm.py"}
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    for item in items:
-        if item.path.name in SERVICE_FILES or item.get_closest_marker("slurm") or item.get_closest_marker("postgres"):
-            item.add_marker(pytest.mark.xdist_group("services"))
