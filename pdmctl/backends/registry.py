@@ -205,6 +205,7 @@ VERL_FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_ckpt_to_keep": (lambda v: v is None or _count(v), "an integer >= 1 or null: every checkpoint"),
     "total_training_steps": (lambda v: v is None or _count(v), "an integer >= 1 or null: the model's"),
     "data_dir": (lambda v: v is None or _path(v, absolute=True), "an absolute path or null: the profile's"),
+    "val_before_train": (lambda v: isinstance(v, bool), "true or false (a validation before the first step)"),
 }
 
 

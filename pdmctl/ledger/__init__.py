@@ -43,7 +43,7 @@ from pdmctl.ledger.records import (
     spec_tags,
 )
 from pdmctl.ledger.sql import SqlLedger
-from pdmctl.ledger.store import BUSY_ENV, busy_seconds, close_stores, uri_lock
+from pdmctl.ledger.store import BUSY_ENV, _file_lock, _lock_path, busy_seconds, close_stores, uri_lock
 from pdmctl.ledger.uris import (
     _redact,
     check_reachable,
@@ -63,7 +63,7 @@ def open_ledger(uri: str) -> Ledger:
 __all__ = [
     "BUSY_ENV", "FAILED", "FINISHED", "HTTP_TIMEOUT_S", "KILLED", "RUNNING", "SCHEDULED", "STATUS_METRICS", "TAG", "TAG_PROVENANCE",
     "TERMINAL", "ClientLedger", "Ledger", "LedgerError", "RunLogger", "RunRecord", "SqlLedger", "Submission",
-    "_redact", "busy_seconds", "check_reachable", "check_uri", "close_stores", "default_tracking_uri", "flatten",
+    "_file_lock", "_lock_path", "_redact", "busy_seconds", "check_reachable", "check_uri", "close_stores", "default_tracking_uri", "flatten",
     "is_database_uri", "ledger_exists", "load_per_problem", "load_samples", "metric_value", "open_ledger", "resolve_tracking_uri",
     "run_dir_of", "spec_tags", "sqlite_path", "uri_lock",
 ]  # fmt: skip
