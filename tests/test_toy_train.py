@@ -70,9 +70,11 @@ def test_resume_refuses_another_runs_checkpoint(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("method", ["grpo", "pdm"])
 def test_a_short_run_raises_held_out_accuracy(tmp_path: Path, method: str) -> None:
-    # 10 of the default run's 40 steps: the gain is measured on both held-out sets together (80
-    # problems x 16 samples), where the base model's avg@16 has a standard error of about 0.02
-    cfg = ToyConfig(method=method, steps=10, eval_every=10, prompts_per_step=64)
+    # 20 of the default run's 40 steps: the gain is measured on both held-out sets together (80
+    # problems x 16 samples), where the base model's avg@16 has a standard error of about 0.02. At 10
+    # steps the PDM run gained only 0.588 -> 0.618 on one machine under ATEN_CPU_CAPABILITY=avx2 with the
+    # warm-up's base (the landed code alike); at 20 it passes there, and under `default`
+    cfg = ToyConfig(method=method, steps=20, eval_every=20, prompts_per_step=64)
     tracker = _run(cfg, tmp_path)
     (before, after) = (
         sum(tracker.history(f"eval/{name}")[i][1] for name in ("toy24", "toy25")) / 2 for i in (0, -1)
