@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -78,3 +80,35 @@ def pytest_make_collect_report(collector):
     outcome = yield
     _fail_skip(outcome.get_result())
 
+
+
+# --- two lanes (scripts/test.sh) ------------------------------------------------------------------
+# The tests that use the one-node SLURM of .ci/slurm_up.sh share its queue and its slots: two of them at
+# once can break an assertion about what runs when (8 jobs overlapping, a requeue's next attempt). They
+# get the `cluster` mark and run one at a time in one process; everything else runs in a second process
+# beside it. A test is `cluster` when it is marked `slurm` or its code, or a fixture it asks for, names
+# SLURM's commands or a cluster profile. Misplacing a test the other way costs time, not correctness.
+_CLUSTER_WORDS = re.compile(r"slurm|sbatch|squeue|sacct|scontrol|srun|sinfo|write_profile|--cluster|clusters/")
+
+
+def _mentions_the_cluster(item: pytest.Item) -> bool:
+    fn = getattr(item, "function", None)
+    sources = [fn] if fn is not None else []
+    fixtures = getattr(item, "_fixtureinfo", None)
+    for name in fixtures.names_closure if fixtures is not None else ():
+        for fixdef in fixtures.name2fixturedefs.get(name, ()):
+            sources.append(fixdef.func)
+    for obj in sources:
+        try:
+            if _CLUSTER_WORDS.search(inspect.getsource(obj).lower()):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slurm") is not None or _mentions_the_cluster(item):
+            item.add_marker(pytest.mark.cluster)
