@@ -228,19 +228,10 @@ def _verl_fields(flat: Mapping[str, Any]) -> None:
 
 
 def _verl_schema_check(name: str, value: Any, target: str, verl_field: str) -> None:
-    from pdmctl.backends.verl.schema import field_schema as verl_field_schema
+    """VeRL's own type for the field (nothing when VeRL is not installed where the sweep is submitted)."""
+    from pdmctl.backends.verl.schema import check_field
 
-    field_schema = verl_field_schema(target, verl_field)
-    if field_schema is None:  # VeRL is not installed where the sweep is submitted: pdmctl's own checks only
-        return
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        OmegaConf.merge(field_schema, {verl_field: value})
-    except OmegaConfBaseException as exc:
-        why = str(exc).splitlines()[0]
-        raise ValueError(f"{name}: {value!r} does not fit VeRL's {target.rsplit('.', 1)[1]}.{verl_field} ({why})") from None
+    check_field(name, value, target, verl_field)
 
 
 def _verl_validate(flat: Mapping[str, Any]) -> None:

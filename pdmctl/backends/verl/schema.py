@@ -184,10 +184,16 @@ def _schema(target: str, field: str, hint: Any):
 
 
 def _check_typed(name: str, value: Any, target: str, field: str, default: Any) -> None:
+    if not check_field(name, value, target, field):
+        _check_like(name, value, default)
+
+
+def check_field(name: str, value: Any, target: str, field: str) -> bool:
+    """SchemaError in one line when `value` does not fit VeRL's typed `target.field`; False when VeRL
+    is not installed here or the field has no type to check against (nothing was checked)."""
     schema = field_schema(target, field)
     if schema is None:
-        _check_like(name, value, default)
-        return
+        return False
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -196,6 +202,7 @@ def _check_typed(name: str, value: Any, target: str, field: str, default: Any) -
     except OmegaConfBaseException as exc:
         why = str(exc).splitlines()[0]
         raise SchemaError(f"{name}: {value!r} does not fit VeRL's {_short(target)}.{field} ({why})") from None
+    return True
 
 
 def _check_like(name: str, value: Any, default: Any) -> None:
