@@ -149,6 +149,7 @@ class AnalysisResult:
     out_of_region_per_position: list[int] = dataclasses.field(default_factory=list)
     disagreement_tokens: list[DisagreementTokens] = dataclasses.field(default_factory=list)  # per estimator
     counterfactual: list[CounterfactualCounts] = dataclasses.field(default_factory=list)  # its counts, per seed
+    model: str = ""  # the preset (written before issue 27: empty)
 
     def to_json(self) -> str:
         """The whole result; one line per field, the token lists each on one line (they are most of it)."""

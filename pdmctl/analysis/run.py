@@ -166,6 +166,7 @@ def _combine(
         tokens_per_position=_add_lists([r.extras.tokens_per_position for r in results]),
         out_of_region_per_position=_add_lists([r.extras.out_of_region_per_position for r in results]),
         counterfactual=_counterfactual_rows(results),
+        model=cfg.model,
         disagreement_tokens=[
             DisagreementTokens(
                 estimator=e,
