@@ -105,10 +105,12 @@ def divergence_at(logits: torch.Tensor, batch: Rollout, rows: torch.Tensor, cols
 
 
 def token_gradients(
-    learner: Learner, batch: Rollout, advantages: torch.Tensor, cfg: ToyConfig, rows, cols, chunk=CHUNK_GRADIENTS
+    learner: Learner, batch: Rollout, advantages: torch.Tensor, cfg: ToyConfig, rows, cols, chunk=CHUNK_GRADIENTS,
+    coordinates: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """α_j ∇θ log π_{k_j} per listed token [n, P] float32 (flat, `named_parameters` order): the token's
-    part of the raw batch gradient when it is kept (α_j as if kept, loss_coefficients)."""
+    """α_j ∇θ log π_{k_j} per listed token [n, P] float32 (flat, `named_parameters` order; only the
+    flat `coordinates` if given): the token's part of the raw batch gradient when it is kept (α_j as if
+    kept, loss_coefficients)."""
     policy = learner.policy
     layout = _flat_names(policy)
     params = {n: p.detach() for n, p in policy.named_parameters()}
@@ -126,12 +128,13 @@ def token_gradients(
         return torch.log_softmax(z, -1, dtype=torch.float32).gather(0, k[None])[0]
 
     per_token = vmap(grad(log_pi_k), in_dims=(None, 0, 0, 0))
-    out = torch.empty(len(rows), layout[-1][2].stop)
+    out = torch.empty(len(rows), layout[-1][2].stop if coordinates is None else len(coordinates))
     with _math_attention():
         for start in range(0, len(rows), chunk):
             sl = slice(start, start + chunk)
             g = per_token(params, inputs[sl], at[sl], ks[sl])
-            out[sl] = torch.cat([g[n].reshape(len(inputs[sl]), -1) for n, _, _ in layout], -1)
+            flat = torch.cat([g[n].reshape(len(inputs[sl]), -1) for n, _, _ in layout], -1)
+            out[sl] = flat if coordinates is None else flat[:, coordinates]
     return out * alpha[:, None]
 
 
@@ -178,9 +181,12 @@ def _adam_state(learner: Learner, layout) -> tuple[torch.Tensor, torch.Tensor, t
     return m, v, torch.tensor(steps.pop()), group
 
 
-def clip_rows(g: torch.Tensor, layout, max_norm: float) -> torch.Tensor:
-    """clip_grad_norm_ on each row of g [V, P] (its norm of the per-parameter norms), a new tensor."""
+def clip_rows(g: torch.Tensor, layout, max_norm: float, dropped: torch.Tensor | None = None) -> torch.Tensor:
+    """clip_grad_norm_ on each row of g [V, P] (its norm of the per-parameter norms), a new tensor.
+    `dropped` [parameters]: the norm of each parameter's coordinates that g leaves out (they count)."""
     norms = torch.stack([torch.linalg.vector_norm(g[:, sl], dim=1) for _, _, sl in layout], 1)
+    if dropped is not None:
+        norms = torch.hypot(norms, dropped)
     total = torch.linalg.vector_norm(norms, dim=1)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     return g * coef[:, None]
@@ -200,6 +206,27 @@ def adam_rows(theta0, g, m0, v0, step0, group) -> torch.Tensor:
     return theta
 
 
+def _read_coordinates(layout, inputs: torch.Tensor, vocab: int):
+    """The flat coordinates the evaluation forward reads (every parameter but the token-embedding rows of
+    ids absent from `inputs`; no token's gradient touches those either), their layout, and `inputs` in
+    the compacted embedding's ids."""
+    used = torch.unique(inputs)
+    parts, compact, at = [], [], 0
+    for name, shape, sl in layout:
+        if name == "tok.weight":
+            width = shape[1]
+            flat = (sl.start + used[:, None] * width + torch.arange(width)).reshape(-1)
+            shape = (len(used), width)
+        else:
+            flat = torch.arange(sl.start, sl.stop)
+        parts.append(flat)
+        compact.append((name, shape, slice(at, at + flat.numel())))
+        at += flat.numel()
+    remap = torch.full((vocab,), -1, dtype=torch.long)
+    remap[used] = torch.arange(len(used))
+    return torch.cat(parts), compact, remap[inputs]
+
+
 def counterfactual_effects(
     learner: Learner,
     batch: Rollout,
@@ -208,10 +235,13 @@ def counterfactual_effects(
     rows: torch.Tensor,
     cols: torch.Tensor,
     *,
+    variants: torch.Tensor | None = None,
     chunk: int = CHUNK_VARIANTS,
 ) -> dict[str, Effects]:
     """Each criterion's counterfactual (`Effects`) on the out-of-region tokens (rows, cols), from the
-    learner's weights and optimizer state, which are left as they were."""
+    learner's weights and optimizer state, which are left as they were. `variants` (bool [n]): the
+    tokens whose pairs are taken (None: all); D is read on all (the region's mean), the effects of the
+    others are NaN."""
     policy = learner.policy
     layout = _flat_names(policy)
     any_cfg = next(iter(criteria.values()))
@@ -220,14 +250,20 @@ def counterfactual_effects(
     uniq, which = torch.unique(rows, return_inverse=True)
     inputs = batch.tokens[:, :-1][uniq]
     positions = inputs.shape[1] - batch.sampled_ids.shape[1] + cols
-    contributions = token_gradients(learner, batch, advantages, any_cfg, rows, cols)
-    active = (contributions != 0).any(1).nonzero().squeeze(1)
+    # the variants are laid out over the coordinates the evaluation reads only (toy-small: 56% of them)
+    coords, compact, inputs = _read_coordinates(layout, inputs, policy.head.out_features)
+    theta0, m0, v0 = theta0[coords], m0[coords], v0[coords]
+    sel = torch.arange(len(rows)) if variants is None else variants.nonzero().squeeze(1)
+    contributions = token_gradients(learner, batch, advantages, any_cfg, rows[sel], cols[sel], coordinates=coords)
+    active = (contributions != 0).any(1).nonzero().squeeze(1)  # into sel
+    outside = torch.ones(layout[-1][2].stop, dtype=torch.bool)
+    outside[coords] = False
 
     def d_after(theta: torch.Tensor, cfg: ToyConfig) -> torch.Tensor:  # [V, n]
         out = []
         with torch.no_grad():
             for t in theta:
-                z = logits_at(policy, _used(_unflat(t, layout), cfg), inputs, which, positions)
+                z = logits_at(policy, _used(_unflat(t, compact), cfg), inputs, which, positions)
                 out.append(divergence_at(z, batch, rows, cols, cfg))
         return torch.stack(out)
 
@@ -243,26 +279,30 @@ def counterfactual_effects(
         if key in done:
             found[name] = done[key]
             continue
-        base = raw_gradient(learner, batch, advantages, cfg)
+        full = raw_gradient(learner, batch, advantages, cfg)
+        dropped = torch.stack([torch.linalg.vector_norm(full[sl][outside[sl]]) for _, _, sl in layout])
+        base = full[coords]
+
+        def update(g: torch.Tensor, clip: float = cfg.grad_clip, dropped: torch.Tensor = dropped) -> torch.Tensor:
+            return adam_rows(theta0, clip_rows(g, compact, clip, dropped), m0, v0, step0, group)
+
         kept = keep.view(batch.sampled_ids.shape)[rows, cols]
         sign = torch.where(kept, -1.0, 1.0)  # the other member: the kept token masked, the masked one kept
-        d_base = d_after(adam_rows(theta0, clip_rows(base[None], layout, cfg.grad_clip), m0, v0, step0, group), cfg)[0]
+        d_base = d_after(update(base[None]), cfg)[0]
         # a token with α = 0 (A = 0) adds nothing to the gradient: both members are the criterion's update
-        d_other = d_base.expand(len(rows), -1).clone()
+        d_other = d_base.expand(len(sel), -1).clone()
         for start in range(0, len(active), chunk):
             sl = active[start : start + chunk]
-            g = base[None] + sign[sl, None] * contributions[sl]
-            d_other[sl] = d_after(adam_rows(theta0, clip_rows(g, layout, cfg.grad_clip), m0, v0, step0, group), cfg)
-        d_keep = torch.where(kept[:, None], d_base[None], d_other)  # [variant j, token]
-        d_mask = torch.where(kept[:, None], d_other, d_base[None])
-        idx = torch.arange(len(rows))
-        found[name] = done[key] = Effects(
-            kept=kept,
-            own=d_keep[idx, idx] - d_mask[idx, idx],
-            region=(d_keep - d_mask).mean(1) if len(rows) else torch.zeros(0, dtype=torch.float64),
-            d_keep=d_keep[idx, idx],
-            d_mask=d_mask[idx, idx],
-        )
+            g = base[None] + sign[sel[sl], None] * contributions[sl]
+            d_other[sl] = d_after(update(g), cfg)
+        d_keep = torch.where(kept[sel, None], d_base[None], d_other)  # [variant, token]
+        d_mask = torch.where(kept[sel, None], d_other, d_base[None])
+        ar = torch.arange(len(sel))
+        own, region, at_keep, at_mask = (torch.full((len(rows),), torch.nan, dtype=torch.float64) for _ in range(4))
+        own[sel] = d_keep[ar, sel] - d_mask[ar, sel]
+        region[sel] = (d_keep - d_mask).mean(1)
+        at_keep[sel], at_mask[sel] = d_keep[ar, sel], d_mask[ar, sel]
+        found[name] = done[key] = Effects(kept=kept, own=own, region=region, d_keep=at_keep, d_mask=at_mask)
     for p in policy.parameters():
         p.grad = None
     return found

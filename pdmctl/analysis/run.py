@@ -50,6 +50,10 @@ from pdmctl.backends.toy import task
 from pdmctl.backends.toy.config import ToyConfig
 from pdmctl.backends.toy.probe import diagnostics, stale_batch
 
+# the counterfactual's pairs: every disagreement token, and this many out-of-region tokens drawn uniformly per
+# seed (all where fewer): toy-small has 219 per seed (mean), toy-llm about 2,800, each pair a forward of the batch
+COUNTERFACTUAL_SAMPLE = 128
+
 
 def default_jobs() -> int:
     """The processes `run_analysis` spreads seeds over by default: the cores this process may use."""
@@ -212,9 +216,9 @@ class _SeedExtras:
     )
 
 
-def _counterfactual_counts(delta, region, outside, ratio_keep, advantages, pre) -> dict:
+def _counterfactual_counts(delta, region, outside, in_sample, ratio_keep, advantages, pre) -> dict:
     """Per estimator, criterion (ratio, predictive), token set (its disagreement tokens, all out-of-region
-    ones) and decision (kept, masked): how many tokens, and on how many keeping raised (lowered) the
+    ones: the uniform sample, `in_sample`) and decision (kept, masked): how many tokens, and on how many keeping raised (lowered) the
     token's own D and the mean D of the region, against masking."""
     found = {}
     a = advantages.unsqueeze(1)
@@ -223,7 +227,7 @@ def _counterfactual_counts(delta, region, outside, ratio_keep, advantages, pre) 
         disagree = outside & (ratio_keep != predictive_keep)
         for criterion, keep, name in (("ratio", ratio_keep, "ratio"), ("predictive", predictive_keep, f"predictive/{e}")):
             own, reg = delta["counterfactual", name], region[name]
-            for tokens, where in (("disagreement", disagree), ("out-of-region", outside)):
+            for tokens, where in (("disagreement", disagree), ("out-of-region", outside & in_sample)):
                 for decision, chosen in (("kept", keep), ("masked", ~keep)):
                     sel = where & chosen
                     o, r = own[sel], reg[sel]
@@ -286,9 +290,22 @@ def _analyse_seed(
             delta[protocol, name] = delta_d()
     restore(learner, start)
     region: dict[str, torch.Tensor] = {}
+    in_sample = torch.zeros(outside.shape, dtype=torch.bool)
     if "counterfactual" in protocols:  # ΔD: the token's D after its keep update minus after its mask update
         rows_o, cols_o = outside.nonzero(as_tuple=True)
-        for name, effects in counterfactual_effects(learner, batch, advantages, criteria, rows_o, cols_o).items():
+        a_o = advantages[rows_o]
+        disagree_any = torch.zeros(len(rows_o), dtype=torch.bool)
+        for e in ESTIMATORS:
+            disagree_any |= ratio_keep[rows_o, cols_o] != (a_o * pre[e].ddot[rows_o, cols_o] <= 0)
+        # every disagreement token, and a uniform sample of the out-of-region ones (the "out-of-region" rows)
+        order = torch.randperm(len(rows_o), generator=torch.Generator().manual_seed(cfg.seed))
+        sampled = torch.zeros(len(rows_o), dtype=torch.bool)
+        sampled[order[:COUNTERFACTUAL_SAMPLE]] = True
+        effects_of = counterfactual_effects(
+            learner, batch, advantages, criteria, rows_o, cols_o, variants=disagree_any | sampled
+        )
+        in_sample[rows_o, cols_o] = sampled
+        for name, effects in effects_of.items():
             own, reg = (torch.full(outside.shape, math.nan, dtype=torch.float64) for _ in range(2))
             own[rows_o, cols_o], reg[rows_o, cols_o] = effects.own, effects.region
             delta["counterfactual", name], region[name] = own, reg
@@ -311,7 +328,7 @@ def _analyse_seed(
                 disagreements=int(disagree.sum()),
             )
     if extras is not None and region:
-        extras.counterfactual = _counterfactual_counts(delta, region, outside, ratio_keep, advantages, pre)
+        extras.counterfactual = _counterfactual_counts(delta, region, outside, in_sample, ratio_keep, advantages, pre)
     if extras is not None:
         extras.tokens_per_position = response.sum(0).tolist()
         extras.out_of_region_per_position = outside.sum(0).tolist()
