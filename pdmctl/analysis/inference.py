@@ -10,7 +10,9 @@ the mean over seeds of the per-seed difference (seeds where both criteria keep s
 with its Student's t interval, and a warning when the two estimates differ in sign (the aggregation
 decides the verdict: the pooled one weighs seeds by their tokens, the per-seed one weighs them equally).
 
-The secondary comparisons: every other (protocol, estimator, measure) difference predictive − ratio,
+The secondary comparisons: every other (protocol, estimator) unsafe-keep difference predictive − ratio,
+and under `counterfactual` the region-unsafe-keep difference (disagreement tokens) and the needless-mask
+difference (the out-of-region sample: on the disagreement tokens one criterion's masks are the other's keeps),
 each as the mean of the per-seed differences with a two-sided paired t-test, the p's Holm-adjusted over
 the whole family — every analysis given together (`pdmctl analyze --family OTHER.json`: both presets).
 Holm is `pdmctl.report.stats.holm` (scipy has no Holm; its `false_discovery_control` is Benjamini-Hochberg).
@@ -135,7 +137,7 @@ class Secondary:
     label: str
     protocol: str
     estimator: str
-    measure: str  # "unsafe-keep", "region unsafe-keep" (counterfactual), "needless mask" (counterfactual)
+    measure: str  # "unsafe-keep"; counterfactual: "region unsafe-keep", "needless mask (sample)"
     mean: float  # mean of the per-seed differences predictive − ratio
     low: float
     high: float
@@ -167,10 +169,14 @@ def _secondary_of(result: AnalysisResult) -> list[Secondary]:
                 _per_seed(c.predictive.unsafe_keep_per_seed, c.ratio.unsafe_keep_per_seed))  # fmt: skip
     if result.counterfactual:
         for estimator in ("agg", "uni", "exact"):
-            for measure, decision, field in (("region unsafe-keep", "kept", "region_up"),
-                                             ("needless mask", "masked", "own_down")):  # fmt: skip
-                pred = _counts(result, estimator, "predictive", "disagreement", decision)
-                ratio = _counts(result, estimator, "ratio", "disagreement", decision)
+            # a criterion's masked disagreement tokens are the other's kept ones: their needless-mask rates
+            # mirror the unsafe-keep rates, so the needless masks are compared on the out-of-region sample
+            for measure, tokens, decision, field in (
+                ("region unsafe-keep", "disagreement", "kept", "region_up"),
+                ("needless mask (sample)", "out-of-region", "masked", "own_down"),
+            ):
+                pred = _counts(result, estimator, "predictive", tokens, decision)
+                ratio = _counts(result, estimator, "ratio", tokens, decision)
                 if pred is None or ratio is None:
                     continue
                 add(PRIMARY_PROTOCOL, estimator, measure,
