@@ -43,11 +43,12 @@ def _result(model: str, seeds: int, rng: np.random.Generator) -> AnalysisResult:
     rows = []
     for e in ("agg", "uni", "exact"):
         for criterion in ("ratio", "predictive"):
-            for decision in ("kept", "masked"):
-                n = rng.integers(1, 30, seeds).tolist()
-                up = [int(rng.integers(0, k + 1)) for k in n]
-                rows.append(CounterfactualCounts(e, criterion, "disagreement", decision, n, up,
-                                                 [k - u for k, u in zip(n, up, strict=True)], up, [0] * seeds))  # fmt: skip
+            for tokens in ("disagreement", "out-of-region"):
+                for decision in ("kept", "masked"):
+                    n = rng.integers(1, 30, seeds).tolist()
+                    up = [int(rng.integers(0, k + 1)) for k in n]
+                    rows.append(CounterfactualCounts(e, criterion, tokens, decision, n, up,
+                                                     [k - u for k, u in zip(n, up, strict=True)], up, [0] * seeds))  # fmt: skip
     return AnalysisResult(seeds=list(range(seeds)), delta=0.15, k=20, divergence="topk_kl", precision="bf16",
                           tokens_per_seed=[100] * seeds, out_of_region_per_seed=[10] * seeds, comparisons=[],
                           estimator_differences=[], counterfactual=rows, model=model)  # fmt: skip
@@ -61,6 +62,7 @@ def test_holm_runs_over_both_presets_together() -> None:
     alone = secondary_family([small])
     both = secondary_family([small, llm])
     assert len(both) == 2 * len(alone) == 2 * 6  # region unsafe-keep and needless mask, 3 estimators each
+    assert {s.measure for s in both} == {"region unsafe-keep", "needless mask (sample)"}
     assert {s.label for s in both} == {"toy-small", "toy-llm"}
     assert [s.p_holm for s in both] == holm([s.p for s in both])
     assert all(b.p_holm >= a.p_holm for a, b in zip(alone, both[: len(alone)], strict=True))
