@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import pytest
 import torch
 
 from pdmctl.analysis import counterfactual as cf
@@ -73,3 +74,23 @@ def test_adam_rows_is_the_optimizer_step_bit_for_bit() -> None:
         optimizer.step()
         assert torch.equal(torch.cat([p.detach().reshape(-1) for p in learner.policy.parameters()]), stacked[i])
     assert torch.equal(m0, cf._adam_state(learner, layout)[0])  # the carried state was copied, not moved
+
+
+@pytest.mark.parametrize(("model", "precision", "prompts"), [("toy-small", "fp8_e2e", 16), ("toy-llm", "bf16", 4)])
+def test_batched_counterfactual_on_fp8_weights_and_the_llm_preset(model: str, precision: str, prompts: int) -> None:
+    """The same equality through fp8 training weights (a per-tensor scale: the whole embedding is laid out,
+    not its read rows) and on the LLM-like preset (19-token responses, its own vocabulary): two tokens."""
+    torch.set_num_threads(1)
+    cfg = ToyConfig(seed=5, prompts_per_step=prompts, precision=precision, model=model)
+    learner, batch, advantages = stale_batch(cfg)
+    pre = diagnostics(learner, batch, advantages, cfg, "agg")
+    rows, cols = (pre.out_of_region & task.response_mask(batch.sampled_ids).bool()).nonzero(as_tuple=True)
+    picked = [i for i in range(len(rows)) if advantages[rows[i]] != 0][:2]
+    variants = torch.zeros(len(rows), dtype=torch.bool)
+    variants[picked] = True
+    criteria = {"ratio": dataclasses.replace(cfg, method="dppo")}
+    batched = cf.counterfactual_effects(learner, batch, advantages, criteria, rows, cols, variants=variants)["ratio"]
+    assert batched.own[~variants].isnan().all() and not batched.own[variants].isnan().any()
+    reference = cf.counterfactual_effects_reference(learner, batch, advantages, criteria, rows, cols, picked)["ratio"]
+    for field in ("d_keep", "d_mask", "own", "region"):
+        assert torch.allclose(getattr(batched, field)[picked], getattr(reference, field), rtol=0, atol=1e-6), field

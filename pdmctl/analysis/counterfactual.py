@@ -206,11 +206,12 @@ def adam_rows(theta0, g, m0, v0, step0, group) -> torch.Tensor:
     return theta
 
 
-def _read_coordinates(layout, inputs: torch.Tensor, vocab: int):
+def _read_coordinates(layout, inputs: torch.Tensor, vocab: int, whole: bool = False):
     """The flat coordinates the evaluation forward reads (every parameter but the token-embedding rows of
     ids absent from `inputs`; no token's gradient touches those either), their layout, and `inputs` in
-    the compacted embedding's ids."""
-    used = torch.unique(inputs)
+    the compacted embedding's ids. `whole`: every coordinate (a cast weight, fp8's, takes its scale from
+    the whole tensor)."""
+    used = torch.arange(vocab) if whole else torch.unique(inputs)
     parts, compact, at = [], [], 0
     for name, shape, sl in layout:
         if name == "tok.weight":
@@ -251,7 +252,9 @@ def counterfactual_effects(
     inputs = batch.tokens[:, :-1][uniq]
     positions = inputs.shape[1] - batch.sampled_ids.shape[1] + cols
     # the variants are laid out over the coordinates the evaluation reads only (toy-small: 56% of them)
-    coords, compact, inputs = _read_coordinates(layout, inputs, policy.head.out_features)
+    coords, compact, inputs = _read_coordinates(
+        layout, inputs, policy.head.out_features, whole=PRECISIONS[any_cfg.precision].train is not None
+    )
     theta0, m0, v0 = theta0[coords], m0[coords], v0[coords]
     sel = torch.arange(len(rows)) if variants is None else variants.nonzero().squeeze(1)
     contributions = token_gradients(learner, batch, advantages, any_cfg, rows[sel], cols[sel], coordinates=coords)
