@@ -374,10 +374,19 @@ def analyze(
         str,
         typer.Option(
             help="How the update that ΔD measures is taken, comma-separated; the first is the main table's, "
-            "the others are printed beside it: carried (the Adam state the stale mini-batches left), "
+            "the others are printed beside it: counterfactual (per token, a carried update with it kept against "
+            "one with it masked: ΔD = D(keep) − D(mask)), carried (the Adam state the stale mini-batches left), "
             "fresh-adam, sgd, own-adam and own-grad (a token's own effect, first order; see docs/MATH.md)."
         ),
-    ] = "carried,fresh-adam,sgd,own-adam,own-grad",
+    ] = "counterfactual,carried,fresh-adam,sgd,own-adam,own-grad",
+    family: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--family",
+            help="An earlier analyze --json (e.g. the other preset's), repeatable: its secondary comparisons join "
+            "this run's in one Holm family.",
+        ),
+    ] = None,
     csv_out: Annotated[
         Path | None, typer.Option("--csv", help="Also write the per-seed rates as CSV here.")
     ] = None,
@@ -420,6 +429,16 @@ def analyze(
             check_output(csv_out, "--csv", directory=False)
         if figures is not None and figures.exists() and not figures.is_dir():
             fail(f"--figures: {figures} exists and is not a directory")
+        earlier = []
+        for path in family or []:
+            import json as _json
+
+            from pdmctl.report.tables import _analysis_result
+
+            try:
+                earlier.append(_analysis_result(_json.loads(path.read_text())))
+            except (OSError, ValueError, TypeError, KeyError) as exc:
+                fail(f"--family: {path}: not an analyze --json result ({str(exc).splitlines()[0][:120]})")
         for name, value in (("--jobs", jobs), ("--threads", threads)):
             if value is not None and value < 1:
                 fail(f"{name}: must be >= 1, got {value}")
@@ -474,6 +493,17 @@ def analyze(
         from pdmctl.analysis.bands import render_band_table
 
         console.print(render_band_table(result.bands, result.k))
+    from pdmctl.analysis.inference import (
+        primary_lines,
+        primary_metric,
+        render_secondary_table,
+        secondary_family,
+    )
+
+    console.print(render_secondary_table(secondary_family([*earlier, result])))
+    for r in [*earlier, result]:
+        for line in primary_lines(primary_metric(r)):
+            console.print(line, highlight=False, markup=False)
     if json_out is not None:
         json_out.write_text(result.to_json())
         console.print(f"wrote {json_out}", highlight=False)

@@ -15,10 +15,14 @@ def test_analyze_prints_table_and_json(workdir: Path):
     )  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
     assert "unsafe" in res.stdout.lower()
-    assert "carried (main)" in res.stdout and "fresh-adam" in res.stdout  # the protocols, side by side
+    assert "counterfactual (main)" in res.stdout and "fresh-adam" in res.stdout  # the protocols, side by side
     data = json.loads((workdir / "analysis.json").read_text())
-    assert data["protocol"] == "carried" and list(data["protocol_comparisons"]) == [
-        "carried", "fresh-adam", "sgd", "own-adam", "own-grad"]  # fmt: skip
+    assert data["protocol"] == "counterfactual" and list(data["protocol_comparisons"]) == [
+        "counterfactual", "carried", "fresh-adam", "sgd", "own-adam", "own-grad"]  # fmt: skip
+    assert data["model"] == "toy-small" and len(data["counterfactual"]) == 24  # 3 estimators × 2 × 2 × 2
+    # the primary metric, named before the run, with both intervals; the Holm family
+    assert "PRIMARY METRIC toy-small" in res.stdout and "seed-cluster bootstrap" in res.stdout
+    assert "95% t-interval" in res.stdout and "p Holm" in res.stdout
     assert data["decomposition"] and data["logit_assumption"]  # the decomposition, in the JSON too
     assert "ΔD decomposed" in res.stdout and "e_k − π" in res.stdout
     assert data["setting"] == "stale" and len(data["disagreement_tokens"]) == 3  # the figures' data
@@ -33,6 +37,9 @@ def test_analyze_bad_input(workdir: Path):
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--jobs" in res.stderr
     res = pdmctl("analyze", "k=0", cwd=workdir)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "k:" in res.stderr
+    (workdir / "notes.json").write_text("not json")
+    res = pdmctl("analyze", "--family", "notes.json", cwd=workdir)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--family" in res.stderr
     for protocols in ("carried,nope", "sgd,sgd", ","):
         res = pdmctl("analyze", "--protocols", protocols, cwd=workdir)
         assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--protocols" in res.stderr

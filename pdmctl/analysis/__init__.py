@@ -7,6 +7,9 @@ and r); nothing in the testbed imports it. One concern a file:
 - `results`: `AnalysisResult` and its parts (what `--json` writes and the report reads);
 - `criteria`: the ratio and predictive criteria on the disagreement tokens, rates and differences;
 - `protocols`: how the update that ΔD measures is taken, from the same weights and optimizer state;
+- `counterfactual`: the main protocol, per token a carried update with it kept against one with it masked;
+- `inference`: the primary metric (named before the run) with its two intervals, the secondary comparisons
+  under Holm, the bootstrap's coverage;
 - `decomposition`: ΔD's first-order pieces per token (token products); `decomposition_rows`: per
   seed and over seeds;
 - `bands`: the tokens by top-K mass (`python -m pdmctl.analysis.bands [preset]`);

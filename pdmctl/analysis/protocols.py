@@ -16,6 +16,8 @@ from pdmctl.backends.toy.rollout import Rollout
 from pdmctl.backends.toy.trainer import Learner, masked_loss
 
 PROTOCOLS = {  # how the update that ΔD measures is taken, from the same weights
+    "counterfactual": "the decision itself: per token, a carried Adam update with it kept against one with it "
+    "masked, the same batch and start; ΔD = D(keep) − D(mask) (counterfactual.py)",
     "carried": "Adam with the state the stale mini-batch updates left (the step training takes next)",
     "fresh-adam": "a fresh Adam: the first step of a run, no momentum",
     "sgd": "the plain (clipped) gradient, no preconditioning, scaled to the fresh Adam step's length",
@@ -23,7 +25,7 @@ PROTOCOLS = {  # how the update that ΔD measures is taken, from the same weight
     "own-grad": "first order, the token's own gradient alone as a plain gradient step",
 }
 UPDATE_PROTOCOLS = ("carried", "fresh-adam", "sgd")  # the protocols that take a real update
-DEFAULT_PROTOCOLS = ("carried", "fresh-adam", "sgd", "own-adam", "own-grad")  # the first is the main table's
+DEFAULT_PROTOCOLS = ("counterfactual", "carried", "fresh-adam", "sgd", "own-adam", "own-grad")  # the first: main table
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,24 @@ class DisagreementTokens:
 
 
 @dataclass(frozen=True)
+class CounterfactualCounts:
+    """The `counterfactual` protocol on one set of tokens, per seed: for each token a carried update with it
+    kept and one with it masked (counterfactual.py). `own_up`: keeping raised the token's own D (an unsafe
+    keep where the criterion keeps it; where it masks it, `own_down` counts the needless masks); `region_up`:
+    keeping raised the mean D over the batch's out-of-region tokens."""
+
+    estimator: str  # the predictive criterion's (and so the disagreement set's)
+    criterion: str  # "ratio" or "predictive"
+    tokens: str  # "disagreement" (this estimator's) or "out-of-region" (all)
+    decision: str  # "kept" or "masked": what the criterion decides on them
+    n: list[int]
+    own_up: list[int]
+    own_down: list[int]
+    region_up: list[int]
+    region_down: list[int]
+
+
+@dataclass(frozen=True)
 class AnalysisResult:
     seeds: list[int]
     delta: float
@@ -116,7 +134,7 @@ class AnalysisResult:
     comparisons: list[Comparison]  # under `protocol`
     estimator_differences: list[EstimatorDifference]
     level: float = 0.95
-    protocol: str = "carried"  # how the update that ΔD measures was taken (PROTOCOLS)
+    protocol: str = "counterfactual"  # how the update that ΔD measures was taken (PROTOCOLS)
     # every protocol measured, the main one included: protocol -> one Comparison per estimator
     protocol_comparisons: dict[str, list[Comparison]] = dataclasses.field(default_factory=dict)
     # ΔD decomposed (decomposition.py): one row per update protocol and criterion
@@ -130,6 +148,8 @@ class AnalysisResult:
     tokens_per_position: list[int] = dataclasses.field(default_factory=list)  # response tokens, seeds pooled
     out_of_region_per_position: list[int] = dataclasses.field(default_factory=list)
     disagreement_tokens: list[DisagreementTokens] = dataclasses.field(default_factory=list)  # per estimator
+    counterfactual: list[CounterfactualCounts] = dataclasses.field(default_factory=list)  # its counts, per seed
+    model: str = ""  # the preset (written before issue 27: empty)
 
     def to_json(self) -> str:
         """The whole result; one line per field, the token lists each on one line (they are most of it)."""

@@ -9,12 +9,12 @@ criterion then takes one real update on the whole batch from the same weights
 and optimizer state, and D is recomputed on the same tokens: ΔD > 0 on a kept
 disagreement token is an unsafe keep, ΔD < 0 a corrective one.
 
-How the update is taken is a protocol (`PROTOCOLS`): with the Adam state the
-stale mini-batch updates left (`carried`, the default: the paper's "one actual
-update on the same batch" is the step training takes next), with a fresh Adam
-(`fresh-adam`), or as a plain gradient step (`sgd`). The verdict can depend on
-it (issue 19: carried momentum is most of ΔD), so the others are measured and
-printed beside the default.
+How the update is taken is a protocol (`PROTOCOLS`). The main one, `counterfactual` (issue 27,
+counterfactual.py), measures the decision itself: per token, a carried update with it kept against one
+with it masked, ΔD = D(keep) − D(mask). The earlier ones take one update per criterion and read the
+realized ΔD: with the Adam state the stale mini-batch updates left (`carried`: the step training takes
+next, whose ΔD is mostly the carried momentum, issue 19), with a fresh Adam (`fresh-adam`), or as a plain
+gradient step (`sgd`); they are measured and printed beside it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 
 from pdmctl.analysis import decomposition
 from pdmctl.analysis.bands import BandCounter, topk_mass
+from pdmctl.analysis.counterfactual import counterfactual_effects
 from pdmctl.analysis.criteria import _compare, _estimator_differences, _SeedTokens
 from pdmctl.analysis.decomposition_rows import (
     _assumption_rows,
@@ -44,10 +45,14 @@ from pdmctl.analysis.protocols import (
     snapshot,
     take_update_reference,
 )
-from pdmctl.analysis.results import ESTIMATORS, AnalysisResult, DisagreementTokens
+from pdmctl.analysis.results import ESTIMATORS, AnalysisResult, CounterfactualCounts, DisagreementTokens
 from pdmctl.backends.toy import task
 from pdmctl.backends.toy.config import ToyConfig
 from pdmctl.backends.toy.probe import diagnostics, stale_batch
+
+# the counterfactual's pairs: every disagreement token, and this many out-of-region tokens drawn uniformly per
+# seed (all where fewer): toy-small has 219 per seed (mean), toy-llm about 2,800, each pair a forward of the batch
+COUNTERFACTUAL_SAMPLE = 128
 
 
 def default_jobs() -> int:
@@ -61,7 +66,7 @@ def default_jobs() -> int:
 def run_analysis(
     cfg: ToyConfig,
     seeds: list[int],
-    protocols: tuple[str, ...] = ("carried",),
+    protocols: tuple[str, ...] = ("counterfactual",),
     *,
     jobs: int = 1,
     threads: int | None = 1,
@@ -164,6 +169,8 @@ def _combine(
         setting=setting,
         tokens_per_position=_add_lists([r.extras.tokens_per_position for r in results]),
         out_of_region_per_position=_add_lists([r.extras.out_of_region_per_position for r in results]),
+        counterfactual=_counterfactual_rows(results),
+        model=cfg.model,
         disagreement_tokens=[
             DisagreementTokens(
                 estimator=e,
@@ -176,6 +183,14 @@ def _combine(
             for e in ESTIMATORS
         ],
     )
+
+
+def _counterfactual_rows(results: list[_SeedResult]) -> list[CounterfactualCounts]:
+    keys = list(results[0].extras.counterfactual) if results else []
+    return [
+        CounterfactualCounts(*key, *([r.extras.counterfactual[key][i] for r in results] for i in range(5)))
+        for key in keys
+    ]
 
 
 def _g7(x: float) -> float:
@@ -194,6 +209,32 @@ class _SeedExtras:
     tokens_per_position: list[int] = dataclasses.field(default_factory=list)
     out_of_region_per_position: list[int] = dataclasses.field(default_factory=list)
     tokens: dict[str, dict[str, list]] = dataclasses.field(default_factory=dict)  # estimator -> field -> values
+    # the counterfactual protocol's counts: (estimator, criterion, tokens, decision) -> (n, own up, own down,
+    # region up, region down)
+    counterfactual: dict[tuple[str, str, str, str], tuple[int, int, int, int, int]] = dataclasses.field(
+        default_factory=dict
+    )
+
+
+def _counterfactual_counts(delta, region, outside, in_sample, ratio_keep, advantages, pre) -> dict:
+    """Per estimator, criterion (ratio, predictive), token set (its disagreement tokens, all out-of-region
+    ones: the uniform sample, `in_sample`) and decision (kept, masked): how many tokens, and on how many keeping raised (lowered) the
+    token's own D and the mean D of the region, against masking."""
+    found = {}
+    a = advantages.unsqueeze(1)
+    for e in ESTIMATORS:
+        predictive_keep = a * pre[e].ddot <= 0
+        disagree = outside & (ratio_keep != predictive_keep)
+        for criterion, keep, name in (("ratio", ratio_keep, "ratio"), ("predictive", predictive_keep, f"predictive/{e}")):
+            own, reg = delta["counterfactual", name], region[name]
+            for tokens, where in (("disagreement", disagree), ("out-of-region", outside & in_sample)):
+                for decision, chosen in (("kept", keep), ("masked", ~keep)):
+                    sel = where & chosen
+                    o, r = own[sel], reg[sel]
+                    found[e, criterion, tokens, decision] = (
+                        int(sel.sum()), int((o > 0).sum()), int((o < 0).sum()), int((r > 0).sum()), int((r < 0).sum())
+                    )
+    return found
 
 
 def _analyse_seed(
@@ -248,6 +289,27 @@ def _analyse_seed(
             )
             delta[protocol, name] = delta_d()
     restore(learner, start)
+    region: dict[str, torch.Tensor] = {}
+    in_sample = torch.zeros(outside.shape, dtype=torch.bool)
+    if "counterfactual" in protocols:  # ΔD: the token's D after its keep update minus after its mask update
+        rows_o, cols_o = outside.nonzero(as_tuple=True)
+        a_o = advantages[rows_o]
+        disagree_any = torch.zeros(len(rows_o), dtype=torch.bool)
+        for e in ESTIMATORS:
+            disagree_any |= ratio_keep[rows_o, cols_o] != (a_o * pre[e].ddot[rows_o, cols_o] <= 0)
+        # every disagreement token, and a uniform sample of the out-of-region ones (the "out-of-region" rows)
+        order = torch.randperm(len(rows_o), generator=torch.Generator().manual_seed(cfg.seed))
+        sampled = torch.zeros(len(rows_o), dtype=torch.bool)
+        sampled[order[:COUNTERFACTUAL_SAMPLE]] = True
+        effects_of = counterfactual_effects(
+            learner, batch, advantages, criteria, rows_o, cols_o, variants=disagree_any | sampled
+        )
+        in_sample[rows_o, cols_o] = sampled
+        for name, effects in effects_of.items():
+            own, reg = (torch.full(outside.shape, math.nan, dtype=torch.float64) for _ in range(2))
+            own[rows_o, cols_o], reg[rows_o, cols_o] = effects.own, effects.region
+            delta["counterfactual", name], region[name] = own, reg
+        restore(learner, start)
     seed_parts = _decompose_seed(
         learner, cfg, batch, advantages, pre, outside, criteria, parts, delta, reference=reference
     )
@@ -265,6 +327,8 @@ def _analyse_seed(
                 predictive_kept_delta_d=delta_pred[disagree & predictive_keep],
                 disagreements=int(disagree.sum()),
             )
+    if extras is not None and region:
+        extras.counterfactual = _counterfactual_counts(delta, region, outside, in_sample, ratio_keep, advantages, pre)
     if extras is not None:
         extras.tokens_per_position = response.sum(0).tolist()
         extras.out_of_region_per_position = outside.sum(0).tolist()

@@ -249,6 +249,7 @@ def _analysis_result(data: dict):
         AnalysisResult,
         AssumptionRow,
         Comparison,
+        CounterfactualCounts,
         CriterionStats,
         DecompositionRow,
         DisagreementTokens,
@@ -270,10 +271,12 @@ def _analysis_result(data: dict):
 
     bands = [BandStats(**b) for b in data.get("bands", [])]  # written before the bands (issue 19): none
     tokens = [DisagreementTokens(**t) for t in data.get("disagreement_tokens", [])]  # written before: none
+    counterfactual = [CounterfactualCounts(**c) for c in data.get("counterfactual", [])]
     return AnalysisResult(**{**data, "comparisons": comparisons, "estimator_differences": differences,
                              "protocol_comparisons": by_protocol, "decomposition": decomposed,
                              "logit_assumption": assumption, "bands": bands,
-                             "disagreement_tokens": tokens})  # fmt: skip
+                             "disagreement_tokens": tokens, "counterfactual": counterfactual,
+                             "protocol": data.get("protocol", "carried")})  # fmt: skip
 
 
 # ---------------------------------------------------------------------------

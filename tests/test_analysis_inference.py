@@ -1,0 +1,78 @@
+"""The direction analysis's inference (issue 27 item 2): the primary metric's two intervals, Holm over the
+family of both presets, and the bootstrap interval's coverage."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from pdmctl.analysis.inference import (
+    PrimaryMetric,
+    cluster_bootstrap,
+    coverage,
+    pooled_difference,
+    primary_lines,
+    secondary_family,
+)
+from pdmctl.analysis.results import AnalysisResult, CounterfactualCounts
+
+
+def test_pooled_difference_and_its_seed_cluster_bootstrap() -> None:
+    up_a, n_a, up_b, n_b = [1, 2, 9], [10, 10, 30], [5, 5, 10], [10, 10, 20]
+    assert pooled_difference(up_a, n_a, up_b, n_b) == 12 / 50 - 20 / 40
+    low, high = cluster_bootstrap(up_a, n_a, up_b, n_b, resamples=2000, rng=np.random.default_rng(0))
+    assert low <= pooled_difference(up_a, n_a, up_b, n_b) <= high < 0
+    # seeds are resampled whole: with every seed alike the interval is one point
+    low, high = cluster_bootstrap([1, 1], [4, 4], [2, 2], [4, 4], resamples=100, rng=np.random.default_rng(0))
+    assert low == high == -0.25
+    assert all(math.isnan(x) for x in cluster_bootstrap([1], [2], [1], [2]))
+
+
+def test_sign_warning() -> None:
+    metric = PrimaryMetric("toy-small", -0.02, -0.05, 0.01, 100, 80, 0.03, -0.01, 0.07, 4, 4)
+    lines = primary_lines(metric)
+    assert lines[1].strip().startswith("pooled over tokens: -2.0 points, 95% seed-cluster bootstrap [-5.0, +1.0]")
+    assert "per-seed mean:      +3.0 points, 95% t-interval [-1.0, +7.0]" in lines[2]
+    assert lines[-1].startswith("WARNING toy-small") and metric.warning is not None
+    assert dataclasses.replace(metric, per_seed_mean=-0.01).warning is None
+
+
+def _result(model: str, seeds: int, rng: np.random.Generator) -> AnalysisResult:
+    rows = []
+    for e in ("agg", "uni", "exact"):
+        for criterion in ("ratio", "predictive"):
+            for tokens in ("disagreement", "out-of-region"):
+                for decision in ("kept", "masked"):
+                    n = rng.integers(1, 30, seeds).tolist()
+                    up = [int(rng.integers(0, k + 1)) for k in n]
+                    rows.append(CounterfactualCounts(e, criterion, tokens, decision, n, up,
+                                                     [k - u for k, u in zip(n, up, strict=True)], up, [0] * seeds))  # fmt: skip
+    return AnalysisResult(seeds=list(range(seeds)), delta=0.15, k=20, divergence="topk_kl", precision="bf16",
+                          tokens_per_seed=[100] * seeds, out_of_region_per_seed=[10] * seeds, comparisons=[],
+                          estimator_differences=[], counterfactual=rows, model=model)  # fmt: skip
+
+
+def test_holm_runs_over_both_presets_together() -> None:
+    from pdmctl.report.stats import holm
+
+    rng = np.random.default_rng(1)
+    small, llm = _result("toy-small", 6, rng), _result("toy-llm", 6, rng)
+    alone = secondary_family([small])
+    both = secondary_family([small, llm])
+    assert len(both) == 2 * len(alone) == 2 * 6  # region unsafe-keep and needless mask, 3 estimators each
+    assert {s.measure for s in both} == {"region unsafe-keep", "needless mask (sample)"}
+    assert {s.label for s in both} == {"toy-small", "toy-llm"}
+    assert [s.p_holm for s in both] == holm([s.p for s in both])
+    assert all(b.p_holm >= a.p_holm for a, b in zip(alone, both[: len(alone)], strict=True))
+
+
+def test_bootstrap_coverage_at_few_and_many_seeds() -> None:
+    """The simulation of inference.coverage (seeds shaped like the analysis's, a seed effect on the logit
+    scale), 300 runs each: the seed-cluster bootstrap undercovers at 4 seeds (the docs: 78% at 1,000 runs)
+    and is near its 95% at 20 (93%); the per-seed t interval covers at both."""
+    boot4, t4 = coverage(4, 300, np.random.default_rng(4), resamples=1000)
+    boot20, t20 = coverage(20, 300, np.random.default_rng(20), resamples=1000)
+    assert boot4 < 0.88 < boot20 and boot4 < boot20
+    assert t4 > 0.9 and t20 > 0.9
