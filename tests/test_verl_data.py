@@ -217,3 +217,76 @@ def test_a_corrupt_or_changed_manifest_is_refused(tmp_path: Path) -> None:
     pq.write_table(pa.Table.from_pylist([{"x": 1}]), out / "aime25.parquet")
     with pytest.raises(data.ManifestError, match=r"aime25\.parquet: changed since it was prepared"):
         data.read_manifest(out)
+
+
+def test_the_run_config_carries_the_data_digest_and_it_is_in_the_run_key(tmp_path: Path, monkeypatch) -> None:
+    """`pdmctl sweep` pins the data directory's manifest digest into each VeRL run (backend.data_manifest):
+    the same data, the same key; other data, another key; a run naming other data than its directory holds,
+    files without a manifest, a corrupt one: one line, exit 2, nothing written."""
+    from pdmctl import grid, orchestrate
+    from pdmctl.cli import app as main_app
+    from pdmctl.executors.base import ExecutorError
+
+    train, aime24, aime25 = write_fixtures(tmp_path)
+    one, two = tmp_path / "one", tmp_path / "two"
+    data.prepare_data(one, str(train), str(aime24), str(aime25))
+    data.prepare_data(two, str(train), str(aime24), str(aime25), data.DataFilter(dedupe=False))
+    monkeypatch.chdir(tmp_path)
+    ctx = orchestrate.make_context("local", f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+    def pinned(*overrides: str):
+        return orchestrate.pin_data(grid.expand(["backend=verl", "model=qwen3-4b-base", *overrides], sweep="s"), ctx)
+
+    (a,) = pinned(f"backend.data_dir={one}")
+    (b,) = pinned(f"backend.data_dir={two}")
+    digest_a, digest_b = (data.read_manifest(d)["digest"] for d in (one, two))
+    assert a.config["backend"]["data_manifest"] == digest_a and b.config["backend"]["data_manifest"] == digest_b
+    assert a.key != b.key and pinned(f"backend.data_dir={one}")[0].key == a.key
+    assert pinned(f"backend.data_dir={one}", f"backend.data_manifest={digest_a}")[0].key == a.key
+    with pytest.raises(ExecutorError, match=r"backend\.data_manifest=.* asks for other data than its data directory holds"):
+        pinned(f"backend.data_dir={one}", f"backend.data_manifest={digest_b}")
+    from pdmctl.backends.registry import _verl_check_data, flat_config
+
+    _verl_check_data(flat_config(a.config), tmp_path / "run")  # in the job: the data it was submitted on
+    with pytest.raises(ValueError, match=r"holds data [0-9a-f]{16}, and this run was submitted on data"):
+        _verl_check_data({**flat_config(a.config), "data_dir": str(two)}, tmp_path / "run")
+    (tiny,) = orchestrate.pin_data(grid.expand(["backend=verl", "model=qwen3-tiny"], sweep="s"), ctx)  # own data
+    assert tiny.config["backend"]["data_manifest"] is None
+    (two / data.MANIFEST).write_text("{")
+    res = CliRunner().invoke(main_app, ["sweep", "backend=verl", "model=qwen3-4b-base", f"backend.data_dir={two}",
+                                        "--dry-run", "--tracking-uri", ctx.tracking_uri])  # fmt: skip
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1, res.output
+    assert "manifest.json: corrupt manifest" in res.stderr and not (tmp_path / "mlflow.db").exists()
+    (two / data.MANIFEST).unlink()
+    with pytest.raises(ExecutorError, match="no manifest"):  # files prepared before manifests: prepared again
+        pinned(f"backend.data_dir={two}")
+
+
+def test_report_refuses_to_pool_runs_trained_on_different_data(tmp_path: Path, monkeypatch) -> None:
+    """Runs of one setting on two data manifests: one line, exit 2; each data set's runs alone: a report."""
+    import sys
+
+    from pdmctl.cli import app as main_app
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_report_synthetic import finish, make_sweep, write_points
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    a, b = "a" * 64, "b" * 64
+    mixed = make_sweep(uri, "mixed", ["backend=verl", "model=qwen3-4b-base", "mask=pdm_agg,dppo_topk_kl", "seed=0,1",
+                                      f"backend.data_manifest={a},{b}"])  # fmt: skip
+    alone = make_sweep(uri, "alone", ["backend=verl", "model=qwen3-4b-base", "mask=pdm_agg,dppo_topk_kl", "seed=0,1",
+                                      f"backend.data_manifest={a}"])  # fmt: skip
+    for sweep in (mixed, alone):
+        write_points(sweep.ledger, [(rid, m, step, 0.1 * step + 0.01 * s.seed) for rid, s in sweep.specs.items()
+                                    for m in ("eval/aime24", "eval/aime25") for step in (0, 1, 2)])  # fmt: skip
+        finish(sweep.ledger, list(sweep.specs))
+    monkeypatch.chdir(tmp_path)
+    bad = CliRunner().invoke(main_app, ["report", "mixed", "--tracking-uri", uri, "--panels", "none", "-o", "out"])
+    assert bad.exit_code == 2, bad.output
+    lines = bad.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: setting qwen3-4b-base · bf16: its runs were trained on "
+                                                   "different data (aaaaaaaaaaaaaaaa in 4 run(s), bbbbbbbbbbbbbbbb in 4 run(s)")
+    assert not (tmp_path / "out").exists()
+    ok = CliRunner().invoke(main_app, ["report", "alone", "--tracking-uri", uri, "--panels", "none", "-o", "out"])
+    assert ok.exit_code == 0, ok.output
