@@ -203,7 +203,7 @@ VERL_FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "save_freq": (lambda v: v is None or _count(v), "an integer >= 1 (steps between checkpoints: resume needs "
                   "them) or null: the model's"),
     "test_freq": (_count, "an integer >= 1 (steps between evaluations: avg@16 needs them)"),
-    "total_epochs": (_count, "an integer >= 1"),
+    "total_epochs": (lambda v: v is None or _count(v), "an integer >= 1 or null: the model's"),
     "max_prompt_length": (_count, "an integer >= 1 (tokens)"),
     "model_path": (lambda v: v is None or _path(v, absolute=False), "a directory or hub id, or null"),
     "nnodes": (lambda v: v is None or _count(v), "an integer >= 1 or null: the model's"),
