@@ -327,9 +327,14 @@ def _verl_data_digest(flat: Mapping[str, Any], cluster: Mapping[str, Any]) -> st
     data_dir = _verl_data_dir(flat, cluster)
     from pdmctl.backends.verl import data
 
-    if not (data_dir / data.MANIFEST).exists() and not any((data_dir / f).exists() for f in (preset.train_file, *launch.VAL_FILES)):
-        return None
-    return _manifest_digest(str(data_dir), _stamp(data_dir))
+    try:
+        if not (data_dir / data.MANIFEST).exists() and not any((data_dir / f).exists()
+                                                               for f in (preset.train_file, *launch.VAL_FILES)):
+            return None
+        return _manifest_digest(str(data_dir), _stamp(data_dir))
+    except OSError as exc:  # a path the file system cannot hold (a name too long), a loop of links
+        name = str(exc.filename or data_dir)
+        raise ValueError(f"{name[:60]}{'...' if len(name) > 60 else ''}: {exc.strerror or exc}") from None
 
 
 def _stamp(data_dir: Path) -> tuple:
