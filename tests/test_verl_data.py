@@ -261,32 +261,3 @@ def test_the_run_config_carries_the_data_digest_and_it_is_in_the_run_key(tmp_pat
     with pytest.raises(ExecutorError, match="no manifest"):  # files prepared before manifests: prepared again
         pinned(f"backend.data_dir={two}")
 
-
-def test_report_refuses_to_pool_runs_trained_on_different_data(tmp_path: Path, monkeypatch) -> None:
-    """Runs of one setting on two data manifests: one line, exit 2; each data set's runs alone: a report."""
-    import sys
-
-    from pdmctl.cli import app as main_app
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_report_synthetic import finish, make_sweep, write_points
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    a, b = "a" * 64, "b" * 64
-    mixed = make_sweep(uri, "mixed", ["backend=verl", "model=qwen3-4b-base", "mask=pdm_agg,dppo_topk_kl", "seed=0,1",
-                                      f"backend.data_manifest={a},{b}"])  # fmt: skip
-    alone = make_sweep(uri, "alone", ["backend=verl", "model=qwen3-4b-base", "mask=pdm_agg,dppo_topk_kl", "seed=0,1",
-                                      f"backend.data_manifest={a}"])  # fmt: skip
-    for sweep in (mixed, alone):
-        write_points(sweep.ledger, [(rid, m, step, 0.1 * step + 0.01 * s.seed) for rid, s in sweep.specs.items()
-                                    for m in ("eval/aime24", "eval/aime25") for step in (0, 1, 2)])  # fmt: skip
-        finish(sweep.ledger, list(sweep.specs))
-    monkeypatch.chdir(tmp_path)
-    bad = CliRunner().invoke(main_app, ["report", "mixed", "--tracking-uri", uri, "--panels", "none", "-o", "out"])
-    assert bad.exit_code == 2, bad.output
-    lines = bad.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: setting qwen3-4b-base · bf16: its runs were trained on "
-                                                   "different data (aaaaaaaaaaaaaaaa in 4 run(s), bbbbbbbbbbbbbbbb in 4 run(s)")
-    assert not (tmp_path / "out").exists()
-    ok = CliRunner().invoke(main_app, ["report", "alone", "--tracking-uri", uri, "--panels", "none", "-o", "out"])
-    assert ok.exit_code == 0, ok.output

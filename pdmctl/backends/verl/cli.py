@@ -72,4 +72,4 @@ def prepare(
         table.add_row(str(item.path), item.data_source, str(item.rows))
     console.print(table)
     manifest = read_manifest(out_dir.resolve(), verify=False)
-    console.print(f"manifest: {out_dir.resolve() / MANIFEST}  digest {manifest['digest']}", highlight=False)
+    print(f"manifest: {out_dir.resolve() / MANIFEST}  digest {manifest['digest']}")

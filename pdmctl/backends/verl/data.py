@@ -173,7 +173,8 @@ def prepare_data(
         tmp = out / f".{filename}.tmp-{os.getpid()}"
         _write_parquet(kept, tmp)
         os.replace(tmp, path)
-        files[filename] = {"data_source": data_source, "source": source, **origin, "rows_in": len(rows),
+        where = str(Path(source).expanduser().resolve()) if Path(source).expanduser().is_file() else source
+        files[filename] = {"data_source": data_source, "source": where, **origin, "rows_in": len(rows),
                            "rows_out": len(kept), "removed": removed, "sha256": _sha256(path)}
         written.append(PreparedFile(path, data_source, len(kept)))
     manifest = {"format": MANIFEST_FORMAT, "filter": chosen.describe(), "files": files}
