@@ -84,6 +84,7 @@ def sweep(
         ctx = orchestrate.make_context(cluster, tracking_uri)
         orchestrate.check_placeholders(ctx.profile)  # before a grid whose checks may take seconds
         specs = grid.expand(overrides or [], sweep_file, name, max_runs=max_runs)
+        specs = orchestrate.pin_data(specs, ctx)  # the data's digest into each run's config (and key)
         if dry_run:
             from pdmctl.testhooks import check_environment
 

@@ -306,6 +306,33 @@ def check_runs(specs: Sequence[RunSpec], ctx: Context, executor: Executor) -> No
             )
 
 
+def pin_data(specs: Sequence[RunSpec], ctx: Context) -> list[RunSpec]:
+    """Each run with the digest of the data it will read in its config (`backend.data_manifest`, part of its
+    key): the data directory's manifest, checked against its files (`Backend.data_digest`). A run that names a
+    digest of its own must find that data there. Refusals are one line (ExecutorError), before anything is
+    written."""
+    from pdmctl.backends.registry import flat_config, get_backend
+
+    cluster = make_executor(ctx.profile).job_settings()
+    out: dict[str, RunSpec] = {}
+    for spec in specs:
+        backend, flat = get_backend(spec.backend), flat_config(spec.config)
+        try:
+            digest = backend.data_digest(flat, cluster)
+        except ValueError as exc:
+            raise ExecutorError(f"run {spec.key} ({spec.summary}): {exc}") from exc
+        given = spec.config["backend"].get("data_manifest")
+        if digest is not None and given not in (None, digest):
+            raise ExecutorError(f"run {spec.key} ({spec.summary}): backend.data_manifest={given[:16]}... asks for other "
+                                f"data than its data directory holds ({digest[:16]}...)")  # fmt: skip
+        if digest is not None and given is None:
+            config = json.loads(spec.config_json)
+            config["backend"]["data_manifest"] = digest
+            spec = RunSpec.from_config(spec.sweep, config)
+        out.setdefault(spec.key, spec)
+    return list(out.values())
+
+
 def describe_runs(specs: Sequence[RunSpec], ctx: Context, executor: Executor) -> list[str]:
     """What --dry-run prints of the jobs themselves, per backend (VeRL: every distinct command, the cost)."""
     from pdmctl.backends.registry import DescribedRun, flat_config, get_backend

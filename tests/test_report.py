@@ -627,3 +627,28 @@ def test_report_type_is_importable_without_heavy_modules() -> None:
             "print(sorted(m for m in ('matplotlib', 'scipy', 'torch') if m in sys.modules))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_report_refuses_to_pool_runs_trained_on_different_data(store: str, tmp_path: Path, monkeypatch) -> None:
+    """VeRL runs of one setting on two data manifests (backend.data_manifest, pinned at submit): one line,
+    exit 2, nothing written; each data set's runs alone: a report."""
+    pytest.importorskip("verl")  # a VeRL run config is checked against VeRL's schema
+    from pdmctl.cli import app
+
+    a, b = "a" * 64, "b" * 64
+    grid_ = ["backend=verl", "model=qwen3-4b-base", "mask=pdm_agg,dppo_topk_kl", "seed=0,1"]
+    mixed = make_sweep(store, "data-mixed", [*grid_, f"backend.data_manifest={a},{b}"])
+    alone = make_sweep(store, "data-alone", [*grid_, f"backend.data_manifest={a}"])
+    for sweep in (mixed, alone):
+        write_points(sweep.ledger, [(rid, m, step, 0.1 * step + 0.01 * s.seed) for rid, s in sweep.specs.items()
+                                    for m in ("eval/aime24", "eval/aime25") for step in (0, 1, 2)])  # fmt: skip
+        finish(sweep.ledger, list(sweep.specs))
+    monkeypatch.chdir(tmp_path)
+    bad = CliRunner().invoke(app, ["report", "data-mixed", "--tracking-uri", store, "--panels", "none", "-o", "out"])
+    assert bad.exit_code == 2, bad.output
+    lines = bad.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: setting qwen3-4b-base · bf16: its runs were trained on "
+                                                   "different data (aaaaaaaaaaaaaaaa in 4 run(s), bbbbbbbbbbbbbbbb in 4 run(s)")
+    assert not (tmp_path / "out").exists()
+    ok = CliRunner().invoke(app, ["report", "data-alone", "--tracking-uri", store, "--panels", "none", "-o", "out"])
+    assert ok.exit_code == 0, ok.output

@@ -274,7 +274,7 @@ def test_the_paper_sweeps_dry_run_shows_every_command_every_run_and_the_cost(tmp
     listed = " ".join(line for line in lines if line.startswith("    runs: "))
     assert all(listed.count(spec.key) == 1 for spec in ordered)
     megatron = text[text.index("  command 3.1 ("):text.index("  command 3.2 ")]
-    assert "model_engine=megatron" in megatron and "override_transformer_config.fp8=e4m3" in megatron
+    assert "model_engine=megatron" in megatron and "override_transformer_config.fp8=hybrid" in megatron
     assert "actor_rollout_ref.actor.megatron.expert_model_parallel_size=8" in megatron
 
     rates = {m: Throughput(**r) for m, r in yaml.safe_load((Path(__file__).parents[1] / "clusters" / "h20.yaml")
@@ -282,7 +282,7 @@ def test_the_paper_sweeps_dry_run_shows_every_command_every_run_and_the_cost(tmp
     total_hours, run_seconds = 0.0, []
     for model, batch, n, response in (("qwen3-4b-base", 128, 8, 8192), ("qwen3-8b-base", 128, 8, 8192),
                                       ("qwen3-30b-a3b-base", 256, 16, 16384), ("qwen3-30b-a3b-base", 256, 16, 16384)):  # fmt: skip
-        steps, rate, gpus = 17_408 // batch, rates[model], 32
+        steps, rate, gpus = launch.PAPER_STEPS, rates[model], 32  # fixed, not the data's (DAPO's 300)
         validations = 1 + steps // 10 + (steps % 10 > 0)  # before training, every 10 steps, the last
         tokens, held_out = batch * n * response, 60 * 16 * response
         seconds = steps * (tokens / (rate.rollout * gpus) + tokens / (rate.train * gpus)) + validations * held_out / (rate.rollout * gpus)
@@ -313,7 +313,8 @@ def test_checkpoints_kept_are_the_saves_where_a_run_saves_fewer() -> None:
     size, kept, saves = launch.checkpoint_bytes({**BASE, "model": "qwen3-tiny", "total_training_steps": 2})
     assert (kept, saves) == (2, 2) and size == 353_000 * 12
     size, kept, saves = launch.checkpoint_bytes({**BASE, "model": "qwen3-8b-base"})
-    assert (kept, saves) == (3, None) and size == 8_190_735_360 * 12  # steps come from the data
+    assert (kept, saves) == (3, 30) and size == 8_190_735_360 * 12  # 300 steps, a save every 10
+    assert launch.checkpoint_bytes({**BASE, "model": "qwen3-tiny-gpu", "total_training_steps": None})[1:] == (3, 3)
 
 
 # --- whole files, not names (issue 28, item 3) ------------------------------------------------

@@ -305,7 +305,8 @@ def test_a_validation_line_verl_prints_gives_the_trial_its_evaluation() -> None:
     assert metrics.evaluation_from_line("val-core/aime24/acc/mean@16:0.5") is None  # no step
     assert launch.final_step({"model": "qwen3-tiny"}) == 3
     assert launch.final_step({"model": "qwen3-tiny", "total_training_steps": 5}) == 5
-    assert launch.final_step({"model": "qwen3-4b-base"}) is None  # by epochs
+    assert launch.final_step({"model": "qwen3-4b-base"}) == launch.PAPER_STEPS  # fixed per model (DAPO: 300)
+    assert launch.final_step({"model": "qwen3-tiny-gpu", "total_training_steps": None}) == 3
 
 
 def test_an_exception_from_the_line_hook_ends_the_trainer_and_propagates(tmp_path) -> None:

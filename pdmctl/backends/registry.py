@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -46,6 +48,9 @@ class Backend:
     engine_keys: str | None = None
     # runs of one setting share an engine path (verl: model, precision, strategy): the array starts with one of each
     setting: Callable[[Mapping[str, Any]], str] = lambda flat: f"{flat['model']} {flat['precision']}"
+    # at submit, given the cluster's settings: the digest of the data the run will read (its data manifest's),
+    # which the run config carries as backend.data_manifest (in the run key); None: no manifest to pin
+    data_digest: Callable[[Mapping[str, Any], Mapping[str, Any]], str | None] = lambda flat, cluster: None
 
 
 @dataclass(frozen=True)
@@ -198,7 +203,7 @@ VERL_FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "save_freq": (lambda v: v is None or _count(v), "an integer >= 1 (steps between checkpoints: resume needs "
                   "them) or null: the model's"),
     "test_freq": (_count, "an integer >= 1 (steps between evaluations: avg@16 needs them)"),
-    "total_epochs": (_count, "an integer >= 1"),
+    "total_epochs": (lambda v: v is None or _count(v), "an integer >= 1 or null: the model's"),
     "max_prompt_length": (_count, "an integer >= 1 (tokens)"),
     "model_path": (lambda v: v is None or _path(v, absolute=False), "a directory or hub id, or null"),
     "nnodes": (lambda v: v is None or _count(v), "an integer >= 1 or null: the model's"),
@@ -206,6 +211,8 @@ VERL_FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "total_training_steps": (lambda v: v is None or _count(v), "an integer >= 1 or null: the model's"),
     "data_dir": (lambda v: v is None or _path(v, absolute=True), "an absolute path or null: the profile's"),
     "val_before_train": (lambda v: isinstance(v, bool), "true or false (a validation before the first step)"),
+    "data_manifest": (lambda v: v is None or (isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None),
+                      "the 64-hex digest of a data manifest (pdmctl data prepare prints it) or null: the data_dir's"),
 }
 
 
@@ -254,6 +261,7 @@ def _verl_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mappi
     uri, run_id = getattr(tracker, "uri", None), getattr(tracker, "run_id", None)
     if uri is None or run_id is None:
         raise ValueError("backend: verl logs through MLflow itself and needs the job's ledger tracker")
+    _verl_check_data(flat, run_dir)
     cfg = {**_verl_job_config(flat, run_dir), "tracking_uri": uri, "mlflow_run_id": run_id}
     on_line = None
     report = getattr(tracker, "report_evaluation", None)  # a tune trial's (pdmctl.tune.trial)
@@ -273,7 +281,8 @@ def _verl_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mappi
 
 
 def _verl_provenance(flat: Mapping[str, Any], run_dir: Path) -> dict[str, str]:
-    """The digest of the parquet files the job trains and validates on, and the validation's sampling."""
+    """The data the job trains and validates on (its manifest's digest, else the parquet files' digest), and
+    the validation's sampling."""
     from pdmctl.provenance import file_digest
 
     launch = _verl_module()
@@ -281,9 +290,78 @@ def _verl_provenance(flat: Mapping[str, Any], run_dir: Path) -> dict[str, str]:
     preset = launch.MODEL_PRESETS[cfg["model"]]
     data_dir = Path(cfg["data_dir"])
     files = [data_dir / preset.train_file, *(data_dir / f for f in launch.VAL_FILES)]
-    return {"data": file_digest(files),
+    try:
+        from pdmctl.backends.verl import data
+
+        digest = data.read_manifest(data_dir, verify=False)["digest"]
+    except (ValueError, OSError):
+        digest = file_digest(files)
+    return {"data": digest,
             "eval_sampling": f"n={cfg.get('val_n', 16)} temperature={cfg.get('temperature', 1.0)} top_p=1.0 "
                              f"max_tokens={preset.max_response_length}"}  # fmt: skip
+
+
+def _verl_data_dir(flat: Mapping[str, Any], cluster: Mapping[str, Any]) -> Path:
+    """Where a run reads its data: its own data_dir, else the profile's, else ./data/verl (`_verl_job_config`)."""
+    return Path(str(flat.get("data_dir") or cluster.get("data_dir") or Path("data/verl").resolve()))
+
+
+def _verl_data_digest(flat: Mapping[str, Any], cluster: Mapping[str, Any]) -> str | None:
+    """The digest of the run's data manifest (checked against the files beside it), pinned into the run config
+    at submit; None where the preset builds its own data (qwen3-tiny) or the data directory holds no data here
+    (an offline cluster refuses that in `check_cluster`; elsewhere the job fails on it). Files without a
+    manifest, a corrupt manifest or a file changed since it was prepared: ValueError, one line."""
+    launch = _verl_module()
+    preset = launch.MODEL_PRESETS.get(str(flat.get("model")))
+    if preset is None or preset.hf_path is None:
+        return None
+    data_dir = _verl_data_dir(flat, cluster)
+    from pdmctl.backends.verl import data
+
+    try:
+        if not (data_dir / data.MANIFEST).exists() and not any((data_dir / f).exists()
+                                                               for f in (preset.train_file, *launch.VAL_FILES)):
+            return None
+        return _manifest_digest(str(data_dir), _stamp(data_dir))
+    except OSError as exc:  # a path the file system cannot hold (a name too long), a loop of links
+        name = str(exc.filename or data_dir)
+        raise ValueError(f"{name[:60]}{'...' if len(name) > 60 else ''}: {exc.strerror or exc}") from None
+
+
+def _stamp(data_dir: Path) -> tuple:
+    """What changes when a prepared directory changes (its files' sizes and times): the digest's cache key."""
+    out = []
+    for path in sorted(data_dir.iterdir()) if data_dir.is_dir() else []:
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        out.append((path.name, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=16)
+def _manifest_digest(data_dir: str, stamp: tuple) -> str:
+    from pdmctl.backends.verl import data
+
+    try:
+        return str(data.read_manifest(data_dir)["digest"])
+    except data.ManifestError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _verl_check_data(flat: Mapping[str, Any], run_dir: Path) -> None:
+    """In the job, before VeRL starts: the data directory still holds the data the run was submitted with."""
+    pinned = flat.get("data_manifest")
+    if not pinned:
+        return
+    data_dir = Path(_verl_job_config(flat, run_dir)["data_dir"])
+    from pdmctl.backends.verl import data
+
+    found = data.read_manifest(data_dir)["digest"]  # ManifestError: one line, the run FAILED with it
+    if found != pinned:
+        raise ValueError(f"{data_dir}: holds data {found[:16]}, and this run was submitted on data {pinned[:16]} "
+                         "(backend.data_manifest): prepare that data again, or submit the run again")
 
 
 def _verl_check_cluster(flat: Mapping[str, Any], cluster: Mapping[str, Any]) -> None:
@@ -330,7 +408,8 @@ BACKENDS: dict[str, Backend] = {
     "verl": Backend("verl", _verl_defaults, _verl_validate, _verl_run, lambda flat: _verl_module().final_step(flat),
                     lambda flat: _verl_module().run_nodes(_verl_job_config(flat, Path("/pdmctl-validate"))),
                     _verl_check_cluster, _verl_describe, provenance=_verl_provenance, engine_keys="verl",
-                    setting=lambda flat: _verl_module().setting(_verl_job_config(flat, Path("/pdmctl-validate")))),  # fmt: skip
+                    setting=lambda flat: _verl_module().setting(_verl_job_config(flat, Path("/pdmctl-validate"))),
+                    data_digest=_verl_data_digest),  # fmt: skip
     "synthetic": _synthetic(),  # a known objective for pdmctl tune's tests and benchmark
 }
 

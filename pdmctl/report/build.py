@@ -122,6 +122,7 @@ def build_report(ledger: Ledger, sweeps: Sequence[str], definition: Definition, 
     direction = load_analysis(analysis) if analysis else None  # a wrong path fails before any work
     queries_before = getattr(ledger, "queries", 0)
     data = collect(ledger, sweeps, definition)
+    check_one_data(data)
     labels = tuple(c.label for c in definition.columns) + (
         (definition.average,) if definition.average else ()
     )
@@ -176,6 +177,36 @@ def provenance_rows(data: Collected) -> list[ProvenanceRow]:
         out.append(ProvenanceRow(row, values, len(records), len(attempts),
                                  tuple(str(a["job_id"]) for a in attempts if a.get("job_id")), tuple(mixed)))  # fmt: skip
     return out
+
+
+def check_one_data(data: Collected) -> None:
+    """Refuse (ReportError, one line) a report whose compared runs were trained on different data: within a
+    setting, runs whose configs pin different data manifests (`backend.data_manifest`, pinned at submit),
+    or within a row, runs whose jobs recorded different data (provenance `data`)."""
+    pinned: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for row, points in data.by_row.items():
+        recorded: dict[str, int] = defaultdict(int)
+        for p in points:
+            record = data.records.get(p.run_id)
+            spec = record.spec if record is not None else None
+            digest = ((spec.config.get("backend") or {}).get("data_manifest") if spec is not None else None)
+            if digest:
+                pinned[row.setting][str(digest)] += 1
+            value = record.provenance.get("data") if record is not None else None
+            if value and value != NOT_RECORDED:
+                recorded[value] += 1
+        if len(recorded) > 1:
+            raise ReportError(f"row {row.setting} {row.label} pools runs trained on different data "
+                              f"({_digests(recorded)}, as their jobs recorded it): report each data set's sweep "
+                              "on its own")  # fmt: skip
+    for setting, digests in pinned.items():
+        if len(digests) > 1:
+            raise ReportError(f"setting {setting}: its runs were trained on different data ({_digests(digests)}, "
+                              "backend.data_manifest): report each data set's runs on their own")  # fmt: skip
+
+
+def _digests(counts: dict[str, int]) -> str:
+    return ", ".join(f"{value[:16]} in {n} run(s)" for value, n in sorted(counts.items()))
 
 
 def pooling_notes(report: Report) -> list[str]:

@@ -7,20 +7,30 @@ Hydra config; `build_job_command(run_config)` is the command a SLURM job runs
 the rest, wait for all GPUs, then the trainer (or, with `PDMCTL_VERL_PROBE=1`, a
 probe task that proves the cluster works).
 
-Training defaults and where each comes from (DPPO = arXiv 2602.04879 and VeRL's
-`examples/dppo_trainer`; paper = the PDM paper in shared/papers):
+Every preset value has a source, and docs/CLUSTER.md ("The paper's settings") lists each with it; a test
+(tests/test_verl_presets.py) composes every preset against VeRL's own config and reads each value back.
+Sources: paper = the PDM paper (shared/papers: Megatron-LM training, vLLM rollouts, 4 x 8 H20, K = 20,
+δ 0.15 / 0.05, GRPO clip-higher 0.2 / 0.28, avg@16; its Table 1 body is not in our copy); DPPO = the DPPO
+paper's appendix (arXiv 2602.04879) and VeRL's `examples/dppo_trainer/run_qwen3_30b_a3b_megatron.sh`;
+DAPO = VeRL's DAPO recipe (verl-recipe `dapo/test_dapo_qwen3_30b_math.sh`); FP8 = VeRL's FP8-E2E recipe
+(verl-recipe `low_precision/run_dapo_qwen3_moe_30b_megatron_fp8e2e.sh`, docs/low_precision/fp8.md).
 
-    lr 1e-6 ............................ DPPO appendix, VeRL dppo example
-    temperature 1.0 (rollout) .......... DPPO appendix (the masks divide logits by it)
-    group size n: 8 dense, 16 MoE ...... DPPO appendix (Qwen3-4B/8B dense, 30B-A3B MoE)
-    batch 128 prompts, mini-batch 32 ... DPPO appendix, dense (4 updates per batch)
-    batch 256 prompts, mini-batch 32 ... DPPO appendix, MoE (8 updates per batch)
-    response length 8192 dense, 16384 MoE   DPPO appendix
-    prompt length 2048 ................. VeRL DAPO recipe (DAPO-Math prompts are short)
-    K = 20 ............................. DPPO (vLLM's default max_logprobs)
-    clip_ratio_c (ratio cap C) 10 ...... pdmctl default; DPPO uses a large C (truncation off) or 5
-    ε_low 0.2 / ε_high 0.28 (GRPO) ..... DAPO clip-higher, as in the paper's GRPO baseline
-    validation: AIME24 + AIME25, n=16, temperature 1.0, top_p 1.0   the paper's avg@16
+    lr 1e-6 ............................ DPPO, DAPO
+    temperature 1.0 (rollout) .......... DPPO (the masks divide logits by it)
+    group size n: 8 dense, 16 MoE ...... DPPO appendix
+    batch 128 / mini 32 dense, 256 / 32 MoE   DPPO appendix
+    response length 8192 dense, 16384 MoE     DPPO appendix
+    prompt length 2048 ................. DAPO, DPPO
+    total_training_steps 300, total_epochs 10   DAPO (its 30B recipe)
+    gpu_memory_utilization 0.8 ......... DAPO, DPPO (VeRL's default 0.5)
+    rollout.seed, megatron.seed ........ the run's seed (VeRL's default 42 for every run)
+    30B-A3B: Megatron for both FP8 settings (paper), TP 4, EP 8, ETP 1 (DPPO, FP8), fp32 router (DPPO),
+             param and optimizer offload, full uniform recompute of 1 layer (DPPO, FP8)
+    fp8_e2e: fp8 hybrid, blockwise (FP8: "hybrid ... trains more stably" than e4m3)
+    K = 20 ............................. paper, DPPO (vLLM's default max_logprobs)
+    clip_ratio_c (ratio cap C) 10 ...... DAPO; DPPO uses a large C (truncation off)
+    ε_low 0.2 / ε_high 0.28 (GRPO) ..... paper (DAPO clip-higher)
+    validation: AIME24 + AIME25, n=16, temperature 1.0, top_p 1.0   paper (avg@16)
 """
 
 from __future__ import annotations
@@ -65,16 +75,34 @@ class ModelPreset:
     train_file: str = TRAIN_FILE
     micro_batch_size: int | None = None  # None: dynamic batch size by tokens (GPU presets)
     total_training_steps: int | None = None  # None: total_epochs over the train set
+    total_epochs: int = 1  # epochs VeRL may run (it stops at total_training_steps or at the last epoch)
+    strategy: str = "fsdp2"  # the training engine unless the run or its precision says (fp8_e2e: megatron)
+    gpu_memory_utilization: float | None = None  # vLLM's share of a GPU (None: VeRL's default, 0.5)
+    # Megatron only: expert tensor parallel (None: VeRL's, = TP), param + optimizer offload, full recompute,
+    # the MoE router in fp32
+    expert_tensor_parallel: int | None = None
+    megatron_offload: bool = False
+    recompute: bool = False
+    router_fp32: bool = False
     lr: float = 1e-6  # the run's lr unless it sets one
     save_freq: int = 10  # VeRL checkpoints every this many steps (and at the last) unless the run says
     parameters: int = 0  # for the checkpoint size --dry-run prints
 
 
+PAPER_STEPS = 300  # VeRL's DAPO recipe for Qwen3-30B-A3B (the paper's Table 1 body is not in our copy)
+PAPER_EPOCHS = 10  # DAPO's: enough epochs that the steps end the run (300 steps of 256 need 7,680 rows)
+RECIPE_GPU_MEMORY = 0.8  # vLLM's share in VeRL's DAPO recipe and its DPPO example
+_GPU = dict(total_training_steps=PAPER_STEPS, total_epochs=PAPER_EPOCHS, gpu_memory_utilization=RECIPE_GPU_MEMORY)
+
 MODEL_PRESETS: dict[str, ModelPreset] = {
-    "qwen3-4b-base": ModelPreset("Qwen/Qwen3-4B-Base", False, 8, 128, 32, 8192, 4, 1, 1, parameters=4_022_468_096),
-    "qwen3-8b-base": ModelPreset("Qwen/Qwen3-8B-Base", False, 8, 128, 32, 8192, 4, 2, 1, parameters=8_190_735_360),
+    "qwen3-4b-base": ModelPreset("Qwen/Qwen3-4B-Base", False, 8, 128, 32, 8192, 4, 1, 1, parameters=4_022_468_096,
+                                 **_GPU),
+    "qwen3-8b-base": ModelPreset("Qwen/Qwen3-8B-Base", False, 8, 128, 32, 8192, 4, 2, 1, parameters=8_190_735_360,
+                                 **_GPU),
+    # both 30B settings on one engine, Megatron as the paper, laid out as VeRL's DPPO example and FP8 recipe
     "qwen3-30b-a3b-base": ModelPreset("Qwen/Qwen3-30B-A3B-Base", True, 16, 256, 32, 16384, 4, 4, 8,
-                                      parameters=30_532_122_624),  # fmt: skip
+                                      parameters=30_532_122_624, strategy="megatron", expert_tensor_parallel=1,
+                                      megatron_offload=True, recompute=True, router_fp32=True, **_GPU),  # fmt: skip
     # tiny.py's 2-layer Qwen3 on CPU: 4 prompts x 4 samples per step in 4 mini-batches (each of two
     # micro-batches), at a learning rate high enough that the later mini-batches are off-policy: the
     # mask bites (a real train/rollout mismatch). A checkpoint every step: resume is tested on it.
@@ -110,7 +138,7 @@ GPUS_PER_NODE = 8  # H20 nodes
 # Run-config keys with their defaults (see the module docstring for sources).
 DEFAULTS: dict[str, Any] = {
     "precision": "bf16",
-    "strategy": None,  # None: fsdp2, or megatron where the precision needs it (fp8_e2e)
+    "strategy": None,  # None: the preset's (30B-A3B: megatron), or megatron where the precision needs it (fp8_e2e)
     "method": "pdm",
     "divergence": "topk_kl",
     "estimator": "agg",
@@ -128,7 +156,7 @@ DEFAULTS: dict[str, Any] = {
     "save_freq": None,  # None: the model preset's (10 for the Qwen3 presets)
     "test_freq": 10,
     "val_before_train": True,  # validate before the first step too (the step-0 point of a curve)
-    "total_epochs": 1,
+    "total_epochs": None,  # None: the preset's (10 for the Qwen3 presets: the steps end the run)
     "max_prompt_length": 2048,
     "experiment": "pdmctl",
     "run_name": None,
@@ -136,6 +164,7 @@ DEFAULTS: dict[str, Any] = {
     "nnodes": None,  # None: the preset's; the cluster profile's `nodes` must give exactly this many
     "max_ckpt_to_keep": 3,  # VeRL's trainer.max_actor_ckpt_to_keep (its recipes keep 3-5; VeRL: all)
     "total_training_steps": None,  # None: the preset's, else total_epochs over the train set
+    "data_manifest": None,  # the digest of data_dir's manifest.json, pinned at submit (in the run key)
 }
 
 
@@ -156,10 +185,11 @@ def _resolved(run_config: Mapping[str, Any]) -> dict[str, Any]:
     preset = MODEL_PRESETS[cfg["model"]]
     cfg["lr"] = preset.lr if cfg["lr"] is None else cfg["lr"]
     cfg["save_freq"] = preset.save_freq if cfg["save_freq"] is None else cfg["save_freq"]
+    cfg["total_epochs"] = preset.total_epochs if cfg["total_epochs"] is None else cfg["total_epochs"]
     if cfg["precision"] not in PRECISIONS:
         raise LaunchConfigError(f"precision: unknown {cfg['precision']!r}; choose from {list(PRECISIONS)}")
     if cfg["strategy"] is None:
-        cfg["strategy"] = "megatron" if cfg["precision"] == "fp8_e2e" else "fsdp2"
+        cfg["strategy"] = "megatron" if cfg["precision"] == "fp8_e2e" else preset.strategy
     if cfg["strategy"] not in STRATEGIES:
         raise LaunchConfigError(f"strategy: unknown {cfg['strategy']!r}; choose from {list(STRATEGIES)}")
     if cfg["precision"] == "fp8_e2e" and cfg["strategy"] != "megatron":
@@ -300,6 +330,8 @@ def verl_overrides(
         f"{rollout}.n={preset.group_size}",
         f"{rollout}.temperature={cfg['temperature']}",
         f"{rollout}.tensor_model_parallel_size={preset.tensor_parallel}",
+        f"{rollout}.seed={cfg['seed']}",  # VeRL's default is 42 for every run: the run's seed samples
+        *([f"{rollout}.gpu_memory_utilization={preset.gpu_memory_utilization}"] if preset.gpu_memory_utilization else []),
         f"{rollout}.calculate_log_probs=true",
         f"+{rollout}.engine_kwargs.vllm.max_logprobs={max(int(cfg['k']), 20)}",
         f"{rollout}.val_kwargs.n={cfg['val_n']}",
@@ -333,14 +365,31 @@ def verl_overrides(
         if v1:  # TransferQueue's default 8 storage actors (1 CPU, ~800 MB each) deadlock 2 cores
             out.append("transfer_queue.backend.SimpleStorage.num_data_storage_units=1")
     if megatron:
-        out += [
-            f"{actor}.megatron.tensor_model_parallel_size={preset.tensor_parallel}",
-            f"{actor}.megatron.expert_model_parallel_size={preset.expert_parallel}",
-            f"actor_rollout_ref.ref.megatron.tensor_model_parallel_size={preset.tensor_parallel}",
-        ]
+        out += _megatron_overrides(preset, int(cfg["seed"]))
     else:
         out += [f"{actor}.strategy=fsdp2", "actor_rollout_ref.ref.strategy=fsdp2"]
     return _with_own(out, own)
+
+
+def _megatron_overrides(preset: ModelPreset, seed: int) -> list[str]:
+    """The Megatron layout of a preset (VeRL's DPPO example and FP8 recipe for the 30B MoE)."""
+    mc = "actor_rollout_ref.actor.megatron"
+    tf = f"{mc}.override_transformer_config"
+    out = [
+        f"{mc}.tensor_model_parallel_size={preset.tensor_parallel}",
+        f"{mc}.expert_model_parallel_size={preset.expert_parallel}",
+        f"actor_rollout_ref.ref.megatron.tensor_model_parallel_size={preset.tensor_parallel}",
+        f"{mc}.seed={seed}",
+    ]
+    if preset.expert_tensor_parallel is not None:
+        out.append(f"{mc}.expert_tensor_parallel_size={preset.expert_tensor_parallel}")
+    if preset.megatron_offload:  # VeRL 0.9.1's param_offload also frees the gradient buffers (no grad_offload)
+        out += [f"{mc}.param_offload=true", f"{mc}.optimizer_offload=true"]
+    if preset.recompute:
+        out += [f"{tf}.recompute_method=uniform", f"{tf}.recompute_granularity=full", f"{tf}.recompute_num_layers=1"]
+    if preset.router_fp32:
+        out.append(f"+{tf}.moe_router_dtype=fp32")
+    return out
 
 
 # VeRL keys pdmctl sets from a setting of its own, or that the job relies on: a run sets the setting, never
@@ -354,6 +403,8 @@ PDMCTL_KEYS: dict[str, str] = {
     "data.val_files": "from backend.data_dir (AIME 2024 and 2025: the report's avg@16); set that instead",
     "data.max_prompt_length": "from backend.max_prompt_length; set that instead",
     "data.seed": "from seed; set that instead",
+    "actor_rollout_ref.rollout.seed": "from seed; set that instead",
+    "actor_rollout_ref.actor.megatron.seed": "from seed; set that instead",
     "actor_rollout_ref.model.path": "from the model and backend.model_path; set that instead",
     "actor_rollout_ref.model.use_fused_kernels": "off: the masks need the full logits",
     "actor_rollout_ref.model.external_lib": "to its plugin (every worker imports the masks)",
@@ -449,7 +500,7 @@ def _precision_overrides(precision: str, megatron: bool) -> list[str]:
     tf = "+actor_rollout_ref.actor.megatron.override_transformer_config"
     return [
         *rollout_fp8,
-        f"{tf}.fp8=e4m3",
+        f"{tf}.fp8=hybrid",  # VeRL's FP8-E2E recipe: "hybrid recipe works better than e4m3 and trains more stably"
         f"{tf}.fp8_recipe=blockwise",
         "+actor_rollout_ref.actor.optim.override_optimizer_config.fp8_recipe=blockwise",
     ]
@@ -483,8 +534,9 @@ def job_env(run_config: Mapping[str, Any]) -> dict[str, str]:
         env["MLFLOW_RUN_ID"] = str(
             cfg["mlflow_run_id"]
         )  # VeRL attaches to the ledger's run; resume continues it
-    if cfg["precision"] == "fp8_e2e":
+    if cfg["precision"] == "fp8_e2e":  # VeRL's FP8-E2E recipe: fp32 block scales in TE and in vLLM's DeepGEMM
         env["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] = "1"
+        env["VLLM_USE_DEEP_GEMM_E8M0"] = "0"
     return env
 
 
