@@ -47,6 +47,9 @@ case "$*" in
   *"import secrets"*) echo token ;;
   *"import pdmctl"*) exit 0 ;;
   *node-address*)  # each node's address on the interface: 10.8.0.1 (nodeA), 10.8.0.2 (nodeB)
+    if [ "$FAKE_NODE" = "${FAKE_NO_PACKAGE:-}" ]; then
+      echo "Traceback (most recent call last):"; echo "ModuleNotFoundError: No module named 'pdmctl'"; exit 1
+    fi
     if [ "$FAKE_NODE" = "${FAKE_NO_INTERFACE:-}" ]; then
       echo "RuntimeError: node $FAKE_NODE has no network interface '${*: -1}' (its interfaces: eth0, lo)"; exit 1
     fi
@@ -219,6 +222,12 @@ def test_a_node_without_the_network_interface_fails_the_job_at_once_in_one_line(
     assert time.monotonic() - started < 10
     assert str(info.value) == "RuntimeError: node nodeB has no network interface 'ib0' (its interfaces: eth0, lo)"
     assert "ray start" not in _log(nodes) and " train" not in _log(nodes)
+    # a node where the step itself fails (the package does not import there): that error, in one line
+    env = {**os.environ, **nodes, "PDMCTL_RAY_INTERFACE": "ib0", "FAKE_NO_PACKAGE": "nodeB"}
+    with pytest.raises(jobbody.EngineJobError) as info:
+        jobbody._run_trainer(_body(), env, stall_s=60)
+    assert str(info.value) == ("RuntimeError: reading each node's address on network interface ib0 failed: "
+                               "ModuleNotFoundError: No module named 'pdmctl'")  # fmt: skip
 
 
 def test_an_interface_address_is_read_from_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

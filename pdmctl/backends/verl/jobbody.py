@@ -91,8 +91,13 @@ IFACE="${PDMCTL_RAY_INTERFACE:-}"
 if [ -n "$IFACE" ]; then
   ADDRS="$(srun --nodes="$N" --ntasks="$N" --ntasks-per-node=1 --overlap \
     "$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch node-address --interface "$IFACE" 2>&1)" || {
+    # the node's own line; else the first exception line (the package not importing there), else the last
     REASON="$(printf '%s\n' "$ADDRS" | grep -m 1 -E '^RuntimeError: ' || true)"
-    [ -n "$REASON" ] || REASON="RuntimeError: reading the addresses on network interface $IFACE failed: $(printf '%s' "$ADDRS" | tail -n 1)"
+    if [ -z "$REASON" ]; then
+      DETAIL="$(printf '%s\n' "$ADDRS" | grep -m 1 -E '^([A-Za-z_][A-Za-z0-9_]*\.)*[A-Za-z_]*(Error|Exception): ' \
+        || printf '%s\n' "$ADDRS" | tail -n 1)"
+      REASON="RuntimeError: reading each node's address on network interface $IFACE failed: $DETAIL"
+    fi
     echo "$REASON"
     exit 1
   }
