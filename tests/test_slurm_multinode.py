@@ -452,6 +452,11 @@ def second_network(nodes: list[str]) -> Iterator[Callable[[str], None]]:
                         ["ip", "-n", node, "link", "set", "ib0", "up"]):  # fmt: skip
             subprocess.run(command, check=True, capture_output=True, timeout=20)
 
+    def remove() -> None:  # a veth's end in the node goes with its peer
+        for link in ("pdmib-n1", "pdmib-n2", "pdmib0"):
+            subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=20)
+
+    remove()  # what a killed run of this test left
     try:
         subprocess.run(["ip", "link", "add", "pdmib0", "type", "bridge"], check=True, capture_output=True, timeout=20)
         subprocess.run(["ip", "addr", "add", "10.78.0.1/24", "dev", "pdmib0"], check=True, timeout=20)
@@ -460,8 +465,7 @@ def second_network(nodes: list[str]) -> Iterator[Callable[[str], None]]:
             add(node)
         yield add
     finally:
-        for link in ("pdmib-n1", "pdmib-n2", "pdmib0"):  # a veth's end in the node goes with its peer
-            subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=20)
+        remove()
 
 
 @pytest.mark.timeout(120)
