@@ -1,5 +1,6 @@
 """The SLURM path on a real 2-node cluster (.ci/slurm_multi_up.sh: nodes n1, n2, each a slurmd in its own
-network, UTS, mount and PID namespace) through the `slurm-multi` profile, toy backend.
+network, UTS, mount and PID namespace) through the `slurm-multi` profile, toy backend; and the VeRL job
+body on both nodes with stand-ins for Ray and the trainer (the address Ray binds, what an attempt leaves).
 
 Run apart (marked `multinode`, left out of the default run): scripts/ci-multinode.sh starts the
 cluster, runs this file and tears it down. Every test is bounded in time; the node-loss test kills
