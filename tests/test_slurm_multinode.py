@@ -377,14 +377,15 @@ def test_losing_a_node_mid_run_requeues_and_resumes_from_the_checkpoint(shared_d
 # ---------------------------------------------------------------------------
 
 # The job's `ray`: records its node and arguments, and (LEAVE_ENGINE_CORE=1) leaves behind what a vLLM
-# engine core is to a job: a process in a session of its own (no process-group signal reaches it),
-# reparented to the node's init, named VLLM::EngineCore_DP0, ignoring SIGTERM. It carries the job's
+# engine core is to a job once Ray's worker, its parent, has exited: a process in a session of its own
+# (no process-group signal reaches it), reparented to the node's init (so not in the step's process
+# tree: the step's end does not reach it), named VLLM::EngineCore_DP0, ignoring SIGTERM. It carries the job's
 # environment (and so its engine tag), as vLLM's processes do.
 STAND_IN_RAY = r"""#!/bin/bash
 echo "$(hostname) $*" >> "$(dirname "$0")/../../ray-starts"
-if [ "${LEAVE_ENGINE_CORE:-0}" = 1 ]; then
-  setsid bash -c 'exec -a VLLM::EngineCore_DP0 "$0" -c "$1" "$2"' "$REAL_PYTHON" "$ENGINE_CORE" "$CORE_MARKER" \
-    </dev/null >/dev/null 2>&1 &
+if [ "${LEAVE_ENGINE_CORE:-0}" = 1 ]; then  # ( ... & ): its parent exits at once, as a Ray worker does
+  ( setsid bash -c 'exec -a VLLM::EngineCore_DP0 "$0" -c "$1" "$2"' "$REAL_PYTHON" "$ENGINE_CORE" "$CORE_MARKER" \
+    </dev/null >/dev/null 2>&1 & )
 fi
 sleep 1000 &
 trap 'kill $!; exit 0' TERM
