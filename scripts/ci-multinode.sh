@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The multi-node part of CI: start the 2-node SLURM (.ci/slurm_multi_up.sh), run the tests marked
 # `multinode` (tests/test_slurm_multinode.py: srun across both nodes, a toy sweep through
-# clusters/slurm-multi.yaml, a node lost mid-run), with --engine also VeRL across both nodes, then
+# clusters/slurm-multi.yaml, a node lost mid-run, the VeRL job body with stand-ins for Ray: Ray on the
+# profile's network interface, nothing of an attempt left on either node), with --engine also VeRL across both nodes, then
 # n2 lost mid-training and the run resumed from VeRL's checkpoint on both nodes again
 # (tests/test_verl_multinode.py, marked `multinode_engine`, run with that environment's Python), and
 # tear the cluster down whatever happened. Prints each step's time. Needs root (namespaces, daemons).

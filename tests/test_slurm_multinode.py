@@ -1,5 +1,6 @@
 """The SLURM path on a real 2-node cluster (.ci/slurm_multi_up.sh: nodes n1, n2, each a slurmd in its own
-network, UTS, mount and PID namespace) through the `slurm-multi` profile, toy backend.
+network, UTS, mount and PID namespace) through the `slurm-multi` profile, toy backend; and the VeRL job
+body on both nodes with stand-ins for Ray and the trainer (the address Ray binds, what an attempt leaves).
 
 Run apart (marked `multinode`, left out of the default run): scripts/ci-multinode.sh starts the
 cluster, runs this file and tears it down. Every test is bounded in time; the node-loss test kills
@@ -9,7 +10,10 @@ n2's slurmd (PID 1 of its node) and starts it again with the same script.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import re
+import shlex
 import shutil
 import signal
 import sqlite3
@@ -89,6 +93,25 @@ def node_slurmd_pid(node: str) -> int:
     children = Path(f"/proc/{outer}/task/{outer}/children").read_text().split()
     assert children, f"node {node}: no slurmd under {outer}"
     return int(children[0])
+
+
+def node_processes(node: str) -> list[str]:
+    """`pid command` of every live process in the node's PID namespace but its slurmd (PID 1 there).
+    Zombies do not count: slurmd, the node's init, does not reap the orphans it inherits."""
+    slurmd = node_slurmd_pid(node)
+    ns = os.readlink(f"/proc/{slurmd}/ns/pid")
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == slurmd:
+            continue
+        try:
+            zombie = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+            if os.readlink(entry / "ns" / "pid") == ns and not zombie:
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{entry.name} {command[:120]}")
+        except OSError:
+            continue
+    return found
 
 
 def node_state(node: str) -> str:
@@ -345,3 +368,162 @@ def test_losing_a_node_mid_run_requeues_and_resumes_from_the_checkpoint(shared_d
         f"node loss: n2 back and the run finished {time.time() - restarted_at:.0f} s later; sacct: {records}"
     )
     assert node_state("n2") in ("idle", "mix", "alloc", "comp"), node_state("n2")
+
+
+# ---------------------------------------------------------------------------
+# The VeRL job body on both nodes, with stand-ins for Ray and the trainer (the engine is not run): which
+# address each node's Ray binds (issue 25 item 8), and what an attempt leaves on its nodes (issue 26
+# item 6). The job body, its srun steps, the address resolver and the cleanup are the real ones.
+# ---------------------------------------------------------------------------
+
+# The job's `ray`: records its node and arguments, and (LEAVE_ENGINE_CORE=1) leaves behind what a vLLM
+# engine core is to a job once Ray's worker, its parent, has exited: a process in a session of its own
+# (no process-group signal reaches it), reparented to the node's init (so not in the step's process
+# tree: the step's end does not reach it), named VLLM::EngineCore_DP0, ignoring SIGTERM. It carries the job's
+# environment (and so its engine tag), as vLLM's processes do.
+STAND_IN_RAY = r"""#!/bin/bash
+echo "$(hostname) $*" >> "$(dirname "$0")/../../ray-starts"
+if [ "${LEAVE_ENGINE_CORE:-0}" = 1 ]; then  # ( ... & ): its parent exits at once, as a Ray worker does
+  ( setsid bash -c 'exec -a VLLM::EngineCore_DP0 "$0" -c "$1" "$2"' "$REAL_PYTHON" "$ENGINE_CORE" "$CORE_MARKER" \
+    </dev/null >/dev/null 2>&1 & )
+fi
+sleep 1000 &
+trap 'kill $!; exit 0' TERM
+wait
+"""
+# The job's Python: the real one, but for waiting on Ray and the trainer (which says what it sees)
+STAND_IN_PYTHON = r"""#!/bin/bash
+case "$*" in
+  *wait-ray*) echo "pdmctl: 2 Ray node(s) up" ;;
+  *" train "*) echo "trainer on $(hostname): RAY_ADDRESS=$RAY_ADDRESS" ;;
+  *) exec "$REAL_PYTHON" "$@" ;;
+esac
+"""
+ENGINE_CORE = ("import ctypes, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+               "ctypes.CDLL(None).prctl(15, b'VLLM::EngineCor', 0, 0, 0); time.sleep(600)")  # fmt: skip
+# the job: what `pdmctl.job` does for a VeRL run of a GPU model (jobbody.run), the stand-ins as its Python
+RUN_JOB = """import sys
+from pdmctl.backends.verl import jobbody
+try:
+    jobbody.run({"model": "qwen3-4b-base", "checkpoint_dir": sys.argv[2], "data_dir": sys.argv[2]}, python=sys.argv[1])
+except jobbody.EngineJobError as exc:
+    print(f"job failed: {exc}", flush=True)
+    sys.exit(1)
+print("job finished", flush=True)
+"""
+
+
+def run_job_body(shared_dir: Path, name: str, exports: list[str]) -> tuple[int, str, str, float]:
+    """The VeRL job body on both nodes as a 2-node batch job with the stand-ins: (sbatch's exit status,
+    the job's output, the stand-in Ray's starts as `node args`, seconds)."""
+    work = shared_dir / name
+    (work / "env" / "bin").mkdir(parents=True)
+    for file, text in (("ray", STAND_IN_RAY), ("python", STAND_IN_PYTHON)):
+        (work / "env" / "bin" / file).write_text(text)
+        (work / "env" / "bin" / file).chmod(0o755)
+    (work / "run_job.py").write_text(RUN_JOB)
+    (work / "ray-starts").touch()
+    env = {"REAL_PYTHON": sys.executable, "ENGINE_CORE": ENGINE_CORE, "PDMCTL_RAY_HEAD_WAIT": "0",
+           "PDMCTL_RAY_STOP_S": "10", "PDMCTL_CLEANUP_GRACE_S": "2"}  # fmt: skip
+    script = work / "job.sh"
+    script.write_text("#!/bin/bash\n" + "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
+                      + "".join(f"{line}\n" for line in exports)
+                      + "srun -N2 --ntasks-per-node=1 sh -c 'echo \"addresses on $(hostname): $(hostname --ip-address) /"
+                        " $(hostname -I)\"'\n"
+                      + f"exec {sys.executable} {work / 'run_job.py'} {work / 'env' / 'bin' / 'python'} {work}\n")  # fmt: skip
+    out = work / "job.out"
+    started = time.monotonic()
+    proc = subprocess.run(["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", "--time=2", "-J", f"pdmctl-{name}",
+                           "-o", str(out), "-D", str(work), str(script)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    took = time.monotonic() - started
+    return proc.returncode, out.read_text() if out.exists() else proc.stderr, (work / "ray-starts").read_text(), took
+
+
+@contextlib.contextmanager
+def second_network(nodes: list[str]) -> Iterator[Callable[[str], None]]:
+    """A second network between the nodes, as a cluster's InfiniBand beside its management Ethernet: a
+    bridge pdmib0 (10.78.0.1/24) and, on each node asked for, an interface `ib0` (10.78.0.1I) on it.
+    Each node's eth0 (10.77.0.1I, what its hostname resolves to) stays its first address. Yields a
+    function that adds ib0 to one more node; everything is removed afterwards."""
+
+    def add(node: str) -> None:
+        i = node.removeprefix("n")
+        for command in (["ip", "link", "add", f"pdmib-{node}", "type", "veth", "peer", "name", "ib0", "netns", node],
+                        ["ip", "link", "set", f"pdmib-{node}", "master", "pdmib0", "up"],
+                        ["ip", "-n", node, "addr", "add", f"10.78.0.1{i}/24", "dev", "ib0"],
+                        ["ip", "-n", node, "link", "set", "ib0", "up"]):  # fmt: skip
+            subprocess.run(command, check=True, capture_output=True, timeout=20)
+
+    def remove() -> None:  # a veth's end in the node goes with its peer
+        for link in ("pdmib-n1", "pdmib-n2", "pdmib0"):
+            subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=20)
+
+    remove()  # what a killed run of this test left
+    try:
+        subprocess.run(["ip", "link", "add", "pdmib0", "type", "bridge"], check=True, capture_output=True, timeout=20)
+        subprocess.run(["ip", "addr", "add", "10.78.0.1/24", "dev", "pdmib0"], check=True, timeout=20)
+        subprocess.run(["ip", "link", "set", "pdmib0", "up"], check=True, timeout=20)
+        for node in nodes:
+            add(node)
+        yield add
+    finally:
+        remove()
+
+
+@pytest.mark.timeout(120)
+def test_ray_binds_the_profiles_network_interface_on_every_node(shared_dir: Path) -> None:
+    """Issue 25 item 8. The profile names ib0, a second network beside eth0 (whose address each node's
+    hostname resolves to and lists first: what the job body took before). With ib0 on n1 only, the job
+    fails at its start, before any Ray, in one line naming n2 and ib0. With ib0 on both, each node's
+    `ray start` binds its ib0 address and the worker joins the head's."""
+    from pdmctl.executors import make_executor
+    from pdmctl.executors.base import load_profile
+
+    profile = load_profile(PROFILE)
+    profile = dataclasses.replace(profile, options={**profile.options, "network_interface": "ib0"})
+    exports = make_executor(profile).job_exports()
+    assert "export PDMCTL_RAY_INTERFACE=ib0" in exports
+    with second_network(["n1"]) as add:
+        rc, out, starts, took = run_job_body(shared_dir, "iface-missing", exports)
+        print(f"\nib0 on n1 only: the job ended in {took:.1f} s (sbatch --wait), exit {rc}")
+        assert rc != 0 and starts == "", out
+        assert ("job failed: RuntimeError: node n2 has no network interface 'ib0' (the profile's "
+                "network_interface; its interfaces: eth0, lo)\n") in out, out  # fmt: skip
+        assert took < 30, out
+        add("n2")
+        rc, out, starts, took = run_job_body(shared_dir, "iface", exports)
+        print(f"ib0 on both: the job took {took:.1f} s; {out!r}; ray starts {starts!r}")
+    assert rc == 0 and "job finished" in out, out
+    # hostname's address (the old choice) is eth0's on each node, and the first one listed
+    assert "addresses on n1: 10.77.0.11 / 10.77.0.11 10.78.0.11" in out, out
+    assert "pdmctl: Ray binds network interface ib0: n1 10.78.0.11, n2 10.78.0.12\n" in out, out
+    by_node = {line.split()[0]: line for line in starts.splitlines()}
+    assert set(by_node) == {"n1", "n2"}, starts
+    port = by_node["n1"].split("--port=")[1].split()[0]
+    assert by_node["n1"].startswith("n1 start --head --node-ip-address=10.78.0.11 "), starts
+    assert by_node["n2"].startswith(f"n2 start --address=10.78.0.11:{port} --node-ip-address=10.78.0.12 "), starts
+    assert f"trainer on n1: RAY_ADDRESS=10.78.0.11:{port}\n" in out, out
+
+
+@pytest.mark.timeout(120)
+def test_an_attempt_leaves_no_process_on_either_node(shared_dir: Path) -> None:
+    """Issue 26 item 6. A GPU model's attempt whose Ray left an engine core behind on each node (in its own
+    session, reparented to the node's init, ignoring SIGTERM, named VLLM::EngineCore_DP0): once the job
+    has ended, nothing of it is left on n1 or n2 (the job body ends n2's, the job itself n1's: KILL after
+    the grace)."""
+    marker = f"pdmctl-core-{uuid.uuid4().hex[:8]}"
+    before = {node: set(node_processes(node)) for node in ("n1", "n2")}  # other jobs' (none when idle)
+    rc, out, starts, took = run_job_body(shared_dir, "cleanup", ["export LEAVE_ENGINE_CORE=1",
+                                                                  f"export CORE_MARKER={marker}"])  # fmt: skip
+    print(f"\nthe job took {took:.1f} s; {out!r}")
+    assert rc == 0 and "job finished" in out, out
+    assert len(starts.splitlines()) == 2, starts  # an engine core left on each node
+    # each node's engine core (at least) ended: n2's by the job body's step there, n1's by the job itself
+    assert re.search(r"^pdmctl: ended [1-9]\d* leftover engine process\(es\) on n2, ", out, re.M), out
+    assert re.search(r"^pdmctl: ended [1-9]\d* leftover engine process\(es\), removed ", out, re.M), out
+
+    def left() -> dict[str, list[str]]:
+        return {node: sorted(set(node_processes(node)) - before[node]) for node in ("n1", "n2")}
+
+    wait_for(lambda: left() == {"n1": [], "n2": []}, 10, "nothing of the job left on either node", lambda: str(left()))
+    assert not any(marker in line for node in ("n1", "n2") for line in node_processes(node))

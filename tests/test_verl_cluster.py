@@ -175,7 +175,10 @@ def test_the_offline_jobs_environment_and_where_the_job_reads(tmp_path: Path, mo
     ("fields", "message"),
     [({"offline": "yes"}, "offline: must be true or false"), ({"models_dir": "models"}, "models_dir: must be an absolute path"),
      ({"env": ["A=1"]}, "env: must be a mapping"), ({"env": {"1A": "x"}}, "env: '1A' is not a variable name"),
-     ({"env": {"A": True}}, "env: A: must be a string or a number"), ({"nccl_timeout": 0}, "nccl_timeout: must be an integer >= 1")],
+     ({"env": {"A": True}}, "env: A: must be a string or a number"), ({"nccl_timeout": 0}, "nccl_timeout: must be an integer >= 1"),
+     ({"network_interface": "ib 0"}, "network_interface: must be the name of a network interface"),
+     ({"network_interface": "a-name-too-long-for-linux"}, "network_interface: must be the name"),
+     ({"network_interface": ["ib0"]}, "network_interface: must be the name")],
 )  # fmt: skip
 def test_bad_cluster_fields_are_one_line(tmp_path: Path, fields, message) -> None:
     with pytest.raises(ExecutorError, match=message) as info:
@@ -203,6 +206,15 @@ def test_the_profiles_env_block_reaches_every_job_after_its_setup(tmp_path: Path
     setup = make_executor(load_profile(str(profile))).sbatch_parameters(1)["setup"]
     assert set(setup[-2:]) == {"export NCCL_SOCKET_IFNAME=ib0", "export NCCL_IB_GID_INDEX=3"}
     assert setup.index("source /env/bin/activate") < setup.index("export NCCL_SOCKET_IFNAME=ib0")
+
+
+def test_the_profiles_network_interface_reaches_the_job_body(tmp_path: Path) -> None:
+    """Issue 25 item 8: `network_interface: ib0` is exported as PDMCTL_RAY_INTERFACE, which the job body
+    resolves on every node (jobbody.JOB_BODY); without it nothing is exported."""
+    setup = make_executor(load_profile(str(_profile_file(tmp_path, network_interface="ib0")))).sbatch_parameters(1)["setup"]
+    assert "export PDMCTL_RAY_INTERFACE=ib0" in setup
+    plain = make_executor(load_profile(str(_profile_file(tmp_path)))).sbatch_parameters(1)["setup"]
+    assert not any("PDMCTL_RAY_INTERFACE" in line for line in plain)
 
 
 def test_nccl_timeout_is_1800_across_nodes_and_the_profiles_where_set(monkeypatch: pytest.MonkeyPatch) -> None:

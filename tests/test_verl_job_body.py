@@ -23,7 +23,12 @@ while [ $# -gt 0 ]; do
   case "$1" in -w) node="$2"; shift 2;; -*) shift;; *) break;; esac
 done
 echo "srun[$node] $*" >> "$FAKE_LOG"
-FAKE_NODE="$node" exec "$@"
+if [ "$node" = all ]; then  # a step on every node: one task per node, in turn
+  rc=0
+  for each in nodeA nodeB; do FAKE_NODE="$each" SLURMD_NODENAME="$each" "$@" || rc=$?; done
+  exit $rc
+fi
+FAKE_NODE="$node" SLURMD_NODENAME="$node" exec "$@"
 """
 FAKE_RAY = r"""#!/bin/bash
 case "$1" in
@@ -41,6 +46,14 @@ FAKE_PYTHON = r"""#!/bin/bash
 case "$*" in
   *"import secrets"*) echo token ;;
   *"import pdmctl"*) exit 0 ;;
+  *node-address*)  # each node's address on the interface: 10.8.0.1 (nodeA), 10.8.0.2 (nodeB)
+    if [ "$FAKE_NODE" = "${FAKE_NO_PACKAGE:-}" ]; then
+      echo "Traceback (most recent call last):"; echo "ModuleNotFoundError: No module named 'pdmctl'"; exit 1
+    fi
+    if [ "$FAKE_NODE" = "${FAKE_NO_INTERFACE:-}" ]; then
+      echo "RuntimeError: node $FAKE_NODE has no network interface '${*: -1}' (its interfaces: eth0, lo)"; exit 1
+    fi
+    case "$FAKE_NODE" in nodeA) echo "nodeA 10.8.0.1" ;; nodeB) echo "nodeB 10.8.0.2" ;; esac ;;
   *wait-ray*) eval "${FAKE_WAIT:-echo 'pdmctl: 2 Ray node(s) up'}" ;;
   *" train"*) echo $$ >> "$FAKE_PIDS"; eval "${FAKE_TRAIN:-echo trained}" ;;
 esac
@@ -176,6 +189,105 @@ def test_a_head_without_an_ipv4_address_is_one_line(nodes: dict[str, str], tmp_p
     del env["PDMCTL_RAY_HEAD_IP"]
     with pytest.raises(jobbody.EngineJobError, match=r"no IPv4 address other than 127\.x for the Ray head nodeA"):
         jobbody._run_trainer(_body(), env, stall_s=60)
+
+
+def test_the_profiles_network_interface_is_what_ray_binds_on_every_node(nodes: dict[str, str]) -> None:
+    """Issue 25 item 8: with a network interface named (PDMCTL_RAY_INTERFACE, the profile's
+    network_interface), each node's address on it goes to its own `ray start --node-ip-address`, the
+    head's is the address the workers join and the trainer's RAY_ADDRESS, whatever `hostname` lists
+    first (here 127.0.1.1, then 10.1.2.3)."""
+    env = {**os.environ, **nodes, "PDMCTL_RAY_INTERFACE": "ib0", "FAKE_TRAIN": 'echo "addr=$RAY_ADDRESS"'}
+    del env["PDMCTL_RAY_HEAD_IP"]
+    lines: list[str] = []
+    jobbody._run_trainer(_body(), env, on_line=lines.append, stall_s=60)
+    assert "pdmctl: Ray binds network interface ib0: nodeA 10.8.0.1, nodeB 10.8.0.2\n" in lines, lines
+    assert "addr=10.8.0.1:32340\n" in lines, lines
+    starts = [line for line in _log(nodes).splitlines() if line.startswith("srun[") and " start " in line]
+    head = next(line for line in starts if line.startswith("srun[nodeA]"))
+    worker = next(line for line in starts if line.startswith("srun[nodeB]"))
+    assert " --head --node-ip-address=10.8.0.1 --port=32340 " in head, head
+    assert " --address=10.8.0.1:32340 --node-ip-address=10.8.0.2 " in worker, worker
+    # the address step also showed that the package imports on every node: no separate import step
+    assert "import pdmctl" not in _log(nodes)
+    assert _all_ended(nodes)
+
+
+def test_a_node_without_the_network_interface_fails_the_job_at_once_in_one_line(nodes: dict[str, str]) -> None:
+    """The interface missing on one node: the job ends before any `ray start`, in seconds, and the run's
+    reason is the node's one line naming the node and the interface."""
+    env = {**os.environ, **nodes, "PDMCTL_RAY_INTERFACE": "ib0", "FAKE_NO_INTERFACE": "nodeB"}
+    started = time.monotonic()
+    with pytest.raises(jobbody.EngineJobError) as info:
+        jobbody._run_trainer(_body(), env, stall_s=60)
+    assert time.monotonic() - started < 10
+    assert str(info.value) == "RuntimeError: node nodeB has no network interface 'ib0' (its interfaces: eth0, lo)"
+    assert "ray start" not in _log(nodes) and " train" not in _log(nodes)
+    # a node where the step itself fails (the package does not import there): that error, in one line
+    env = {**os.environ, **nodes, "PDMCTL_RAY_INTERFACE": "ib0", "FAKE_NO_PACKAGE": "nodeB"}
+    with pytest.raises(jobbody.EngineJobError) as info:
+        jobbody._run_trainer(_body(), env, stall_s=60)
+    assert str(info.value) == ("RuntimeError: reading each node's address on network interface ib0 failed: "
+                               "ModuleNotFoundError: No module named 'pdmctl'")  # fmt: skip
+
+
+def test_an_interface_address_is_read_from_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The resolver itself (run by the job body on every node): loopback's address, and one line naming
+    the node and the interface where the interface does not exist."""
+    monkeypatch.setenv("SLURMD_NODENAME", "n7")
+    assert jobbody.interface_address("lo") == "127.0.0.1"
+    with pytest.raises(jobbody.InterfaceError, match=r"^node n7 has no network interface 'pdmnosuch0' \(the "
+                                                     r"profile's network_interface; its interfaces: .*\blo\b"):  # fmt: skip
+        jobbody.interface_address("pdmnosuch0")
+    proc = subprocess.run([sys.executable, "-m", "pdmctl.backends.verl.launch", "node-address", "--interface", "lo"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "SLURMD_NODENAME": "n7"})  # fmt: skip
+    assert (proc.returncode, proc.stdout) == (0, "n7 127.0.0.1\n"), proc.stderr
+
+
+# What a vLLM engine core does to a job: started by a Ray worker in a session of its own (so no process
+# group signal reaches it), named VLLM::EngineCore_DP0, outliving its parent and ignoring SIGTERM.
+ENGINE_CORE = ('import ctypes, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); '
+               'ctypes.CDLL(None).prctl(15, b"VLLM::EngineCor", 0, 0, 0); time.sleep(300)')  # fmt: skip
+
+
+def _engine_cores(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace") \
+                    and _state(int(entry.name)) != "Z":  # fmt: skip
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_gpu_engine_attempt_leaves_no_process_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26 item 6: a GPU model's attempt (here outside SLURM, VeRL's own Ray) whose trainer leaves an
+    engine core behind in its own session, ignoring SIGTERM: once `run` returns, it is gone (KILL after
+    the grace). Before, the per-node cleanup ran for the CPU engine only and it stayed."""
+    marker = f"pdmctl-test-{os.getpid()}-{time.monotonic_ns()}"
+    python = tmp_path / "python"
+    python.write_text(f"""#!/bin/bash
+case "$*" in *" train "*)
+  setsid bash -c 'exec -a "VLLM::EngineCore_DP0" {sys.executable} -c "$0" {marker}' '{ENGINE_CORE}' </dev/null >/dev/null 2>&1 &
+  for _ in $(seq 100); do grep -qs VLLM /proc/$!/comm && break; sleep 0.05; done
+  echo "trainer done, engine core $! left" ;;
+esac
+""")
+    python.chmod(0o755)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setenv("PDMCTL_CLEANUP_GRACE_S", "1")
+    lines: list[str] = []
+    started = time.monotonic()
+    try:
+        jobbody.run({"model": "qwen3-4b-base", "checkpoint_dir": str(tmp_path), "data_dir": str(tmp_path)},
+                    python=str(python), on_line=lines.append)  # fmt: skip
+        assert any("engine core" in line for line in lines), lines
+        assert _engine_cores(marker) == []
+        assert time.monotonic() - started < 15
+    finally:
+        for pid in _engine_cores(marker):
+            os.kill(pid, signal.SIGKILL)
 
 
 CANCEL = textwrap.dedent(

@@ -42,6 +42,7 @@ from tests.test_slurm_multinode import (
     SLURM_CONF,
     UP,
     _cluster_answers,
+    node_processes,
     node_slurmd_pid,
     node_state,
     slurm,
@@ -63,25 +64,6 @@ pytestmark = [
 
 _ANNOUNCE = re.compile(r"pdmctl: (actor rank (\d+) of (\d+) (initialised|trained a batch)|rollout server (\S+) generates)"
                        r" on (n\d+) \(pid \d+\)")  # fmt: skip  (topk.announce)
-
-
-def _node_processes(node: str) -> list[str]:
-    """`pid command` of every live process in the node's PID namespace but its slurmd (PID 1 there).
-    Zombies do not count: slurmd, the node's init, does not reap the orphans it inherits."""
-    slurmd = node_slurmd_pid(node)
-    ns = os.readlink(f"/proc/{slurmd}/ns/pid")
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == slurmd:
-            continue
-        try:
-            zombie = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-            if os.readlink(entry / "ns" / "pid") == ns and not zombie:
-                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                found.append(f"{entry.name} {command[:120]}")
-        except OSError:
-            continue
-    return found
 
 
 @contextlib.contextmanager
@@ -181,8 +163,8 @@ def two_node_run() -> Iterator[TwoNodeRun]:
             outcome = wait_for_the_job_to_lose(job_id, "n2", 180)
             lost_after = time.monotonic() - killed_at
             # the job's attempt ends on n1 too (SLURM kills its steps: Ray's head, the trainer, vLLM)
-            wait_for(lambda: not _node_processes("n1"), 180, "the job's processes on n1 to end",
-                     lambda: str(_node_processes("n1")))  # fmt: skip
+            wait_for(lambda: not node_processes("n1"), 180, "the job's processes on n1 to end",
+                     lambda: str(node_processes("n1")))  # fmt: skip
             ended_after = time.monotonic() - killed_at
         finally:
             subprocess.run([str(UP)], check=True, timeout=180, capture_output=True)  # n2 back, whatever happened
@@ -207,7 +189,7 @@ def two_node_run() -> Iterator[TwoNodeRun]:
         print("\n".join(line for line in text.splitlines()
                         if "Ray node(s) up" in line or _ANNOUNCE.search(line) or "global_step_" in line))  # fmt: skip
     deadline = time.monotonic() + 60
-    while (left := {n: _node_processes(n) for n in ("n1", "n2")}) != {"n1": [], "n2": []}:
+    while (left := {n: node_processes(n) for n in ("n1", "n2")}) != {"n1": [], "n2": []}:
         if time.monotonic() > deadline:
             break
         time.sleep(2)

