@@ -90,8 +90,9 @@ def sweep(
             check_environment()  # what the submission would refuse
             executor = orchestrate.check_profile(ctx)
             orchestrate.check_runs(specs, ctx, executor)
-            plan = orchestrate.plan(specs, ctx, read_only=True)
-            _print_plan(plan, ctx, executor)
+            unread = orchestrate.ledger_unreachable(ctx)
+            plan = orchestrate.plan(specs, ctx, read_only=True, read_ledger=unread is None)
+            _print_plan(plan, ctx, executor, unread)
             for line in orchestrate.describe_runs(plan.to_submit, ctx, executor):
                 console.print(line, highlight=False, markup=False, soft_wrap=True)
             return
@@ -114,7 +115,7 @@ def sweep(
         console.print(f"follow with [bold]pdmctl status {sweep_name}[/] (or --watch)", highlight=False)
 
 
-def _print_plan(plan, ctx, executor) -> None:
+def _print_plan(plan, ctx, executor, unread: str | None = None) -> None:
     table = Table(title=f"sweep {plan.specs[0].sweep if plan.specs else ''}: {len(plan.specs)} run(s)")
     for col in ("#", "key", "config", "state", "action"):
         table.add_column(col)
@@ -132,6 +133,9 @@ def _print_plan(plan, ctx, executor) -> None:
         highlight=False,
     )
     console.print(f"tracking: {ctx.tracking_uri}  (dry run: nothing written)", highlight=False)
+    if unread is not None:  # a dry run needs no server: it shows the grid as new, and says so
+        console.print(f"did not read the ledger: {unread}; every run is shown as new (a sweep refuses to "
+                      "submit until the server answers)", highlight=False, markup=False, soft_wrap=True)
 
 
 def _wait(ctx, sweep_name: str | None, poll: float = 2.0) -> None:
@@ -485,6 +489,50 @@ def analyze(
 
         for path in write_figures(result, figures):
             console.print(f"wrote {path}", highlight=False)
+
+
+@app.command()
+def server(
+    action: Annotated[str, typer.Argument(metavar="start|stop|status", help="What to do (each is idempotent).")],
+    directory: Annotated[
+        Path | None,
+        typer.Option("--dir", help="The server's state, on a local disk (default: $PDMCTL_SERVER_DIR, "
+                     "~/.local/share/pdmctl/server)."),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to bind: one the compute nodes reach, never a public one.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port of the tracking server.")] = 5000,
+    workers: Annotated[int, typer.Option(help="MLflow's server workers.")] = 4,
+    artifacts: Annotated[
+        Path | None, typer.Option(help="Artifact store directory (default: DIR/artifacts).")
+    ] = None,
+    allowed_hosts: Annotated[
+        str | None, typer.Option(help="Host headers MLflow accepts (default: HOST, localhost, with and without the port).")
+    ] = None,
+) -> None:
+    """An MLflow tracking server with a login (MLflow's basic-auth app) on a PostgreSQL that runs as you, no
+    root (the pgserver wheel: pip install 'pdmctl[server]'). The login is MLFLOW_TRACKING_USERNAME /
+    MLFLOW_TRACKING_PASSWORD from the environment, never written to a file."""
+    from pdmctl.ledger import server as srv
+
+    with _guard():
+        if action not in ("start", "stop", "status"):
+            fail(f"pdmctl server: {action!r}: the action is start, stop or status")
+        settings = srv.ServerSettings(dir=(directory or srv.default_dir()).expanduser().absolute(), host=host,
+                                      port=port, workers=workers, artifacts=artifacts, allowed_hosts=allowed_hosts)
+        if action == "start":
+            lines = srv.start(settings)
+        elif action == "stop":
+            lines = srv.stop(settings)
+        else:
+            up, lines = srv.status(settings)
+    for line in lines:
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+    if action == "start":
+        console.print(f"profile: tracking_uri: {settings.url} (or a name the nodes resolve); the jobs log in with "
+                      f"{srv.USER_ENV} / {srv.PASSWORD_ENV} from the environment you submit from", highlight=False,
+                      markup=False, soft_wrap=True)
+    if action == "status" and not up:
+        raise typer.Exit(1)
 
 
 def _mount_optional() -> None:
