@@ -535,6 +535,72 @@ def server(
         raise typer.Exit(1)
 
 
+@app.command(context_settings={"ignore_unknown_options": True})
+def doctor(
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="Grid overrides of the sweep whose paths and checkpoints to check.")
+    ] = None,
+    file: Annotated[str | None, typer.Option("--file", "-f", help="A sweep file: its runs' paths and checkpoints.")] = None,
+    cluster: ClusterOpt = "local",
+    tracking_uri: TrackingOpt = None,
+    on_node: Annotated[
+        bool, typer.Option("--on-node", help="The node's checks (GPUs, driver, imports): run inside a job.")
+    ] = False,
+    job: Annotated[
+        bool, typer.Option("--job", help="After the login node's checks, run the node's in a one-node job (srun).")
+    ] = False,
+    skip: Annotated[list[str] | None, typer.Option("--skip", help="A check to leave out (repeatable).")] = None,
+) -> None:
+    """Is the cluster ready: one line per check, exit 2 at the first that fails. On the login node: the profile
+    (no placeholder), the partition (sinfo), the tracking server, the shared paths, the disk for the checkpoints;
+    --job then runs --on-node in a one-node job: the driver against torch's CUDA build, the GPU count against
+    the gres, vLLM, VeRL, Megatron (core and bridge), Transformer Engine, the paths and the tracking server
+    from the node, the disk."""
+    from pdmctl import doctor as doc
+    from pdmctl import grid, orchestrate
+
+    skip = list(skip or [])
+    with _guard():
+        known = set(doc.LOGIN_CHECKS) | set(doc.NODE_CHECKS)
+        unknown = [s for s in skip if s not in known]
+        if unknown:
+            fail(f"--skip {unknown[0]}: no such check (checks: {', '.join(sorted(known))})")
+        if job and on_node:
+            fail("--job and --on-node: --job runs --on-node in a job; give one")
+        ctx = orchestrate.make_context(cluster, tracking_uri)
+        specs = grid.expand(overrides or [], grid.load_sweep_file(file) if file else None, None) if (file or overrides) else []
+        if job and ctx.profile.executor != "slurm":
+            fail(f"--job: cluster {ctx.profile.name} is not a SLURM profile")
+        checker = doc.Doctor(ctx.profile, ctx.tracking_uri, specs)
+        if ctx.profile.executor == "slurm" and checker.opts.python:
+            checker.python = checker.opts.python if on_node else checker.python
+
+    def say(line: str) -> None:
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+    where = "node " + os.uname().nodename if on_node else "login node " + os.uname().nodename
+    say(f"pdmctl doctor: cluster {ctx.profile.name}, on the {where}")
+    if not doc.run_checks(checker, on_node, skip, say):
+        raise typer.Exit(2)
+    if not job:
+        if not on_node and ctx.profile.executor == "slurm":
+            say(f"next: pdmctl doctor --cluster {cluster} --job (the node's checks, in a one-node job)")
+        return
+    import subprocess
+
+    from pdmctl.executors.base import CLUSTER_DIR
+
+    path = Path(cluster) if Path(cluster).suffix in (".yaml", ".yml") else CLUSTER_DIR / f"{cluster}.yaml"
+    args = [*(["--file", file] if file else []), *(overrides or [])]
+    command = doc.job_command(ctx.profile, str(path.resolve()), checker.opts.python or sys.executable,
+                              tracking_uri, skip, args)  # fmt: skip
+    say(f"the node's checks, in a one-node job: {' '.join(command[:-1])} SCRIPT")
+    code = subprocess.run(command, check=False).returncode
+    if code != 0:
+        say(f"FAIL  job: the node's checks ended with exit code {code}")
+        raise typer.Exit(2)
+
+
 def _mount_optional() -> None:
     """Subcommands owned by other parts of the package (report, analyze, data)."""
     import importlib
