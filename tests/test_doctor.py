@@ -95,10 +95,10 @@ def test_on_node_reads_nvidia_smi_and_stops_at_the_first_failing_check(tmp_path:
     result = pdmctl("doctor", "--cluster", str(profile), "--on-node", env=env)
     assert result.returncode == 2 and result.stdout.strip().splitlines()[-1].startswith(
         "FAIL  driver: torch is a CPU build")
-    # the paths the runs need, from the node: the weights of paper-main are not in models_dir
+    # the paths a run needs, from the node: its weights are not in models_dir
     imports = [f"--skip={name}" for name, _ in doctor.IMPORTS]  # each a fresh interpreter: the SLURM test has them
-    result = pdmctl("doctor", "--cluster", str(profile), "--on-node", "--skip=nvidia-smi", *imports, "-f", "paper-main",
-                    env=env)  # fmt: skip
+    result = pdmctl("doctor", "--cluster", str(profile), "--on-node", "--skip=nvidia-smi", *imports, "backend=verl",
+                    "model=qwen3-4b-base", env=env)  # fmt: skip
     out = result.stdout.strip().splitlines()
     assert result.returncode == 2 and out[-1].startswith("FAIL  paths: run "), result.stdout + result.stderr
     assert "qwen3" in out[-1].lower() and str(tmp_path / "models") in out[-1]
