@@ -114,6 +114,12 @@ def test_server_runs_as_a_user_with_a_login_and_a_job_logs_to_it_and_the_passwor
         assert _api(url, "/health")[0] == 200
         assert _api(url, "/api/2.0/mlflow/experiments/search?max_results=5")[0] == 401
 
+        # a command without the login: one line saying so
+        nologin = run("status", "--tracking-uri", url, login={})
+        assert nologin.returncode == 2, nologin.stdout + nologin.stderr
+        assert "refused the login (none given): set MLFLOW_TRACKING_USERNAME" in nologin.stderr, nologin.stderr
+        assert len(nologin.stderr.strip().splitlines()) == 1
+
         # a job logs to it: the login reaches it through the environment, as sbatch passes it to a job
         t0 = time.monotonic()
         done = run("sweep", *TOY, "--name", "srv", "--tracking-uri", url, "--wait", timeout=300)
