@@ -191,7 +191,19 @@ class Doctor:
             return f"tracking store {uri}: usable from {os.uname().nodename}"
         user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
         if not (user and password):
-            return f"tracking server {uri}: /health answers from {os.uname().nodename} (no login in the environment)"
+            import urllib.error
+            import urllib.request
+
+            try:
+                urllib.request.urlopen(uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1", timeout=30)
+            except urllib.error.HTTPError as exc:
+                if exc.code in (401, 403):
+                    raise CheckFailed(f"tracking server {uri}: asks for a login, and none reached "
+                                      f"{os.uname().nodename}: set MLFLOW_TRACKING_USERNAME and "
+                                      "MLFLOW_TRACKING_PASSWORD where you submit") from None  # fmt: skip
+            except OSError:
+                pass
+            return f"tracking server {uri}: answers from {os.uname().nodename} (no login asked, none given)"
         from pdmctl.ledger.server import check_login
 
         try:

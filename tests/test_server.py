@@ -120,6 +120,13 @@ def test_server_runs_as_a_user_with_a_login_and_a_job_logs_to_it_and_the_passwor
         assert "refused the login (none given): set MLFLOW_TRACKING_USERNAME" in nologin.stderr, nologin.stderr
         assert len(nologin.stderr.strip().splitlines()) == 1
 
+        # pdmctl doctor's tracking check: the login accepted; none given where the server asks for one, failing
+        doc = run("doctor", "--tracking-uri", url, "--skip=paths", "--skip=disk")
+        assert doc.returncode == 0 and "login alice accepted" in doc.stdout, doc.stdout + doc.stderr
+        doc = run("doctor", "--tracking-uri", url, login={})
+        assert doc.returncode == 2, doc.stdout + doc.stderr
+        assert doc.stdout.strip().splitlines()[-1].startswith(f"FAIL  tracking: tracking server {url}: asks for a login")
+
         # a job logs to it: the login reaches it through the environment, as sbatch passes it to a job
         t0 = time.monotonic()
         done = run("sweep", *TOY, "--name", "srv", "--tracking-uri", url, "--wait", timeout=300)
