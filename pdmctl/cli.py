@@ -595,7 +595,11 @@ def doctor(
     command = doc.job_command(ctx.profile, str(path.resolve()), checker.opts.python or sys.executable,
                               tracking_uri, skip, args)  # fmt: skip
     say(f"the node's checks, in a one-node job: {' '.join(command[:-1])} SCRIPT")
-    code = subprocess.run(command, check=False).returncode
+    try:
+        code = subprocess.run(command, check=False).returncode
+    except OSError as exc:
+        say(f"FAIL  job: {command[0]}: {exc.strerror or exc}")
+        raise typer.Exit(2) from None
     if code != 0:
         say(f"FAIL  job: the node's checks ended with exit code {code}")
         raise typer.Exit(2)

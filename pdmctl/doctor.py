@@ -64,7 +64,7 @@ def parse_nvidia_smi(text: str) -> list[Gpu]:
             continue
         cols = [c.strip() for c in line.split(",")]
         if len(cols) != 4 or not cols[0].isdigit():
-            raise CheckFailed(f"nvidia-smi: {line.strip()[:200]}")
+            raise CheckFailed(line.strip()[:200])
         mem = re.match(r"(\d+)\s*MiB", cols[3])
         gpus.append(Gpu(int(cols[0]), cols[1], cols[2], int(mem[1]) if mem else None))
     return gpus
@@ -251,18 +251,18 @@ class Doctor:
         try:
             proc = subprocess.run(SMI_QUERY, capture_output=True, text=True, timeout=60, check=False)
         except FileNotFoundError:
-            raise CheckFailed(f"nvidia-smi: not found on {os.uname().nodename} (no NVIDIA driver in this job's "
+            raise CheckFailed(f"not found on {os.uname().nodename} (no NVIDIA driver in this job's "
                               "environment)") from None  # fmt: skip
         except subprocess.TimeoutExpired:
-            raise CheckFailed("nvidia-smi: no answer in 60 s (a hung GPU or driver)") from None
+            raise CheckFailed("no answer in 60 s (a hung GPU or driver)") from None
         if proc.returncode != 0:
             out = (proc.stdout + proc.stderr).strip().splitlines()
-            raise CheckFailed(f"nvidia-smi: exit {proc.returncode}: {out[0] if out else ''}")
+            raise CheckFailed(f"exit {proc.returncode}: {out[0] if out else ''}")
         self._gpus = parse_nvidia_smi(proc.stdout)
         if not self._gpus:
-            raise CheckFailed("nvidia-smi: no GPU listed")
+            raise CheckFailed("no GPU listed")
         drivers = sorted({g.driver for g in self._gpus})
-        return f"nvidia-smi: {len(self._gpus)} GPU(s), driver {', '.join(drivers)}"
+        return f"{len(self._gpus)} GPU(s), driver {', '.join(drivers)}"
 
     def driver(self) -> str:
         cuda = subprocess.run([self.python, "-c", "import torch; print(torch.version.cuda or '')"],

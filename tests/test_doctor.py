@@ -87,7 +87,7 @@ def test_on_node_reads_nvidia_smi_and_stops_at_the_first_failing_check(tmp_path:
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines[1] == "ok    placeholders: no placeholder left in the profile"
-    assert lines[2] == "ok    nvidia-smi: nvidia-smi: 4 GPU(s), driver 580.65.06"
+    assert lines[2] == "ok    nvidia-smi: 4 GPU(s), driver 580.65.06"
     assert lines[3] == "skip  driver"
     assert lines[4].startswith("FAIL  gpus: 4 GPU(s) visible, the profile's gres asks for 8 per node")
     assert len(lines) == 5
