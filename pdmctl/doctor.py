@@ -109,9 +109,10 @@ def checkpoint_plan(specs: Sequence[Any]) -> tuple[int, int]:
     for spec in specs:
         if spec.backend != "verl":
             continue
+        from pdmctl.backends.registry import _verl_job_config
         from pdmctl.backends.verl import launch
 
-        size, kept, _ = launch.checkpoint_bytes(flat_config(spec.config))
+        size, kept, _ = launch.checkpoint_bytes(_verl_job_config(flat_config(spec.config), Path("/pdmctl-doctor")))
         total += size * kept
         counted += 1
     return total, counted

@@ -95,13 +95,18 @@ def test_on_node_reads_nvidia_smi_and_stops_at_the_first_failing_check(tmp_path:
     result = pdmctl("doctor", "--cluster", str(profile), "--on-node", env=env)
     assert result.returncode == 2 and result.stdout.strip().splitlines()[-1].startswith(
         "FAIL  driver: torch is a CPU build")
-    # the paths a run needs, from the node: its weights are not in models_dir
-    imports = [f"--skip={name}" for name, _ in doctor.IMPORTS]  # each a fresh interpreter: the SLURM test has them
-    result = pdmctl("doctor", "--cluster", str(profile), "--on-node", "--skip=nvidia-smi", *imports, "backend=verl",
-                    "model=qwen3-4b-base", env=env)  # fmt: skip
-    out = result.stdout.strip().splitlines()
-    assert result.returncode == 2 and out[-1].startswith("FAIL  paths: run "), result.stdout + result.stderr
-    assert "qwen3" in out[-1].lower() and str(tmp_path / "models") in out[-1]
+
+
+def test_paths_of_the_runs_given_are_checked(tmp_path: Path) -> None:
+    from pdmctl import grid, orchestrate
+
+    ctx = orchestrate.make_context(str(_filled_h20(tmp_path)))
+    specs = grid.expand(["backend=verl", "model=qwen3-4b-base"], None, "doc")
+    assert "nothing to look for" not in doctor.Doctor(ctx.profile, ctx.tracking_uri).paths()
+    with pytest.raises(doctor.CheckFailed, match=rf"run {specs[0].key} .*{tmp_path / 'models'}/Qwen3-4B-Base is not a directory"):
+        doctor.Doctor(ctx.profile, ctx.tracking_uri, specs).paths()
+    need, counted = doctor.checkpoint_plan(specs)
+    assert counted == 1 and need > 3 * 40e9  # Qwen3-4B: 48.3 GB a checkpoint, 3 kept
 
 
 def test_unknown_check_is_refused_in_one_line() -> None:
