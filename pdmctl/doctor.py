@@ -226,11 +226,13 @@ class Doctor:
                 next(iter(path.iterdir()), None)
             except OSError as exc:
                 raise CheckFailed(f"{name} {value}: cannot be read on {os.uname().nodename} ({exc.strerror})") from None
+        offline = False
         if self.specs:
             from pdmctl.backends.registry import flat_config, get_backend
             from pdmctl.executors import make_executor
 
             cluster = make_executor(self.profile).job_settings()
+            offline = bool(cluster.get("offline"))
             for spec in self.specs:
                 try:
                     get_backend(spec.backend).check_cluster(flat_config(spec.config), cluster)
@@ -239,7 +241,9 @@ class Doctor:
         if not named and not self.specs:
             return "no models_dir or data_dir in the profile, no run given: nothing to look for"
         what = ", ".join(f"{n} {v}" for n, v in named) or "no shared directory named"
-        runs = f"; the weights and data of {len(self.specs)} run(s) are there" if self.specs else ""
+        runs = "" if not self.specs else (f"; the weights and data of {len(self.specs)} run(s) are there" if offline
+                                          else f"; {len(self.specs)} run(s) not looked for: the profile is not offline "
+                                          "(its jobs may fetch from the hub)")  # fmt: skip
         return f"visible on {os.uname().nodename}: {what}{runs}"
 
     def disk(self) -> str:
