@@ -104,7 +104,7 @@ def sweep(
         + "".join(
             f", {n} {state}" for state, n in sorted(counts.items()) if state not in ("new", "not started")
         )
-        + f"  (tracking: {ctx.tracking_uri})",
+        + f"  (tracking: {_redacted(ctx.tracking_uri)})",
         highlight=False,
     )
     if any(s in orchestrate.RESUMABLE - {orchestrate.RunState.UNSUBMITTED} for s in counts):
@@ -113,6 +113,13 @@ def sweep(
         _wait(ctx, sweep_name)
     else:
         console.print(f"follow with [bold]pdmctl status {sweep_name}[/] (or --watch)", highlight=False)
+
+
+def _redacted(uri: str) -> str:
+    """A URI as printed: a password in it (postgresql://user:PASSWORD@host) as ***."""
+    from pdmctl.ledger import _redact
+
+    return _redact(uri)
 
 
 def _print_plan(plan, ctx, executor, unread: str | None = None) -> None:
@@ -132,7 +139,7 @@ def _print_plan(plan, ctx, executor, unread: str | None = None) -> None:
         + f"; would submit {len(submit)}: {executor.describe([None] * len(submit))}",
         highlight=False,
     )
-    console.print(f"tracking: {ctx.tracking_uri}  (dry run: nothing written)", highlight=False)
+    console.print(f"tracking: {_redacted(ctx.tracking_uri)}  (dry run: nothing written)", highlight=False)
     if unread is not None:  # a dry run needs no server: it shows the grid as new, and says so
         console.print(f"did not read the ledger: {unread}; every run is shown as new (a sweep refuses to "
                       "submit until the server answers)", highlight=False, markup=False, soft_wrap=True)
@@ -242,7 +249,7 @@ def status(
         ctx = orchestrate.make_context(cluster, tracking_uri)
         views = orchestrate.status(ctx, sweep_name)
         if sweep_name and not views:
-            fail(f"sweep {sweep_name!r}: no runs in {ctx.tracking_uri}")
+            fail(f"sweep {sweep_name!r}: no runs in {_redacted(ctx.tracking_uri)}")
         title = f"pdmctl status — {sweep_name or 'all sweeps'}"
         if not watch:
             console.print(_status_table(views, title))

@@ -249,10 +249,10 @@ class SweepPlan:
 def ledger_unreachable(ctx: Context) -> str | None:
     """Why the ledger cannot be read now (a tracking server that does not answer), or None: a dry run goes on
     without it."""
-    from pdmctl.ledger import LedgerError, is_database_uri
+    from pdmctl.ledger import LedgerError, sqlite_path
 
-    if is_database_uri(ctx.tracking_uri) and not ctx.tracking_uri.startswith("postgresql"):
-        return None  # SQLite and the like: read where they are (a missing file is an empty ledger)
+    if sqlite_path(ctx.tracking_uri) is not None:
+        return None  # a file: read where it is (a missing one is an empty ledger)
     try:
         check_reachable(ctx.tracking_uri)
     except LedgerError as exc:
