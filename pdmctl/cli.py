@@ -110,7 +110,8 @@ def sweep(
     if any(s in orchestrate.RESUMABLE - {orchestrate.RunState.UNSUBMITTED} for s in counts):
         console.print("some runs ended badly: [bold]pdmctl resume[/] brings them back from their checkpoints")
     if wait:
-        _wait(ctx, sweep_name)
+        with _guard():  # a tracking server that stops answering meanwhile: one line
+            _wait(ctx, sweep_name)
     else:
         console.print(f"follow with [bold]pdmctl status {sweep_name}[/] (or --watch)", highlight=False)
 

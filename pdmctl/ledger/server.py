@@ -263,6 +263,10 @@ def _write_auth_ini(settings: ServerSettings) -> None:
         "default_permission": "READ",  # MLflow's default, for users the admin adds
         "database_uri": settings.store_uri("mlflow_auth"),
         "authorization_function": "mlflow.server.auth:authenticate_request_basic_auth",
+        # a login checked once a minute per worker, not on every call: the check is a PBKDF2 hash (a fraction
+        # of a second of CPU), and a sweep's status reads hundreds of metric histories at once; a changed
+        # password reaches the other workers within the minute
+        "auth_cache_ttl_seconds": "60",
     }
     fd = os.open(settings.auth_ini, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
