@@ -91,8 +91,9 @@ def sweep(
             check_environment()  # what the submission would refuse
             executor = orchestrate.check_profile(ctx)
             orchestrate.check_runs(specs, ctx, executor)
-            plan = orchestrate.plan(specs, ctx, read_only=True)
-            _print_plan(plan, ctx, executor)
+            unread = orchestrate.ledger_unreachable(ctx)
+            plan = orchestrate.plan(specs, ctx, read_only=True, read_ledger=unread is None)
+            _print_plan(plan, ctx, executor, unread)
             for line in orchestrate.describe_runs(plan.to_submit, ctx, executor):
                 console.print(line, highlight=False, markup=False, soft_wrap=True)
             return
@@ -104,18 +105,26 @@ def sweep(
         + "".join(
             f", {n} {state}" for state, n in sorted(counts.items()) if state not in ("new", "not started")
         )
-        + f"  (tracking: {ctx.tracking_uri})",
+        + f"  (tracking: {_redacted(ctx.tracking_uri)})",
         highlight=False,
     )
     if any(s in orchestrate.RESUMABLE - {orchestrate.RunState.UNSUBMITTED} for s in counts):
         console.print("some runs ended badly: [bold]pdmctl resume[/] brings them back from their checkpoints")
     if wait:
-        _wait(ctx, sweep_name)
+        with _guard():  # a tracking server that stops answering meanwhile: one line
+            _wait(ctx, sweep_name)
     else:
         console.print(f"follow with [bold]pdmctl status {sweep_name}[/] (or --watch)", highlight=False)
 
 
-def _print_plan(plan, ctx, executor) -> None:
+def _redacted(uri: str) -> str:
+    """A URI as printed: a password in it (postgresql://user:PASSWORD@host) as ***."""
+    from pdmctl.ledger import _redact
+
+    return _redact(uri)
+
+
+def _print_plan(plan, ctx, executor, unread: str | None = None) -> None:
     table = Table(title=f"sweep {plan.specs[0].sweep if plan.specs else ''}: {len(plan.specs)} run(s)")
     for col in ("#", "key", "config", "state", "action"):
         table.add_column(col)
@@ -132,7 +141,10 @@ def _print_plan(plan, ctx, executor) -> None:
         + f"; would submit {len(submit)}: {executor.describe([None] * len(submit))}",
         highlight=False,
     )
-    console.print(f"tracking: {ctx.tracking_uri}  (dry run: nothing written)", highlight=False)
+    console.print(f"tracking: {_redacted(ctx.tracking_uri)}  (dry run: nothing written)", highlight=False)
+    if unread is not None:  # a dry run needs no server: it shows the grid as new, and says so
+        console.print(f"did not read the ledger: {unread}; every run is shown as new (a sweep refuses to "
+                      "submit until the server answers)", highlight=False, markup=False, soft_wrap=True)
 
 
 def _wait(ctx, sweep_name: str | None, poll: float = 2.0) -> None:
@@ -239,7 +251,7 @@ def status(
         ctx = orchestrate.make_context(cluster, tracking_uri)
         views = orchestrate.status(ctx, sweep_name)
         if sweep_name and not views:
-            fail(f"sweep {sweep_name!r}: no runs in {ctx.tracking_uri}")
+            fail(f"sweep {sweep_name!r}: no runs in {_redacted(ctx.tracking_uri)}")
         title = f"pdmctl status — {sweep_name or 'all sweeps'}"
         if not watch:
             console.print(_status_table(views, title))
@@ -516,6 +528,120 @@ def analyze(
 
         for path in write_figures(result, figures):
             console.print(f"wrote {path}", highlight=False)
+
+
+@app.command()
+def server(
+    action: Annotated[str, typer.Argument(metavar="start|stop|status", help="What to do (each is idempotent).")],
+    directory: Annotated[
+        Path | None,
+        typer.Option("--dir", help="The server's state, on a local disk (default: $PDMCTL_SERVER_DIR, "
+                     "~/.local/share/pdmctl/server)."),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to bind: one the compute nodes reach, never a public one.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port of the tracking server.")] = 5000,
+    workers: Annotated[int, typer.Option(help="MLflow's server workers.")] = 4,
+    artifacts: Annotated[
+        Path | None, typer.Option(help="Artifact store directory (default: DIR/artifacts).")
+    ] = None,
+    allowed_hosts: Annotated[
+        str | None, typer.Option(help="Host headers MLflow accepts (default: HOST, localhost, with and without the port).")
+    ] = None,
+) -> None:
+    """An MLflow tracking server with a login (MLflow's basic-auth app) on a PostgreSQL that runs as you, no
+    root (the pgserver wheel: pip install 'pdmctl[server]'). The login is MLFLOW_TRACKING_USERNAME /
+    MLFLOW_TRACKING_PASSWORD from the environment, never written to a file."""
+    from pdmctl.ledger import server as srv
+
+    with _guard():
+        if action not in ("start", "stop", "status"):
+            fail(f"pdmctl server: {action!r}: the action is start, stop or status")
+        settings = srv.ServerSettings(dir=(directory or srv.default_dir()).expanduser().absolute(), host=host,
+                                      port=port, workers=workers, artifacts=artifacts, allowed_hosts=allowed_hosts)
+        if action == "start":
+            lines = srv.start(settings)
+        elif action == "stop":
+            lines = srv.stop(settings)
+        else:
+            up, lines = srv.status(settings)
+    for line in lines:
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+    if action == "start":
+        console.print(f"profile: tracking_uri: {settings.url} (or a name the nodes resolve); the jobs log in with "
+                      f"{srv.USER_ENV} / {srv.PASSWORD_ENV} from the environment you submit from", highlight=False,
+                      markup=False, soft_wrap=True)
+    if action == "status" and not up:
+        raise typer.Exit(1)
+
+
+@app.command(context_settings={"ignore_unknown_options": True})
+def doctor(
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="Grid overrides of the sweep whose paths and checkpoints to check.")
+    ] = None,
+    file: Annotated[str | None, typer.Option("--file", "-f", help="A sweep file: its runs' paths and checkpoints.")] = None,
+    cluster: ClusterOpt = "local",
+    tracking_uri: TrackingOpt = None,
+    on_node: Annotated[
+        bool, typer.Option("--on-node", help="The node's checks (GPUs, driver, imports): run inside a job.")
+    ] = False,
+    job: Annotated[
+        bool, typer.Option("--job", help="After the login node's checks, run the node's in a one-node job (srun).")
+    ] = False,
+    skip: Annotated[list[str] | None, typer.Option("--skip", help="A check to leave out (repeatable).")] = None,
+) -> None:
+    """Is the cluster ready: one line per check, exit 2 at the first that fails. On the login node: the profile
+    (no placeholder), the partition (sinfo), the tracking server, the shared paths, the disk for the checkpoints;
+    --job then runs --on-node in a one-node job: the driver against torch's CUDA build, the GPU count against
+    the gres, vLLM, VeRL, Megatron (core and bridge), Transformer Engine, the paths and the tracking server
+    from the node, the disk."""
+    from pdmctl import doctor as doc
+    from pdmctl import grid, orchestrate
+
+    skip = list(skip or [])
+    with _guard():
+        known = set(doc.LOGIN_CHECKS) | set(doc.NODE_CHECKS)
+        unknown = [s for s in skip if s not in known]
+        if unknown:
+            fail(f"--skip {unknown[0]}: no such check (checks: {', '.join(sorted(known))})")
+        if job and on_node:
+            fail("--job and --on-node: --job runs --on-node in a job; give one")
+        ctx = orchestrate.make_context(cluster, tracking_uri)
+        specs = grid.expand(overrides or [], grid.load_sweep_file(file) if file else None, None) if (file or overrides) else []
+        if job and ctx.profile.executor != "slurm":
+            fail(f"--job: cluster {ctx.profile.name} is not a SLURM profile")
+        checker = doc.Doctor(ctx.profile, ctx.tracking_uri, specs)
+        if ctx.profile.executor == "slurm" and checker.opts.python:
+            checker.python = checker.opts.python if on_node else checker.python
+
+    def say(line: str) -> None:
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+    where = "node " + os.uname().nodename if on_node else "login node " + os.uname().nodename
+    say(f"pdmctl doctor: cluster {ctx.profile.name}, on the {where}")
+    if not doc.run_checks(checker, on_node, skip, say):
+        raise typer.Exit(2)
+    if not job:
+        if not on_node and ctx.profile.executor == "slurm":
+            say(f"next: pdmctl doctor --cluster {cluster} --job (the node's checks, in a one-node job)")
+        return
+    import subprocess
+
+    from pdmctl.executors.base import CLUSTER_DIR
+
+    path = Path(cluster) if Path(cluster).suffix in (".yaml", ".yml") else CLUSTER_DIR / f"{cluster}.yaml"
+    args = [*(["--file", file] if file else []), *(overrides or [])]
+    command = doc.job_command(ctx.profile, str(path.resolve()), checker.opts.python or sys.executable,
+                              tracking_uri, skip, args)  # fmt: skip
+    say(f"the node's checks, in a one-node job: {' '.join(command[:-1])} SCRIPT")
+    try:
+        code = subprocess.run(command, check=False).returncode
+    except OSError as exc:
+        say(f"FAIL  job: {command[0]}: {exc.strerror or exc}")
+        raise typer.Exit(2) from None
+    if code != 0:
+        say(f"FAIL  job: the node's checks ended with exit code {code}")
+        raise typer.Exit(2)
 
 
 def _mount_optional() -> None:

@@ -246,10 +246,25 @@ class SweepPlan:
         return Counter(self.states[s.key] for s in self.specs)
 
 
-def plan(specs: list[RunSpec], ctx: Context, *, read_only: bool = True) -> SweepPlan:
-    """What a sweep would do: each spec's state in the ledger (nothing is written when read_only)."""
+def ledger_unreachable(ctx: Context) -> str | None:
+    """Why the ledger cannot be read now (a tracking server that does not answer), or None: a dry run goes on
+    without it."""
+    from pdmctl.ledger import LedgerError, sqlite_path
+
+    if sqlite_path(ctx.tracking_uri) is not None:
+        return None  # a file: read where it is (a missing one is an empty ledger)
+    try:
+        check_reachable(ctx.tracking_uri)
+    except LedgerError as exc:
+        return str(exc)
+    return None
+
+
+def plan(specs: list[RunSpec], ctx: Context, *, read_only: bool = True, read_ledger: bool = True) -> SweepPlan:
+    """What a sweep would do: each spec's state in the ledger (nothing is written when read_only; nothing is
+    read when not read_ledger: every run is new)."""
     states = {s.key: RunState.NEW for s in specs}
-    if specs and ledger_exists(ctx.tracking_uri):
+    if specs and read_ledger and ledger_exists(ctx.tracking_uri):
         ledger = open_ledger(ctx.tracking_uri)
         records = ledger.runs(specs[0].sweep)
         pairs = [(r, None) for r in records] if read_only else reconcile(ledger, records, ctx)

@@ -4,6 +4,7 @@ where MLflow has no bulk call; a failed call is one line."""
 from __future__ import annotations
 
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 from pdmctl.ledger.base import Ledger
@@ -47,8 +48,15 @@ def _server_call(method):
         except LedgerError:
             raise
         except Exception as exc:
+            said = _first_line(exc)
+            if re.search(r"code 40[13]\b|Unauthorized|UNAUTHENTICATED|PERMISSION_DENIED", said):
+                who = os.environ.get("MLFLOW_TRACKING_USERNAME")
+                raise LedgerError(f"tracking server {_redact(self.uri)}: refused the login "
+                                  + (f"of {who} (a wrong MLFLOW_TRACKING_PASSWORD, or no permission)" if who else
+                                     "(none given): set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD")
+                                  + f" ({said[:200]})") from exc  # fmt: skip
             raise LedgerError(f"tracking server {_redact(self.uri)}: {method.__name__.strip('_')} failed "
-                              f"({_first_line(exc)[:300]})") from exc  # fmt: skip
+                              f"({said[:300]})") from exc  # fmt: skip
 
     return call
 

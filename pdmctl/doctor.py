@@ -1,0 +1,350 @@
+"""`pdmctl doctor --cluster NAME`: is this cluster ready for a sweep, checked before the queue wait.
+
+On the login node it checks what the login node can see (the profile filled in, the partition as profiled,
+the tracking server, the shared paths, the disk for the checkpoints); with `--job` it then runs the node's
+checks in a one-node job of the profile (`srun`, the profile's setup lines and environment first), and
+`--on-node` is that half, run inside the job: the driver against the CUDA build of torch, the GPU count
+against the profile's gres, the engine's imports (vLLM, VeRL, the Megatron half, Transformer Engine), the
+model and data paths, the tracking server (and the login) from the node, the disk. One line per check; the
+first that fails ends it with exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdmctl.executors import ClusterProfile
+
+SMI_QUERY = ["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total", "--format=csv,noheader"]
+
+# The oldest Linux driver each CUDA major release runs on (NVIDIA's CUDA Toolkit release notes, table 3:
+# minor-version compatibility within a major release). torch's CUDA 13 builds need an R580 driver.
+MIN_DRIVER = {11: (450, 80, 2), 12: (525, 60, 13), 13: (580, 65, 6)}
+
+# the engine's imports: (check name, modules tried in order: the first that imports is taken)
+IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("vllm", ("vllm",)),
+    ("verl", ("verl",)),
+    ("megatron", ("megatron.core",)),
+    ("megatron-bridge", ("megatron.bridge", "mbridge")),  # VeRL 0.9.1's default, else its legacy path
+    ("transformer-engine", ("transformer_engine.pytorch",)),
+)
+LOGIN_CHECKS = ("placeholders", "slurm", "tracking", "paths", "disk")
+NODE_CHECKS = ("placeholders", "nvidia-smi", "driver", "gpus", *(name for name, _ in IMPORTS), "paths",
+               "tracking", "disk")  # fmt: skip
+
+
+class CheckFailed(Exception):
+    """A check that failed; the message is its one line."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    driver: str
+    memory_mib: int | None
+
+
+def parse_nvidia_smi(text: str) -> list[Gpu]:
+    """`nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader` -> the GPUs.
+    A line that is not four fields (an error nvidia-smi prints, 'No devices were found') raises CheckFailed."""
+    gpus = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        cols = [c.strip() for c in line.split(",")]
+        if len(cols) != 4 or not cols[0].isdigit():
+            raise CheckFailed(line.strip()[:200])
+        mem = re.match(r"(\d+)\s*MiB", cols[3])
+        gpus.append(Gpu(int(cols[0]), cols[1], cols[2], int(mem[1]) if mem else None))
+    return gpus
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
+
+
+def check_driver(driver: str, torch_cuda: str | None) -> str:
+    """The driver runs torch's CUDA build (the line to print), else CheckFailed."""
+    if not torch_cuda:
+        raise CheckFailed("torch is a CPU build (torch.version.cuda is None): install the CUDA build of torch")
+    major = parse_version(torch_cuda)[0]
+    need = MIN_DRIVER.get(major)
+    if need is None:
+        raise CheckFailed(f"torch is built for CUDA {torch_cuda}, which this check does not know (known: "
+                          f"{', '.join(map(str, MIN_DRIVER))})")  # fmt: skip
+    have = parse_version(driver)
+    want = ".".join(map(str, need))
+    if have < need:
+        raise CheckFailed(f"driver {driver} is older than CUDA {torch_cuda} needs (>= {want}, R{need[0]}): torch's "
+                          f"CUDA {major} build cannot start; install a torch built for an older CUDA, or update the driver")  # fmt: skip
+    return f"driver {driver} runs torch's CUDA {torch_cuda} build (needs >= {want})"
+
+
+def check_gpus(gpus: Sequence[Gpu], wanted: int, gpu_type: str | None) -> str:
+    if len(gpus) < wanted:
+        raise CheckFailed(f"{len(gpus)} GPU(s) visible, the profile's gres asks for {wanted} per node "
+                          f"(gpus_per_node: {wanted})")  # fmt: skip
+    names = sorted({g.name for g in gpus})
+    if gpu_type and not any(gpu_type.lower() in n.lower() for n in names):
+        raise CheckFailed(f"the GPUs are {', '.join(names)}, the profile's gpu_type is {gpu_type}")
+    return f"{len(gpus)} GPU(s) ({', '.join(names)}), the profile asks for {wanted} per node"
+
+
+def checkpoint_plan(specs: Sequence[Any]) -> tuple[int, int]:
+    """(bytes the runs' checkpoints keep at most, runs with checkpoints counted): VeRL runs (launch's plan)."""
+    from pdmctl.backends.registry import flat_config
+
+    total = counted = 0
+    for spec in specs:
+        if spec.backend != "verl":
+            continue
+        from pdmctl.backends.registry import _verl_job_config
+        from pdmctl.backends.verl import launch
+
+        size, kept, _ = launch.checkpoint_bytes(_verl_job_config(flat_config(spec.config), Path("/pdmctl-doctor")))
+        total += size * kept
+        counted += 1
+    return total, counted
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+def check_disk(root: Path, need: int, counted: int, free: int | None = None) -> str:
+    existing = next((p for p in (root, *root.parents) if p.exists()), None)
+    if existing is None:
+        raise CheckFailed(f"workdir {root}: no part of it exists")
+    free = shutil.disk_usage(existing).free if free is None else free
+    if need and free < need:
+        raise CheckFailed(f"workdir {root}: {_bytes(free)} free, the checkpoint plan of {counted} run(s) keeps up to "
+                          f"{_bytes(need)}")  # fmt: skip
+    plan = f"the checkpoint plan of {counted} run(s) keeps up to {_bytes(need)}" if counted else (
+        "no VeRL run given (--file, overrides): no checkpoint plan to compare")  # fmt: skip
+    return f"workdir {root}: {_bytes(free)} free; {plan}"
+
+
+# ---------------------------------------------------------------------------
+# the checks, in order
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Doctor:
+    profile: ClusterProfile
+    tracking_uri: str
+    specs: Sequence[Any] = ()
+    python: str = sys.executable
+
+    @property
+    def opts(self):
+        from pdmctl.executors.slurm import SlurmOptions
+
+        return SlurmOptions.from_profile(self.profile) if self.profile.executor == "slurm" else None
+
+    def placeholders(self) -> str:
+        from pdmctl.executors.base import ExecutorError, check_placeholders
+
+        try:
+            check_placeholders(self.profile)
+        except ExecutorError as exc:
+            raise CheckFailed(str(exc)) from None
+        return "no placeholder left in the profile"
+
+    def slurm(self) -> str:
+        from pdmctl.executors import make_executor
+        from pdmctl.executors.base import ExecutorError
+
+        if self.profile.executor != "slurm":
+            return f"executor {self.profile.executor}: no scheduler to ask"
+        try:
+            make_executor(self.profile).check()
+        except ExecutorError as exc:
+            raise CheckFailed(str(exc)) from None
+        opts = self.opts
+        return (f"partition {opts.partition or '(default)'} takes {opts.nodes} node(s) x {opts.gpus_per_node} GPU(s), "
+                f"max_concurrent {self.profile.max_concurrent} at once (sinfo)")  # fmt: skip
+
+    def tracking(self) -> str:
+        from pdmctl.ledger import LedgerError, check_reachable, is_database_uri
+
+        uri = self.tracking_uri
+        try:
+            check_reachable(uri)
+        except LedgerError as exc:
+            raise CheckFailed(str(exc)) from None
+        if is_database_uri(uri):
+            return f"tracking store {uri}: usable from {os.uname().nodename}"
+        user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+        if not (user and password):
+            import urllib.error
+            import urllib.request
+
+            try:
+                urllib.request.urlopen(uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1", timeout=30)
+            except urllib.error.HTTPError as exc:
+                if exc.code in (401, 403):
+                    raise CheckFailed(f"tracking server {uri}: asks for a login, and none reached "
+                                      f"{os.uname().nodename}: set MLFLOW_TRACKING_USERNAME and "
+                                      "MLFLOW_TRACKING_PASSWORD where you submit") from None  # fmt: skip
+            except OSError:
+                pass
+            return f"tracking server {uri}: answers from {os.uname().nodename} (no login asked, none given)"
+        from pdmctl.ledger.server import check_login
+
+        try:
+            check_login(uri.rstrip("/"), user, password)
+        except LedgerError as exc:
+            if "answered a call without a login" in str(exc):
+                return f"tracking server {uri}: answers from {os.uname().nodename} (a server without a login)"
+            raise CheckFailed(str(exc).removeprefix("pdmctl server: ")) from None
+        return f"tracking server {uri}: answers from {os.uname().nodename}; login {user} accepted"
+
+    def paths(self) -> str:
+        opts = self.opts
+        named = [(n, getattr(opts, n)) for n in ("models_dir", "data_dir") if opts and getattr(opts, n)]
+        for name, value in named:
+            path = Path(value)
+            if not path.is_dir():
+                raise CheckFailed(f"{name} {value}: not a directory on {os.uname().nodename}")
+            try:
+                next(iter(path.iterdir()), None)
+            except OSError as exc:
+                raise CheckFailed(f"{name} {value}: cannot be read on {os.uname().nodename} ({exc.strerror})") from None
+        offline = False
+        if self.specs:
+            from pdmctl.backends.registry import flat_config, get_backend
+            from pdmctl.executors import make_executor
+
+            cluster = make_executor(self.profile).job_settings()
+            offline = bool(cluster.get("offline"))
+            for spec in self.specs:
+                try:
+                    get_backend(spec.backend).check_cluster(flat_config(spec.config), cluster)
+                except ValueError as exc:
+                    raise CheckFailed(f"run {spec.key} ({spec.summary}): {exc}") from None
+        if not named and not self.specs:
+            return "no models_dir or data_dir in the profile, no run given: nothing to look for"
+        what = ", ".join(f"{n} {v}" for n, v in named) or "no shared directory named"
+        runs = "" if not self.specs else (f"; the weights and data of {len(self.specs)} run(s) are there" if offline
+                                          else f"; {len(self.specs)} run(s) not looked for: the profile is not offline "
+                                          "(its jobs may fetch from the hub)")  # fmt: skip
+        return f"visible on {os.uname().nodename}: {what}{runs}"
+
+    def disk(self) -> str:
+        need, counted = checkpoint_plan(self.specs)
+        return check_disk(self.profile.run_root, need, counted)
+
+    # --- on the node ----------------------------------------------------------------------
+
+    def nvidia_smi(self) -> str:
+        try:
+            proc = subprocess.run(SMI_QUERY, capture_output=True, text=True, timeout=60, check=False)
+        except FileNotFoundError:
+            raise CheckFailed(f"not found on {os.uname().nodename} (no NVIDIA driver in this job's "
+                              "environment)") from None  # fmt: skip
+        except subprocess.TimeoutExpired:
+            raise CheckFailed("no answer in 60 s (a hung GPU or driver)") from None
+        if proc.returncode != 0:
+            out = (proc.stdout + proc.stderr).strip().splitlines()
+            raise CheckFailed(f"exit {proc.returncode}: {out[0] if out else ''}")
+        self._gpus = parse_nvidia_smi(proc.stdout)
+        if not self._gpus:
+            raise CheckFailed("no GPU listed")
+        drivers = sorted({g.driver for g in self._gpus})
+        return f"{len(self._gpus)} GPU(s), driver {', '.join(drivers)}"
+
+    def driver(self) -> str:
+        cuda = subprocess.run([self.python, "-c", "import torch; print(torch.version.cuda or '')"],
+                              capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+        if cuda.returncode != 0:
+            raise CheckFailed(f"torch does not import: {_last_line(cuda.stderr)}")
+        return check_driver(min((g.driver for g in self._gpus), key=parse_version), cuda.stdout.strip() or None)
+
+    def gpus(self) -> str:
+        opts = self.opts
+        wanted = opts.gpus_per_node if opts else 0
+        return check_gpus(self._gpus, wanted, opts.gpu_type if opts else None)
+
+    def imports(self, modules: tuple[str, ...]) -> str:
+        tried = []
+        for module in modules:
+            code = (f"import importlib, sys; m = importlib.import_module({module!r}); top = sys.modules[{module!r}.split('.')[0]]; "
+                    "print(getattr(m, '__version__', None) or getattr(top, '__version__', '?'))")  # fmt: skip
+            proc = subprocess.run([self.python, "-c", code], capture_output=True, text=True, timeout=600, check=False)
+            if proc.returncode == 0:
+                return f"{module} {proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else '?'} imports"
+            tried.append(f"{module}: {_last_line(proc.stderr)}")
+        raise CheckFailed("; ".join(tried))
+
+    def checks(self, on_node: bool) -> Iterator[tuple[str, Callable[[], str]]]:
+        imports = dict(IMPORTS)
+        for name in NODE_CHECKS if on_node else LOGIN_CHECKS:
+            if name in imports:
+                yield name, lambda modules=imports[name]: self.imports(modules)
+            else:
+                yield name, getattr(self, name.replace("-", "_"))
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else "no output"
+
+
+def run_checks(doctor: Doctor, on_node: bool, skip: Sequence[str], say: Callable[[str], None]) -> bool:
+    """Each check's line, in order; False at the first that fails (after its line)."""
+    for name, check in doctor.checks(on_node):
+        if name in skip:
+            say(f"skip  {name}")
+            continue
+        if name in ("driver", "gpus") and "nvidia-smi" in skip:
+            say(f"skip  {name} (needs nvidia-smi)")
+            continue
+        try:
+            line = check()
+        except CheckFailed as exc:
+            say(f"FAIL  {name}: {exc}")
+            return False
+        say(f"ok    {name}: {line}")
+    return True
+
+
+def job_command(profile: ClusterProfile, profile_path: str, python: str, tracking_uri: str | None,
+                skip: Sequence[str], sweep_args: Sequence[str], time_min: int = 15) -> list[str]:  # fmt: skip
+    """`srun` of a one-node job of the profile that runs the node's checks: setup lines first (set -e), the job's
+    environment (the profile's exports and env:), then `pdmctl doctor --on-node`."""
+    from pdmctl.executors.slurm import SlurmExecutor, _fatal
+
+    ex = SlurmExecutor(profile)
+    opts = ex.options
+    argv = [python, "-m", "pdmctl.entry", "doctor", "--cluster", profile_path, "--on-node",
+            *(["--tracking-uri", tracking_uri] if tracking_uri else []), *(f"--skip={s}" for s in skip),
+            *sweep_args]  # fmt: skip
+    script = "\n".join([*ex.job_exports(), *_fatal(opts.setup),
+                        *(f"export {k}={shlex.quote(v)}" for k, v in opts.env), "exec " + shlex.join(argv)])  # fmt: skip
+    cmd = ["srun", "--nodes=1", "--ntasks=1", f"--cpus-per-task={opts.cpus_per_task}", f"--time={min(opts.time, time_min)}",
+           f"--job-name={opts.job_name}-doctor"]  # fmt: skip
+    for flag, value in (("partition", opts.partition), ("account", opts.account), ("qos", opts.qos),
+                        ("gres", opts.gres)):  # fmt: skip
+        if value:
+            cmd.append(f"--{flag}={value}")
+    if opts.mem_gb:
+        cmd.append(f"--mem={int(opts.mem_gb * 1024)}M")
+    for key, value in opts.extra_sbatch().items():
+        cmd.append(f"--{key}" if value is True else f"--{key}={value}")
+    return [*cmd, "bash", "-c", script]

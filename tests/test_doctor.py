@@ -1,0 +1,144 @@
+"""`pdmctl doctor`: one line per check, exit 2 at the first that fails; nvidia-smi's output from fixtures
+(tests/data/nvidia-smi: nothing here has an NVIDIA GPU), the checks on the login node and inside a job of
+the CI's one-node SLURM."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdmctl import doctor
+from tests.conftest import pdmctl
+
+SMI = Path(__file__).parent / "data" / "nvidia-smi"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_nvidia_smi_output_is_parsed_and_its_failures_are_one_line() -> None:
+    gpus = doctor.parse_nvidia_smi((SMI / "h20x8-driver570.csv").read_text())
+    assert len(gpus) == 8 and gpus[7] == doctor.Gpu(7, "NVIDIA H20", "570.124.06", 97871)
+    assert doctor.parse_nvidia_smi("") == []
+    for name, said in (("no-devices.txt", "No devices were found"), ("no-driver.txt", "couldn't communicate")):
+        with pytest.raises(doctor.CheckFailed, match=said):
+            doctor.parse_nvidia_smi((SMI / name).read_text())
+
+
+def test_driver_against_the_cuda_build_of_torch() -> None:
+    assert "needs >= 580.65.6" in doctor.check_driver("580.65.06", "13.0")
+    with pytest.raises(doctor.CheckFailed, match=r"driver 570.124.06 is older than CUDA 13.0 needs \(>= 580.65.6, R580\)"):
+        doctor.check_driver("570.124.06", "13.0")
+    assert doctor.check_driver("570.124.06", "12.8")  # CUDA 12's minor-version compatibility: R525 on
+    with pytest.raises(doctor.CheckFailed, match="CPU build"):
+        doctor.check_driver("580.65.06", None)
+
+
+def test_gpu_count_against_the_profiles_gres() -> None:
+    four = doctor.parse_nvidia_smi((SMI / "h20x4-driver580.csv").read_text())
+    with pytest.raises(doctor.CheckFailed, match=r"4 GPU\(s\) visible, the profile's gres asks for 8 per node"):
+        doctor.check_gpus(four, 8, None)
+    assert "8 GPU(s) (NVIDIA H20)" in doctor.check_gpus(four * 2, 8, "h20")
+    with pytest.raises(doctor.CheckFailed, match="gpu_type is a100"):
+        doctor.check_gpus(four * 2, 8, "a100")
+
+
+def test_disk_against_the_checkpoint_plan(tmp_path: Path) -> None:
+    with pytest.raises(doctor.CheckFailed, match=r"1.0 TB free, the checkpoint plan of 48 run\(s\) keeps up to 31.7 TB"):
+        doctor.check_disk(tmp_path / "runs", int(31.7e12), 48, free=int(1e12))
+    assert "free; the checkpoint plan" in doctor.check_disk(tmp_path / "runs", 10, 1)
+
+
+def test_the_h20_profile_as_shipped_fails_its_first_check_in_one_line() -> None:
+    result = pdmctl("doctor", "--cluster", "h20")
+    assert result.returncode == 2
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1].startswith("FAIL  placeholders: cluster h20: tracking_uri still holds the placeholder 'CHANGE-ME'")
+    assert len(lines) == 2  # the header, then the first check: it stops there
+
+
+def _filled_h20(tmp_path: Path, **changes) -> Path:
+    """clusters/h20.yaml with every placeholder filled in with this machine's paths."""
+    data = yaml.safe_load((REPO / "clusters" / "h20.yaml").read_text())
+    (tmp_path / "models").mkdir(exist_ok=True)
+    (tmp_path / "data").mkdir(exist_ok=True)
+    data.update(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", workdir=str(tmp_path / "runs"), partition="debug",
+                account=None, qos=None, setup=["true"], models_dir=str(tmp_path / "models"),
+                data_dir=str(tmp_path / "data"), env={"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"},
+                python=sys.executable)  # fmt: skip
+    data.update(changes)
+    path = tmp_path / "h20-filled.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_on_node_reads_nvidia_smi_and_stops_at_the_first_failing_check(tmp_path: Path) -> None:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text(f"#!/bin/sh\ncat {SMI / 'h20x4-driver580.csv'}\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    profile = _filled_h20(tmp_path)
+    env = {"PATH": f"{fake}:{os.environ['PATH']}"}
+    result = pdmctl("doctor", "--cluster", str(profile), "--on-node", "--skip=driver", env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[1] == "ok    placeholders: no placeholder left in the profile"
+    assert lines[2] == "ok    nvidia-smi: 4 GPU(s), driver 580.65.06"
+    assert lines[3] == "skip  driver"
+    assert lines[4].startswith("FAIL  gpus: 4 GPU(s) visible, the profile's gres asks for 8 per node")
+    assert len(lines) == 5
+    # the driver against this torch, a CPU build: failing, in its own line
+    result = pdmctl("doctor", "--cluster", str(profile), "--on-node", env=env)
+    assert result.returncode == 2 and result.stdout.strip().splitlines()[-1].startswith(
+        "FAIL  driver: torch is a CPU build")
+
+
+def test_paths_of_the_runs_given_are_checked(tmp_path: Path) -> None:
+    from pdmctl import grid, orchestrate
+
+    ctx = orchestrate.make_context(str(_filled_h20(tmp_path)))
+    specs = grid.expand(["backend=verl", "model=qwen3-4b-base"], None, "doc")
+    assert "nothing to look for" not in doctor.Doctor(ctx.profile, ctx.tracking_uri).paths()
+    with pytest.raises(doctor.CheckFailed, match=rf"run {specs[0].key} .*{tmp_path / 'models'}/Qwen3-4B-Base is not a directory"):
+        doctor.Doctor(ctx.profile, ctx.tracking_uri, specs).paths()
+    need, counted = doctor.checkpoint_plan(specs)
+    assert counted == 1 and need > 3 * 40e9  # Qwen3-4B: 48.3 GB a checkpoint, 3 kept
+
+
+def test_unknown_check_is_refused_in_one_line() -> None:
+    result = pdmctl("doctor", "--skip=gpu")
+    assert result.returncode == 2 and "--skip gpu: no such check" in result.stderr
+
+
+def _slurm_answers() -> bool:
+    return shutil.which("sinfo") is not None and subprocess.run(
+        ["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0  # fmt: skip
+
+
+@pytest.mark.slurm
+@pytest.mark.cluster
+def test_doctor_runs_its_node_checks_in_a_job_of_the_ci_slurm(tmp_path: Path) -> None:
+    if not _slurm_answers():
+        pytest.skip("no SLURM here (.ci/slurm_up.sh)")
+    tmp_path.chmod(0o755)
+    profile = _filled_h20(tmp_path, nodes=1, cpus_per_task=1, time=10, sbatch=[], max_concurrent=1)
+    # the login node's checks pass (the partition as profiled, against sinfo), then the job's: the CI's node has
+    # 8 fake GPUs and no NVIDIA driver, so nvidia-smi fails there, shown failing, exit 2
+    result = pdmctl("doctor", "--cluster", str(profile), "--job", timeout=300)
+    out = result.stdout.strip().splitlines()
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert any(ln.startswith("ok    slurm: partition debug takes 1 node(s) x 8 GPU(s)") for ln in out), out
+    assert any(ln.startswith("pdmctl doctor: cluster h20, on the node ") for ln in out), out  # inside the job
+    assert any(ln.startswith("FAIL  nvidia-smi: not found on ") for ln in out), out
+    assert out[-1] == "FAIL  job: the node's checks ended with exit code 2"
+    # past the GPUs (skipped): the imports of this environment, the paths and the tracking store from the node
+    result = pdmctl("doctor", "--cluster", str(profile), "--job", "--skip=nvidia-smi", "--skip=vllm",
+                    "--skip=megatron-bridge", "--skip=transformer-engine", timeout=300)  # fmt: skip
+    out = result.stdout.strip().splitlines()
+    assert result.returncode == 0, result.stdout + result.stderr
+    for check in ("verl", "megatron", "paths", "tracking", "disk"):
+        assert any(ln.startswith(f"ok    {check}: ") for ln in out[-8:]), (check, out)
