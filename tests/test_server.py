@@ -6,12 +6,14 @@ useradd when the test runs as root, as CI does; run as any other user it runs as
 
 from __future__ import annotations
 
+import atexit
 import base64
 import json
 import os
 import pwd
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -38,6 +40,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _let_others_through(*paths: Path) -> None:
+    """A clone where CI puts it may lie under a directory other users cannot enter (mode 0700): give
+    them traversal (o+x, not reading) on each such ancestor for this test run, restored at exit."""
+    for path in paths:
+        for d in [*reversed(path.resolve().parents), path.resolve()]:
+            mode = d.stat().st_mode
+            if not mode & stat.S_IXOTH:
+                os.chmod(d, mode | stat.S_IXOTH)
+                atexit.register(os.chmod, d, stat.S_IMODE(mode))
+
+
 def _as_user() -> tuple[list[str], dict[str, str], str]:
     """(command prefix, extra environment, home) that run `python -m pdmctl.entry` as a non-root user."""
     if os.geteuid() != 0:
@@ -56,6 +69,7 @@ def _as_user() -> tuple[list[str], dict[str, str], str]:
     # CPython of the same minor version, with the venv's packages and the checkout on its path (same ABI)
     system = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
     path = f"{REPO}:{sysconfig.get_paths()['purelib']}"
+    _let_others_through(Path(REPO), Path(sysconfig.get_paths()["purelib"]))
     probe = [*run, "env", f"PYTHONPATH={path}", system, "-c", "import pdmctl, mlflow, pgserver"]
     if not Path(system).exists() or subprocess.run(probe, capture_output=True).returncode != 0:
         pytest.skip(f"user {USER} can run neither {sys.executable} nor {system} with this checkout ({REPO})")
