@@ -336,6 +336,10 @@ def verl_overrides(
         out += [
             f"{actor}.megatron.tensor_model_parallel_size={preset.tensor_parallel}",
             f"{actor}.megatron.expert_model_parallel_size={preset.expert_parallel}",
+            # VeRL 0.9.1 defaults to Megatron-Bridge (`from megatron.bridge import AutoBridge`), and no
+            # release of it on the index resolves with vLLM 0.24.0 (docs/CLUSTER.md, "The engine
+            # environment"): the legacy mbridge path, which scripts/engine-env.sh installs (the ref inherits it)
+            f"{actor}.megatron.vanilla_mbridge=true",
             f"actor_rollout_ref.ref.megatron.tensor_model_parallel_size={preset.tensor_parallel}",
         ]
     else:
