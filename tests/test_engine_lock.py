@@ -77,3 +77,24 @@ def test_the_driver_check_fails_in_one_line_without_a_gpu(tmp_path: Path) -> Non
     assert proc.stderr.strip().splitlines() == [
         "error: no nvidia-smi: this is not a GPU node (or the driver is not installed)"
     ]
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        ([], "engine-env.sh: no DIR (usage: bash scripts/engine-env.sh [--cuda] DIR)"),
+        (
+            ["--gpu", "x"],
+            "engine-env.sh: unknown option '--gpu' (usage: bash scripts/engine-env.sh [--cuda] DIR)",
+        ),
+        (
+            ["a", "b"],
+            "engine-env.sh: more than one DIR ('a', 'b') (usage: bash scripts/engine-env.sh [--cuda] DIR)",
+        ),
+    ],
+)
+def test_engine_env_refuses_bad_arguments_before_anything_is_written(tmp_path: Path, args, line) -> None:
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "engine-env.sh"), *args], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=60)  # fmt: skip
+    assert (proc.returncode, proc.stderr.strip().splitlines()) == (2, [line])
+    assert list(tmp_path.iterdir()) == []
