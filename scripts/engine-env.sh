@@ -51,11 +51,16 @@ if [ "$DEVICE" = cuda ]; then
   grep -v '^transformer-engine-torch==' "$LOCK" >"$REQS"
   "$DIR/bin/uv" pip install --python "$DIR/bin/python" --default-index https://pypi.org/simple \
     --compile-bytecode -r "$REQS"
-  # Transformer Engine's PyTorch binding is a source distribution only: it is compiled here (C++, a few
-  # minutes; g++ is needed, nvcc is not: the CUDA headers come from the nvidia-* wheels torch brought)
-  # against the torch just installed, hence no build isolation (which would build it against the newest
-  # torch). Its setup.py first tries NVIDIA's prebuilt wheel for this torch on GitHub, then builds.
-  "$DIR/bin/uv" pip install --python "$DIR/bin/python" --default-index https://pypi.org/simple \
+  # Transformer Engine's PyTorch binding is a source distribution only: it is compiled here (C++ only,
+  # 28 files; g++ is needed, nvcc is not) against the torch just installed, hence no build isolation
+  # (which would build it against the newest torch). Its headers are the CUDA 13 ones of the nvidia-*
+  # wheels torch brought, named explicitly: TE looks at CUDA_HOME, then `nvcc` on the PATH, then
+  # /usr/local/cuda, any of which may be another CUDA than torch's (a site's `module load cuda`), and
+  # TE 2.11's own fallback to the wheels fails on their namespace package. Its setup.py first tries
+  # NVIDIA's prebuilt wheel for this torch on GitHub, then builds.
+  SITE="$("$DIR/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
+  CUDA_HOME="$SITE/nvidia/cu13" CPLUS_INCLUDE_PATH="$(ls -d "$SITE"/nvidia/*/include | paste -sd:)" \
+    "$DIR/bin/uv" pip install --python "$DIR/bin/python" --default-index https://pypi.org/simple \
     --no-build-isolation --no-deps --compile-bytecode "$(grep '^transformer-engine-torch==' "$LOCK")"
   # pdmctl from this clone (it is not on the index); its dependencies are the lock's, installed above.
   "$DIR/bin/uv" pip install --python "$DIR/bin/python" --no-deps --reinstall-package pdmctl -e "$REPO"
