@@ -8,11 +8,13 @@ No mock: the run's own VeRL config (pdmctl's overrides composed against VeRL's s
 the transformer overrides), mbridge and megatron-core, in a 1-process gloo group with Megatron's parallel
 state. What it leaves out: `MegatronEngine.__init__` (it seeds Megatron's CUDA RNG tracker, which needs a
 GPU) and the model build and weights after the config (CUDA). FP8 for a MoE needs Transformer Engine
-(megatron-core's TransformerConfig asks for its version), which has no CPU build: skipped without it.
+(megatron-core's TransformerConfig asks for its version), which has no CPU build: without it, the test
+checks that it fails there and nowhere earlier.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from pathlib import Path
 
@@ -131,8 +133,16 @@ def test_tiny_qwen3_and_qwen3_moe_convert_to_megatron_configs(tmp_path: Path) ->
         _check(got, moe=got["case"][0] == "qwen3_moe", fp8=got["case"][1] == "fp8_e2e")
 
 
-def test_tiny_qwen3_moe_fp8_converts_with_transformer_engine(tmp_path: Path) -> None:
-    pytest.importorskip("transformer_engine", reason="FP8 for a MoE needs Transformer Engine (CUDA only)")
+def test_tiny_qwen3_moe_in_fp8_converts_where_transformer_engine_is(tmp_path: Path) -> None:
+    """With Transformer Engine (a GPU node's engine environment) the MoE converts in FP8; without it (CPU,
+    where TE has no build) megatron-core's TransformerConfig fails on TE's absent version, exactly here."""
     dirs = write_configs(tmp_path)
-    [got] = _convert([(str(dirs["qwen3_moe"]), "qwen3-30b-a3b-base", "fp8_e2e")])
+    case = [(str(dirs["qwen3_moe"]), "qwen3-30b-a3b-base", "fp8_e2e")]
+    if importlib.util.find_spec("transformer_engine") is None:
+        with pytest.raises(
+            TypeError, match=r"'>=' not supported between instances of 'NoneType' and 'Version'"
+        ):
+            _convert(case)  # is_te_min_version(...) with no TE: get_te_version() is None
+        return
+    [got] = _convert(case)
     _check(got, moe=True, fp8=True)
