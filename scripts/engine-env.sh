@@ -65,7 +65,7 @@ if [ "$DEVICE" = cuda ]; then
   # pdmctl from this clone (it is not on the index); its dependencies are the lock's, installed above.
   "$DIR/bin/uv" pip install --python "$DIR/bin/python" --no-deps --reinstall-package pdmctl -e "$REPO"
   "$DIR/bin/python" -m pdmctl.backends.verl.driver  # the node's driver against torch's CUDA build
-  "$DIR/bin/python" -c "import torch, verl, vllm, megatron.core, mbridge, transformer_engine.pytorch as te
+  "$DIR/bin/python" -c "import torch, verl, vllm, megatron.core, mbridge, transformer_engine as te, transformer_engine.pytorch
 assert torch.cuda.is_available(), 'no CUDA device'
 print(f'engine env ok: verl {verl.__version__}, vllm {vllm.__version__}, torch {torch.__version__} (CUDA '
       f'{torch.version.cuda}), megatron-core {megatron.core.__version__}, transformer-engine {te.__version__}, '
