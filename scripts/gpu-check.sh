@@ -7,8 +7,10 @@
 # What it needs (it is not the check for the device machine this project is lent, which has no
 # network and Python 3.12: that one is scripts/device-check.sh, torch/Triton/numpy only):
 #   - an NVIDIA GPU node with nvidia-smi and a CUDA driver vLLM 0.24.0's wheel runs on;
-#   - Python 3.11 (python3.11, or $PDMCTL_ENGINE_PYTHON) and network access to the package index:
-#     step 1 installs vLLM's CUDA build, VeRL 0.9.1 and their dependencies (Ray among them), several GB;
+#   - Python 3.11 (python3.11, or $PDMCTL_ENGINE_PYTHON), g++ and network access to the package index:
+#     step 1 installs scripts/engine-cuda.lock (vLLM's CUDA build, VeRL 0.9.1, megatron-core + mbridge,
+#     Transformer Engine, whose PyTorch binding it compiles; Ray among them), about 11 GB, and checks
+#     the driver against torch's CUDA 13.0 build (R580 or newer: docs/CLUSTER.md);
 #   - for step 3, root and Debian's slurm-wlm (installed or installable); without them the step is
 #     left out with one line saying why;
 #   - for step 4, a local copy of Qwen/Qwen3-4B-Base (no model hub is asked) and a GPU that holds
@@ -49,7 +51,7 @@ nvidia-smi -L
 
 ENV_DIR="${PDMCTL_ENGINE_ENV:-.venv-gpu}"
 step "engine environment (CUDA vLLM) at $ENV_DIR"
-bash scripts/engine-env.sh "$ENV_DIR" --cuda
+bash scripts/engine-env.sh --cuda "$ENV_DIR"
 
 export PDMCTL_TINY_DIR="${PDMCTL_TINY_DIR:-$PWD/.cache/qwen3-tiny}"
 step "tiny Qwen3 and its data at $PDMCTL_TINY_DIR"

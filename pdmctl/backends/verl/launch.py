@@ -380,6 +380,10 @@ def _megatron_overrides(preset: ModelPreset, seed: int) -> list[str]:
         f"{mc}.expert_model_parallel_size={preset.expert_parallel}",
         f"actor_rollout_ref.ref.megatron.tensor_model_parallel_size={preset.tensor_parallel}",
         f"{mc}.seed={seed}",
+        # VeRL 0.9.1 defaults to Megatron-Bridge (`from megatron.bridge import AutoBridge`), and no release
+        # of it on the index resolves with vLLM 0.24.0 (docs/CLUSTER.md, "The engine environment"): the
+        # legacy mbridge path, which scripts/engine-env.sh installs (the ref inherits it)
+        f"{mc}.vanilla_mbridge=true",
     ]
     if preset.expert_tensor_parallel is not None:
         out.append(f"{mc}.expert_tensor_parallel_size={preset.expert_tensor_parallel}")
