@@ -69,7 +69,7 @@ def _filled_h20(tmp_path: Path, **changes) -> Path:
     data.update(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", workdir=str(tmp_path / "runs"), partition="debug",
                 account=None, qos=None, setup=["true"], models_dir=str(tmp_path / "models"),
                 data_dir=str(tmp_path / "data"), env={"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"},
-                python=sys.executable)  # fmt: skip
+                network_interface="lo", python=sys.executable)  # fmt: skip
     data.update(changes)
     path = tmp_path / "h20-filled.yaml"
     path.write_text(yaml.safe_dump(data))
