@@ -117,7 +117,7 @@ def _check(got: dict, moe: bool, fp8: bool) -> None:
         assert (got["num_moe_experts"], got["moe_router_topk"], got["moe_ffn_hidden_size"]) == (8, 2, 64)
     else:
         assert got["num_moe_experts"] is None and got["ffn_hidden_size"] == 256
-    assert (got["fp8"], got["fp8_recipe"]) == (("e4m3", "blockwise") if fp8 else (None, "delayed"))
+    assert (got["fp8"], got["fp8_recipe"]) == (("hybrid", "blockwise") if fp8 else (None, "delayed"))  # VeRL's FP8-E2E recipe: hybrid, blockwise
 
 
 def test_tiny_qwen3_and_qwen3_moe_convert_to_megatron_configs(tmp_path: Path) -> None:
