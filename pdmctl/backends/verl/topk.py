@@ -549,8 +549,12 @@ def pdm_ppo_loss(
         return mask_outputs_from_logits(config, data, student_logits)
     from verl.workers.utils.losses import ppo_loss
 
+    from pdmctl.backends.verl import progress
+
     with diagnostics_scope(diagnostics_from_model_output(model_output, data)):
-        return ppo_loss(config, model_output, data, dp_group)
+        result = ppo_loss(config, model_output, data, dp_group)
+    progress.add("microbatches")  # the job's stall watchdog reads it (progress.py)
+    return result
 
 
 def _sequence_parallel_size() -> int:
@@ -807,12 +811,20 @@ def _capture_final_outputs(server_instance: Any) -> dict[str, Any]:
     captured: dict[str, Any] | None = getattr(server_instance, "_pdmctl_final_outputs", None)
     if captured is not None:
         return captured
+    from pdmctl.backends.verl import progress
+
     captured = {}
     engine_generate = server_instance.engine.generate
 
     async def generate(*args: Any, request_id: str, **kwargs: Any) -> Any:
+        tokens = 0
         async for item in engine_generate(*args, request_id=request_id, **kwargs):
             captured[request_id] = item
+            # the tokens generated so far (vLLM streams cumulative outputs): the job's stall watchdog reads
+            # them, so that a rollout that prints nothing for minutes is not taken for a hang (progress.py)
+            now = sum(len(getattr(out, "token_ids", ()) or ()) for out in getattr(item, "outputs", ()) or ())
+            progress.add("tokens", now - tokens if now >= tokens else now)
+            tokens = now
             yield item
 
     server_instance.engine.generate = generate
