@@ -175,7 +175,8 @@ def test_the_offline_jobs_environment_and_where_the_job_reads(tmp_path: Path, mo
     ("fields", "message"),
     [({"offline": "yes"}, "offline: must be true or false"), ({"models_dir": "models"}, "models_dir: must be an absolute path"),
      ({"env": ["A=1"]}, "env: must be a mapping"), ({"env": {"1A": "x"}}, "env: '1A' is not a variable name"),
-     ({"env": {"A": True}}, "env: A: must be a string or a number"), ({"nccl_timeout": 0}, "nccl_timeout: must be an integer >= 1")],
+     ({"env": {"A": True}}, "env: A: must be a string or a number"), ({"nccl_timeout": 0}, "nccl_timeout: must be an integer >= 1"),
+     ({"engine_stall_s": "1h"}, "engine_stall_s: must be an integer >= 1")],
 )  # fmt: skip
 def test_bad_cluster_fields_are_one_line(tmp_path: Path, fields, message) -> None:
     with pytest.raises(ExecutorError, match=message) as info:
@@ -203,6 +204,11 @@ def test_the_profiles_env_block_reaches_every_job_after_its_setup(tmp_path: Path
     setup = make_executor(load_profile(str(profile))).sbatch_parameters(1)["setup"]
     assert set(setup[-2:]) == {"export NCCL_SOCKET_IFNAME=ib0", "export NCCL_IB_GID_INDEX=3"}
     assert setup.index("source /env/bin/activate") < setup.index("export NCCL_SOCKET_IFNAME=ib0")
+
+
+def test_the_profiles_engine_stall_s_is_the_jobs_stall_limit(tmp_path: Path) -> None:
+    exports = make_executor(load_profile(str(_profile_file(tmp_path, engine_stall_s=5400)))).job_exports()
+    assert "export PDMCTL_ENGINE_STALL_S=5400" in exports  # jobbody.stall_seconds reads it over the preset's
 
 
 def test_nccl_timeout_is_1800_across_nodes_and_the_profiles_where_set(monkeypatch: pytest.MonkeyPatch) -> None:
