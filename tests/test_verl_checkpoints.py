@@ -118,3 +118,39 @@ def test_the_keeper_resumes_a_removal_that_was_cut_short_and_counts_a_save_as_pr
     assert keeper.saving() is None
     _save(root, 4, complete=False)
     assert keeper.saving() == (4, 64)
+
+
+@pytest.mark.verl  # imports VeRL's checkpoint manager (seconds, shared with the other VeRL tests of the process)
+def test_veRLs_own_rotation_learns_what_earlier_attempts_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """VeRL 0.9.1's real `BaseCheckpointManager` rotation, patched (`checkpoints.install`), in a resumed
+    attempt: it deletes what the attempt before kept before it saves (at most N at any moment), removes
+    `global_step_K/` whole, and with N = 1 never the tracker's checkpoint."""
+    base = pytest.importorskip("verl.utils.checkpoint.checkpoint_manager").BaseCheckpointManager
+    for name in ("ensure_checkpoint_capacity", "register_checkpoint", "remove_previous_save_local_path"):
+        monkeypatch.setattr(base, name, getattr(base, name))  # restored after the test
+    monkeypatch.setattr(checkpoints, "_PATCHED", set())
+    root = tmp_path / "checkpoints"
+    monkeypatch.setenv(checkpoints.DIR_ENV, str(root))
+    checkpoints.install()
+
+    def attempt(keep: int, steps: range) -> int:
+        manager = object.__new__(base)  # a new process's manager: its list starts empty
+        manager.previous_saved_paths, most = [], 0
+        for step in steps:  # as FSDPCheckpointManager.save_checkpoint, then the trainer's tracker
+            manager.previous_global_step = step
+            manager.ensure_checkpoint_capacity(keep)
+            _save(root, step, complete=False)
+            most = max(most, len(_on_disk(root)))
+            manager.register_checkpoint(str(root / f"global_step_{step}" / "actor"), keep)
+            (root / f"global_step_{step}" / "data.pt").write_bytes(b"d")
+            (root / checkpoints.TRACKER).write_text(str(step))
+            most = max(most, len(_on_disk(root)))
+        return most
+
+    assert attempt(2, range(1, 4)) == 2 and _on_disk(root) == [2, 3]
+    assert attempt(2, range(4, 7)) == 2 and _on_disk(root) == [5, 6]  # unpatched VeRL: 2, 3, 5, 6 (data.pt: all)
+    assert sorted(p.name for p in root.iterdir()) == ["global_step_5", "global_step_6", checkpoints.TRACKER]
+    attempt(1, range(7, 8))  # N = 1: the old one goes at register, before the tracker moves: kept
+    assert _on_disk(root) == [6, 7]  # 5 went; 6, the tracker's then, stayed
+    Keeper(root, 1, say=lambda _: None).prune(trainer_running=False)
+    assert _on_disk(root) == [7]

@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 TRACKER = "latest_checkpointed_iteration.txt"  # VeRL's: the last complete checkpoint's step, written last
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -187,3 +188,88 @@ class Keeper:
             self._thread.join()
             self._thread = None
         self.prune(trainer_running=True)
+
+
+# ---------------------------------------------------------------------------
+# Inside VeRL's actor processes: its own rotation, told what earlier attempts kept
+# ---------------------------------------------------------------------------
+
+_PATCHED: set[str] = set()
+DIR_ENV = "PDMCTL_CHECKPOINT_DIR"  # the run's checkpoint directory (trainer.default_local_dir), for every worker
+
+
+def _earlier(root: Path, step: int) -> list[str]:
+    """The `actor` paths of the complete checkpoints before `step` in `root`, oldest first (what VeRL's
+    in-memory list would hold had this process saved them)."""
+    latest = read_latest(root)
+    if latest is None:
+        return []
+    complete = sorted(c.step for c in scan(root) if c.step < step and c.step <= latest and c.has_actor and c.has_data)
+    return [str(root / f"global_step_{s}" / "actor") for s in complete]
+
+
+def install() -> None:
+    """Patch VeRL 0.9.1's checkpoint managers (in the actor processes; the plugin installs it where the job
+    exported the run's checkpoint directory as PDMCTL_CHECKPOINT_DIR):
+
+    * before a process's first rotation, its list of saved checkpoints (`previous_saved_paths`) is seeded
+      with the complete ones on disk, so that VeRL's own rotation deletes before a save what earlier
+      attempts kept: at most `max_actor_ckpt_to_keep` on disk at any time (VeRL trims to N - 1 before
+      a save when N >= 2);
+    * a rotation removes `global_step_K/` whole, not only its `actor/` (VeRL leaves `data.pt`), and never
+      the checkpoint the tracker names (with N = 1 VeRL removes the old one before the tracker moves to
+      the new one: a job killed between the two would resume from nothing; the keeper removes it after).
+    """
+    root_given = os.environ.get(DIR_ENV, "").strip()
+    if "managers" in _PATCHED or not root_given:
+        return
+    try:
+        from verl.utils.checkpoint import checkpoint_manager
+    except ImportError:
+        return
+    root = Path(os.path.abspath(root_given))
+    base = checkpoint_manager.BaseCheckpointManager
+    original_ensure = base.ensure_checkpoint_capacity
+    original_register = base.register_checkpoint
+    original_remove = base.remove_previous_save_local_path
+
+    def seed(self: Any) -> None:
+        step = getattr(self, "previous_global_step", None)  # the step being saved (set before the rotation)
+        if getattr(self, "_pdmctl_seeded", False) or step is None:
+            return
+        self._pdmctl_seeded = True
+        known = list(self.previous_saved_paths)
+        self.previous_saved_paths = [p for p in _earlier(root, int(step)) if p not in known] + known
+
+    def ensure_checkpoint_capacity(self: Any, max_ckpt_to_keep: Any) -> Any:
+        seed(self)
+        return original_ensure(self, max_ckpt_to_keep)
+
+    def register_checkpoint(self: Any, new_path: str, max_ckpt_to_keep: Any) -> Any:
+        seed(self)
+        return original_register(self, new_path, max_ckpt_to_keep)
+
+    def remove_previous_save_local_path(self: Any, path: Any) -> Any:
+        others = []
+        for p in [path] if isinstance(path, str) else list(path):
+            actor = Path(os.path.abspath(p))
+            match = STEP_DIR.match(actor.parent.name)
+            if actor.name != "actor" or not match or actor.parent.parent != root:
+                others.append(p)
+                continue
+            step = int(match.group(1))
+            if read_latest(root) == step:  # the last complete checkpoint: kept (the keeper removes it later)
+                continue
+            target = root / f"{_DELETING}global_step_{step}"
+            try:
+                actor.parent.rename(target)
+            except OSError:
+                continue
+            print(f"pdmctl: checkpoints: VeRL's rotation removed global_step_{step} (whole)", flush=True)
+            shutil.rmtree(target, ignore_errors=True)
+        return original_remove(self, others) if others else None
+
+    base.ensure_checkpoint_capacity = ensure_checkpoint_capacity
+    base.register_checkpoint = register_checkpoint
+    base.remove_previous_save_local_path = remove_previous_save_local_path
+    _PATCHED.add("managers")

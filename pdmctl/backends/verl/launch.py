@@ -47,6 +47,7 @@ PROFILE_ENV = "PDMCTL_VERL_PROFILE_DIR"  # topk.PROFILE_ENV
 TRAIN_FILE = "dapo_math_17k.parquet"
 VAL_FILES = ("aime24.parquet", "aime25.parquet")
 CPU_MODULE = "pdmctl.backends.verl.cpu"
+CHECKPOINT_DIR_ENV = "PDMCTL_CHECKPOINT_DIR"  # checkpoints.DIR_ENV
 
 
 @dataclass(frozen=True)
@@ -482,6 +483,8 @@ def job_env(run_config: Mapping[str, Any]) -> dict[str, str]:
             os.environ.get("VERL_USE_EXTERNAL_MODULES", ""), required
         ),
         "MLFLOW_ALLOW_FILE_STORE": "true",
+        # VeRL's checkpoint rotation learns what earlier attempts kept there (checkpoints.install)
+        CHECKPOINT_DIR_ENV: str(cfg["checkpoint_dir"]),
     }
     for debug in (DUMP_ENV, FAIL_ENV, HOLD_ENV, HOLD_S_ENV, PROFILE_ENV, TRAINER_ENV, *OFFLINE_ENV):  # tests'; V1; an offline cluster
         if os.environ.get(debug):
