@@ -53,8 +53,8 @@ def test_a_checkpoint_written_in_silence_is_progress(tmp_path: Path) -> None:
                                f"    (actor / f'shard-{{i}}.pt').write_bytes(b'x' * 100)\n"
                                f"    time.sleep(0.1)\n")  # fmt: skip
     keeper = checkpoints.Keeper(root, 2, say=lambda _: None)
-    keeper_watch = keeper.watch
-    keeper.watch = lambda interval_s=checkpoints.WATCH_S, on_progress=None: keeper_watch(0.3, on_progress)  # type: ignore[method-assign]
+    keeper_watch = keeper.watch  # it looks every 0.3 s here (2 s, and sums a save's bytes every 10 s, in a job)
+    keeper.watch = lambda interval_s=checkpoints.WATCH_S, on_progress=None: keeper_watch(0.3, on_progress, 0.3)  # type: ignore[method-assign]
     jobbody._run_trainer(command, _env(), stall_s=LIMIT_S, keeper=keeper)  # 3.5 s of silence: not ended
 
 

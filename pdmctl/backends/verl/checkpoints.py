@@ -34,6 +34,7 @@ TRACKER = "latest_checkpointed_iteration.txt"  # VeRL's: the last complete check
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 _DELETING = ".pdmctl-deleting-"  # a checkpoint being removed is renamed first: its name goes at once
 WATCH_S = 2.0  # how often the keeper looks while the trainer runs
+SIZE_EVERY_S = 10.0  # how often it sums a save in progress's bytes (a walk of its files: thousands at scale)
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ class Keeper:
         for leftover in self.directory.glob(f"{_DELETING}*"):  # a removal cut short (the job was killed)
             shutil.rmtree(leftover, ignore_errors=True)
         decided = plan(scan(self.directory), read_latest(self.directory), self.keep, trainer_running=trainer_running)
-        if decided.note and decided.note != self._last_note:
+        if decided.note and decided.note != self._last_note and not trainer_running:  # (a save races a look)
             self.say(f"pdmctl: checkpoints: nothing pruned in {self.directory}: {decided.note}")
         self._last_note = decided.note
         removed = []
@@ -160,16 +161,20 @@ class Keeper:
                     written += os.stat(os.path.join(root, name)).st_size
         return step, written
 
-    def watch(self, interval_s: float = WATCH_S, on_progress: Callable[[str], None] | None = None) -> None:
+    def watch(self, interval_s: float = WATCH_S, on_progress: Callable[[str], None] | None = None,
+              size_every_s: float = SIZE_EVERY_S) -> None:  # fmt: skip
         """Prune every `interval_s` seconds in a thread while the trainer runs, until `stop`; `on_progress`
         is told when a save in progress has written more (the stall watchdog counts it as progress)."""
         seen: list[tuple[int, int] | None] = [None]
+        every = max(1, round(size_every_s / interval_s)) if interval_s > 0 else 1
+        ticks = [0]
 
         def loop() -> None:
             while not self._stop.wait(interval_s):
+                ticks[0] += 1
                 try:
                     self.prune(trainer_running=True)
-                    if on_progress is not None:
+                    if on_progress is not None and ticks[0] % every == 0:  # a walk of the save's files
                         now = self.saving()
                         if now is not None and now != seen[0] and (seen[0] is None or now > seen[0]):
                             on_progress(f"checkpoint global_step_{now[0]}: {now[1]:,} bytes written")
