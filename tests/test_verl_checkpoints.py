@@ -147,10 +147,13 @@ def test_veRLs_own_rotation_learns_what_earlier_attempts_kept(tmp_path: Path, mo
             most = max(most, len(_on_disk(root)))
         return most
 
-    assert attempt(2, range(1, 4)) == 2 and _on_disk(root) == [2, 3]
-    assert attempt(2, range(4, 7)) == 2 and _on_disk(root) == [5, 6]  # unpatched VeRL: 2, 3, 5, 6 (data.pt: all)
-    assert sorted(p.name for p in root.iterdir()) == ["global_step_5", "global_step_6", checkpoints.TRACKER]
-    attempt(1, range(7, 8))  # N = 1: the old one goes at register, before the tracker moves: kept
-    assert _on_disk(root) == [6, 7]  # 5 went; 6, the tracker's then, stayed
+    keeper = Keeper(root, 2, say=lambda _: None)
+    for first in (1, 4, 7, 10):  # an attempt and three requeues, 3 saves each, N = 2
+        keeper.prune(trainer_running=False)
+        assert attempt(2, range(first, first + 3)) == 2 and _on_disk(root) == [first + 1, first + 2]
+    # unpatched VeRL: 2, 3, 5, 6, 8, 9, 11, 12 (and global_step_K/data.pt of every step)
+    assert sorted(p.name for p in root.iterdir()) == ["global_step_11", "global_step_12", checkpoints.TRACKER]
+    attempt(1, range(13, 14))  # N = 1: the old one goes at register, before the tracker moves
+    assert _on_disk(root) == [12, 13]  # 11 went; 12, the tracker's then, stayed
     Keeper(root, 1, say=lambda _: None).prune(trainer_running=False)
-    assert _on_disk(root) == [7]
+    assert _on_disk(root) == [13]
