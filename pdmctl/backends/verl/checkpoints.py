@@ -192,7 +192,10 @@ class Keeper:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self.prune(trainer_running=True)
+        try:
+            self.prune(trainer_running=True)
+        except Exception as exc:  # never hide how the trainer ended behind a failed prune
+            self.say(f"pdmctl: checkpoints: pruning failed: {type(exc).__name__}: {exc}")
 
 
 # ---------------------------------------------------------------------------
