@@ -116,7 +116,7 @@ def test_the_watchdog_reads_reports_through_rays_prefix_and_dedup() -> None:
     assert dog.line("(AsyncvLLMServer pid=7, ip=10.0.0.2) pdmctl-progress tokens=100 host=n1 pid=7") is True
     assert dog.line("(AsyncvLLMServer pid=8) pdmctl-progress tokens=50 host=n2 pid=8 [repeated 3x across cluster]")
     assert dog.line("(AsyncvLLMServer pid=7) pdmctl-progress tokens=100 host=n1 pid=7") is False
-    assert dog.line("(TaskRunner pid=3) step:4 - actor/loss:0.1") is True
+    assert dog.line("\x1b[36m(TaskRunner pid=3)\x1b[0m step:4 - actor/loss:0.1") is True  # Ray's colours
     assert dog.line("(TaskRunner pid=3) step:4 - val-core/aime24/acc/mean@16:0.2") is False
     now[0] = 14
     assert not dog.stalled()

@@ -35,6 +35,7 @@ EVERY_ENV = "PDMCTL_PROGRESS_EVERY_S"  # how often a worker reports progress at 
 DEFAULT_EVERY_S = 30.0
 _LINE = re.compile(rf"{PREFIX} (\w+)=(\d+) host=(\S+) pid=(\d+)")
 _STEP = re.compile(r"(?:^|\) )step:(\d+) - ")  # VeRL's console logger (verl/utils/logger/aggregate_logger.py)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours a worker's prefix: `\x1b[36m(TaskRunner pid=3)\x1b[0m step:1 - `
 
 
 def every_s() -> float:
@@ -94,6 +95,7 @@ class Watchdog:
     def line(self, text: str) -> bool:
         """Read one line of the trainer's output; True where it shows progress."""
         progressed = False
+        text = _ANSI.sub("", text)
         for kind, count, host, pid in _LINE.findall(text):
             key = (kind, host, pid)
             if int(count) > self.counts.get(key, -1):
