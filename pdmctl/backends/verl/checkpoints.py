@@ -217,8 +217,8 @@ def _earlier(root: Path, step: int) -> list[str]:
 
 
 def install() -> None:
-    """Patch VeRL 0.9.1's checkpoint managers (in the actor processes; the plugin installs it where the job
-    exported the run's checkpoint directory as PDMCTL_CHECKPOINT_DIR):
+    """Patch VeRL 0.9.1's checkpoint managers (in the actor processes: `topk`'s wrapper of the actor's
+    `init_model` installs it, where the job exported the run's checkpoint directory as PDMCTL_CHECKPOINT_DIR):
 
     * before a process's first rotation, its list of saved checkpoints (`previous_saved_paths`) is seeded
       with the complete ones on disk, so that VeRL's own rotation deletes before a save what earlier

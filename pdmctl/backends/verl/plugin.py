@@ -29,7 +29,7 @@ from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, register
 from verl.workers.config import PolicyLossConfig
 
 from pdmctl import masks
-from pdmctl.backends.verl import checkpoints, resume, topk
+from pdmctl.backends.verl import resume, topk
 from pdmctl.backends.verl.topk import LOSS_PREFIX, is_pdmctl_loss, loss_name, method_of_loss
 
 __all__ = ["LOSS_PREFIX", "PdmPolicyLossConfig", "check_run_config", "is_pdmctl_loss", "loss_name",
@@ -184,4 +184,3 @@ def check_run_config(config: Mapping[str, Any] | Any) -> None:
 if topk.configured_topk() > 0:
     topk.install()
 resume.install()  # a resumed job logs no step twice (only where the job set MLFLOW_RUN_ID)
-checkpoints.install()  # VeRL's rotation knows what earlier attempts kept (checkpoints.py)

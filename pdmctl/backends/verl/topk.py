@@ -629,6 +629,12 @@ def _patch_actor_worker() -> None:
 
     @functools.wraps(original_init_model)
     def init_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # VeRL's checkpoint rotation told what earlier attempts kept; here, in the actor process, not at the
+        # plugin's import: importing VeRL's checkpoint manager resolves VeRL's platform, and a vLLM worker
+        # imports the plugin before the CPU platform is registered ("Unknown platform 'cpu'", seen)
+        from pdmctl.backends.verl import checkpoints
+
+        checkpoints.install()
         result = original_init_model(self, *args, **kwargs)
         if getattr(self, "actor", None) is not None and is_pdmctl_loss(
             self.config.actor.policy_loss.loss_mode
