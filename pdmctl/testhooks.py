@@ -4,8 +4,9 @@ in about a second; SLURM acts on a time limit or a dead node within 20-60 s).
 
 `hold_if_asked(step, fresh_run, env, seconds_env)`: when the environment variable `env` names `step` and the run had
 nothing logged or checkpointed when its job started (so a requeued or resumed attempt never holds), it
-prints `pdmctl: held at step N …` every 10 s (a job's stall watchdog reads silence as a hang) and lets go
-after `seconds_env` seconds (default 300). Nothing sets these variables but the tests.
+prints `pdmctl: held at step N …` every 10 s, with a progress report (`pdmctl-progress test_hold_s=…`: a
+VeRL job's stall watchdog ends a trainer that reports no progress, and a hold is a test's, not a hang), and
+lets go after `seconds_env` seconds (default 300). Nothing sets these variables but the tests.
 
 **Test-only.** A hook left in a user's shell would stall or break real runs without a word, so submitting
 (`orchestrate.check_before_submit`: sweep, resume, tune) refuses any of `HOOKS` in one line unless pytest is
@@ -57,7 +58,10 @@ def hold_if_asked(step: int, fresh_run: bool, env: str, seconds_env: str) -> Non
         return
     limit = hold_seconds(seconds_env)
     started = time.monotonic()
+    import socket
+
     while (held := time.monotonic() - started) < limit:
         print(f"pdmctl: held at step {step} for {held:.0f} s ({env}, a test's)", flush=True)
+        print(f"pdmctl-progress test_hold_s={int(held) + 1} host={socket.gethostname()} pid={os.getpid()}", flush=True)
         time.sleep(min(10.0, limit - held))
     print(f"pdmctl: let go at step {step} after {limit:.0f} s", flush=True)

@@ -178,7 +178,8 @@ def test_the_offline_jobs_environment_and_where_the_job_reads(tmp_path: Path, mo
      ({"env": {"A": True}}, "env: A: must be a string or a number"), ({"nccl_timeout": 0}, "nccl_timeout: must be an integer >= 1"),
      ({"network_interface": "ib 0"}, "network_interface: must be the name of a network interface"),
      ({"network_interface": "a-name-too-long-for-linux"}, "network_interface: must be the name"),
-     ({"network_interface": ["ib0"]}, "network_interface: must be the name")],
+     ({"network_interface": ["ib0"]}, "network_interface: must be the name"),
+     ({"engine_stall_s": "1h"}, "engine_stall_s: must be an integer >= 1")],
 )  # fmt: skip
 def test_bad_cluster_fields_are_one_line(tmp_path: Path, fields, message) -> None:
     with pytest.raises(ExecutorError, match=message) as info:
@@ -215,6 +216,11 @@ def test_the_profiles_network_interface_reaches_the_job_body(tmp_path: Path) -> 
     assert "export PDMCTL_RAY_INTERFACE=ib0" in setup
     plain = make_executor(load_profile(str(_profile_file(tmp_path)))).sbatch_parameters(1)["setup"]
     assert not any("PDMCTL_RAY_INTERFACE" in line for line in plain)
+
+
+def test_the_profiles_engine_stall_s_is_the_jobs_stall_limit(tmp_path: Path) -> None:
+    exports = make_executor(load_profile(str(_profile_file(tmp_path, engine_stall_s=5400)))).job_exports()
+    assert "export PDMCTL_ENGINE_STALL_S=5400" in exports  # jobbody.stall_seconds reads it over the preset's
 
 
 def test_nccl_timeout_is_1800_across_nodes_and_the_profiles_where_set(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -307,9 +313,13 @@ def test_the_paper_sweeps_dry_run_shows_every_command_every_run_and_the_cost(tmp
     days = float(sweep.split("GPU-hours; ")[1].split(" days")[0])
     assert sum(run_seconds) / 4 <= days * 86400 * 1.001 and days * 86400 <= sum(run_seconds) / 4 + max(run_seconds)
     assert "at max_concurrent 4 (4 x 4 node(s) at a time)" in sweep
-    kept = sum(12 * 3 * launch.MODEL_PRESETS[m].parameters * 12 for m in
-               ("qwen3-4b-base", "qwen3-8b-base", "qwen3-30b-a3b-base", "qwen3-30b-a3b-base"))  # fmt: skip
+    # 12 runs x 3 kept per setting; FSDP 12 bytes a parameter, the 30B FP8 end-to-end setting Megatron's 14
+    kept = sum(12 * 3 * launch.MODEL_PRESETS[m].parameters * b for m, b in
+               (("qwen3-4b-base", 12), ("qwen3-8b-base", 12), ("qwen3-30b-a3b-base", 14), ("qwen3-30b-a3b-base", 12)))  # fmt: skip
     assert f"checkpoints: {kept / 1e12:.2f} TB at most" in sweep
+    megatron_sizes = next(line for line in text[text.index("setting 3/4"):].splitlines() if line.startswith("  checkpoints: "))
+    assert "30.53 B parameters x 14 bytes, Megatron distributed: bf16 weights 2" in megatron_sizes, megatron_sizes
+    assert "x 12 bytes, FSDP: fp32 weights 4" in text
 
 
 def test_a_sweep_of_one_setting_keeps_its_grid_order() -> None:

@@ -336,14 +336,15 @@ def test_an_exception_from_the_line_hook_ends_the_trainer_and_propagates(tmp_pat
 
 def test_a_trainer_that_prints_nothing_for_too_long_is_ended_as_hung(tmp_path, monkeypatch) -> None:
     """A worker that dies inside a collective (the weight sync) leaves the trainer waiting for ever:
-    silence past PDMCTL_ENGINE_STALL_S ends it, with the reason and the last error line it printed."""
+    no progress past PDMCTL_ENGINE_STALL_S ends it, with the reason and the last error line it printed
+    (tests/test_verl_watchdog.py: progress, not prints)."""
     import sys
     import time
 
     script = tmp_path / "hung.py"
     script.write_text("import time\nprint('RuntimeError: a worker died', flush=True)\ntime.sleep(600)\n")
     started = time.monotonic()
-    with pytest.raises(jobbody.EngineJobError, match=r"printed nothing for 2 s .*RuntimeError: a worker died"):
+    with pytest.raises(jobbody.EngineJobError, match=r"made no progress for 2 s .*RuntimeError: a worker died"):
         jobbody._run_trainer([sys.executable, str(script)], {}, stall_s=2)
     assert time.monotonic() - started < 40
     failing = tmp_path / "failing.py"

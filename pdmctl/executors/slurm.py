@@ -25,6 +25,9 @@ Profile options (clusters/<name>.yaml, beside `executor: slurm`; all optional):
     network_interface            the interface Ray binds on every node (e.g. ib0): each node's IPv4
                                  address on it goes to its `ray start --node-ip-address`, and the head's
                                  is the address the workers join (default: the head's first address)
+    engine_stall_s               seconds a VeRL trainer may make no progress (tokens generated, micro-batches
+                                 trained, steps, checkpoint bytes) before its job ends it as hung (default:
+                                 the model preset's stall_s; exported as PDMCTL_ENGINE_STALL_S)
     throughput                   tokens per second per GPU, per model: {MODEL: {rollout: R, train: T}}, for
                                  the cost --dry-run prints (docs/CLUSTER.md, "Cost")
 
@@ -117,6 +120,7 @@ class SlurmOptions:
     env: tuple[tuple[str, str], ...] = ()
     nccl_timeout: int | None = None
     network_interface: str | None = None
+    engine_stall_s: int | None = None
     throughput: tuple[tuple[str, float, float], ...] = ()  # (model, rollout, train) tokens/s per GPU
 
     @classmethod
@@ -133,8 +137,9 @@ class SlurmOptions:
                 continue
             if name == "time":
                 values[name] = parse_time(value, where)
-            elif name in ("nodes", "gpus_per_node", "cpus_per_task", "signal_delay_s", "max_timeouts", "nccl_timeout"):
-                low = 1 if name in ("nodes", "cpus_per_task", "nccl_timeout") else 0
+            elif name in ("nodes", "gpus_per_node", "cpus_per_task", "signal_delay_s", "max_timeouts", "nccl_timeout",
+                          "engine_stall_s"):  # fmt: skip
+                low = 1 if name in ("nodes", "cpus_per_task", "nccl_timeout", "engine_stall_s") else 0
                 if not isinstance(value, int) or isinstance(value, bool) or value < low:
                     raise ExecutorError(f"{where}: {name}: must be an integer >= {low}, got {value!r}")
                 values[name] = value
@@ -436,7 +441,8 @@ class SlurmExecutor(Executor):
         lines = ["export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1"] if opts.offline else []
         for var, value in (("PDMCTL_MODELS_DIR", opts.models_dir), ("PDMCTL_DATA_DIR", opts.data_dir),
                            ("PDMCTL_NCCL_TIMEOUT", opts.nccl_timeout),
-                           ("PDMCTL_RAY_INTERFACE", opts.network_interface)):  # fmt: skip
+                           ("PDMCTL_RAY_INTERFACE", opts.network_interface),
+                           ("PDMCTL_ENGINE_STALL_S", opts.engine_stall_s)):  # fmt: skip
             if value is not None:
                 lines.append(f"export {var}={shlex.quote(str(value))}")
         return lines

@@ -11,6 +11,8 @@ Modules, each importable on its own:
     schema   `verl.<key>` checked against VeRL's own config schema
     jobbody  the job on its nodes: the SLURM job body (Ray on every node, the trainer, the stall
              watchdog, cleanup), the trainer outside SLURM
+    checkpoints  a run's checkpoints pruned to max_ckpt_to_keep across its attempts
+    progress the trainer's progress reports (tokens, micro-batches) and the stall watchdog that reads them
     metrics  VeRL's metric names and printed validation lines -> pdmctl's
     describe what --dry-run prints: every distinct command, its runs, GPU-hours, wall time, storage
     data     DAPO-Math-17k / AIME24 / AIME25 -> VeRL parquet

@@ -122,9 +122,10 @@ def describe_jobs(jobs: Sequence[Job], nodes: int, environ: Mapping[str, str], c
         setting_bytes = sum(one * count for one, count, _ in stored)
         checkpoints_total += setting_bytes
         preset = launch.MODEL_PRESETS[runs[0].config["model"]]
+        per_parameter, basis = launch.checkpoint_basis(runs[0].config)
         lines.append(f"  checkpoints: {_bytes(size)} each ({preset.parameters / 1e9:.2f} B parameters x "
-                     f"{launch.BYTES_PER_PARAMETER_IN_A_CHECKPOINT} bytes: fp32 weights and Adam's two moments), "
-                     f"{kept} kept{'' if saves is None else f' of {saves} saved'} (max_ckpt_to_keep): "
+                     f"{per_parameter} bytes, {basis}), {kept} kept{'' if saves is None else f' of {saves} saved'} "
+                     f"(max_ckpt_to_keep, across the run's attempts: pdmctl prunes the rest): "
                      f"{_bytes(size * kept)} a run, {_bytes(setting_bytes)} for the setting")  # fmt: skip
     lines.append(_sweep_line(per_run, cluster, checkpoints_total))
     return lines

@@ -232,12 +232,21 @@ def run(run_config: Mapping[str, Any], python: str, on_line: Callable[[str], Non
     next job), the job body ends what carries it on the other nodes, and this process on this one. A
     CPU engine job also takes this machine's lock (one at a time), ends what a job killed outright
     left, and removes its /dev/shm segments.
+
+    The run's checkpoints are pruned to `max_ckpt_to_keep` before the trainer starts and while it runs
+    (`checkpoints.Keeper`: VeRL's own rotation forgets what earlier attempts saved).
     """
     import time
 
     from pdmctl.backends.verl import cpu
+    from pdmctl.backends.verl.checkpoints import Keeper
 
     cfg = resolve_local_model(run_config)
+    resolved = _resolved(cfg)
+    stall_s = stall_seconds(MODEL_PRESETS[resolved["model"]])
+    keeper = Keeper(resolved["checkpoint_dir"], int(resolved["max_ckpt_to_keep"]),
+                    say=lambda text: print(text, flush=True))  # fmt: skip
+    keeper.prune(trainer_running=False)  # what earlier attempts left: at most N, no save cut short
     on_slurm = "SLURM_JOB_ID" in os.environ
     command = build_job_command(cfg, python) if on_slurm else build_local_command(cfg, python)
     tag = cpu.new_tag()
@@ -251,7 +260,7 @@ def run(run_config: Mapping[str, Any], python: str, on_line: Callable[[str], Non
                       "segment(s) left by an engine job that was killed", flush=True)  # fmt: skip
         started = time.time()
         try:
-            _run_trainer(command, env, on_line)
+            _run_trainer(command, env, on_line, stall_s=stall_s, keeper=keeper)
         finally:
             ended, segments = cpu.cleanup(tag, started, cpu.grace_seconds())
             if ended or segments:
@@ -266,15 +275,16 @@ class EngineJobError(RuntimeError):
 _ERROR_LINE = re.compile(r"^(?:\w+\.)*\w*(?:Error|Exception|Interrupt)\b: .+")
 
 
-STALL_ENV = "PDMCTL_ENGINE_STALL_S"  # seconds without a line from the trainer before it is ended as hung
-DEFAULT_STALL_S = 1800.0  # VeRL and vLLM print at least a line a step; a GPU step of 8k tokens takes minutes
+STALL_ENV = "PDMCTL_ENGINE_STALL_S"  # seconds without progress before the trainer is ended as hung
+DEFAULT_STALL_S = 1800.0  # where no preset says (a command run by hand)
 
 
-def stall_seconds() -> float:
-    """How long the trainer may print nothing (PDMCTL_ENGINE_STALL_S, default 30 min)."""
+def stall_seconds(preset: Any = None) -> float:
+    """How long the trainer may make no progress (`progress.Watchdog`): PDMCTL_ENGINE_STALL_S (the cluster
+    profile's `engine_stall_s`, or the user's), else the model preset's `stall_s`, else 30 min."""
     given = os.environ.get(STALL_ENV, "").strip()
     if not given:
-        return DEFAULT_STALL_S
+        return float(getattr(preset, "stall_s", None) or DEFAULT_STALL_S)
     try:
         value = float(given)
     except ValueError:
@@ -311,21 +321,25 @@ def _default_signals() -> None:
 
 def _run_trainer(
     command: list[str], env: dict[str, str], on_line: Callable[[str], None] | None = None,
-    stall_s: float | None = None,
+    stall_s: float | None = None, keeper: Any = None,
 ) -> None:  # fmt: skip
     """Run the trainer, its output passed through to the job log; a failure raises with its reason.
 
     The reason is the last `SomethingError: message` line the trainer printed (Ray prints the
     worker's exception last), so the ledger says what failed, not only an exit status. A trainer
-    that prints nothing for `stall_s` seconds is ended as hung (a worker that died inside a
-    collective, such as the weight sync, leaves the others waiting for ever).
+    that makes no progress for `stall_s` seconds (`progress.Watchdog`: tokens generated, micro-batches
+    trained, steps logged, a checkpoint's files growing; not prints) is ended as hung (a worker that
+    died inside a collective, such as the weight sync, leaves the others waiting for ever).
+    `keeper` (a `checkpoints.Keeper`) prunes the run's checkpoints while the trainer runs.
     """
     import queue
     import subprocess
     import threading
-    import time
+
+    from pdmctl.backends.verl.progress import Watchdog
 
     stall_s = stall_seconds() if stall_s is None else stall_s
+    watchdog = Watchdog(stall_s)
     last_error = ""
     lines: queue.Queue[str | None] = queue.Queue()
     log_fd = _log_fd()
@@ -351,23 +365,26 @@ def _run_trainer(
             lines.put(None)
 
     threading.Thread(target=pump, name="pdmctl-trainer-output", daemon=True).start()
+    if keeper is not None:
+        keeper.watch(on_progress=watchdog.poke)
     try:
-        last = time.monotonic()
         while True:
             try:
                 line = lines.get(timeout=1.0)
             except queue.Empty:
-                if time.monotonic() - last > stall_s:
+                if watchdog.stalled():
                     raise _Stalled from None
                 continue
             if line is None:
                 break
-            last = time.monotonic()
+            watchdog.line(line)
             sys.stdout.write(line)
             if _ERROR_LINE.match(line.strip()):
                 last_error = line.strip()
             if on_line is not None:
                 on_line(line)
+            if watchdog.stalled():  # it prints, and makes no progress
+                raise _Stalled
     except BaseException as exc:  # a cancel (SIGTERM -> job.Cancelled), a pruned trial, a hang: end it
         proc.terminate()
         try:
@@ -377,8 +394,11 @@ def _run_trainer(
             proc.wait()
         if isinstance(exc, _Stalled):
             after = f"; its last error line: {last_error}" if last_error else ""
-            raise EngineJobError(f"the trainer printed nothing for {stall_s:.0f} s and was ended as hung{after}") from None
+            raise EngineJobError(f"{watchdog.reason()}{after}") from None
         raise
+    finally:
+        if keeper is not None:
+            keeper.stop()
     proc.wait()
     stream.close()  # the pump has seen the end of it
     sys.stdout.flush()

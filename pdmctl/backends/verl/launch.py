@@ -57,6 +57,7 @@ PROFILE_ENV = "PDMCTL_VERL_PROFILE_DIR"  # topk.PROFILE_ENV
 TRAIN_FILE = "dapo_math_17k.parquet"
 VAL_FILES = ("aime24.parquet", "aime25.parquet")
 CPU_MODULE = "pdmctl.backends.verl.cpu"
+CHECKPOINT_DIR_ENV = "PDMCTL_CHECKPOINT_DIR"  # checkpoints.DIR_ENV
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,11 @@ class ModelPreset:
     lr: float = 1e-6  # the run's lr unless it sets one
     save_freq: int = 10  # VeRL checkpoints every this many steps (and at the last) unless the run says
     parameters: int = 0  # for the checkpoint size --dry-run prints
+    # seconds the trainer may make no progress (tokens generated, micro-batches trained, steps, a checkpoint's
+    # bytes: progress.py) before the job ends it as hung; the profile's engine_stall_s overrides it. The longest
+    # phase that reports nothing is a step's old-log-prob and reference forwards over the whole batch, then the
+    # weight sync (and, in start-up, loading a resumed checkpoint): estimates, ~4x margin, never measured on a GPU
+    stall_s: float = 1800.0
 
 
 PAPER_STEPS = 300  # VeRL's DAPO recipe for Qwen3-30B-A3B (the paper's Table 1 body is not in our copy)
@@ -95,14 +101,15 @@ RECIPE_GPU_MEMORY = 0.8  # vLLM's share in VeRL's DAPO recipe and its DPPO examp
 _GPU = dict(total_training_steps=PAPER_STEPS, total_epochs=PAPER_EPOCHS, gpu_memory_utilization=RECIPE_GPU_MEMORY)
 
 MODEL_PRESETS: dict[str, ModelPreset] = {
+    # stall_s: a step forwards 8.4 M response tokens (4B, 8B: 128 x 8 x 8k) or 67 M (30B: 256 x 16 x 16k) on 32 GPUs
     "qwen3-4b-base": ModelPreset("Qwen/Qwen3-4B-Base", False, 8, 128, 32, 8192, 4, 1, 1, parameters=4_022_468_096,
-                                 **_GPU),
+                                 stall_s=1200.0, **_GPU),
     "qwen3-8b-base": ModelPreset("Qwen/Qwen3-8B-Base", False, 8, 128, 32, 8192, 4, 2, 1, parameters=8_190_735_360,
-                                 **_GPU),
+                                 stall_s=1200.0, **_GPU),
     # both 30B settings on one engine, Megatron as the paper, laid out as VeRL's DPPO example and FP8 recipe
     "qwen3-30b-a3b-base": ModelPreset("Qwen/Qwen3-30B-A3B-Base", True, 16, 256, 32, 16384, 4, 4, 8,
                                       parameters=30_532_122_624, strategy="megatron", expert_tensor_parallel=1,
-                                      megatron_offload=True, recompute=True, router_fp32=True, **_GPU),  # fmt: skip
+                                      megatron_offload=True, recompute=True, router_fp32=True, stall_s=2400.0, **_GPU),  # fmt: skip
     # tiny.py's 2-layer Qwen3 on CPU: 4 prompts x 4 samples per step in 4 mini-batches (each of two
     # micro-batches), at a learning rate high enough that the later mini-batches are off-policy: the
     # mask bites (a real train/rollout mismatch). A checkpoint every step: resume is tested on it.
@@ -124,6 +131,7 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         lr=1e-2,
         save_freq=1,
         parameters=353_000,
+        stall_s=600.0,  # a step takes seconds; start-up prints as it goes (its lines count until progress)
     ),  # fmt: skip
 }
 # The same tiny model and data on a GPU with CUDA vLLM: the first check on a GPU machine
@@ -528,6 +536,8 @@ def job_env(run_config: Mapping[str, Any]) -> dict[str, str]:
             os.environ.get("VERL_USE_EXTERNAL_MODULES", ""), required
         ),
         "MLFLOW_ALLOW_FILE_STORE": "true",
+        # VeRL's checkpoint rotation learns what earlier attempts kept there (checkpoints.install)
+        CHECKPOINT_DIR_ENV: str(cfg["checkpoint_dir"]),
     }
     for debug in (DUMP_ENV, FAIL_ENV, HOLD_ENV, HOLD_S_ENV, PROFILE_ENV, TRAINER_ENV, *OFFLINE_ENV):  # tests'; V1; an offline cluster
         if os.environ.get(debug):
@@ -629,18 +639,35 @@ def resolve_local_model(run_config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 
-BYTES_PER_PARAMETER_IN_A_CHECKPOINT = 12  # fp32 weights + Adam's two fp32 moments (VeRL saves all three)
+# Bytes one checkpoint holds per model parameter, by training strategy, and the basis (VeRL 0.9.1 saves
+# checkpoint.save_contents = model, optimizer, extra; the dataloader's data.pt and the RNG states are small):
+CHECKPOINT_BYTES_PER_PARAMETER: dict[str, tuple[int, str]] = {
+    # verl/utils/checkpoint/fsdp_checkpoint_manager.py: each rank's shard of the model's state dict (FSDP keeps
+    # the parameters in fp32 and computes in bf16) and of the AdamW state (exp_avg, exp_avg_sq, fp32)
+    "fsdp2": (12, "FSDP: fp32 weights 4 + Adam's two fp32 moments 8"),
+    # megatron_checkpoint_manager.py: model/dist_ckpt holds the bf16 weights, optimizer/dist_ckpt the
+    # distributed optimizer's fp32 main weights and its two fp32 moments
+    "megatron": (14, "Megatron distributed: bf16 weights 2 + the distributed optimizer's fp32 main weights 4 "
+                     "+ Adam's two fp32 moments 8"),
+}
+BYTES_PER_PARAMETER_IN_A_CHECKPOINT = CHECKPOINT_BYTES_PER_PARAMETER["fsdp2"][0]  # the default strategy's
+
+
+def checkpoint_basis(run_config: Mapping[str, Any]) -> tuple[int, str]:
+    """(bytes per parameter of one checkpoint, what they are) for the run's training strategy."""
+    return CHECKPOINT_BYTES_PER_PARAMETER[_resolved(run_config)["strategy"]]
 
 
 def checkpoint_bytes(run_config: Mapping[str, Any], steps: int | None = None) -> tuple[int, int, int | None]:
     """(bytes of one checkpoint, checkpoints kept, checkpoints saved or None where the step count
-    comes from the data and `steps` does not say it): what a run leaves on disk at most."""
+    comes from the data and `steps` does not say it): what a run leaves on disk at most. pdmctl holds a
+    run to `max_ckpt_to_keep` across its attempts (`checkpoints.Keeper`)."""
     cfg = _resolved(run_config)
     preset = MODEL_PRESETS[cfg["model"]]
     steps = final_step(cfg) or steps
     saves = None if steps is None else -(-steps // int(cfg["save_freq"])) if int(cfg["save_freq"]) > 0 else 0
     kept = int(cfg["max_ckpt_to_keep"]) if saves is None else min(int(cfg["max_ckpt_to_keep"]), saves)
-    return preset.parameters * BYTES_PER_PARAMETER_IN_A_CHECKPOINT, kept, saves
+    return preset.parameters * checkpoint_basis(cfg)[0], kept, saves
 
 
 def final_step(run_config: Mapping[str, Any]) -> int | None:

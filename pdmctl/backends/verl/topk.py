@@ -549,8 +549,12 @@ def pdm_ppo_loss(
         return mask_outputs_from_logits(config, data, student_logits)
     from verl.workers.utils.losses import ppo_loss
 
+    from pdmctl.backends.verl import progress
+
     with diagnostics_scope(diagnostics_from_model_output(model_output, data)):
-        return ppo_loss(config, model_output, data, dp_group)
+        result = ppo_loss(config, model_output, data, dp_group)
+    progress.add("microbatches")  # the job's stall watchdog reads it (progress.py)
+    return result
 
 
 def _sequence_parallel_size() -> int:
@@ -625,6 +629,12 @@ def _patch_actor_worker() -> None:
 
     @functools.wraps(original_init_model)
     def init_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # VeRL's checkpoint rotation told what earlier attempts kept; here, in the actor process, not at the
+        # plugin's import: importing VeRL's checkpoint manager resolves VeRL's platform, and a vLLM worker
+        # imports the plugin before the CPU platform is registered ("Unknown platform 'cpu'", seen)
+        from pdmctl.backends.verl import checkpoints
+
+        checkpoints.install()
         result = original_init_model(self, *args, **kwargs)
         if getattr(self, "actor", None) is not None and is_pdmctl_loss(
             self.config.actor.policy_loss.loss_mode
@@ -807,12 +817,20 @@ def _capture_final_outputs(server_instance: Any) -> dict[str, Any]:
     captured: dict[str, Any] | None = getattr(server_instance, "_pdmctl_final_outputs", None)
     if captured is not None:
         return captured
+    from pdmctl.backends.verl import progress
+
     captured = {}
     engine_generate = server_instance.engine.generate
 
     async def generate(*args: Any, request_id: str, **kwargs: Any) -> Any:
+        tokens = 0
         async for item in engine_generate(*args, request_id=request_id, **kwargs):
             captured[request_id] = item
+            # the tokens generated so far (vLLM streams cumulative outputs): the job's stall watchdog reads
+            # them, so that a rollout that prints nothing for minutes is not taken for a hang (progress.py)
+            now = sum(len(getattr(out, "token_ids", ()) or ()) for out in getattr(item, "outputs", ()) or ())
+            progress.add("tokens", now - tokens if now >= tokens else now)
+            tokens = now
             yield item
 
     server_instance.engine.generate = generate
