@@ -313,9 +313,9 @@ def test_the_paper_sweeps_dry_run_shows_every_command_every_run_and_the_cost(tmp
     days = float(sweep.split("GPU-hours; ")[1].split(" days")[0])
     assert sum(run_seconds) / 4 <= days * 86400 * 1.001 and days * 86400 <= sum(run_seconds) / 4 + max(run_seconds)
     assert "at max_concurrent 4 (4 x 4 node(s) at a time)" in sweep
-    # 12 runs x 3 kept per setting; FSDP 12 bytes a parameter, the 30B FP8 end-to-end setting Megatron's 14
+    # 12 runs x 3 kept per setting; FSDP 12 bytes a parameter (4B, 8B), both 30B settings on Megatron: 14
     kept = sum(12 * 3 * launch.MODEL_PRESETS[m].parameters * b for m, b in
-               (("qwen3-4b-base", 12), ("qwen3-8b-base", 12), ("qwen3-30b-a3b-base", 14), ("qwen3-30b-a3b-base", 12)))  # fmt: skip
+               (("qwen3-4b-base", 12), ("qwen3-8b-base", 12), ("qwen3-30b-a3b-base", 14), ("qwen3-30b-a3b-base", 14)))  # fmt: skip
     assert f"checkpoints: {kept / 1e12:.2f} TB at most" in sweep
     megatron_sizes = next(line for line in text[text.index("setting 3/4"):].splitlines() if line.startswith("  checkpoints: "))
     assert "30.53 B parameters x 14 bytes, Megatron distributed: bf16 weights 2" in megatron_sizes, megatron_sizes
