@@ -35,6 +35,8 @@ from typing import Any
 from pdmctl.backends.verl import offline
 from pdmctl.backends.verl.quoting import quoted
 from pdmctl.backends.verl.tiny import TRAIN_FILE as TINY_TRAIN_FILE
+from pdmctl.ledger.spool import SPOOL_DIR_ENV, spool_of
+from pdmctl.ledger.spool import WAIT_ENV as TRACKING_WAIT_ENV
 
 PROBE_ENV = "PDMCTL_VERL_PROBE"
 PLUGIN_MODULE = "pdmctl.backends.verl.plugin"
@@ -483,6 +485,10 @@ def job_env(run_config: Mapping[str, Any]) -> dict[str, str]:
         env["MLFLOW_RUN_ID"] = str(
             cfg["mlflow_run_id"]
         )  # VeRL attaches to the ledger's run; resume continues it
+        # what the TaskRunner logs goes through the run's spool, beside its checkpoints (ledger.spool)
+        env[SPOOL_DIR_ENV] = str(spool_of(Path(cfg["checkpoint_dir"]).parent))
+        if os.environ.get(TRACKING_WAIT_ENV):
+            env[TRACKING_WAIT_ENV] = os.environ[TRACKING_WAIT_ENV]
     if cfg["precision"] == "fp8_e2e":
         env["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] = "1"
     return env
