@@ -17,7 +17,7 @@ import importlib.util
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -45,6 +45,8 @@ class EngineSweep:
     result: Result
     dump_dir: Path
     uri: str
+    live: list[tuple[float, list[list[str]]]] = field(default_factory=list)  # `status` rows while it ran
+    status_cli: str = ""  # `pdmctl status` run while a run trained
 
 
 def _tiny_dir(root: Path) -> str:
@@ -52,18 +54,59 @@ def _tiny_dir(root: Path) -> str:
     return os.environ.get("PDMCTL_TINY_DIR") or str(root / "tiny")
 
 
+def _training(row: list[str]) -> bool:
+    """A `pdmctl status` row of a run that is running, past step 0, with an avg@16 (issue 26, item 1)."""
+    return row[3].startswith("running") and row[4].isdigit() and int(row[4]) > 0 and bool(row[5])
+
+
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineSweep]:
+    """The user's sweep; while it runs, `pdmctl status`'s rows (its own code, in this process) every
+    second, and the CLI itself once the first run shows a step and an avg@16 (issue 26, item 1)."""
+    import subprocess
+    import sys
+    import threading
+
+    from pdmctl import cli, orchestrate
+
     root = tmp_path_factory.mktemp("engine-sweep")
     dump_dir = root / "dump"
-    env = {"PDMCTL_VERL_DUMP_DIR": str(dump_dir), "PDMCTL_TINY_DIR": _tiny_dir(root)}
+    uri = sqlite_uri(root)
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env.update({"COLUMNS": "200", "PDMCTL_VERL_DUMP_DIR": str(dump_dir), "PDMCTL_TINY_DIR": _tiny_dir(root)})
     started = time.monotonic()
-    result = pdmctl(
-        "sweep", "backend=verl", f"model={MODEL}", "mask=pdm_agg,dppo_topk_kl", "k=5", "--wait",
-        "--tracking-uri", sqlite_uri(root), cwd=root, env=env, timeout=SWEEP_TIMEOUT_S,
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdmctl.cli", "sweep", "backend=verl", f"model={MODEL}", "mask=pdm_agg,dppo_topk_kl",
+         "k=5", "--wait", "--tracking-uri", uri], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
     )  # fmt: skip
+    live: list[tuple[float, list[list[str]]]] = []
+    status_cli: list[subprocess.Popen] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        ctx = orchestrate.make_context("local", uri)
+        while not done.wait(1.0):
+            with contextlib.suppress(Exception):  # the store may not exist yet, or be busy a moment
+                rows = [cells for cells, _ in cli._status_rows(orchestrate.status(ctx))]
+                live.append((time.monotonic() - started, rows))
+                if not status_cli and any(_training(row) for row in rows):
+                    status_cli.append(subprocess.Popen(
+                        [sys.executable, "-m", "pdmctl.cli", "status", "--tracking-uri", uri], cwd=root, env=env,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        stdout, stderr = proc.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        done.set()
+        poller.join(timeout=60)
+        if proc.poll() is None:
+            proc.kill()
+    cli_out = status_cli[0].communicate(timeout=300)[0] if status_cli else ""
     print(f"engine sweep: {time.monotonic() - started:.0f} s")
-    yield EngineSweep(root, result, dump_dir, sqlite_uri(root))
+    yield EngineSweep(root, Result(proc.returncode, stdout, stderr), dump_dir, uri, live, cli_out)
 
 
 def _runs(uri: str) -> list:
@@ -103,6 +146,59 @@ def test_sweep_trains_both_masks_and_fills_the_ledger(sweep: EngineSweep) -> Non
             evals = _history(sweep.uri, run.info.run_id, dataset)
             assert {0, 3} <= set(evals), (dataset, evals)  # before training and at the end
             assert all(0.0 <= v <= 1.0 for v in evals.values())
+
+
+def test_status_shows_a_verl_runs_step_and_avg16_while_it_trains(sweep: EngineSweep) -> None:
+    """Issue 26, item 1: VeRL's `critic/score/mean` and `val-core/<source>/acc/mean@16` reach pdmctl's
+    names as VeRL logs them, so `pdmctl status` shows a step and an avg@16 before the run finishes, and
+    the job's copy when the attempt ends adds no step."""
+    training = [(t, row) for t, rows in sweep.live for row in rows if _training(row)]
+    assert training, f"no running row with a step > 0 and an avg@16 in {len(sweep.live)} polls: {sweep.live[-3:]}"
+    for t, row in training[:1] + training[-1:]:
+        print(f"status at {t:.0f} s: {' | '.join(row[1:6])}")
+    print(f"pdmctl status while a run trained:\n{sweep.status_cli}")
+    for run in _runs(sweep.uri):
+        _no_step_twice(sweep.uri, run.info.run_id)
+        assert sorted(_history(sweep.uri, run.info.run_id, "train/reward")) == [1, 2, 3]
+
+
+def test_verl_validations_give_per_problem_scores_and_the_two_level_interval(sweep: EngineSweep) -> None:
+    """Issue 26, item 7: each validation's problems × 16 samples (VeRL's own grades) are stored as the
+    testbed stores them; their mean is VeRL's mean@16; the report gets its seed × problem interval and
+    pass@k / maj@k for the VeRL rows."""
+    import numpy as np
+
+    from pdmctl.ledger import load_per_problem, load_samples, open_ledger
+    from pdmctl.report.build import build_report
+    from pdmctl.report.definition import load_definition
+    from pdmctl.report.tables import results_table
+
+    runs = _runs(sweep.uri)
+    for run in runs:
+        for dataset in ("aime24", "aime25"):
+            evals = _history(sweep.uri, run.info.run_id, f"eval/{dataset}")
+            per_problem = load_per_problem(sweep.uri, run.info.run_id, dataset)
+            assert sorted(per_problem) == sorted(evals), (dataset, sorted(per_problem), sorted(evals))
+            for step, accuracies in per_problem.items():
+                assert len(accuracies) == 16, "the tiny model's 16 held-out problems"
+                assert np.mean(accuracies) == pytest.approx(evals[step], abs=1e-6), (dataset, step)
+                correct, answers = load_samples(sweep.uri, run.info.run_id, dataset, step)
+                assert np.shape(correct) == np.shape(answers) == (16, 16), "16 samples per problem"
+    ledger = open_ledger(sweep.uri)
+    report = build_report(ledger, ["default"], load_definition("default"), two_level=True)
+    assert len(report.rows) == 2
+    for row in report.rows:
+        assert row.two_level == {"AIME24": True, "AIME25": True, "Average": True}, row
+    table = results_table(report)
+    # AIME24, AIME25 and their average carry the two-level mark in both rows (one seed each here: n/a)
+    assert all(sum("‡" in str(cell) for cell in r) == 3 for r in table.rows) and "two-level" in table.note, table.rows
+    assert {p.row.mask for p in report.pass_k} == {"pdm_agg", "dppo_topk_kl"}
+    assert all(p.samples == 16 and p.ks == (1, 2, 4, 8, 16) for p in report.pass_k)
+    for p in report.pass_k:
+        print(f"{p.row.mask}: pass@16 {p.cells['AIME24', 'pass', 16].mean:.3f}, maj@16 "
+              f"{p.cells['AIME24', 'maj', 16].mean:.3f}, pass@1 {p.cells['AIME24', 'pass', 1].mean:.3f}")
+    for r in table.rows:
+        print("report:", " | ".join(map(str, r)))
 
 
 def _dumps(dump_dir: Path) -> list[tuple[dict, dict]]:
