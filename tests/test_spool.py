@@ -26,7 +26,6 @@ from pdmctl.ledger import load_per_problem
 from pdmctl.ledger.spool import Spool, SpoolError, flush_run
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.postgres
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +103,7 @@ def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
+@pytest.mark.postgres
 def test_what_the_server_did_not_confirm_is_kept_on_disk_and_sent_in_order_once(mlflow_server: str,
                                                                                  tmp_path: Path) -> None:  # fmt: skip
     from mlflow.tracking import MlflowClient
@@ -161,3 +161,26 @@ def test_what_the_server_did_not_confirm_is_kept_on_disk_and_sent_in_order_once(
         assert _history(server, run_id, "train/reward")[-1] == (4, 4.0)
     finally:
         relay.down()
+
+
+def test_pdmctl_resume_sends_what_a_run_kept_on_its_disk(tmp_path: Path) -> None:
+    """`pdmctl resume` first sends each run's unconfirmed spool (a job that ended while the server was
+    down), whether or not the run is resubmitted."""
+    from pdmctl import grid, orchestrate
+    from pdmctl.ledger import SqlLedger
+    from pdmctl.ledger.spool import spool_of
+    from tests.conftest import sqlite_uri
+
+    uri = sqlite_uri(tmp_path)
+    specs = grid.expand(["seed=0,1"], sweep="kept")
+    ledger = SqlLedger(uri)
+    ledger.register(specs, {s.key: str(tmp_path / "runs" / s.key) for s in specs})
+    first, second = ledger.runs("kept")
+    Spool(spool_of(first.run_dir), uri, first.run_id).add_metrics({"train/reward": 0.5, "eval/toy24": 0.25}, 7)
+    ctx = orchestrate.make_context("local", uri)
+    assert orchestrate.send_spools(ctx, "kept") == [f"{first.key}: sent 1 entries its run kept while the "
+                                                    "tracking server was down"]  # fmt: skip
+    (record,) = [r for r in ledger.runs("kept") if r.run_id == first.run_id]
+    assert record.latest == {"train/reward": (7, 0.5), "eval/toy24": (7, 0.25)}  # status shows them
+    assert orchestrate.send_spools(ctx, "kept") == []  # sent once
+    assert not spool_of(second.run_dir).exists()
