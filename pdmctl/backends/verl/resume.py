@@ -159,8 +159,8 @@ def install() -> None:
         spool = getattr(self, "_pdmctl_spool", None)
         if spool is None:
             return
-        try:
-            spool.flush() if wait else spool.send(force=True)
+        try:  # the job waits the whole PDMCTL_TRACKING_WAIT_S after the trainer; VeRL's end waits a minute
+            spool.flush(min(60.0, wait_seconds())) if wait else spool.send(force=True)
         except SpoolError as exc:  # the job sends it after the trainer (and fails with this if it cannot)
             print(f"pdmctl: {exc}", flush=True)
 
