@@ -533,3 +533,60 @@ def test_the_v1_trainer_carries_topk_through_transferqueue(tmp_path: Path) -> No
     pairs = _dumps(dump_dir)
     assert len(pairs) == 1, "one actor micro-batch"
     _check_topk_from_vllm(pairs)
+
+
+@pytest.mark.engine_long
+def test_a_tracking_server_outage_during_training_loses_no_metric(tmp_path: Path) -> None:
+    """Issue 26, item 2: the CI's MLflow server goes away for 60 s while a VeRL run trains and validates
+    (`test_freq=1`: a validation every step), seen from the job through a TCP relay that closes (the server
+    is shared with the tests beside this one, so it is not stopped itself). The TaskRunner keeps what the
+    server does not confirm on the run's disk and trains on; when the server answers again every step of
+    every metric is there once, with each validation's per-problem record."""
+    import subprocess
+
+    from mlflow.tracking import MlflowClient
+
+    from pdmctl.ledger import load_per_problem
+    from tests.test_spool import Relay
+
+    proc = subprocess.run([str(Path(__file__).resolve().parents[1] / ".ci" / "mlflow_server_up.sh")],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    server = f"http://127.0.0.1:{os.environ.get('MLFLOW_PORT', '5055')}"
+    relay = Relay(int(server.rsplit(":", 1)[1]))
+    uri = f"http://127.0.0.1:{relay.port}"
+    sweep_name = f"outage-{int(time.time())}"
+    env = {"PDMCTL_TINY_DIR": _tiny_dir(tmp_path)}
+    args = ["backend=verl", f"model={MODEL}", "mask=pdm_agg", "k=5", "backend.test_freq=1", "--name", sweep_name,
+            "--tracking-uri", uri]  # fmt: skip
+    try:
+        result = pdmctl("sweep", *args, cwd=tmp_path, env=env, timeout=600)
+        assert result.returncode == 0, result.stdout + result.stderr
+        (run_dir,) = [p for p in (tmp_path / "pdmctl-runs").glob(f"{sweep_name}/*/*") if p.is_dir()]
+        log = run_dir / "logs" / "attempt-1.log"
+        _wait_for_text(log, "step:1 -", 1800, tmp_path)
+        relay.down()
+        went = time.monotonic()
+        print("tracking server away at step 1")
+        time.sleep(60)
+        relay.up()
+        print(f"tracking server back after {time.monotonic() - went:.0f} s")
+        client = MlflowClient(server)
+        deadline = time.monotonic() + 1200
+        while client.get_run(run_dir.name).info.status not in ("FINISHED", "FAILED", "KILLED"):
+            assert time.monotonic() < deadline, _job_logs(tmp_path)
+            time.sleep(5)
+        run = client.get_run(run_dir.name)
+        assert run.info.status == "FINISHED", (run.data.tags, _job_logs(tmp_path))
+    finally:
+        relay.down()
+    text = log.read_text(errors="replace")
+    assert "entries kept in" in text, "the outage was seen while the run trained"
+    _no_step_twice(server, run.info.run_id)
+    counts = {name: sorted(_history(server, run.info.run_id, name)) for name in
+              ("train/mask_frac", "train/reward", "eval/aime24", "eval/aime25", "critic/score/mean")}  # fmt: skip
+    print(f"steps per metric after the outage: {counts}")
+    assert counts["train/mask_frac"] == counts["train/reward"] == [1, 2, 3]
+    assert counts["eval/aime24"] == counts["eval/aime25"] == [0, 1, 2, 3]
+    assert sorted(load_per_problem(server, run.info.run_id, "aime24")) == [0, 1, 2, 3]
+    assert not list((run_dir / "spool").glob("*.tmp*"))

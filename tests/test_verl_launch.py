@@ -123,7 +123,8 @@ def test_mlflow_run_identity_reaches_ray_workers() -> None:
     assert env.PDMCTL_VERL_TOPK == "20" and env.VERL_USE_EXTERNAL_MODULES == launch.PLUGIN_MODULE
     assert "mlflow" in config.trainer.logger
     # the TaskRunner logs through the run's spool, beside its checkpoints (issue 26, item 2)
-    assert env.PDMCTL_SPOOL_DIR == str(Path(run["checkpoint_dir"]).parent / "spool")
+    spool = env.PDMCTL_SPOOL_DIR
+    assert spool == str(Path(run["checkpoint_dir"]).parent / "spool")
 
 
 def test_bad_run_configs_fail_with_one_clear_line() -> None:
