@@ -414,6 +414,26 @@ def status(ctx: Context, sweep_name: str | None = None) -> list[RunView]:
     ]
 
 
+def send_spools(ctx: Context, sweep_name: str | None = None, limit_s: float = 60.0) -> list[str]:
+    """Send what runs kept on their disks while the tracking server was down and no attempt sent since
+    (ledger.spool): one line per run that had any, saying what was sent or why it still waits."""
+    from pdmctl.ledger.spool import SpoolError, flush_run, spool_of
+
+    lines = []
+    for view in status(ctx, sweep_name):
+        r = view.record
+        if r is None or not r.run_dir or not (spool_of(r.run_dir) / "journal.jsonl").exists():
+            continue
+        try:
+            sent = flush_run(r.run_dir, ctx.tracking_uri, r.run_id, limit_s, say=lambda _line: None)
+        except SpoolError as exc:
+            lines.append(f"{view.key}: {exc}")
+            continue
+        if sent:
+            lines.append(f"{view.key}: sent {sent} entries its run kept while the tracking server was down")
+    return lines
+
+
 def resume(ctx: Context, sweep_name: str | None = None, *, max_attempts: int | None = None,
            dry_run: bool = False) -> tuple[list[RunView], list[str]]:  # fmt: skip
     """Resubmit exactly the runs that failed, were cancelled, timed out, were lost or never started."""

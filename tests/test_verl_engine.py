@@ -18,7 +18,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -46,6 +46,8 @@ class EngineSweep:
     result: Result
     dump_dir: Path
     uri: str
+    live: list[tuple[float, list[list[str]]]] = field(default_factory=list)  # `status` rows while it ran
+    status_cli: str = ""  # `pdmctl status` run while a run trained
 
 
 def _tiny_dir(root: Path) -> str:
@@ -53,18 +55,59 @@ def _tiny_dir(root: Path) -> str:
     return os.environ.get("PDMCTL_TINY_DIR") or str(root / "tiny")
 
 
+def _training(row: list[str]) -> bool:
+    """A `pdmctl status` row of a run that is running, past step 0, with an avg@16 (issue 26, item 1)."""
+    return row[3].startswith("running") and row[4].isdigit() and int(row[4]) > 0 and bool(row[5])
+
+
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineSweep]:
+    """The user's sweep; while it runs, `pdmctl status`'s rows (its own code, in this process) every
+    second, and the CLI itself once the first run shows a step and an avg@16 (issue 26, item 1)."""
+    import subprocess
+    import sys
+    import threading
+
+    from pdmctl import cli, orchestrate
+
     root = tmp_path_factory.mktemp("engine-sweep")
     dump_dir = root / "dump"
-    env = {"PDMCTL_VERL_DUMP_DIR": str(dump_dir), "PDMCTL_TINY_DIR": _tiny_dir(root)}
+    uri = sqlite_uri(root)
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env.update({"COLUMNS": "200", "PDMCTL_VERL_DUMP_DIR": str(dump_dir), "PDMCTL_TINY_DIR": _tiny_dir(root)})
     started = time.monotonic()
-    result = pdmctl(
-        "sweep", "backend=verl", f"model={MODEL}", "mask=pdm_agg,dppo_topk_kl", "k=5", "--wait",
-        "--tracking-uri", sqlite_uri(root), cwd=root, env=env, timeout=SWEEP_TIMEOUT_S,
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdmctl.cli", "sweep", "backend=verl", f"model={MODEL}", "mask=pdm_agg,dppo_topk_kl",
+         "k=5", "--wait", "--tracking-uri", uri], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
     )  # fmt: skip
+    live: list[tuple[float, list[list[str]]]] = []
+    status_cli: list[subprocess.Popen] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        ctx = orchestrate.make_context("local", uri)
+        while not done.wait(1.0):
+            with contextlib.suppress(Exception):  # the store may not exist yet, or be busy a moment
+                rows = [cells for cells, _ in cli._status_rows(orchestrate.status(ctx))]
+                live.append((time.monotonic() - started, rows))
+                if not status_cli and any(_training(row) for row in rows):
+                    status_cli.append(subprocess.Popen(
+                        [sys.executable, "-m", "pdmctl.cli", "status", "--tracking-uri", uri], cwd=root, env=env,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        stdout, stderr = proc.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        done.set()
+        poller.join(timeout=60)
+        if proc.poll() is None:
+            proc.kill()
+    cli_out = status_cli[0].communicate(timeout=300)[0] if status_cli else ""
     print(f"engine sweep: {time.monotonic() - started:.0f} s")
-    yield EngineSweep(root, result, dump_dir, sqlite_uri(root))
+    yield EngineSweep(root, Result(proc.returncode, stdout, stderr), dump_dir, uri, live, cli_out)
 
 
 def _runs(uri: str) -> list:
@@ -109,6 +152,59 @@ def test_sweep_trains_both_masks_and_fills_the_ledger(sweep: EngineSweep) -> Non
     logs = "\n".join(p.read_text(errors="replace") for p in sweep.root.rglob("attempt-*.log"))
     assert re.search(r"pdmctl-progress tokens=[1-9]\d* host=\S+ pid=\d+", logs), logs[-3000:]
     assert re.search(r"pdmctl-progress microbatches=[1-9]\d* host=\S+ pid=\d+", logs), logs[-3000:]
+
+
+def test_status_shows_a_verl_runs_step_and_avg16_while_it_trains(sweep: EngineSweep) -> None:
+    """Issue 26, item 1: VeRL's `critic/score/mean` and `val-core/<source>/acc/mean@16` reach pdmctl's
+    names as VeRL logs them, so `pdmctl status` shows a step and an avg@16 before the run finishes, and
+    the job's copy when the attempt ends adds no step."""
+    training = [(t, row) for t, rows in sweep.live for row in rows if _training(row)]
+    assert training, f"no running row with a step > 0 and an avg@16 in {len(sweep.live)} polls: {sweep.live[-3:]}"
+    for t, row in training[:1] + training[-1:]:
+        print(f"status at {t:.0f} s: {' | '.join(row[1:6])}")
+    print(f"pdmctl status while a run trained:\n{sweep.status_cli}")
+    for run in _runs(sweep.uri):
+        _no_step_twice(sweep.uri, run.info.run_id)
+        assert sorted(_history(sweep.uri, run.info.run_id, "train/reward")) == [1, 2, 3]
+
+
+def test_verl_validations_give_per_problem_scores_and_the_two_level_interval(sweep: EngineSweep) -> None:
+    """Issue 26, item 7: each validation's problems × 16 samples (VeRL's own grades) are stored as the
+    testbed stores them; their mean is VeRL's mean@16; the report gets its seed × problem interval and
+    pass@k / maj@k for the VeRL rows."""
+    import numpy as np
+
+    from pdmctl.ledger import load_per_problem, load_samples, open_ledger
+    from pdmctl.report.build import build_report
+    from pdmctl.report.definition import load_definition
+    from pdmctl.report.tables import results_table
+
+    runs = _runs(sweep.uri)
+    for run in runs:
+        for dataset in ("aime24", "aime25"):
+            evals = _history(sweep.uri, run.info.run_id, f"eval/{dataset}")
+            per_problem = load_per_problem(sweep.uri, run.info.run_id, dataset)
+            assert sorted(per_problem) == sorted(evals), (dataset, sorted(per_problem), sorted(evals))
+            for step, accuracies in per_problem.items():
+                assert len(accuracies) == 16, "the tiny model's 16 held-out problems"
+                assert np.mean(accuracies) == pytest.approx(evals[step], abs=1e-6), (dataset, step)
+                correct, answers = load_samples(sweep.uri, run.info.run_id, dataset, step)
+                assert np.shape(correct) == np.shape(answers) == (16, 16), "16 samples per problem"
+    ledger = open_ledger(sweep.uri)
+    report = build_report(ledger, ["default"], load_definition("default"), two_level=True)
+    assert len(report.rows) == 2
+    for row in report.rows:
+        assert row.two_level == {"AIME24": True, "AIME25": True, "Average": True}, row
+    table = results_table(report)
+    # AIME24, AIME25 and their average carry the two-level mark in both rows (one seed each here: n/a)
+    assert all(sum("‡" in str(cell) for cell in r) == 3 for r in table.rows) and "two-level" in table.note, table.rows
+    assert {p.row.mask for p in report.pass_k} == {"pdm_agg", "dppo_topk_kl"}
+    assert all(p.samples == 16 and p.ks == (1, 2, 4, 8, 16) for p in report.pass_k)
+    for p in report.pass_k:
+        print(f"{p.row.mask}: pass@16 {p.cells['AIME24', 'pass', 16].mean:.3f}, maj@16 "
+              f"{p.cells['AIME24', 'maj', 16].mean:.3f}, pass@1 {p.cells['AIME24', 'pass', 1].mean:.3f}")
+    for r in table.rows:
+        print("report:", " | ".join(map(str, r)))
 
 
 def _dumps(dump_dir: Path) -> list[tuple[dict, dict]]:
@@ -473,3 +569,60 @@ def test_the_v1_trainer_carries_topk_through_transferqueue(tmp_path: Path) -> No
     pairs = _dumps(dump_dir)
     assert len(pairs) == 1, "one actor micro-batch"
     _check_topk_from_vllm(pairs)
+
+
+@pytest.mark.engine_long
+def test_a_tracking_server_outage_during_training_loses_no_metric(tmp_path: Path) -> None:
+    """Issue 26, item 2: the CI's MLflow server goes away for 60 s while a VeRL run trains and validates
+    (`test_freq=1`: a validation every step), seen from the job through a TCP relay that closes (the server
+    is shared with the tests beside this one, so it is not stopped itself). The TaskRunner keeps what the
+    server does not confirm on the run's disk and trains on; when the server answers again every step of
+    every metric is there once, with each validation's per-problem record."""
+    import subprocess
+
+    from mlflow.tracking import MlflowClient
+
+    from pdmctl.ledger import load_per_problem
+    from tests.test_spool import Relay
+
+    proc = subprocess.run([str(Path(__file__).resolve().parents[1] / ".ci" / "mlflow_server_up.sh")],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    server = f"http://127.0.0.1:{os.environ.get('MLFLOW_PORT', '5055')}"
+    relay = Relay(int(server.rsplit(":", 1)[1]))
+    uri = f"http://127.0.0.1:{relay.port}"
+    sweep_name = f"outage-{int(time.time())}"
+    env = {"PDMCTL_TINY_DIR": _tiny_dir(tmp_path)}
+    args = ["backend=verl", f"model={MODEL}", "mask=pdm_agg", "k=5", "backend.test_freq=1", "--name", sweep_name,
+            "--tracking-uri", uri]  # fmt: skip
+    try:
+        result = pdmctl("sweep", *args, cwd=tmp_path, env=env, timeout=600)
+        assert result.returncode == 0, result.stdout + result.stderr
+        (run_dir,) = [p for p in (tmp_path / "pdmctl-runs").glob(f"{sweep_name}/*/*") if p.is_dir()]
+        log = run_dir / "logs" / "attempt-1.log"
+        _wait_for_text(log, "step:1 -", 1800, tmp_path)
+        relay.down()
+        went = time.monotonic()
+        print("tracking server away at step 1")
+        time.sleep(60)
+        relay.up()
+        print(f"tracking server back after {time.monotonic() - went:.0f} s")
+        client = MlflowClient(server)
+        deadline = time.monotonic() + 1200
+        while client.get_run(run_dir.name).info.status not in ("FINISHED", "FAILED", "KILLED"):
+            assert time.monotonic() < deadline, _job_logs(tmp_path)
+            time.sleep(5)
+        run = client.get_run(run_dir.name)
+        assert run.info.status == "FINISHED", (run.data.tags, _job_logs(tmp_path))
+    finally:
+        relay.down()
+    text = log.read_text(errors="replace")
+    assert "entries kept in" in text, "the outage was seen while the run trained"
+    _no_step_twice(server, run.info.run_id)
+    counts = {name: sorted(_history(server, run.info.run_id, name)) for name in
+              ("train/mask_frac", "train/reward", "eval/aime24", "eval/aime25", "critic/score/mean")}  # fmt: skip
+    print(f"steps per metric after the outage: {counts}")
+    assert counts["train/mask_frac"] == counts["train/reward"] == [1, 2, 3]
+    assert counts["eval/aime24"] == counts["eval/aime25"] == [0, 1, 2, 3]
+    assert sorted(load_per_problem(server, run.info.run_id, "aime24")) == [0, 1, 2, 3]
+    assert not list((run_dir / "spool").glob("*.tmp*"))

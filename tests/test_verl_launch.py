@@ -122,6 +122,9 @@ def test_mlflow_run_identity_reaches_ray_workers() -> None:
     assert env.MLFLOW_RUN_ID == "0123abcd" and env.MLFLOW_TRACKING_URI == "sqlite:////tmp/ledger.db"
     assert env.PDMCTL_VERL_TOPK == "20" and env.VERL_USE_EXTERNAL_MODULES == launch.PLUGIN_MODULE
     assert "mlflow" in config.trainer.logger
+    # the TaskRunner logs through the run's spool, beside its checkpoints (issue 26, item 2)
+    spool = env.PDMCTL_SPOOL_DIR
+    assert spool == str(Path(run["checkpoint_dir"]).parent / "spool")
 
 
 def test_bad_run_configs_fail_with_one_clear_line() -> None:

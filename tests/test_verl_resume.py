@@ -94,3 +94,110 @@ def test_a_bad_hold_limit_is_the_default(monkeypatch, given: str) -> None:
 
     monkeypatch.setenv(resume.HOLD_S_ENV, given)
     assert resume.hold_seconds() == 300.0
+
+
+# ---------------------------------------------------------------------------
+# Issue 26: live pdmctl names (item 1), per-problem records (item 7), the spool and no untracked
+# training (item 2), through VeRL's own Tracking and MLflow adapter in this process
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def installed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """`resume.install()` for one test, with VeRL's classes restored after it."""
+    import mlflow
+    from verl.utils import tracking
+
+    from pdmctl.backends.verl import perproblem, resume
+
+    monkeypatch.setenv("MLFLOW_RUN_ID", "0" * 32)
+    monkeypatch.setenv("PDMCTL_SPOOL_DIR", str(tmp_path / "run" / "spool"))
+    adapter = tracking._MlflowLoggingAdapter
+    saved = [(tracking.Tracking, "__init__", tracking.Tracking.__dict__["__init__"])] + [
+        (adapter, name, adapter.__dict__[name]) for name in ("__init__", "log", "finish")]  # fmt: skip
+    monkeypatch.setattr(resume, "_INSTALLED", False)
+    monkeypatch.setattr(perproblem, "_PENDING", {})
+    resume.install()
+    yield
+    if mlflow.active_run() is not None:
+        mlflow.end_run(status="RUNNING")
+    for owner, name, value in saved:
+        setattr(owner, name, value)
+
+
+@pytest.fixture
+def wrapped(installed, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """The wrapped VeRL logging into a run of a SQLite store."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
+    mlflow.set_tracking_uri(uri)
+    return uri, run_id, client
+
+
+def test_verl_logs_pdmctl_names_live_with_per_problem_records_and_the_job_copy_adds_no_step(wrapped) -> None:
+    """Item 1: `status` reads eval/aime24 and train/reward while VeRL trains (they are logged with VeRL's
+    names), and the job's copy at the end adds no step. Item 7: each validation's per-problem record goes
+    in with its mean, where `load_samples` reads it. Item 2: all of it through the run's spool."""
+    import mlflow
+    from verl.utils import tracking
+
+    from pdmctl.backends.verl import perproblem
+    from pdmctl.backends.verl.metrics import pdmctl_metric_name
+    from pdmctl.ledger import RunLogger, load_per_problem, load_samples
+    from pdmctl.ledger.spool import Spool
+
+    uri, run_id, client = wrapped
+    mlflow.start_run(run_id=run_id)
+    adapter = tracking._MlflowLoggingAdapter()
+    record = perproblem.records(["aime24"] * 4, ["u1", "u1", "u2", "u2"],
+                                {"acc": [True, False, False, False], "pred": ["3", "4", "[INVALID]", "5"]},
+                                {"u1": 7, "u2": 2})["aime24"]  # fmt: skip
+    perproblem._PENDING["aime24"] = record
+    for step in range(4):
+        data = {"critic/score/mean": 0.1 * step, "actor/loss": 1.0}
+        if step in (0, 3):
+            data["val-core/aime24/acc/mean@16"] = 0.25
+        adapter.log(data, step)
+        live = client.get_run(run_id).data.metrics
+        assert live["train/reward"] == pytest.approx(0.1 * step), live  # at once, not at the attempt's end
+    steps = {name: sorted(m.step for m in client.get_metric_history(run_id, name))
+             for name in ("train/reward", "eval/aime24", "critic/score/mean")}  # fmt: skip
+    assert steps == {"train/reward": [0, 1, 2, 3], "eval/aime24": [0, 3], "critic/score/mean": [0, 1, 2, 3]}
+    # the problems in the parquet's order (index 2, then 7); answers: an id per distinct answer, -1 for none
+    assert record["problems"] == [2, 7] and record["accuracies"] == [0.0, 0.5]
+    assert record["correct"] == [[0, 0], [1, 0]] and record["answers"] == [[-1, 0], [0, 1]]
+    assert load_samples(uri, run_id, "aime24", 0) == (record["correct"], record["answers"])
+    assert load_samples(uri, run_id, "aime24", 3) is None  # no validation record waited for step 3
+    assert load_per_problem(uri, run_id, "aime24") == {0: [0.0, 0.5]}
+    RunLogger(uri, run_id).copy_metrics(pdmctl_metric_name)  # what the job does after the trainer
+    for name in ("train/reward", "eval/aime24"):
+        assert sorted(m.step for m in client.get_metric_history(run_id, name)) == steps[name], name
+    spool = Spool(adapter._pdmctl_spool.dir, uri, run_id)
+    assert spool.pending() == [] and spool.journal.exists()
+    adapter.finish()
+    assert client.get_run(run_id).info.status == "RUNNING"  # the job sets the final status
+
+
+def test_verl_does_not_train_without_tracking(installed, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 2: VeRL's `Tracking` waits for the server (backoff, PDMCTL_TRACKING_WAIT_S) and then stops the
+    trainer with that reason, where VeRL would print "Proceeding without MLflow tracking" and train on."""
+    import socket
+    import time
+
+    from verl.utils import tracking
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("PDMCTL_TRACKING_WAIT_S", "2")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"did not answer for \d+ s .*VeRL does not train without tracking"):
+        tracking.Tracking("p", "e", ["console", "mlflow"])
+    assert time.monotonic() - started < 30

@@ -271,13 +271,21 @@ def _verl_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mappi
             if (found := metrics.evaluation_from_line(line)) is not None:
                 report(found[1], found[0])
 
+    from pdmctl.ledger.spool import flush_run
+
+    # what an earlier attempt could not send goes first (the TaskRunner then reads what is logged)
+    flush_run(run_dir.resolve(), uri, run_id)
     try:
         jobbody.run(cfg, python=sys.executable, on_line=on_line)
     except BaseException:
         with contextlib.suppress(Exception):  # what VeRL logged so far, under pdmctl's names too
+            flush_run(run_dir.resolve(), uri, run_id, limit_s=60.0)
             tracker.copy_metrics(metrics.pdmctl_metric_name)
         raise
-    return tracker.copy_metrics(metrics.pdmctl_metric_name)  # VeRL's names -> eval/aime24, train/reward, ...
+    flush_run(run_dir.resolve(), uri, run_id)  # what the TaskRunner kept while the server was down
+    # VeRL's names -> eval/aime24, train/reward, ...: logged live by the TaskRunner (resume.py); this copies
+    # what it did not (an older attempt's), no step twice
+    return tracker.copy_metrics(metrics.pdmctl_metric_name)
 
 
 def _verl_provenance(flat: Mapping[str, Any], run_dir: Path) -> dict[str, str]:

@@ -45,6 +45,8 @@ from typing import Any
 from pdmctl.backends.verl import offline
 from pdmctl.backends.verl.quoting import quoted
 from pdmctl.backends.verl.tiny import TRAIN_FILE as TINY_TRAIN_FILE
+from pdmctl.ledger.spool import SPOOL_DIR_ENV, spool_of
+from pdmctl.ledger.spool import WAIT_ENV as TRACKING_WAIT_ENV
 
 PROBE_ENV = "PDMCTL_VERL_PROBE"
 PLUGIN_MODULE = "pdmctl.backends.verl.plugin"
@@ -548,6 +550,10 @@ def job_env(run_config: Mapping[str, Any]) -> dict[str, str]:
         env["MLFLOW_RUN_ID"] = str(
             cfg["mlflow_run_id"]
         )  # VeRL attaches to the ledger's run; resume continues it
+        # what the TaskRunner logs goes through the run's spool, beside its checkpoints (ledger.spool)
+        env[SPOOL_DIR_ENV] = str(spool_of(Path(cfg["checkpoint_dir"]).parent))
+        if os.environ.get(TRACKING_WAIT_ENV):
+            env[TRACKING_WAIT_ENV] = os.environ[TRACKING_WAIT_ENV]
     if cfg["precision"] == "fp8_e2e":  # VeRL's FP8-E2E recipe: fp32 block scales in TE and in vLLM's DeepGEMM
         env["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] = "1"
         env["VLLM_USE_DEEP_GEMM_E8M0"] = "0"

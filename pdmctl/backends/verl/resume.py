@@ -26,6 +26,20 @@ it has logged step N (its checkpoint is saved before that), in a run that had no
 when the job started: a requeue or a lost node then always finds the run mid-training, whatever
 this machine's speed, and the resumed attempt never holds. It prints a line every 10 s (the
 job's stall watchdog reads silence as a hang) and lets go after `PDMCTL_VERL_HOLD_S` (300 s).
+
+**Live progress (issue 26, item 1).** Each step's `val-core/<source>/acc/mean@16` and
+`critic/score/mean` are logged under pdmctl's names too (`eval/aime24`, `train/reward`, ...,
+`metrics.pdmctl_metric_name`) as VeRL logs them, so `pdmctl status` (step, avg@16) and `report` see a
+VeRL run while it trains; the job's copy at the end (`RunLogger.copy_metrics`) then finds every step
+already there and adds none. With each validation's mean goes its per-problem record (`perproblem.py`).
+
+**Nothing lost to a tracking-server outage (issue 26, item 2).** Where the job names the run's spool
+(`PDMCTL_SPOOL_DIR`), a step is not sent by VeRL's adapter (three tries without a wait, then dropped):
+it is appended to the spool on the run's disk and sent from there, in order (`ledger.spool`); what the
+server does not confirm stays there and goes out with a later step, at VeRL's `finish`, by the job after
+the trainer, by the next attempt or by `pdmctl resume`. VeRL's `Tracking` does not start until the server
+answers (backoff, for `PDMCTL_TRACKING_WAIT_S`, 900 s), and a VeRL whose MLflow logger did not start
+anyway ("Proceeding without MLflow tracking") is stopped with that reason: a run never trains untracked.
 """
 
 from __future__ import annotations
@@ -35,7 +49,10 @@ import os
 from typing import Any
 
 from pdmctl import testhooks
+from pdmctl.backends.verl import perproblem
+from pdmctl.backends.verl.metrics import pdmctl_metric_name
 from pdmctl.backends.verl.topk import check_verl_version
+from pdmctl.ledger.spool import SPOOL_DIR_ENV, Spool, SpoolError, quick_http, wait_seconds
 
 _INSTALLED = False
 HOLD_ENV = "PDMCTL_VERL_HOLD_AT_STEP"  # tests: hold still after logging this step (a fresh run only)
@@ -58,8 +75,57 @@ def logged_steps(client: Any, run_id: str) -> dict[str, int]:
             for key in run.data.metrics}  # fmt: skip
 
 
+def _spool() -> Any:
+    """The run's spool (`ledger.spool.Spool`) where the job named one, else None."""
+    directory = os.environ.get(SPOOL_DIR_ENV)
+    if not directory:
+        return None
+    return Spool(directory, os.environ.get("MLFLOW_TRACKING_URI", ""), os.environ["MLFLOW_RUN_ID"])
+
+
+def wait_for_tracking(uri: str, run_id: str, limit_s: float | None = None) -> None:
+    """Until the tracking server answers for the run (backoff 1 s doubling to 60 s), for at most
+    `limit_s` (`PDMCTL_TRACKING_WAIT_S`); RuntimeError naming the server and the last error after that."""
+    import time
+
+    from pdmctl.ledger.store import _mlflow_client
+    from pdmctl.ledger.uris import _first_line, _redact
+
+    limit = wait_seconds() if limit_s is None else limit_s
+    started, wait, said = time.monotonic(), 1.0, False
+    while True:
+        try:
+            with quick_http():
+                _mlflow_client(uri).get_run(run_id)
+            if said:
+                print(f"pdmctl: tracking server {_redact(uri)} answers", flush=True)
+            return
+        except Exception as exc:
+            error = _first_line(exc)[:300]
+        waited = time.monotonic() - started
+        if waited >= limit:
+            raise RuntimeError(f"pdmctl: tracking server {_redact(uri)} did not answer for {waited:.0f} s "
+                               f"({error}); VeRL does not train without tracking")  # fmt: skip
+        if not said:
+            print(f"pdmctl: tracking server {_redact(uri)} does not answer ({error}); waiting up to "
+                  f"{limit:.0f} s before the trainer starts", flush=True)  # fmt: skip
+            said = True
+        time.sleep(min(wait, max(0.0, limit - waited)))
+        wait = min(wait * 2, 60.0)
+
+
+def _numbers(data: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for key, value in data.items():
+        try:
+            out[key] = float(value)
+        except (TypeError, ValueError):
+            continue  # what MLflow's log_metrics would refuse too
+    return out
+
+
 def install() -> None:
-    """Wrap `verl.utils.tracking._MlflowLoggingAdapter.log` (written against VeRL 0.9.1)."""
+    """Wrap `verl.utils.tracking`'s `Tracking` and `_MlflowLoggingAdapter` (written against VeRL 0.9.1)."""
     global _INSTALLED
     if _INSTALLED or not os.environ.get("MLFLOW_RUN_ID"):
         return
@@ -69,6 +135,19 @@ def install() -> None:
     adapter = tracking._MlflowLoggingAdapter
     original = adapter.log
     original_init = adapter.__init__
+    original_tracking_init = tracking.Tracking.__init__
+
+    @functools.wraps(original_tracking_init)
+    def tracking_init(self: Any, project_name: Any, experiment_name: Any, default_backend: Any = "console",
+                      config: Any = None) -> None:  # fmt: skip
+        wanted = "mlflow" in default_backend
+        if wanted:
+            wait_for_tracking(os.environ.get("MLFLOW_TRACKING_URI", ""), os.environ["MLFLOW_RUN_ID"])
+            perproblem.install()  # the trainer's module is imported by now (fit() makes this logger)
+        original_tracking_init(self, project_name, experiment_name, default_backend, config)
+        if wanted and "mlflow" not in getattr(self, "logger", {}):
+            raise RuntimeError("pdmctl: VeRL's MLflow logger did not start (VeRL would proceed without MLflow "
+                               "tracking); the run does not train untracked")  # fmt: skip
 
     def detach() -> None:
         import mlflow
@@ -76,22 +155,37 @@ def install() -> None:
         if mlflow.active_run() is not None:
             mlflow.end_run(status="RUNNING")  # detach; the pdmctl job sets the final status
 
+    def send_spool(self: Any, wait: bool) -> None:
+        spool = getattr(self, "_pdmctl_spool", None)
+        if spool is None:
+            return
+        try:  # the job waits the whole PDMCTL_TRACKING_WAIT_S after the trainer; VeRL's end waits a minute
+            spool.flush(min(60.0, wait_seconds())) if wait else spool.send(force=True)
+        except SpoolError as exc:  # the job sends it after the trainer (and fails with this if it cannot)
+            print(f"pdmctl: {exc}", flush=True)
+
     @functools.wraps(original_init)
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         import atexit
 
         original_init(self, *args, **kwargs)
+        self._pdmctl_spool = _spool()
         atexit.register(detach)  # after MLflow's own (registered at start_run), so it runs first
+        atexit.register(send_spool, self, False)  # before detach (atexit runs last-registered first)
 
     def finish(self: Any) -> None:
+        send_spool(self, True)
         detach()
 
     @functools.wraps(original)
     def log(self: Any, data: dict[str, Any], step: int) -> Any:
         import mlflow
 
+        spool = getattr(self, "_pdmctl_spool", None)
         logged = getattr(self, "_pdmctl_logged", None)
         if logged is None:
+            if spool is not None:  # what an earlier attempt left unsent goes first, and counts as logged
+                spool.flush()
             active = mlflow.active_run()
             run_id = active.info.run_id if active else os.environ["MLFLOW_RUN_ID"]
             logged = self._pdmctl_logged = logged_steps(mlflow.tracking.MlflowClient(), run_id)
@@ -99,16 +193,41 @@ def install() -> None:
             if logged:
                 print(f"pdmctl: resumed into MLflow run {run_id}: steps up to "
                       f"{max(logged.values())} already logged are not logged again", flush=True)  # fmt: skip
-        fresh = {key: value for key, value in data.items()
+        fresh = {self._sanitize_key(key): value for key, value in data.items()
                  if step > logged.get(self._sanitize_key(key), -1)}  # fmt: skip
-        for key in fresh:
-            logged[self._sanitize_key(key)] = step
+        for key, value in list(fresh.items()):  # pdmctl's names as they are logged: status reads them live
+            name = pdmctl_metric_name(key)
+            if name is not None and step > logged.get(name, -1):
+                fresh[name] = value
+        fresh = _numbers(fresh)
         if not fresh:
             return None
-        result = original(self, fresh, step)
+        per_problem = [(name.removeprefix("eval/"), record) for name in fresh if name.startswith("eval/")
+                       and (record := perproblem.take(name.removeprefix("eval/"))) is not None]  # fmt: skip
+        if spool is None:
+            result = original(self, fresh, step)
+            client = mlflow.tracking.MlflowClient()
+            for dataset, record in per_problem:
+                client.log_dict(os.environ["MLFLOW_RUN_ID"], {"step": step, **record},
+                                perproblem.artifact_path(dataset, step))  # fmt: skip
+        else:
+            result = None
+            spool.add_metrics(fresh, step)
+            for dataset, record in per_problem:
+                spool.add_artifact(perproblem.artifact_path(dataset, step), {"step": step, **record})
+            behind = spool.send()
+            if behind and not getattr(self, "_pdmctl_behind", 0):
+                print(f"pdmctl: tracking server does not confirm ({spool.last_error}); {behind} entries kept in "
+                      f"{spool.journal}, sent when it answers", flush=True)  # fmt: skip
+            elif not behind and getattr(self, "_pdmctl_behind", 0):
+                print("pdmctl: tracking server answers again; every kept entry is sent", flush=True)
+            self._pdmctl_behind = behind
+        for key in fresh:  # on disk (spool) or confirmed (VeRL's own call): a later log skips the step
+            logged[key] = step
         hold_if_asked(step, fresh_run=not getattr(self, "_pdmctl_resumed", True))
         return result
 
+    tracking.Tracking.__init__ = tracking_init
     adapter.__init__ = init
     adapter.log = log
     adapter.finish = finish
