@@ -327,6 +327,48 @@ def test_the_v1_trainers_per_sample_fields_carry_the_same_layout() -> None:
     assert bool(carried.all()) and torch.equal(top.long(), torch.cat(want)[:, :k])
 
 
+def test_the_v1_actor_reads_each_micro_batchs_top_k_as_vllm_returned_it() -> None:
+    """V1 end to end without the engine: each rollout stored as V1's agent loop stores it (one
+    `list_of_dict_to_tensordict` per output), read back per field as TransferQueue packs samples (a jagged
+    nested tensor), cut into a shuffled mini-batch (`make_iterator`'s `index_select_tensor_dict`) and micro-
+    batches (`chunk_tensordict`), then read by the actor's `response_tokens`: every generated token's
+    `TopK ∪ {k}`, slot K rebuilt, equals vLLM's support. (Issue 26 item 4: the V1 engine test once masked
+    nothing with the carry; in the real engine this read equalled the padded layout's at all 24 micro-batches.)"""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    k = 3
+    topk.install(k=k)
+    lengths = [4, 2, 5, 1, 3, 5]
+    stored, supports, responses = [], [], []
+    for seed, n in enumerate(lengths):
+        response = [(seed * 5 + j) % 11 + 1 for j in range(n)]
+        out = _internal_output([1, 2], response, 2, n, k, seed)
+        prompts = out.prompt_ids[0]
+        fields = {"prompts": prompts, "responses": out.response_ids[0], "response_mask": out.response_mask[0],
+                  "rollout_log_probs": out.response_logprobs[0].float(), "input_ids": torch.cat([prompts, out.response_ids[0]]),
+                  "extra_fields": dict(out.extra_fields)}  # fmt: skip
+        stored.append(tu.list_of_dict_to_tensordict([fields]))  # V1's agent loop: one put per output
+        supports.append(out.extra_fields)
+        responses.append(response)
+    batch = TensorDict(
+        {key: torch.nested.as_nested_tensor([td[key][0] for td in stored], layout=torch.jagged)
+         for key in ("prompts", "responses", "response_mask", "rollout_log_probs", "input_ids",
+                     topk.TOPK_IDS_KEY, topk.TOPK_LOGPROBS_KEY)},
+        batch_size=[len(lengths)],
+    )  # fmt: skip
+    assert batch[topk.TOPK_IDS_KEY].dtype == torch.int32
+    order = [3, 5, 0, 4]  # a shuffled mini-batch, then two micro-batches of two
+    for i, micro in enumerate(tu.chunk_tensordict(tu.index_select_tensor_dict(batch, torch.tensor(order)), 2)):
+        samples = order[2 * i : 2 * i + 2]
+        micro["advantages"] = torch.nested.as_nested_tensor([torch.zeros(lengths[s]) for s in samples], layout=torch.jagged)
+        _, tokens = topk.response_tokens(micro, int(micro["input_ids"].offsets()[-1]), torch.device("cpu"))
+        want_ids = torch.cat([torch.tensor(supports[s][topk.TOPK_IDS_KEY]) for s in samples])
+        want_lps = torch.cat([torch.tensor(supports[s][topk.TOPK_LOGPROBS_KEY]) for s in samples])
+        assert torch.equal(tokens.topk_ids, want_ids) and torch.equal(tokens.topk_logprobs, want_lps)
+        assert tokens.sampled_ids.tolist() == [t for s in samples for t in responses[s]]
+
+
 def test_agent_loop_patch_refuses_top_k_rows_that_do_not_line_up() -> None:
     from verl.experimental.agent_loop import agent_loop
 
