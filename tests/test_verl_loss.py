@@ -8,6 +8,7 @@ The actor's two calls are made exactly as VeRL's FSDP engine makes them
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -16,6 +17,7 @@ pytest.importorskip("verl")
 
 import torch
 from tensordict import TensorDict
+from verl import DataProto
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
@@ -40,6 +42,7 @@ CASES = [
 ]
 
 
+@functools.cache  # Hydra composes in ~2 s; the config is read, never changed
 def actor_config(method: str, divergence: str, estimator: str, loss_agg_mode: str = "token-mean"):
     run = {
         "model": "qwen3-4b-base", "method": method, "divergence": divergence, "estimator": estimator,
@@ -50,8 +53,13 @@ def actor_config(method: str, divergence: str, estimator: str, loss_agg_mode: st
     return omega_conf_to_dataclass(config.actor_rollout_ref.actor)
 
 
-def micro_batch(seed: int):
-    """A left/right padded batch as VeRL's trainer holds it, then VeRL's own no-padding conversion."""
+def micro_batch(seed: int, layout: str = "carried"):
+    """A left/right padded batch as VeRL's trainer holds it, then VeRL's own no-padding conversion.
+
+    The top-K as the batch carries it (`carried`: each response's `[T_i, K]` from `topk.carry_topk`, in
+    the DataProto's non_tensor_batch, through VeRL's own `to_tensordict`), or as it did until 634251f
+    (`padded`: `[bsz, R, K+1]` tensors). The same seed gives the same rollout, training logits and
+    tokens either way."""
     g = torch.Generator().manual_seed(seed)
     bsz = len(PROMPT_LENS)
     prompts = torch.zeros(bsz, P, dtype=torch.long)
@@ -72,22 +80,27 @@ def micro_batch(seed: int):
     extra_lp = torch.where(
         in_top, -math.inf, mu_logp.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
     ).unsqueeze(-1)
-    data = TensorDict(
-        {
-            "prompts": prompts,
-            "responses": responses,
-            "input_ids": torch.cat([prompts, responses], 1),
-            "attention_mask": attention,
-            "position_ids": (attention.cumsum(-1) - 1).clamp_min(0),
-            "response_mask": response_mask,
-            "advantages": torch.randn(bsz, 1, generator=g).expand(bsz, R).contiguous() * response_mask,
-            "old_log_probs": mu_logp.gather(-1, responses.unsqueeze(-1)).squeeze(-1),
-            "rollout_log_probs": mu_logp.gather(-1, responses.unsqueeze(-1)).squeeze(-1),
-            topk.TOPK_IDS_KEY: torch.cat([top_ids, extra_ids], -1),
-            topk.TOPK_LOGPROBS_KEY: torch.cat([top_lp, extra_lp], -1),
-        },
-        batch_size=[bsz],
-    )
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attention,
+        "position_ids": (attention.cumsum(-1) - 1).clamp_min(0),
+        "response_mask": response_mask,
+        "advantages": torch.randn(bsz, 1, generator=g).expand(bsz, R).contiguous() * response_mask,
+        "old_log_probs": mu_logp.gather(-1, responses.unsqueeze(-1)).squeeze(-1),
+        "rollout_log_probs": mu_logp.gather(-1, responses.unsqueeze(-1)).squeeze(-1),
+    }
+    padded_ids, padded_lp = torch.cat([top_ids, extra_ids], -1), torch.cat([top_lp, extra_lp], -1)
+    if layout == "padded":
+        data = TensorDict({**tensors, topk.TOPK_IDS_KEY: padded_ids, topk.TOPK_LOGPROBS_KEY: padded_lp}, [bsz])
+    elif layout == "carried":
+        supports = [topk.RolloutTopK(padded_ids[i, :r], padded_lp[i, :r]) for i, r in enumerate(RESPONSE_LENS)]
+        ids, lps = topk.carry_topk(supports, responses, response_mask, tensors["rollout_log_probs"], K)
+        proto = DataProto.from_dict(tensors, non_tensors={topk.TOPK_IDS_KEY: ids, topk.TOPK_LOGPROBS_KEY: lps})
+        data = proto.to_tensordict()
+    else:
+        raise ValueError(layout)
     data = left_right_2_no_padding(data)
     n_tokens = int(response_mask.sum())
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=n_tokens, global_batch_size=bsz)
@@ -126,8 +139,9 @@ def test_loss_through_verl_equals_policy_loss(method: str, divergence: str, esti
         loss.backward()
 
         ref_leaf = logits.clone().requires_grad_(True)
+        padded = micro_batch(seed, layout="padded")[0]
         ref_loss, ref_metrics = masks.policy_loss(
-            ref_leaf[rows], data["responses"], data[topk.TOPK_IDS_KEY], data[topk.TOPK_LOGPROBS_KEY],
+            ref_leaf[rows], data["responses"], padded[topk.TOPK_IDS_KEY], padded[topk.TOPK_LOGPROBS_KEY],
             data["rollout_log_probs"], data["advantages"], valid.float(), method=method, divergence=divergence,
             estimator=estimator, delta=0.05, eps_low=0.2, eps_high=0.28, ratio_cap=5.0,
         )  # fmt: skip
@@ -140,8 +154,40 @@ def test_loss_through_verl_equals_policy_loss(method: str, divergence: str, esti
         assert metrics["actor/pg_clipfrac"].values[0] == pytest.approx(ref_metrics["mask_frac"])
 
 
+@pytest.mark.parametrize(("method", "divergence", "estimator"), CASES)
+def test_the_carried_layout_gives_the_padded_layouts_mask_and_loss_bit_for_bit(
+    method: str, divergence: str, estimator: str, monkeypatch
+) -> None:
+    """Issue 26, item 4: the same rollout and logits through the padded layout read as it was read until
+    634251f (tests/topk_reference.py) and through the carried one (`[T_i, K]` int32 per response, slot K
+    rebuilt): every diagnostic of the logits processor, the loss, its gradient and VeRL's metrics equal."""
+    from tests.topk_reference import reference_response_tokens
+
+    config = actor_config(method, divergence, estimator)
+    for seed in range(2):
+        results = []
+        for layout in ("padded", "carried"):
+            data, logits, _, _ = micro_batch(seed, layout=layout)
+            with monkeypatch.context() as patch:
+                if layout == "padded":
+                    patch.setattr(topk, "response_tokens", reference_response_tokens)
+                outputs = topk.pdm_ppo_loss(config, data=data, student_logits=logits.unsqueeze(0))
+                leaf = logits.clone().requires_grad_(True)
+                loss, metrics = verl_actor_step(config, data, leaf)
+            loss.backward()
+            results.append((outputs, loss, leaf.grad, metrics))
+        (padded_out, padded_loss, padded_grad, padded_metrics), (out, loss, grad, metrics) = results
+        assert padded_out.keys() == out.keys()
+        for name, value in padded_out.items():
+            assert torch.equal(out[name], value), name
+        assert torch.equal(loss, padded_loss) and torch.equal(grad, padded_grad)
+        assert {k: v.values for k, v in metrics.items()} == {k: v.values for k, v in padded_metrics.items()}
+    kept = padded_out[topk._OUTPUT_PREFIX + "keep"]
+    assert method == "grpo" or bool((kept == 0).any()), "some token masked: the comparison is not vacuous"
+
+
 def test_some_tokens_are_masked_so_the_comparison_is_not_vacuous() -> None:
-    data, logits, rows, valid = micro_batch(0)
+    data, logits, rows, valid = micro_batch(0, layout="padded")
     d = masks.token_diagnostics(
         logits[rows[valid]], data["responses"][valid], data[topk.TOPK_IDS_KEY][valid],
         data[topk.TOPK_LOGPROBS_KEY][valid], data["rollout_log_probs"][valid], data["advantages"][valid],
@@ -155,8 +201,9 @@ def test_sequence_aggregation_modes_match(mode: str) -> None:
     config = actor_config("pdm", "topk_kl", "agg", loss_agg_mode=mode)
     data, logits, rows, valid = micro_batch(1)
     loss, _ = verl_actor_step(config, data, logits)
+    padded = micro_batch(1, layout="padded")[0]
     ref, _ = masks.policy_loss(
-        logits[rows], data["responses"], data[topk.TOPK_IDS_KEY], data[topk.TOPK_LOGPROBS_KEY],
+        logits[rows], data["responses"], padded[topk.TOPK_IDS_KEY], padded[topk.TOPK_LOGPROBS_KEY],
         data["rollout_log_probs"], data["advantages"], valid.float(), method="pdm", divergence="topk_kl",
         delta=0.05, ratio_cap=5.0, loss_agg_mode=mode,
     )  # fmt: skip

@@ -83,8 +83,8 @@ def test_megatron_tp_and_cp_shards_give_the_unsharded_mask() -> None:
     seeds = [0, 1]
     results = run_group(_megatron_rank, 2, LAYOUTS, seeds)
     expected = {}
-    for seed in seeds:
-        data, logits, rows, valid = micro_batch(seed)
+    for seed in seeds:  # the ranks read the carried layout, the expectation the padded one it replaced
+        data, logits, rows, valid = micro_batch(seed, layout="padded")
         expected[seed] = masks.token_diagnostics(
             logits[rows[valid]], data["responses"][valid], data[topk.TOPK_IDS_KEY][valid],
             data[topk.TOPK_LOGPROBS_KEY][valid].float(), data["rollout_log_probs"][valid].float(),

@@ -1,6 +1,11 @@
 """The per-token loop `topk.extract_topk` was before it was vectorised (commit 49e0c0d), kept as the
 reference the vectorised version is tested against (tests/test_verl_topk.py) and timed against
-(bench/topk.py); and vLLM-shaped rollout outputs for both."""
+(bench/topk.py); and vLLM-shaped rollout outputs for both.
+
+Also the padded layout the batch carried the top-K in until 634251f (`reference_pad_topk`: every response
+padded to `[response_length, K+1]`, int64 ids) and the actor's read of it (`reference_response_tokens`),
+kept verbatim: the carried layout (`topk.carry_topk`) is tested to give the same mask, bit for bit
+(tests/test_verl_loss.py), and measured against it (bench/topk.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +13,12 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from pdmctl.backends.verl.topk import RolloutTopK, VllmLogprob
+from pdmctl.backends.verl import topk
+from pdmctl.backends.verl.topk import ResponseTokens, RolloutTopK, VllmLogprob
 
 
 @dataclass
@@ -116,3 +123,54 @@ def vllm_flat_response(
         flat.end_indices.append(len(flat.token_ids))
         tokens.append(sampled)
     return tokens, flat
+
+
+def reference_pad_topk(responses: Sequence[RolloutTopK], response_length: int, k: int) -> RolloutTopK:
+    """Stack per-response supports into `[bsz, response_length, K+1]`, right-padded like VeRL's responses."""
+    # empty, each row's padding filled after its copy: every byte of the batch written once
+    ids = torch.empty((len(responses), response_length, k + 1), dtype=torch.int64)
+    logprobs = torch.empty((len(responses), response_length, k + 1), dtype=torch.float32)
+    for i, r in enumerate(responses):
+        if r.ids.shape[-1] != k + 1:
+            raise ValueError(f"response {i}: width {r.ids.shape[-1]} != K+1 = {k + 1}")
+        t = min(r.ids.shape[0], response_length)
+        ids[i, :t] = r.ids[:t]
+        logprobs[i, :t] = r.logprobs[:t]
+        ids[i, t:] = 0
+        logprobs[i, t:] = -math.inf
+    return RolloutTopK(ids, logprobs)
+
+
+def reference_response_tokens(data: Any, total_rows: int, device: torch.device) -> tuple[torch.Tensor, ResponseTokens]:
+    """`topk.response_tokens` as it read the padded layout (the two checks of missing fields left out)."""
+    dense = topk._dense
+    valid = dense(data, "response_mask").bool().to(device)
+    rows = topk.response_rows(data, total_rows).to(device)[valid]
+    tokens = ResponseTokens(
+        sampled_ids=dense(data, "responses").to(device)[valid].long(),
+        topk_ids=dense(data, topk.TOPK_IDS_KEY).to(device)[valid].long(),
+        topk_logprobs=dense(data, topk.TOPK_LOGPROBS_KEY).to(device)[valid].float(),
+        sampled_logprobs=dense(data, "rollout_log_probs").to(device)[valid].float(),
+        advantages=dense(data, "advantages").to(device)[valid].float(),
+    )
+    return rows, tokens
+
+
+def reference_check_alignment(padded: RolloutTopK, responses: torch.Tensor, response_mask: torch.Tensor) -> None:
+    """`check_alignment` until 634251f, on the padded layout (`topk.carry_topk` checks the same now).
+
+    Every generated token must be in its own row's `TopK ∪ {k}`: the rows line up with the tokens.
+
+    A multi-turn agent loop (tool tokens in the response) or a token builder that edits the
+    generated ids would shift them; the mask would then read another token's top-K, silently.
+    """
+    generated = response_mask.bool()
+    found = ((padded.ids == responses.unsqueeze(-1)) & torch.isfinite(padded.logprobs)).any(-1)
+    missing = generated & ~found
+    if bool(missing.any()):
+        sample, position = (int(i) for i in torch.nonzero(missing)[0])
+        raise RuntimeError(
+            f"pdmctl: the rollout top-K rows do not line up with the response tokens ({int(missing.sum())} "
+            f"generated tokens are not in their row's TopK ∪ {{k}}; first: sample {sample}, position {position}). "
+            "pdmctl carries top-K for single-turn agent loops only"
+        )

@@ -8,9 +8,11 @@ knows how VeRL 0.9.1 is built inside; it refuses any other version
 
 Three layers, from pure to invasive:
 
-1. `extract_topk` / `pad_topk`: vLLM's per-position logprob dicts (values with
+1. `extract_topk` / `carry_topk`: vLLM's per-position logprob dicts (values with
    vLLM's `rank` and `logprob` fields) -> fixed-width `[T, K+1]` ids and
-   log-probs. Pure; tested on CPU with vLLM-shaped objects.
+   log-probs, and the batch's layout of them: per response, unpadded, `[T_i, K]`
+   int32 ids and float32 log-probs (slot K rebuilt on the actor). Pure; tested on
+   CPU with vLLM-shaped objects.
 2. `pdm_ppo_loss`: the actor's loss function, used twice per micro-batch the way
    VeRL's own top-K distillation loss is (`verl/trainer/distillation/losses.py`):
    called with `student_logits` it is the engine's logits processor and runs
@@ -20,7 +22,7 @@ Three layers, from pure to invasive:
    VeRL's own `ppo_loss` and `logprobs_from_logits`.
 3. `install`: monkeypatches of VeRL's vLLM server (request `logprobs=K`, keep
    `TopK ∪ {k}` in `TokenOutput.extra_fields`), the agent loop (extra fields ->
-   padded batch tensors) and the actor worker (use `pdm_ppo_loss`, switch the
+   the batch's per-response arrays) and the actor worker (use `pdm_ppo_loss`, switch the
    logits-processor hook on). NOT exercised here: it needs vLLM and a GPU.
 """
 
@@ -38,7 +40,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, pairwise
 from operator import attrgetter, methodcaller
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,6 +51,7 @@ import torch
 from pdmctl import masks
 
 SUPPORTED_VERL_VERSION = "0.9.1"
+CARRY_ID_MAX = 2**31 - 1  # the carry holds token ids as int32 (carry_topk)
 TOPK_ENV = "PDMCTL_VERL_TOPK"  # K for the rollout; set by the job body, read by every Ray worker
 _MASK_CHUNK_ROWS = 1024  # response tokens per token_diagnostics call: bounds the [rows, V] scratch
 
@@ -128,7 +131,7 @@ def check_verl_version(installed: str | None = None) -> None:
 
 
 # ---------------------------------------------------------------------------
-# 1. vLLM output -> padded tensors
+# 1. vLLM output -> the supports, and the layout the batch carries them in
 # ---------------------------------------------------------------------------
 
 
@@ -275,20 +278,101 @@ _LOGPROB = attrgetter("logprob")
 _RANK = attrgetter("rank")
 
 
-def pad_topk(responses: Sequence[RolloutTopK], response_length: int, k: int) -> RolloutTopK:
-    """Stack per-response supports into `[bsz, response_length, K+1]`, right-padded like VeRL's responses."""
-    # empty, each row's padding filled after its copy: every byte of the batch written once
-    ids = torch.empty((len(responses), response_length, k + 1), dtype=torch.int64)
-    logprobs = torch.empty((len(responses), response_length, k + 1), dtype=torch.float32)
-    for i, r in enumerate(responses):
-        if r.ids.shape[-1] != k + 1:
-            raise ValueError(f"response {i}: width {r.ids.shape[-1]} != K+1 = {k + 1}")
-        t = min(r.ids.shape[0], response_length)
-        ids[i, :t] = r.ids[:t]
-        logprobs[i, :t] = r.logprobs[:t]
-        ids[i, t:] = 0
-        logprobs[i, t:] = -math.inf
-    return RolloutTopK(ids, logprobs)
+def int32_ids(ids: torch.Tensor) -> torch.Tensor:
+    """Token ids as int32, what the carry moves (a vocabulary of 151,936 needs 18 bits); refuses ids
+    int32 cannot hold rather than wrapping them."""
+    if ids.dtype == torch.int32:
+        return ids
+    if ids.numel() and (int(ids.max()) > CARRY_ID_MAX or int(ids.min()) < -CARRY_ID_MAX - 1):
+        raise ValueError(f"top-K ids outside int32 (max {int(ids.max())}): the carry holds ids in 32 bits")
+    return ids.to(torch.int32)
+
+
+def sampled_slot(
+    top_ids: torch.Tensor, top_logprobs: torch.Tensor, sampled_ids: torch.Tensor, sampled_logprobs: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot K of `TopK ∪ {k}` from the top-K slots (`[n, K]`) and the sampled token (`[n]`): the sampled
+    token and its rollout log-prob where it is not among the top-K (a slot holding it with a finite
+    log-prob), else id 0 and -inf (`extract_topk`'s padding)."""
+    inside = ((top_ids == sampled_ids[:, None]) & torch.isfinite(top_logprobs)).any(-1)
+    ids = torch.where(inside, torch.zeros_like(sampled_ids), sampled_ids)
+    logprobs = torch.where(inside, torch.full_like(sampled_logprobs, -math.inf), sampled_logprobs)
+    return ids, logprobs
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.float().contiguous().view(torch.int32)  # float32 compared bit for bit (-0.0 != 0.0, NaN == NaN)
+
+
+def carry_topk(
+    supports: Sequence[RolloutTopK],
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    k: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The rollout's supports as they travel with the batch: two object arrays `[bsz]` holding each
+    response's own `[T_i, K]` int32 ids and float32 log-probs (T_i its length, cut to the batch's
+    `response_length`), so nothing is padded to the longest response and nothing is stored twice.
+
+    A `DataProto` keeps them in `non_tensor_batch` (every one of its operations indexes the object
+    array; `to_tensordict` hands them to the workers as a `NonTensorStack`, whose arrays Ray sends as
+    buffers). Slot K is not carried: it is the sampled token and its log-prob where the token is outside
+    the top-K, and VeRL already carries both (`responses`, `rollout_log_probs`: its own read of the same
+    vLLM log-prob). The actor rebuilds it (`sampled_slot`); here, where the full support is still at
+    hand, that the rebuilt slot is the carried one, bit for bit, at every generated token is checked,
+    and so is that the rows line up with the tokens (every generated token in its row's `TopK ∪ {k}`:
+    a multi-turn agent loop or a token builder that edits the ids would shift them, silently).
+    """
+    bsz, width = responses.shape
+    if len(supports) != bsz:
+        raise ValueError(f"{len(supports)} top-K supports for a batch of {bsz} responses")
+    for i, support in enumerate(supports):
+        if support.ids.shape[-1] != k + 1:
+            raise ValueError(f"response {i}: width {support.ids.shape[-1]} != K+1 = {k + 1}")
+    lengths = torch.tensor([min(support.ids.shape[0], width) for support in supports], dtype=torch.long)
+    # the batch's rows, response after response, in one array each: the checks run once per batch, and
+    # each response's carried arrays are row slices of them (contiguous: Ray sends each as one buffer)
+    top_ids = int32_ids(_rows(supports, "ids", lengths, slice(0, k)))
+    top_logprobs = _rows(supports, "logprobs", lengths, slice(0, k)).float()
+    slot_ids = _rows(supports, "ids", lengths, k).long()
+    slot_logprobs = _rows(supports, "logprobs", lengths, k).float()
+    held = torch.arange(width)[None, :] < lengths[:, None]  # [bsz, width]: the positions the supports hold
+    tokens, generated = responses[held].long(), response_mask.bool()
+    in_top = ((top_ids == tokens[:, None]) & torch.isfinite(top_logprobs)).any(-1)
+    found = in_top | ((slot_ids == tokens) & torch.isfinite(slot_logprobs))
+    missing = generated.clone()  # a generated position no support holds is missing
+    missing[held] &= ~found
+    if bool(missing.any()):
+        sample, position = (int(i) for i in torch.nonzero(missing)[0])
+        raise RuntimeError(
+            f"pdmctl: the rollout top-K rows do not line up with the response tokens ({int(missing.sum())} "
+            f"generated tokens are not in their row's TopK ∪ {{k}}; first: sample {sample}, position {position}). "
+            "pdmctl carries top-K for single-turn agent loops only"
+        )
+    sampled_logprobs = rollout_log_probs[held].float()
+    rebuilt_ids, rebuilt_logprobs = sampled_slot(top_ids, top_logprobs, tokens, sampled_logprobs)
+    differs = (slot_ids != rebuilt_ids) | (_bits(slot_logprobs) != _bits(rebuilt_logprobs))
+    differs &= generated[held]
+    if bool(differs.any()):
+        row = int(torch.nonzero(differs)[0])
+        sample, position = (int(i) for i in torch.nonzero(held)[row])
+        raise RuntimeError(
+            f"pdmctl: response {sample}, position {position}: the support's slot K (id {int(slot_ids[row])}, "
+            f"log-prob {float(slot_logprobs[row])!r}) is not the sampled token {int(tokens[row])} with VeRL's "
+            f"rollout log-prob {float(sampled_logprobs[row])!r}; the carry rebuilds slot K from those two"
+        )
+    ids_out, logprobs_out = np.empty(bsz, dtype=object), np.empty(bsz, dtype=object)
+    ids_np, logprobs_np = top_ids.numpy(), top_logprobs.numpy()
+    for i, (start, end) in enumerate(pairwise([0, *lengths.cumsum(0).tolist()])):
+        ids_out[i], logprobs_out[i] = ids_np[start:end], logprobs_np[start:end]
+    return ids_out, logprobs_out
+
+
+def _rows(supports: Sequence[RolloutTopK], field: str, lengths: torch.Tensor, columns: Any) -> torch.Tensor:
+    """The supports' first `lengths[i]` rows of `columns`, response after response, in one new tensor."""
+    parts = [getattr(support, field)[:t, columns] for support, t in zip(supports, lengths.tolist(), strict=True)]
+    return torch.cat(parts) if parts else getattr(supports, field, torch.empty(0))
 
 
 # ---------------------------------------------------------------------------
@@ -394,14 +478,53 @@ def response_tokens(data: Any, total_rows: int, device: torch.device) -> tuple[t
         )
     valid = _dense(data, "response_mask").bool().to(device)
     rows = response_rows(data, total_rows).to(device)[valid]
+    sampled_ids = _dense(data, "responses").to(device)[valid].long()
+    sampled_logprobs = _dense(data, "rollout_log_probs").to(device)[valid].float()
+    from verl.utils import tensordict_utils as tu
+
+    # tu.get: a NonTensorStack as the list of its arrays, a tensor as it is
+    top_ids, carried = _carried_rows(tu.get(data, TOPK_IDS_KEY), valid)
+    top_logprobs, _ = _carried_rows(tu.get(data, TOPK_LOGPROBS_KEY), valid)
+    top_ids, top_logprobs = top_ids.to(device).long(), top_logprobs.to(device).float()
+    carried = carried.to(device)
+    # rows the carry does not hold read as `extract_topk`'s padding (id 0, log-prob -inf), slot K included
+    top_ids = top_ids.masked_fill(~carried[:, None], 0)
+    top_logprobs = top_logprobs.masked_fill(~carried[:, None], -math.inf)
+    slot_ids, slot_logprobs = sampled_slot(top_ids, top_logprobs, sampled_ids, sampled_logprobs)
     tokens = ResponseTokens(
-        sampled_ids=_dense(data, "responses").to(device)[valid].long(),
-        topk_ids=_dense(data, TOPK_IDS_KEY).to(device)[valid].long(),
-        topk_logprobs=_dense(data, TOPK_LOGPROBS_KEY).to(device)[valid].float(),
-        sampled_logprobs=_dense(data, "rollout_log_probs").to(device)[valid].float(),
+        sampled_ids=sampled_ids,
+        topk_ids=torch.cat([top_ids, slot_ids.masked_fill(~carried, 0)[:, None]], -1),
+        topk_logprobs=torch.cat([top_logprobs, slot_logprobs.masked_fill(~carried, -math.inf)[:, None]], -1),
+        sampled_logprobs=sampled_logprobs,
         advantages=_dense(data, "advantages").to(device)[valid].float(),
     )
     return rows, tokens
+
+
+def _carried_rows(value: Any, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rows, carried)`: the carried `[K]` row of each response token where `valid` (`[bsz, width]`,
+    in `tensor[valid]` order), and whether the carry holds that position at all (it holds a response's
+    first T_i). `value` is the field as a micro-batch holds it: per-sample arrays (V0: the DataProto's
+    object array, a `NonTensorStack` in the TensorDict), a nested tensor (V1: per-sample fields in
+    TransferQueue), or one `[bsz, T, K]` tensor (V1 stacks samples of one length)."""
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        values, lengths = value.values(), value.offsets().diff()
+    elif isinstance(value, torch.Tensor):
+        values, lengths = value.reshape(-1, value.shape[-1]), torch.full((value.shape[0],), value.shape[1])
+    else:  # a list of arrays; one array where a one-sample stack came back as its single item
+        samples = [value] if isinstance(value, np.ndarray) and value.dtype != object else [np.asarray(x) for x in value]
+        values = torch.from_numpy(np.concatenate(samples))
+        lengths = torch.tensor([sample.shape[0] for sample in samples])
+    sample, position = torch.nonzero(valid, as_tuple=True)
+    lengths = lengths.to(values.device)
+    sample, position = sample.to(values.device), position.to(values.device)
+    carried = position < lengths[sample]
+    index = (lengths.cumsum(0) - lengths)[sample] + position
+    if not values.shape[0]:  # nothing carried (responses of no tokens)
+        return values.new_zeros(len(index), values.shape[-1]), carried
+    if len(index) == values.shape[0] and torch.equal(index, torch.arange(len(index), device=index.device)):
+        return values, carried  # single-turn: every carried row, in order, and nothing else
+    return values[index.masked_fill(~carried, 0)], carried
 
 
 def diagnose_rows(
@@ -663,7 +786,7 @@ def _patch_actor_worker() -> None:
 
 
 def _patch_agent_loop() -> None:
-    """Turn the per-response top-K lists in `extra_fields` into padded batch tensors."""
+    """Put each response's top-K from `extra_fields` into the batch as `carry_topk` lays it out."""
     if "agent_loop" in _INSTALLED:
         return
     from verl.experimental.agent_loop import agent_loop
@@ -675,13 +798,13 @@ def _patch_agent_loop() -> None:
         k = _K[0]
         supports = [_support_from_extra_fields(item.extra_fields) for item in inputs]
         output = original(self, inputs, *args, **kwargs)
-        response_length = output.batch["responses"].shape[1]
-        padded = pad_topk(supports, response_length, k)
-        check_alignment(padded, output.batch["responses"], output.batch["response_mask"])
-        output.batch[TOPK_IDS_KEY] = padded.ids
-        output.batch[TOPK_LOGPROBS_KEY] = padded.logprobs
-        for key in (TOPK_IDS_KEY, TOPK_LOGPROBS_KEY):
-            output.non_tensor_batch.pop(key, None)
+        batch = output.batch
+        sampled_logprobs = _rollout_log_probs(batch.get("rollout_log_probs", None))
+        ids, logprobs = carry_topk(supports, batch["responses"], batch["response_mask"], sampled_logprobs, k)
+        # VeRL's _postprocess put every extra field in non_tensor_batch as an object array: these replace
+        # the server's [T, K+1] ones
+        output.non_tensor_batch[TOPK_IDS_KEY] = ids
+        output.non_tensor_batch[TOPK_LOGPROBS_KEY] = logprobs
         return output
 
     agent_loop.AgentLoopWorker._postprocess = _postprocess
@@ -702,7 +825,7 @@ def _patch_agent_loop_tq() -> None:
     (`responses` [T], `rollout_log_probs` [T], ...) and stores them with one
     `list_of_dict_to_tensordict` call; the actor's `update_actor` then fetches every field of its
     keys. pdmctl moves the top-K lists from `extra_fields` into `rollout_topk_ids` /
-    `rollout_topk_logprobs` [T, K+1] there, checked against the sample's tokens as in V0. The
+    `rollout_topk_logprobs` [T, K] there (`carry_topk`'s layout, one sample), checked as in V0. The
     function is wrapped where VeRL defines it (a light module), before the V1 agent loop imports
     it by name; dicts without top-K lists pass through untouched.
     """
@@ -718,10 +841,11 @@ def _patch_agent_loop_tq() -> None:
             extra = field.get("extra_fields")
             if isinstance(extra, dict) and TOPK_IDS_KEY in extra and "responses" in field:
                 support = _support_from_extra_fields(extra)
-                responses = field["responses"]
-                padded = pad_topk([support], responses.shape[0], _K[0])
-                check_alignment(padded, responses.unsqueeze(0), field["response_mask"].unsqueeze(0))
-                field[TOPK_IDS_KEY], field[TOPK_LOGPROBS_KEY] = padded.ids[0], padded.logprobs[0]
+                rollout_log_probs = _rollout_log_probs(field.get("rollout_log_probs"))
+                responses, response_mask = field["responses"][None], field["response_mask"][None]
+                ids, logprobs = carry_topk([support], responses, response_mask, rollout_log_probs[None], _K[0])
+                field[TOPK_IDS_KEY] = torch.from_numpy(ids[0])
+                field[TOPK_LOGPROBS_KEY] = torch.from_numpy(logprobs[0])
                 for key in (TOPK_IDS_KEY, TOPK_LOGPROBS_KEY):
                     extra.pop(key, None)
         return original(fields, *args, **kwargs)
@@ -734,31 +858,20 @@ def _patch_agent_loop_tq() -> None:
     _INSTALLED.add("agent_loop_tq")
 
 
-def check_alignment(padded: RolloutTopK, responses: torch.Tensor, response_mask: torch.Tensor) -> None:
-    """Every generated token must be in its own row's `TopK ∪ {k}`: the rows line up with the tokens.
-
-    A multi-turn agent loop (tool tokens in the response) or a token builder that edits the
-    generated ids would shift them; the mask would then read another token's top-K, silently.
-    """
-    generated = response_mask.bool()
-    found = ((padded.ids == responses.unsqueeze(-1)) & torch.isfinite(padded.logprobs)).any(-1)
-    missing = generated & ~found
-    if bool(missing.any()):
-        sample, position = (int(i) for i in torch.nonzero(missing)[0])
+def _rollout_log_probs(value: torch.Tensor | None) -> torch.Tensor:
+    if value is None:
         raise RuntimeError(
-            f"pdmctl: the rollout top-K rows do not line up with the response tokens ({int(missing.sum())} "
-            f"generated tokens are not in their row's TopK ∪ {{k}}; first: sample {sample}, position {position}). "
-            "pdmctl carries top-K for single-turn agent loops only"
+            "pdmctl losses need the rollout's sampled log-probs: set actor_rollout_ref.rollout.calculate_log_probs=true"
         )
+    return value
 
 
 def _support_from_extra_fields(extra_fields: Mapping[str, Any]) -> RolloutTopK:
     ids = extra_fields.get(TOPK_IDS_KEY)
     if ids is None:
         raise RuntimeError("a rollout came back without top-K log-probs: the vLLM server patch is not active")
-    return RolloutTopK(
-        torch.as_tensor(ids, dtype=torch.int64), torch.as_tensor(extra_fields[TOPK_LOGPROBS_KEY])
-    )
+    # the server's int32 arrays, taken without a copy (lists, from older servers or tests: int64)
+    return RolloutTopK(torch.as_tensor(ids), torch.as_tensor(extra_fields[TOPK_LOGPROBS_KEY]))
 
 
 def _patch_vllm_server() -> None:
@@ -799,11 +912,11 @@ def _patch_vllm_server() -> None:
             if "flat-seen" not in _INSTALLED and _is_flat(final.outputs[0].logprobs):
                 _INSTALLED.add("flat-seen")  # once per server process: the engine test looks for it
                 print(f"pdmctl: top-K read from vLLM's flat logprobs ({FLAT_LOGPROBS_LINE})", flush=True)
-            # numpy arrays (views of the tensors), not lists nor tensors: Ray pickles an array's buffer
-            # out of band, about memory speed, where a [8192, 21] tensor pickled ~4x slower and the
-            # nested lists ~30x; the agent loop takes them back with `torch.as_tensor`, without a copy
-            # (bench/topk.py)
-            output.extra_fields[TOPK_IDS_KEY] = support.ids.numpy()
+            # numpy arrays, not lists nor tensors: Ray pickles an array's buffer out of band, about
+            # memory speed, where a [8192, 21] tensor pickled ~4x slower and the nested lists ~30x; the
+            # agent loop takes them back with `torch.as_tensor`, without a copy (bench/topk.py). Ids in
+            # 32 bits, as the batch carries them (carry_topk)
+            output.extra_fields[TOPK_IDS_KEY] = int32_ids(support.ids).numpy()
             output.extra_fields[TOPK_LOGPROBS_KEY] = support.logprobs.numpy()
         return output
 
