@@ -554,7 +554,10 @@ def test_the_v1_trainer_carries_topk_through_transferqueue(tmp_path: Path) -> No
            "PDMCTL_TINY_DIR": _tiny_dir(tmp_path)}  # fmt: skip
     started = time.monotonic()
     result = pdmctl(
-        "sweep", "backend=verl", f"model={MODEL}", "mask=pdm_agg", "k=5", "--wait",
+        # δ = 0.001: nearly every token with any train/rollout gap is out of the region, so the mask acts at
+        # every step (at 0.15 it acted in step 1 only: the tiny model then answers in one token, and one
+        # run masked nothing at all)
+        "sweep", "backend=verl", f"model={MODEL}", "mask=pdm_agg", "k=5", "delta=0.001", "--wait",
         "--tracking-uri", sqlite_uri(tmp_path), cwd=tmp_path, env=env, timeout=SWEEP_TIMEOUT_S,
     )  # fmt: skip
     print(f"engine V1 run: {time.monotonic() - started:.0f} s")
