@@ -1,0 +1,175 @@
+"""The `analyze` command (mounted by pdmctl.cli): parses, prints; the logic is in pdmctl.analysis."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pdmctl.grid import MAX_RUNS
+from pdmctl.terminal import check_output, console, fail
+from pdmctl.terminal import guard as _guard
+
+MAX_SEEDS = MAX_RUNS  # analyze --seeds: as many as a sweep may have runs
+MAX_SEED = 2**63 - 1  # torch.manual_seed takes a signed 64-bit seed
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="analyze", context_settings={"ignore_unknown_options": True})(analyze)
+
+
+def analyze(
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="Run-config overrides: precision=fp8_rollout k=50")
+    ] = None,
+    seeds: Annotated[int, typer.Option(help="Fresh seeds to analyse.")] = 20,
+    first_seed: Annotated[int, typer.Option(help="The first of the seeds.")] = 1000,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Also write the result as JSON here.")
+    ] = None,
+    protocols: Annotated[
+        str,
+        typer.Option(
+            help="How the update that ΔD measures is taken, comma-separated; the first is the main table's, "
+            "the others are printed beside it: counterfactual (per token, a carried update with it kept against "
+            "one with it masked: ΔD = D(keep) − D(mask)), carried (the Adam state the stale mini-batches left), "
+            "fresh-adam, sgd, own-adam and own-grad (a token's own effect, first order; see docs/MATH.md)."
+        ),
+    ] = "counterfactual,carried,fresh-adam,sgd,own-adam,own-grad",
+    family: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--family",
+            help="An earlier analyze --json (e.g. the other preset's), repeatable: its secondary comparisons join "
+            "this run's in one Holm family.",
+        ),
+    ] = None,
+    csv_out: Annotated[
+        Path | None, typer.Option("--csv", help="Also write the per-seed rates as CSV here.")
+    ] = None,
+    figures: Annotated[
+        Path | None,
+        typer.Option(help="Also draw the paper's figures (PNG) into this directory (created if missing)."),
+    ] = None,
+    jobs: Annotated[
+        int | None,
+        typer.Option(help="Worker processes over the seeds (default: the cores this process may use)."),
+    ] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            help="torch threads per process (default 1). A seed's numbers depend on this (the order of "
+            "float sums), not on --jobs: the default is the same on every machine."
+        ),
+    ] = None,
+    mismatch_only: Annotated[
+        bool,
+        typer.Option(
+            "--mismatch-only",
+            help="The paper's fresh-rollout setting: no stale mini-batch update, D from the rollout weights' "
+            "precision alone (precision=bf16, fp8_rollout or fp8_e2e).",
+        ),
+    ] = False,
+) -> None:
+    """The token-level direction analysis (MATH.md): ratio vs predictive direction, on the CPU testbed."""
+    from pdmctl import grid
+    from pdmctl.backends.registry import flat_config
+
+    with _guard():
+        if not 1 <= seeds <= MAX_SEEDS:
+            fail(f"--seeds: must be in [1, {MAX_SEEDS:,}], got {seeds}")
+        if not 0 <= first_seed <= MAX_SEED - seeds + 1:  # torch's seeds are 64-bit
+            fail(f"--first-seed: must be in [0, {MAX_SEED - seeds + 1}] for {seeds} seed(s), got {first_seed}")
+        if json_out is not None:  # before the analysis, not after it
+            check_output(json_out, "--json", directory=False)
+        if csv_out is not None:
+            check_output(csv_out, "--csv", directory=False)
+        if figures is not None and figures.exists() and not figures.is_dir():
+            fail(f"--figures: {figures} exists and is not a directory")
+        earlier = []
+        for path in family or []:
+            import json as _json
+
+            from pdmctl.report.tables import _analysis_result
+
+            try:
+                earlier.append(_analysis_result(_json.loads(path.read_text())))
+            except (OSError, ValueError, TypeError, KeyError) as exc:
+                fail(f"--family: {path}: not an analyze --json result ({str(exc).splitlines()[0][:120]})")
+        for name, value in (("--jobs", jobs), ("--threads", threads)):
+            if value is not None and value < 1:
+                fail(f"{name}: must be >= 1, got {value}")
+        specs = grid.expand(overrides or [], sweep="analysis")
+        if len(specs) > 1:
+            varied = sorted(k for k, v in flat_config(specs[0].config).items()
+                            if any(flat_config(s.config).get(k) != v for s in specs[1:]))  # fmt: skip
+            fail(f"analyze: one config at a time; the overrides make {len(specs)} ({', '.join(varied)} vary): "
+                 "run one analyze per value")  # fmt: skip
+        (spec,) = specs
+        if spec.backend != "toy":
+            fail("analyze: runs on the CPU testbed (backend=toy)")
+        from pdmctl.analysis.protocols import PROTOCOLS
+        from pdmctl.analysis.run import default_jobs, run_analysis
+        from pdmctl.analysis.tables import (
+            render_analysis_table,
+            render_assumption_table,
+            render_decomposition_table,
+            render_difference_table,
+            render_protocol_table,
+            seed_csv,
+        )
+        from pdmctl.backends.toy import ToyConfig
+        from pdmctl.backends.toy.basemodel import BaseModelError, check_base_model
+
+        chosen = tuple(p.strip() for p in protocols.split(",") if p.strip())
+        unknown = [p for p in chosen if p not in PROTOCOLS]
+        if unknown or not chosen or len(set(chosen)) != len(chosen):
+            fail(f"--protocols: {protocols!r}: name each of {', '.join(PROTOCOLS)} at most once")
+        cfg = ToyConfig.from_mapping(flat_config(spec.config))
+        try:
+            check_base_model(cfg.model)  # the shipped file whole, or a warm-up cache that can take the build
+        except BaseModelError as exc:
+            fail(str(exc))
+    n_jobs = min(jobs or default_jobs(), seeds)
+    with console.status(f"analysing {seeds} seed(s) in {n_jobs} process(es) ..."):
+        result = run_analysis(
+            cfg,
+            list(range(first_seed, first_seed + seeds)),
+            chosen,
+            jobs=n_jobs,
+            threads=threads or 1,  # not the cores over the jobs: then --seeds 1 and --seeds 61 differ
+            mismatch_only=mismatch_only,
+        )
+    console.print(render_analysis_table(result))
+    console.print(render_difference_table(result))
+    if len(chosen) > 1:
+        console.print(render_protocol_table(result))
+    console.print(render_decomposition_table(result))
+    console.print(render_assumption_table(result))
+    if result.bands:
+        from pdmctl.analysis.bands import render_band_table
+
+        console.print(render_band_table(result.bands, result.k))
+    from pdmctl.analysis.inference import (
+        primary_lines,
+        primary_metric,
+        render_secondary_table,
+        secondary_family,
+    )
+
+    console.print(render_secondary_table(secondary_family([*earlier, result])))
+    for r in [*earlier, result]:
+        for line in primary_lines(primary_metric(r)):
+            console.print(line, highlight=False, markup=False)
+    if json_out is not None:
+        json_out.write_text(result.to_json())
+        console.print(f"wrote {json_out}", highlight=False)
+    if csv_out is not None:
+        csv_out.write_text(seed_csv(result))
+        console.print(f"wrote {csv_out}", highlight=False)
+    if figures is not None:
+        from pdmctl.analysis.figures import write_figures
+
+        for path in write_figures(result, figures):
+            console.print(f"wrote {path}", highlight=False)
