@@ -37,6 +37,9 @@ pins() { grep -E '^[A-Za-z0-9]' "$1" | sort; }
 
 start=$(date +%s)
 if [ "$MODE" = write ]; then
+  # the lock as it is seeds the output: uv keeps its versions where they still resolve (a new dependency
+  # adds its packages and moves nothing else; `rm` the lock first for the newest of everything)
+  [ -f "$LOCK" ] && cp "$LOCK" "$LOCK.tmp"
   resolve -o "$LOCK.tmp"
   mv "$LOCK.tmp" "$LOCK"
   echo "engine-lock.sh: $LOCK written: $(pins "$LOCK" | wc -l) packages, $(( $(date +%s) - start )) s"
