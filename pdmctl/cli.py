@@ -281,10 +281,9 @@ def resume(
         if max_attempts is not None and max_attempts < 1:
             fail(f"--max-attempts: must be >= 1, got {max_attempts}")
         ctx = orchestrate.make_context(cluster, tracking_uri)
-        if not dry_run:  # metrics runs kept on their disks during a tracking-server outage go first
-            for line in orchestrate.send_spools(ctx, sweep_name):
-                console.print(line, highlight=False)
-        chosen, job_ids = orchestrate.resume(ctx, sweep_name, max_attempts=max_attempts, dry_run=dry_run)
+        # metrics runs kept on their disks during a tracking-server outage go first, after the checks
+        chosen, job_ids = orchestrate.resume(ctx, sweep_name, max_attempts=max_attempts, dry_run=dry_run,
+                                             say=lambda line: console.print(line, highlight=False))  # fmt: skip
     for v in chosen:
         console.print(f"{'would resume' if dry_run else 'resumed'} {v.key} ({v.summary}) — was {v.state}, "
                       f"attempt {(v.record.attempt if v.record else 0) + 1}", highlight=False)  # fmt: skip

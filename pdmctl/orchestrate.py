@@ -13,7 +13,7 @@ import os
 import re
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -435,12 +435,17 @@ def send_spools(ctx: Context, sweep_name: str | None = None, limit_s: float = 60
 
 
 def resume(ctx: Context, sweep_name: str | None = None, *, max_attempts: int | None = None,
-           dry_run: bool = False) -> tuple[list[RunView], list[str]]:  # fmt: skip
-    """Resubmit exactly the runs that failed, were cancelled, timed out, were lost or never started."""
+           dry_run: bool = False, say: Callable[[str], None] | None = None) -> tuple[list[RunView], list[str]]:  # fmt: skip
+    """Resubmit exactly the runs that failed, were cancelled, timed out, were lost or never started. With
+    `say`, what runs kept on their disks during a tracking-server outage is sent first (`send_spools`),
+    once everything that can refuse the work has been checked, each line to `say`."""
     executor = check_before_submit(ctx)
     ledger = open_ledger(ctx.tracking_uri) if ledger_exists(ctx.tracking_uri) else None
     if ledger is None:
         return [], []
+    if say is not None and not dry_run:
+        for line in send_spools(ctx, sweep_name):
+            say(line)
     with ledger.lock():
         views = status(ctx, sweep_name)
         # a run whose recorded config cannot be read (cut by an older pdmctl) would only die again
