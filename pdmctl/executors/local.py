@@ -32,6 +32,7 @@ from pdmctl.executors.base import ClusterProfile, Executor, ExecutorError, JobRe
 
 _POLL_S = 0.25
 _HEARTBEAT_STALE_S = 30.0  # a worker touches its heartbeat every _POLL_S; this much silence is not a worker
+_STRAY_GRACE_S = 3.0  # a worker ending, or one starting, is a stray for a moment at most
 _CLOCK_SLACK_S = 5.0  # a heartbeat further in the future was touched by hand, not by a worker
 
 
@@ -127,33 +128,42 @@ class LocalExecutor(Executor):
 
     def check(self) -> None:
         """Refuse to queue jobs no worker would start: the worker lock held by a process that is not a
-        live worker (a stray `flock`, a hung worker) would leave them queued without a word."""
+        live worker (a stray `flock`, a hung worker) would leave them queued without a word. A worker
+        that is ending, or one that has just taken the lock and not yet written its pid, looks like a
+        stray for a moment: only a verdict that still holds after `_STRAY_GRACE_S` refuses."""
         self._check_root()
+        deadline = time.monotonic() + _STRAY_GRACE_S
+        while (problem := self._stray_holder()) is not None:
+            if time.monotonic() >= deadline:
+                raise ExecutorError(f"local executor: {self.root / 'worker.lock'} is held by a process that is "
+                                    f"not a working pdmctl worker ({problem}); end that process, then submit again")  # fmt: skip
+            time.sleep(0.1)
+
+    def _stray_holder(self) -> str | None:
+        """What is wrong with the worker lock's holder, or None when no one holds it or a worker does."""
         if not _worker_alive(self.root):
-            return
-        lock = self.root / "worker.lock"
-        holders = _lock_holders(lock)
+            return None
+        holders = _lock_holders(self.root / "worker.lock")
         if holders:  # the kernel says who holds it: it must be a worker, whatever the heartbeat file says
             strays = [pid for pid in holders if not _is_worker(pid)]
             if strays and not any(_is_worker(pid) for pid in holders):
-                raise ExecutorError(f"local executor: {lock} is held by a process that is not a working pdmctl "
-                                    f"worker (pid {strays[0]}: {_cmdline(strays[0])[:80]}); end that process, "
-                                    "then submit again")  # fmt: skip
-            return
+                return f"pid {strays[0]}: {_cmdline(strays[0])[:80]}"
+            return None
         # no word from the kernel (/proc/locks unreadable): the heartbeat, and the pid the worker wrote in it
         beat = self.root / "worker.heartbeat"
-        age = time.time() - beat.stat().st_mtime if beat.exists() else None
+        try:
+            age = time.time() - beat.stat().st_mtime
+        except OSError:
+            age = None
         pid = _heartbeat_pid(beat)
-        if age is None or age > _HEARTBEAT_STALE_S or age < -_CLOCK_SLACK_S or pid is None or not _is_worker(pid):
-            if age is None:
-                since = "never beat"
-            elif age < -_CLOCK_SLACK_S:
-                since = f"its heartbeat is {-age:.0f} s in the future"
-            else:
-                since = f"last beat {age:.0f} s ago" + ("" if pid is not None and _is_worker(pid) else
-                                                         ", and the worker that wrote it has ended")  # fmt: skip
-            raise ExecutorError(f"local executor: {lock} is held by a process that is not a "
-                                f"working pdmctl worker ({since}); end that process, then submit again")  # fmt: skip
+        if age is not None and -_CLOCK_SLACK_S <= age <= _HEARTBEAT_STALE_S and pid is not None and _is_worker(pid):
+            return None
+        if age is None:
+            return "never beat"
+        if age < -_CLOCK_SLACK_S:
+            return f"its heartbeat is {-age:.0f} s in the future"
+        return f"last beat {age:.0f} s ago" + ("" if pid is not None and _is_worker(pid) else
+                                               ", and the worker that wrote it has ended")  # fmt: skip
 
     def cancel(self, job_ids: Sequence[str]) -> None:
         if not job_ids:
