@@ -14,7 +14,7 @@ Python, the local executor, an embedded ledger in a fresh directory) and prints:
 - peak memory: the machine's (MemTotal − MemAvailable, less what was in use before) and the summed
   proportional set size (PSS: shared pages split between their processes, unlike RSS) of the job's
   engine processes (those with its `PDMCTL_ENGINE_TAG`), sampled every 0.5 s;
-- the mask's share of the actor: the seconds in `topk.diagnose_rows`, written by each actor process
+- the mask's share of the actor: the seconds in `actor_loss.diagnose_rows`, written by each actor process
   (`PDMCTL_VERL_PROFILE_DIR`), within the steps after the first, against VeRL's `timing_s/old_log_prob
   + timing_s/update_actor` for the same steps (the logits processor runs in both forward passes).
   The steps measured are those between the first and the last.

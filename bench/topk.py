@@ -52,7 +52,7 @@ protocol 5 and a buffer callback, as Ray sends it; the bytes in band and out of 
 the driver concatenates the shares and balances the batch (`DataProto.concat`, `reorder`), converts it
 (`to_tensordict`, `left_right_2_no_padding` does not touch the top-K) and sends one chunk per data-
 parallel rank (--dp; `chunk_tensordict`, pickled the same way), and one rank reads its rows back for
-the mask (`_carried_rows`; before: `padded[valid]`). Reported: the carried bytes (exact, from the
+the mask (`topk.carried_rows`; before: `padded[valid]`). Reported: the carried bytes (exact, from the
 arrays), the seconds of each stage, and the process's peak memory above its baseline over the whole
 carry (Linux's VmHWM, reset before each layout). The old layout is 2.1 GB at 4B scale and 16.9 GB at
 30B before any copy, and its path copies it several times (DataProto's torch.save, concat, a whole
@@ -363,7 +363,7 @@ def run_layout(layout: str, lengths: np.ndarray, cap: int, k: int, workers: int,
         chunk_lengths = torch.tensor([a.shape[0] for a in value])
         valid = torch.arange(cap)[None, :] < chunk_lengths[:, None]
         t0 = time.process_time()
-        rows = topk._carried_rows(value, valid), topk._carried_rows(received[topk.TOPK_LOGPROBS_KEY], valid)
+        rows = topk.carried_rows(value, valid), topk.carried_rows(received[topk.TOPK_LOGPROBS_KEY], valid)
         out["read"] = time.process_time() - t0
     del rows, received, chunks, data, batch
     out["bytes"] = carried_bytes

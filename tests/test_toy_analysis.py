@@ -55,13 +55,13 @@ def test_analysis_reports_each_estimator_against_the_ratio_criterion() -> None:
 
 
 def test_analysis_is_reproducible() -> None:
-    from pdmctl.report.tables import _analysis_result
+    from pdmctl.analysis.results import AnalysisResult
 
     cfg = ToyConfig(prompts_per_step=32)
     first = run_analysis(cfg, [3], DEFAULT_PROTOCOLS)
     assert first.to_json() == run_analysis(cfg, [3], DEFAULT_PROTOCOLS).to_json()
     assert list(first.protocol_comparisons) == list(DEFAULT_PROTOCOLS)
-    assert _analysis_result(json.loads(first.to_json())) == first  # the report reads back what analyze wrote
+    assert AnalysisResult.from_dict(json.loads(first.to_json())) == first  # the report reads back what analyze wrote
     console = Console(width=250, record=True)
     console.print(render_protocol_table(first))
     text = console.export_text()

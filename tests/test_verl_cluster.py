@@ -242,7 +242,7 @@ def test_dry_run_prints_every_distinct_command_its_runs_a_verl_key_and_the_check
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "VeRL jobs: 2 run(s), 1 setting(s), 2 distinct command(s)" in out
-    assert "command 1.1 (" in out and "python -m pdmctl.backends.verl.launch train" in out
+    assert "command 1.1 (" in out and "python -m pdmctl.backends.verl.jobbody train" in out
     for override in ("+actor_rollout_ref.actor.policy_loss.topk=10", "trainer.max_actor_ckpt_to_keep=2",
                      "trainer.nnodes=1", "actor_rollout_ref.model.path=", "data.seed=SEED",
                      "actor_rollout_ref.rollout.gpu_memory_utilization=0.85"):  # fmt: skip

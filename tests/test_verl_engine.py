@@ -547,7 +547,7 @@ def test_a_failure_in_the_weight_sync_ends_the_job_in_bounded_time(tmp_path: Pat
 
 def test_the_v1_trainer_carries_topk_through_transferqueue(tmp_path: Path) -> None:
     """VeRL 0.9.1's default trainer (V1) moves samples through TransferQueue, not a DataProto: the top-K
-    travels as two per-sample fields there (topk._patch_agent_loop_tq). One PDM run with
+    travels as two per-sample fields there (patches._patch_agent_loop_tq). One PDM run with
     PDMCTL_VERL_TRAINER=v1 trains its 3 steps, masks, and its actor's micro-batch holds vLLM's top-K."""
     dump_dir = tmp_path / "dump"
     env = {"PDMCTL_VERL_TRAINER": "v1", "PDMCTL_VERL_DUMP_DIR": str(dump_dir),
@@ -574,7 +574,6 @@ def test_the_v1_trainer_carries_topk_through_transferqueue(tmp_path: Path) -> No
     _check_topk_from_vllm(pairs)
 
 
-@pytest.mark.engine_long
 def test_a_tracking_server_outage_during_training_loses_no_metric(tmp_path: Path) -> None:
     """Issue 26, item 2: the CI's MLflow server goes away for 60 s while a VeRL run trains and validates
     (`test_freq=1`: a validation every step), seen from the job through a TCP relay that closes (the server

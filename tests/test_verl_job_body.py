@@ -238,7 +238,7 @@ def test_an_interface_address_is_read_from_the_kernel(monkeypatch: pytest.Monkey
     with pytest.raises(jobbody.InterfaceError, match=r"^node n7 has no network interface 'pdmnosuch0' \(the "
                                                      r"profile's network_interface; its interfaces: .*\blo\b"):  # fmt: skip
         jobbody.interface_address("pdmnosuch0")
-    proc = subprocess.run([sys.executable, "-m", "pdmctl.backends.verl.launch", "node-address", "--interface", "lo"],
+    proc = subprocess.run([sys.executable, "-m", "pdmctl.backends.verl.jobbody", "node-address", "--interface", "lo"],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "SLURMD_NODENAME": "n7"})  # fmt: skip
     assert (proc.returncode, proc.stdout) == (0, "n7 127.0.0.1\n"), proc.stderr
 

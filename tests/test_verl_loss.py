@@ -25,7 +25,7 @@ from verl.utils.torch_functional import logprobs_from_logits
 from verl.workers.utils.padding import left_right_2_no_padding
 
 from pdmctl import masks
-from pdmctl.backends.verl import launch, plugin, topk
+from pdmctl.backends.verl import actor_loss, launch, plugin, topk
 
 pytestmark = pytest.mark.verl
 
@@ -107,7 +107,7 @@ def micro_batch(seed: int, layout: str = "carried"):
     # The training policy π: μ's logits moved a little, so some tokens leave the trust region.
     packed = int(attention.sum())
     logits = torch.randn(packed, VOCAB, generator=g, dtype=torch.float64)
-    rows = topk.response_rows(data, packed)
+    rows = actor_loss.response_rows(data, packed)
     valid = response_mask.bool()
     logits[rows[valid]] = mu_logits[valid].double() + 0.7 * torch.randn(n_tokens, VOCAB, generator=g).double()
     return data, logits, rows, valid
@@ -117,14 +117,14 @@ def verl_actor_step(config, data, logits: torch.Tensor):
     """What FSDPEngineWithLMHead.prepare_model_outputs + forward_step do with a pdmctl loss."""
     cu_seqlens = data["input_ids"].offsets()
     labels = torch.roll(data["input_ids"].values(), shifts=-1, dims=0)
-    processed = topk.pdm_ppo_loss(config, data=data, student_logits=logits.unsqueeze(0))
+    processed = actor_loss.pdm_ppo_loss(config, data=data, student_logits=logits.unsqueeze(0))
     model_output = {
         name: torch.nested.nested_tensor_from_jagged(v.squeeze(0), cu_seqlens)
         for name, v in processed.items()
     }
     log_probs = logprobs_from_logits(logits=logits, labels=labels, inplace_backward=False)
     model_output["log_probs"] = torch.nested.nested_tensor_from_jagged(log_probs, cu_seqlens)
-    return topk.pdm_ppo_loss(config, model_output=model_output, data=data)
+    return actor_loss.pdm_ppo_loss(config, model_output=model_output, data=data)
 
 
 @pytest.mark.parametrize(("method", "divergence", "estimator"), CASES)
@@ -170,8 +170,8 @@ def test_the_carried_layout_gives_the_padded_layouts_mask_and_loss_bit_for_bit(
             data, logits, _, _ = micro_batch(seed, layout=layout)
             with monkeypatch.context() as patch:
                 if layout == "padded":
-                    patch.setattr(topk, "response_tokens", reference_response_tokens)
-                outputs = topk.pdm_ppo_loss(config, data=data, student_logits=logits.unsqueeze(0))
+                    patch.setattr(actor_loss, "response_tokens", reference_response_tokens)
+                outputs = actor_loss.pdm_ppo_loss(config, data=data, student_logits=logits.unsqueeze(0))
                 leaf = logits.clone().requires_grad_(True)
                 loss, metrics = verl_actor_step(config, data, leaf)
             loss.backward()

@@ -21,7 +21,7 @@ pytest.importorskip("megatron.core")
 import torch
 
 from pdmctl import masks
-from pdmctl.backends.verl import launch, topk
+from pdmctl.backends.verl import actor_loss, launch, topk
 from tests.distributed import run_group
 
 pytestmark = pytest.mark.verl
@@ -55,7 +55,7 @@ def _megatron_rank(rank: int, world: int, layouts, seeds) -> list[dict]:
     for tp, cp, fp8 in layouts:
         mpu.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
         config = megatron_actor_config(fp8)
-        assert config.strategy == "megatron" and topk.megatron_fp8_padding(config) == fp8
+        assert config.strategy == "megatron" and actor_loss.megatron_fp8_padding(config) == fp8
         for seed in seeds:
             data, logits, _, valid = micro_batch(seed)
             input_ids = data["input_ids"]
@@ -64,13 +64,13 @@ def _megatron_rank(rank: int, world: int, layouts, seeds) -> list[dict]:
             columns = logits.shape[-1] // tp
             first = mpu.get_tensor_model_parallel_rank() * columns
             local = packed[..., first : first + columns].contiguous()  # (1, rows / CP, V / TP)
-            processed = topk.pdm_ppo_loss(config, data=data, student_logits=local, data_format="thd")
+            processed = actor_loss.pdm_ppo_loss(config, data=data, student_logits=local, data_format="thd")
             assert all(v.shape == local.shape[:2] for v in processed.values())
             model_output = {
                 name: postprocess_thd_engine(v, params, input_ids, input_ids.shape[0])
                 for name, v in processed.items()
             }
-            d = topk.diagnostics_from_model_output(model_output, data)
+            d = actor_loss.diagnostics_from_model_output(model_output, data)
             out.append({"layout": (tp, cp, fp8), "seed": seed, "rows": int(local.shape[1]),
                         **{name: getattr(d, name)[valid] for name in topk.DIAGNOSTIC_KEYS}})  # fmt: skip
         mpu.destroy_model_parallel()

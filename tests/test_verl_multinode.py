@@ -63,7 +63,7 @@ pytestmark = [
 ]
 
 _ANNOUNCE = re.compile(r"pdmctl: (actor rank (\d+) of (\d+) (initialised|trained a batch)|rollout server (\S+) generates)"
-                       r" on (n\d+) \(pid \d+\)")  # fmt: skip  (topk.announce)
+                       r" on (n\d+) \(pid \d+\)")  # fmt: skip  (patches.announce)
 
 
 @contextlib.contextmanager

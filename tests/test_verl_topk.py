@@ -16,7 +16,7 @@ pytest.importorskip("verl")
 
 import torch
 
-from pdmctl.backends.verl import topk
+from pdmctl.backends.verl import actor_loss, patches, topk
 from tests.topk_reference import Logprob, flatten, reference_extract_topk, vllm_flat_response, vllm_response
 
 pytestmark = pytest.mark.verl
@@ -184,10 +184,10 @@ def test_the_server_hands_over_numpy_views_the_agent_loop_takes_without_a_copy()
 
     support = topk.extract_topk([1, 2], [position({1: (-0.1, 1)}), position({2: (-0.2, 1)})], k=2)
     extra = {topk.TOPK_IDS_KEY: topk.int32_ids(support.ids).numpy(), topk.TOPK_LOGPROBS_KEY: support.logprobs.numpy()}
-    back = topk._support_from_extra_fields(pickle.loads(pickle.dumps(extra, protocol=5)))
+    back = patches._support_from_extra_fields(pickle.loads(pickle.dumps(extra, protocol=5)))
     assert torch.equal(back.ids.long(), support.ids) and torch.equal(back.logprobs, support.logprobs)
     assert back.ids.dtype == torch.int32 and back.logprobs.dtype == torch.float32
-    shared = topk._support_from_extra_fields(extra)
+    shared = patches._support_from_extra_fields(extra)
     assert shared.ids.data_ptr() == extra[topk.TOPK_IDS_KEY].ctypes.data  # no copy on the agent loop's side
 
 
@@ -201,9 +201,9 @@ def test_install_patches_actor_and_agent_loop_idempotently() -> None:
     from verl.experimental.agent_loop import agent_loop
     from verl.workers import engine_workers
 
-    topk.install(k=4)
+    patches.install(k=4)
     patched = engine_workers.TrainingWorker.train_batch
-    topk.install(k=4)
+    patches.install(k=4)
     assert engine_workers.TrainingWorker.train_batch is patched
     assert agent_loop.AgentLoopWorker._postprocess.__wrapped__ is not None
 
@@ -249,7 +249,7 @@ def test_agent_loop_patch_puts_each_responses_top_k_in_the_batch_and_the_actor_r
     from verl.workers.utils.padding import left_right_2_no_padding
 
     k, prompt_len, response_len = 3, 6, 8
-    topk.install(k=k)
+    patches.install(k=k)
     worker = object.__new__(agent_loop.AgentLoopWorker)  # _postprocess reads this one attribute
     worker.reward_loop_worker_handles = None
     responses = [[5, 7, 11, 2], [9, 1, 4, 4, 8, 3, 6], [3, 3, 3, 3, 3, 3, 3, 3]]
@@ -271,7 +271,7 @@ def test_agent_loop_patch_puts_each_responses_top_k_in_the_batch_and_the_actor_r
     proto.batch["advantages"] = torch.zeros(3, response_len)  # the trainer adds them before the actor
     data = left_right_2_no_padding(proto.to_tensordict())
     total = int(data["input_ids"].offsets()[-1])
-    _, tokens = topk.response_tokens(data, total, torch.device("cpu"))
+    _, tokens = actor_loss.response_tokens(data, total, torch.device("cpu"))
     order = [2, 0, 1]
     want_ids = torch.cat([torch.tensor(inputs[i].extra_fields[topk.TOPK_IDS_KEY]) for i in order])
     want_lps = torch.cat([torch.tensor(inputs[i].extra_fields[topk.TOPK_LOGPROBS_KEY]) for i in order])
@@ -288,7 +288,7 @@ def test_the_agent_loop_takes_top_k_carried_as_tensors() -> None:
     from verl.workers.rollout.replica import TokenOutput
 
     k = 3
-    topk.install(k=k)
+    patches.install(k=k)
     worker = object.__new__(agent_loop.AgentLoopWorker)
     worker.reward_loop_worker_handles = None
     as_lists = _internal_output([1, 2], [5, 7, 11, 2], 4, 6, k, seed=0)
@@ -311,7 +311,7 @@ def test_the_v1_trainers_per_sample_fields_carry_the_same_layout() -> None:
     from verl.utils import tensordict_utils
 
     k = 3
-    topk.install(k=k)
+    patches.install(k=k)
     fields, want = [], []
     for seed, response in enumerate([[5, 7, 11, 2], [9, 1, 4]]):
         out = _internal_output([1, 2], response, 2, len(response), k, seed)
@@ -323,7 +323,7 @@ def test_the_v1_trainers_per_sample_fields_carry_the_same_layout() -> None:
     assert ids.is_nested and ids.dtype == torch.int32 and td[topk.TOPK_LOGPROBS_KEY].dtype == torch.float32
     assert [t.shape for t in ids.unbind()] == [(4, k), (3, k)]
     valid = torch.tensor([[True] * 4, [True] * 3 + [False]])
-    top, carried = topk._carried_rows(ids, valid)
+    top, carried = topk.carried_rows(ids, valid)
     assert bool(carried.all()) and torch.equal(top.long(), torch.cat(want)[:, :k])
 
 
@@ -338,7 +338,7 @@ def test_the_v1_actor_reads_each_micro_batchs_top_k_as_vllm_returned_it() -> Non
     from verl.utils import tensordict_utils as tu
 
     k = 3
-    topk.install(k=k)
+    patches.install(k=k)
     lengths = [4, 2, 5, 1, 3, 5]
     stored, supports, responses = [], [], []
     for seed, n in enumerate(lengths):
@@ -362,7 +362,7 @@ def test_the_v1_actor_reads_each_micro_batchs_top_k_as_vllm_returned_it() -> Non
     for i, micro in enumerate(tu.chunk_tensordict(tu.index_select_tensor_dict(batch, torch.tensor(order)), 2)):
         samples = order[2 * i : 2 * i + 2]
         micro["advantages"] = torch.nested.as_nested_tensor([torch.zeros(lengths[s]) for s in samples], layout=torch.jagged)
-        _, tokens = topk.response_tokens(micro, int(micro["input_ids"].offsets()[-1]), torch.device("cpu"))
+        _, tokens = actor_loss.response_tokens(micro, int(micro["input_ids"].offsets()[-1]), torch.device("cpu"))
         want_ids = torch.cat([torch.tensor(supports[s][topk.TOPK_IDS_KEY]) for s in samples])
         want_lps = torch.cat([torch.tensor(supports[s][topk.TOPK_LOGPROBS_KEY]) for s in samples])
         assert torch.equal(tokens.topk_ids, want_ids) and torch.equal(tokens.topk_logprobs, want_lps)
@@ -373,7 +373,7 @@ def test_agent_loop_patch_refuses_top_k_rows_that_do_not_line_up() -> None:
     from verl.experimental.agent_loop import agent_loop
 
     k = 3
-    topk.install(k=k)
+    patches.install(k=k)
     worker = object.__new__(agent_loop.AgentLoopWorker)
     worker.reward_loop_worker_handles = None
     shifted = _internal_output([1, 2], [5, 7, 11, 2], 4, 6, k, seed=0)
@@ -390,17 +390,17 @@ def test_announce_says_where_once_per_process(capsys, monkeypatch) -> None:
     """The placement lines tests/test_verl_multinode.py reads: host and pid, each role once."""
     import socket
 
-    monkeypatch.setattr(topk, "_ANNOUNCED", set())
+    monkeypatch.setattr(patches, "_ANNOUNCED", set())
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     for _ in range(3):
-        topk.announce(f"actor {topk._actor_rank()} trained a batch")
+        patches.announce(f"actor {patches._actor_rank()} trained a batch")
     lines = capsys.readouterr().out.splitlines()
     assert lines == [f"pdmctl: actor rank 1 of 2 trained a batch on {socket.gethostname()} (pid {os.getpid()})"]
 
 
 def test_the_actor_reads_the_carried_rows_of_any_mask_in_the_padded_layouts_order() -> None:
-    """`_carried_rows` gives `padded[valid]`'s rows in its order for a mask with holes (tool tokens) and
+    """`carried_rows` gives `padded[valid]`'s rows in its order for a mask with holes (tool tokens) and
     positions no response holds (then `carried` is False there), from each form a micro-batch holds."""
     a = np.arange(3 * 2, dtype=np.int32).reshape(3, 2)
     b = np.arange(100, 100 + 2 * 2, dtype=np.int32).reshape(2, 2)
@@ -409,8 +409,8 @@ def test_the_actor_reads_the_carried_rows_of_any_mask_in_the_padded_layouts_orde
     padded[0, :3], padded[1, :2] = torch.from_numpy(a), torch.from_numpy(b)
     nested = torch.nested.nested_tensor_from_jagged(torch.from_numpy(np.concatenate([a, b])), torch.tensor([0, 3, 5]))
     for form in ([a, b], nested):
-        rows, carried = topk._carried_rows(form, valid)
+        rows, carried = topk.carried_rows(form, valid)
         assert carried.tolist() == [True, True, False, True, True, False]
         assert torch.equal(rows[carried], padded[valid][carried]), type(form)
-    rows, carried = topk._carried_rows(padded, valid)  # one [bsz, T, K] tensor: every position held
+    rows, carried = topk.carried_rows(padded, valid)  # one [bsz, T, K] tensor: every position held
     assert bool(carried.all()) and torch.equal(rows, padded[valid])

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from pdmctl.backends.verl import topk
-from pdmctl.backends.verl.topk import ResponseTokens, RolloutTopK, VllmLogprob
+from pdmctl.backends.verl import actor_loss, topk
+from pdmctl.backends.verl.actor_loss import ResponseTokens
+from pdmctl.backends.verl.topk import RolloutTopK, VllmLogprob
 
 
 @dataclass
@@ -142,10 +143,10 @@ def reference_pad_topk(responses: Sequence[RolloutTopK], response_length: int, k
 
 
 def reference_response_tokens(data: Any, total_rows: int, device: torch.device) -> tuple[torch.Tensor, ResponseTokens]:
-    """`topk.response_tokens` as it read the padded layout (the two checks of missing fields left out)."""
-    dense = topk._dense
+    """`actor_loss.response_tokens` as it read the padded layout (the two checks of missing fields left out)."""
+    dense = actor_loss._dense
     valid = dense(data, "response_mask").bool().to(device)
-    rows = topk.response_rows(data, total_rows).to(device)[valid]
+    rows = actor_loss.response_rows(data, total_rows).to(device)[valid]
     tokens = ResponseTokens(
         sampled_ids=dense(data, "responses").to(device)[valid].long(),
         topk_ids=dense(data, topk.TOPK_IDS_KEY).to(device)[valid].long(),

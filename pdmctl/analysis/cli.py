@@ -91,10 +91,10 @@ def analyze(
         for path in family or []:
             import json as _json
 
-            from pdmctl.report.tables import _analysis_result
+            from pdmctl.analysis.results import AnalysisResult
 
             try:
-                earlier.append(_analysis_result(_json.loads(path.read_text())))
+                earlier.append(AnalysisResult.from_dict(_json.loads(path.read_text())))
             except (OSError, ValueError, TypeError, KeyError) as exc:
                 fail(f"--family: {path}: not an analyze --json result ({str(exc).splitlines()[0][:120]})")
         for name, value in (("--jobs", jobs), ("--threads", threads)):

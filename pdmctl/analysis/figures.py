@@ -209,11 +209,11 @@ def write_figures(result: AnalysisResult, directory: Path) -> list[Path]:
 def main(argv: list[str]) -> None:
     import json
 
-    from pdmctl.report.tables import _analysis_result
+    from pdmctl.analysis.results import AnalysisResult
 
     if len(argv) != 2:
         raise SystemExit("usage: python -m pdmctl.analysis.figures ANALYSIS.json DIR")
-    result = _analysis_result(json.loads(Path(argv[0]).read_text()))
+    result = AnalysisResult.from_dict(json.loads(Path(argv[0]).read_text()))
     if not result.disagreement_tokens:
         raise SystemExit(f"{argv[0]}: written before the figures' data (no disagreement_tokens); run analyze again")
     for path in write_figures(result, Path(argv[1])):

@@ -156,3 +156,27 @@ class AnalysisResult:
         data = dataclasses.asdict(self)
         lines = [f"  {json.dumps(k)}: {json.dumps(v, allow_nan=False, ensure_ascii=False)}" for k, v in data.items()]
         return "{\n" + ",\n".join(lines) + "\n}\n"
+
+    @classmethod
+    def from_dict(cls, data: dict) -> AnalysisResult:
+        """A result from `to_json`'s JSON, older files too (a field written later is empty there)."""
+
+        def criterion(values: dict) -> CriterionStats:  # written before per-seed corrective rates: none
+            return CriterionStats(**{"corrective_per_seed": [], **values})
+
+        def comparison(c: dict) -> Comparison:
+            return Comparison(**{**c, "ratio": criterion(c["ratio"]), "predictive": criterion(c["predictive"])})
+
+        comparisons = [comparison(c) for c in data["comparisons"]]
+        differences = [EstimatorDifference(**d) for d in data.get("estimator_differences", [])]
+        by_protocol = {p: [comparison(c) for c in cs] for p, cs in data.get("protocol_comparisons", {}).items()}
+        decomposed = [DecompositionRow(**r) for r in data.get("decomposition", [])]
+        assumption = [AssumptionRow(**r) for r in data.get("logit_assumption", [])]
+        bands = [BandStats(**b) for b in data.get("bands", [])]  # written before the bands (issue 19): none
+        tokens = [DisagreementTokens(**t) for t in data.get("disagreement_tokens", [])]  # written before: none
+        counterfactual = [CounterfactualCounts(**c) for c in data.get("counterfactual", [])]
+        return cls(**{**data, "comparisons": comparisons, "estimator_differences": differences,
+                      "protocol_comparisons": by_protocol, "decomposition": decomposed,
+                      "logit_assumption": assumption, "bands": bands,
+                      "disagreement_tokens": tokens, "counterfactual": counterfactual,
+                      "protocol": data.get("protocol", "carried")})  # fmt: skip

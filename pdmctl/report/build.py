@@ -522,10 +522,10 @@ def load_analysis(path: Path) -> dict:
         raise ReportError(f"--analysis: cannot read {path} ({exc})") from exc
     if not isinstance(data, dict) or "comparisons" not in data:
         raise ReportError(f"--analysis: {path} is not a direction analysis (no 'comparisons')")
-    from pdmctl.report.tables import _analysis_result
+    from pdmctl.analysis.results import AnalysisResult
 
     try:  # every field the tables and figures read, before any work
-        _analysis_result(data)
+        AnalysisResult.from_dict(data)
     except (TypeError, KeyError, ValueError, AttributeError) as exc:
         why = " ".join(str(exc).split())[:200]
         raise ReportError(f"--analysis: {path} is not a whole direction analysis ({type(exc).__name__}: {why})") from None

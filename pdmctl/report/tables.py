@@ -231,9 +231,10 @@ def excluded_table(report: Report) -> TextTable:
 
 def direction_table(analysis: dict) -> TextTable:
     """The direction analysis, through the toy backend's own row builder (imports torch: only when asked)."""
+    from pdmctl.analysis.results import AnalysisResult
     from pdmctl.analysis.tables import ANALYSIS_COLUMNS, analysis_rows
 
-    result = _analysis_result(analysis)
+    result = AnalysisResult.from_dict(analysis)
     n = max(len(result.seeds), 1)
     note = (f"{len(result.seeds)} seeds, {result.divergence} δ={result.delta} K={result.k} {result.precision}; "
             f"{sum(result.out_of_region_per_seed) / n:.0f} of {sum(result.tokens_per_seed) / n:.0f} response tokens "
@@ -242,41 +243,6 @@ def direction_table(analysis: dict) -> TextTable:
     return TextTable(
         "direction", "Direction analysis", tuple(ANALYSIS_COLUMNS), analysis_rows(result), note, 2
     )
-
-
-def _analysis_result(data: dict):
-    from pdmctl.analysis.results import (
-        AnalysisResult,
-        AssumptionRow,
-        Comparison,
-        CounterfactualCounts,
-        CriterionStats,
-        DecompositionRow,
-        DisagreementTokens,
-        EstimatorDifference,
-    )
-
-    def criterion(values: dict) -> CriterionStats:  # written before per-seed corrective rates: none
-        return CriterionStats(**{"corrective_per_seed": [], **values})
-
-    def comparison(c: dict) -> Comparison:
-        return Comparison(**{**c, "ratio": criterion(c["ratio"]), "predictive": criterion(c["predictive"])})
-
-    comparisons = [comparison(c) for c in data["comparisons"]]
-    differences = [EstimatorDifference(**d) for d in data.get("estimator_differences", [])]
-    by_protocol = {p: [comparison(c) for c in cs] for p, cs in data.get("protocol_comparisons", {}).items()}
-    decomposed = [DecompositionRow(**r) for r in data.get("decomposition", [])]
-    assumption = [AssumptionRow(**r) for r in data.get("logit_assumption", [])]
-    from pdmctl.analysis.bands import BandStats
-
-    bands = [BandStats(**b) for b in data.get("bands", [])]  # written before the bands (issue 19): none
-    tokens = [DisagreementTokens(**t) for t in data.get("disagreement_tokens", [])]  # written before: none
-    counterfactual = [CounterfactualCounts(**c) for c in data.get("counterfactual", [])]
-    return AnalysisResult(**{**data, "comparisons": comparisons, "estimator_differences": differences,
-                             "protocol_comparisons": by_protocol, "decomposition": decomposed,
-                             "logit_assumption": assumption, "bands": bands,
-                             "disagreement_tokens": tokens, "counterfactual": counterfactual,
-                             "protocol": data.get("protocol", "carried")})  # fmt: skip
 
 
 # ---------------------------------------------------------------------------

@@ -89,9 +89,9 @@ def figures(report: Report) -> list[FigureFile]:
                               f"{_band_note(report)}.{note}", plots.dynamics_figure(curves, band)))  # fmt: skip
     if report.analysis is not None and report.analysis.get("disagreement_tokens"):  # analyses before: no data
         from pdmctl.analysis.figures import render
-        from pdmctl.report.tables import _analysis_result
+        from pdmctl.analysis.results import AnalysisResult
 
-        result = _analysis_result(report.analysis)
+        result = AnalysisResult.from_dict(report.analysis)
         out += [FigureFile(f"direction_{name}", caption, png) for name, caption, png in render(result)]
     return out
 

@@ -217,7 +217,7 @@ def _earlier(root: Path, step: int) -> list[str]:
 
 
 def install() -> None:
-    """Patch VeRL 0.9.1's checkpoint managers (in the actor processes: `topk`'s wrapper of the actor's
+    """Patch VeRL 0.9.1's checkpoint managers (in the actor processes: `patches`' wrapper of the actor's
     `init_model` installs it, where the job exported the run's checkpoint directory as PDMCTL_CHECKPOINT_DIR):
 
     * before a process's first rotation, its list of saved checkpoints (`previous_saved_paths`) is seeded

@@ -103,7 +103,7 @@ def describe_jobs(jobs: Sequence[Job], nodes: int, environ: Mapping[str, str], c
                 lines.append(f"  command {label} ({command.jobs[0].summary}):")
                 lines.append("    " + " \\\n      ".join([
                     "env " + " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(command.env.items())),
-                    "python -m pdmctl.backends.verl.launch train", *(shlex.quote(o) for o in command.overrides)]))  # fmt: skip
+                    "python -m pdmctl.backends.verl.jobbody train", *(shlex.quote(o) for o in command.overrides)]))  # fmt: skip
             else:
                 lines.append(f"  command {label} differs from {s}.1 in: {_difference(first, command)}")
             lines.append("    runs: " + ", ".join(f"{job.key} (seed {job.config['seed']})" for job in command.jobs))

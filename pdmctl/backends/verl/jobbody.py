@@ -1,6 +1,6 @@
 """A VeRL job on its nodes: the SLURM job body (Ray on every node of the allocation, then the trainer,
 its stall watchdog, cleanup however it ends), the trainer on this machine outside SLURM, and the job
-body's steps (`python -m pdmctl.backends.verl.launch {node-address,wait-ray,probe,train}`)."""
+body's steps (`python -m pdmctl.backends.verl.jobbody {node-address,wait-ray,probe,train}`)."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ declare -A NODE_IP=()
 IFACE="${PDMCTL_RAY_INTERFACE:-}"
 if [ -n "$IFACE" ]; then
   ADDRS="$(srun --nodes="$N" --ntasks="$N" --ntasks-per-node=1 --overlap \
-    "$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch node-address --interface "$IFACE" 2>&1)" || {
+    "$PDMCTL_PYTHON" -m pdmctl.backends.verl.jobbody node-address --interface "$IFACE" 2>&1)" || {
     # the node's own line; else the first exception line (the package not importing there), else the last
     REASON="$(printf '%s\n' "$ADDRS" | grep -m 1 -E '^RuntimeError: ' || true)"
     if [ -z "$REASON" ]; then
@@ -143,7 +143,7 @@ RAY_AUTH_TOKEN="$("$PDMCTL_PYTHON" -c "import secrets; print(secrets.token_hex(3
 export RAY_AUTH_TOKEN
 # The package must import on every node before any Ray worker starts (the interface's step did that).
 [ -n "$IFACE" ] || srun --nodes="$N" --ntasks="$N" --ntasks-per-node=1 --overlap \
-  "$PDMCTL_PYTHON" -c "import pdmctl.backends.verl.launch"
+  "$PDMCTL_PYTHON" -c "import pdmctl.backends.verl.jobbody"
 # Since Slurm 22.05 a step does not inherit --cpus-per-task: each Ray node step asks for the job's CPUs.
 STEP_CPUS=(${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"})
 srun --nodes=1 --ntasks=1 -w "$HEAD" --overlap "${STEP_CPUS[@]}" \
@@ -159,7 +159,7 @@ for node in "${NODES[@]:1}"; do
   BACKGROUND+=($!)
 done
 # Wait for every node; a `ray start` step that ends meanwhile fails the start at once, not at the timeout.
-$SETSID "$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch wait-ray --nodes "$N" --timeout "${PDMCTL_RAY_WAIT_S:-120}" &
+$SETSID "$PDMCTL_PYTHON" -m pdmctl.backends.verl.jobbody wait-ray --nodes "$N" --timeout "${PDMCTL_RAY_WAIT_S:-120}" &
 MAIN=$!
 while kill -0 "$MAIN" 2>/dev/null; do
   for pid in "${BACKGROUND[@]}"; do
@@ -175,9 +175,9 @@ MAIN=""
 # The trainer in the background, waited for: a TERM to this shell is then handled at once (the
 # trap ends the trainer and Ray), not after the trainer exits.
 if [ "${PDMCTL_VERL_PROBE:-0}" = "1" ]; then
-  $SETSID "$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch probe &
+  $SETSID "$PDMCTL_PYTHON" -m pdmctl.backends.verl.jobbody probe &
 else
-  $SETSID "$PDMCTL_PYTHON" -m pdmctl.backends.verl.launch train "$@" &
+  $SETSID "$PDMCTL_PYTHON" -m pdmctl.backends.verl.jobbody train "$@" &
 fi
 MAIN=$!
 wait "$MAIN"
@@ -214,7 +214,7 @@ def build_local_command(run_config: Mapping[str, Any], python: str | None = None
         from pdmctl.backends.verl import cpu
 
         overrides += cpu.local_ray_overrides()
-    module = "pdmctl.backends.verl.launch"
+    module = "pdmctl.backends.verl.jobbody"
     return ["env", *(f"{k}={v}" for k, v in sorted(env.items())), python or "python3", "-m", module, "train",
             *overrides]  # fmt: skip
 
@@ -508,7 +508,7 @@ def probe() -> None:
 
     @ray.remote(num_cpus=1)
     def where() -> dict[str, str]:
-        import pdmctl.backends.verl.launch  # noqa: F401  (the package imports on the worker)
+        import pdmctl.backends.verl.jobbody  # noqa: F401  (the package imports on the worker)
 
         return {"host": socket.gethostname(), TOPK_ENV: os.environ.get(TOPK_ENV, "")}
 
@@ -552,7 +552,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m pdmctl.backends.verl.launch")
+    parser = argparse.ArgumentParser(prog="python -m pdmctl.backends.verl.jobbody")
     sub = parser.add_subparsers(dest="step", required=True)
     wait = sub.add_parser("wait-ray")
     wait.add_argument("--nodes", type=int, required=True)
@@ -572,3 +572,6 @@ def main(argv: list[str] | None = None) -> None:
     else:
         train(args.overrides)
 
+
+if __name__ == "__main__":
+    main()

@@ -551,10 +551,3 @@ def final_step(run_config: Mapping[str, Any]) -> int | None:
     """The run's last training step where it is fixed (its own or its preset's); None: by epochs."""
     steps = run_config.get("total_training_steps") or MODEL_PRESETS[run_config["model"]].total_training_steps
     return int(steps) if steps else None
-
-
-
-if __name__ == "__main__":  # `python -m pdmctl.backends.verl.launch {node-address,wait-ray,probe,train}`: the job body's steps
-    from pdmctl.backends.verl.jobbody import main
-
-    main()

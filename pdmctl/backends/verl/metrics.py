@@ -49,7 +49,7 @@ def map_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------
-# `python -m pdmctl.backends.verl.launch {wait-ray,probe,train}`: the job body's steps
+# `python -m pdmctl.backends.verl.jobbody {wait-ray,probe,train}`: the job body's steps
 # ---------------------------------------------------------------------------
 
 

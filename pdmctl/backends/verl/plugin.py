@@ -29,7 +29,7 @@ from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, register
 from verl.workers.config import PolicyLossConfig
 
 from pdmctl import masks
-from pdmctl.backends.verl import resume, topk
+from pdmctl.backends.verl import actor_loss, patches, resume, topk
 from pdmctl.backends.verl.topk import LOSS_PREFIX, is_pdmctl_loss, loss_name, method_of_loss
 
 __all__ = ["LOSS_PREFIX", "PdmPolicyLossConfig", "check_run_config", "is_pdmctl_loss", "loss_name",
@@ -77,14 +77,14 @@ def _make_loss(method: str) -> Callable[..., tuple[torch.Tensor, dict[str, Any]]
         rollout_is_weights: torch.Tensor | None = None,
         **_: Any,  # VeRL's call site and type comment disagree on the last keyword; accept both
     ) -> tuple[torch.Tensor, dict[str, Any]]:
-        d = topk.current_diagnostics()
+        d = actor_loss.current_diagnostics()
         # MATH.md: L = −A · sg(min(r, C)) · M · log π_k; the gradient flows through log π_k only
         weight = (advantages * d.ratio.clamp(max=config.clip_ratio_c) * d.keep.to(advantages.dtype)).detach()
         token_loss = -weight * log_prob
         if rollout_is_weights is not None:
             token_loss = token_loss * rollout_is_weights
         loss = agg_loss(token_loss, response_mask, loss_agg_mode, **config.global_batch_info)
-        topk.dump_once(
+        actor_loss.dump_once(
             "loss", loss=loss.detach(), token_loss=token_loss.detach(), log_prob=log_prob.detach(),
             response_mask=response_mask, advantages=advantages, keep=d.keep, ratio=d.ratio,
         )  # fmt: skip
@@ -168,12 +168,12 @@ def check_run_config(config: Mapping[str, Any] | Any) -> None:
         raise PluginCheckError(f"{name!r}: ulysses_sequence_parallel_size must be 1")
     if not OmegaConf.select(config, "actor_rollout_ref.rollout.calculate_log_probs"):
         raise PluginCheckError(f"{name!r}: set actor_rollout_ref.rollout.calculate_log_probs=true (μ_k)")
-    if OmegaConf.select(config, "trainer.use_v1") and not topk.v1_available():
+    if OmegaConf.select(config, "trainer.use_v1") and not patches.v1_available():
         raise PluginCheckError(
             f"{name!r}: VeRL's V1 trainer needs TransferQueue==0.1.11 (scripts/engine-env.sh installs it); "
             "or set trainer.use_v1=false"
         )
-    k = topk.configured_topk()
+    k = patches.configured_topk()
     if k != int(policy_loss.topk):
         raise PluginCheckError(
             f"{topk.TOPK_ENV}={k} but policy_loss.topk={policy_loss.topk}: the job body must export "
@@ -181,6 +181,6 @@ def check_run_config(config: Mapping[str, Any] | Any) -> None:
         )
 
 
-if topk.configured_topk() > 0:
-    topk.install()
+if patches.configured_topk() > 0:
+    patches.install()
 resume.install()  # a resumed job logs no step twice (only where the job set MLFLOW_RUN_ID)

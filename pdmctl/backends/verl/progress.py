@@ -6,7 +6,7 @@ A VeRL trainer can be silent for a long time while it works: VeRL's default
 watchdog does not time prints; it times progress, which the job's own processes report:
 
 * each vLLM server counts the tokens it generates, as vLLM streams them (`topk`'s patch of the server),
-* each actor process counts the micro-batches its loss has seen (`topk.pdm_ppo_loss`),
+* each actor process counts the micro-batches its loss has seen (`actor_loss.pdm_ppo_loss`),
 * VeRL's console logger prints `step:N - ...` once a step (or a validation) is done,
 * the job process itself sees a checkpoint's files grow on disk while VeRL saves one (`checkpoints`).
 

@@ -54,3 +54,6 @@ def check_overrides(overrides: list[str]) -> None:
             ) from None
         if parsed.is_sweep_override():  # main_ppo is not a multirun: `a,b` would be a sweep there
             raise OverrideError(f"VeRL override {override!r} reads as a sweep over several values in Hydra")
+        if parsed.value() == "???":  # OmegaConf's MISSING, whatever the quoting: the job would stop on it
+            raise OverrideError(f"VeRL override {override!r} reads as OmegaConf's missing value '???' in VeRL's "
+                                "config: give it another value")  # fmt: skip
