@@ -267,6 +267,9 @@ for i in $(seq "$NODES"); do
     mount -t tmpfs -o mode=1777,size=2g tmpfs /tmp
     mount -t tmpfs -o mode=1777,size=1g tmpfs /dev/shm
     i=0; for p in $KEEP; do i=\$((i+1)); mkdir -p \$p; mount --move '$RUN/aside-$ns/'\$i \$p; done
+    # a daemon's cwd is /: one under the host's /tmp (a clone there) is gone on the node, and every job
+    # step's slurmstepd said so on the job's stderr (\"Unable to return to working directory\")
+    cd /
     exec slurmd -D -f '$SLURM_CONF' -N $ns" </dev/null >>"$LOG/node-$ns.out" 2>&1 &
   echo $! >"$RUN/node-$ns.pid"
 done
