@@ -536,6 +536,25 @@ def test_a_job_records_its_provenance_and_each_attempt(store: str, tmp_path: Pat
     assert llm["data"].startswith("chain:") and llm["data"] != fields["data"]
 
 
+def test_a_tiny_engine_runs_data_is_where_its_job_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """qwen3-tiny's job reads the data built beside its model ($PDMCTL_TINY_DIR/data), not the run's data_dir:
+    the provenance digests those files (an engine sweep's report said `missing: train.parquet`, 2026-12-03)."""
+    from pdmctl.backends.registry import flat_config, get_backend
+    from pdmctl.backends.verl import launch
+    from pdmctl.provenance import file_digest
+
+    tiny = tmp_path / "tiny"
+    monkeypatch.setenv(launch.TINY_DIR_ENV, str(tiny))
+    verl = dict(flat_config(grid.expand(["backend=verl", "model=qwen3-tiny"], sweep="t")[0].config))
+    assert get_backend("verl").provenance(verl, tmp_path)["data"] == "missing: train.parquet"  # not built yet
+    (tiny / "data").mkdir(parents=True)
+    names = [launch.MODEL_PRESETS["qwen3-tiny"].train_file, *launch.VAL_FILES]
+    for i, name in enumerate(names):
+        (tiny / "data" / name).write_bytes(bytes([i]) * 10)
+    fields = get_backend("verl").provenance(verl, tmp_path)
+    assert fields["data"] == file_digest([tiny / "data" / n for n in names]) and len(fields["data"]) == 16
+
+
 # ---------------------------------------------------------------------------
 # The command
 # ---------------------------------------------------------------------------

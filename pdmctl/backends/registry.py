@@ -297,6 +297,8 @@ def _verl_provenance(flat: Mapping[str, Any], run_dir: Path) -> dict[str, str]:
     cfg = _verl_job_config(flat, run_dir)
     preset = launch.MODEL_PRESETS[cfg["model"]]
     data_dir = Path(cfg["data_dir"])
+    if preset.hf_path is None and not cfg.get("model_path"):  # built on this machine: the job reads its data there
+        data_dir = launch.local_model_dir(cfg["model"]) / "data"  # (`resolve_local_model`; not built here)
     files = [data_dir / preset.train_file, *(data_dir / f for f in launch.VAL_FILES)]
     try:
         from pdmctl.backends.verl import data

@@ -406,8 +406,10 @@ def with_power(comparison: Comparison, x: Sequence[float], y: Sequence[float] | 
             return comparison
         pooled = ((a.size - 1) * a.var(ddof=1) + (b.size - 1) * b.var(ddof=1)) / (a.size + b.size - 2)
         spread, resolvable = math.sqrt(pooled), _resolvable(a.size, b.size)
+    if np.ptp(a) == 0 and (y is None or np.ptp(b) == 0):  # every seed the same (a collapsed run scores 0 on
+        return dataclasses.replace(comparison, spread=0.0)  # each): no t-test, no power (std is ~1e-17 there)
     difference = comparison.difference.mean
-    effect = abs(difference) / spread if spread > 0 else (math.inf if difference != 0 else 0.0)
+    effect = abs(difference) / spread
     return dataclasses.replace(comparison, spread=spread, resolvable=resolvable * spread,
                                seeds_needed=power.seeds_needed(effect, paired=y is None))  # fmt: skip
 

@@ -124,6 +124,8 @@ def comparison_table(report: Report) -> TextTable:
 def _needed_cell(c: Comparison) -> str:
     if not math.isfinite(c.spread):
         return "n/a"
+    if c.spread == 0:
+        return f"n/a: the seeds do not vary (has {c.difference.n})"
     if c.seeds_needed is None:
         needed = "none (Δ = 0)" if c.difference.mean == 0 else "> 1000"
     else:
