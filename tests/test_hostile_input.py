@@ -339,31 +339,39 @@ def test_a_read_only_queue_is_refused(tmp_path: Path) -> None:
 # -- 12: the worker-lock check cannot be fooled by the heartbeat file ------------------------------
 
 
+def _hold_worker_lock(root: Path, seconds: int):
+    """A process that holds `root`'s worker lock for `seconds` (what a stray `flock worker.lock` does), once
+    it holds it; and the pid of a process that has ended, for a heartbeat written by a gone worker."""
+    import subprocess
+    import sys
+
+    root.mkdir(parents=True)
+    (root / "worker.lock").touch()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1]); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(float(sys.argv[2]))",
+                               str(root / "worker.lock"), str(seconds)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                           check=True)  # fmt: skip
+    return holder, ended.stdout.strip()
+
+
 @pytest.mark.parametrize("beat", ["in the future", "just now, by a worker that has ended"])
 def test_a_stray_lock_holder_is_named_whatever_the_heartbeat_says(workdir: Path, beat: str) -> None:
     import os
-    import subprocess
-    import sys
     import time
 
     from tests.test_bad_input import snapshot
 
     root = workdir / "pdmctl-runs" / ".local"
-    root.mkdir(parents=True)
-    (root / "worker.lock").touch()
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1]); "
-                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
-                               str(root / "worker.lock")], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder, ended = _hold_worker_lock(root, 60)
     try:
-        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
         heartbeat = root / "worker.heartbeat"
         if beat == "in the future":
             heartbeat.write_text(str(holder.pid))
             os.utime(heartbeat, (time.time() + 3600, time.time() + 3600))
         else:
-            ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                                   text=True, check=True)  # fmt: skip
-            heartbeat.write_text(ended.stdout.strip())
+            heartbeat.write_text(ended)
         before = snapshot(workdir)
         result = CliRunner().invoke(app, ["sweep", "seed=0", *SYN])
         assert result.exit_code == 2, result.output
@@ -380,24 +388,14 @@ def test_a_worker_that_is_ending_is_not_taken_for_a_stray(workdir: Path, kernel:
                                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """A worker that is ending still holds the lock for a moment after its pid has gone from /proc (and a
     new one holds it before it has written its pid): a resume in that moment was refused in CI."""
-    import subprocess
-    import sys
-
     from pdmctl.executors import local
 
     if kernel == "says nothing":  # /proc/locks unreadable, as in some containers: the heartbeat decides
         monkeypatch.setattr(local, "_lock_holders", lambda lock: [])
     root = workdir / "pdmctl-runs" / ".local"
-    root.mkdir(parents=True)
-    (root / "worker.lock").touch()
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1]); "
-                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(2)",
-                               str(root / "worker.lock")], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder, ended = _hold_worker_lock(root, 2)
     try:
-        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
-        ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                               text=True, check=True)  # fmt: skip
-        (root / "worker.heartbeat").write_text(ended.stdout.strip())
+        (root / "worker.heartbeat").write_text(ended)
         result = CliRunner().invoke(app, ["sweep", "seed=0", *SYN])
         assert result.exit_code == 0, result.output
         assert holder.poll() is not None  # the lock was let go within the grace, and only then queued
