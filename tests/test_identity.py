@@ -4,6 +4,7 @@ local jobs, real MLflow on SQLite, the CPU testbed on its smallest settings."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import signal
 import time
@@ -122,6 +123,30 @@ def test_a_job_that_ends_while_its_worker_is_dead_is_not_lost(workdir: Path) -> 
     assert state == JobState.COMPLETED
     (view,) = orchestrate.status(ctx, "orphan")
     assert view.state == RunState.FINISHED
+
+
+def test_a_job_runs_in_its_submitters_environment_whoever_starts_the_worker(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`status` starts a worker for a queue no worker serves, from its own environment; the jobs still run in
+    their submitter's (as sbatch's --export=ALL). Found in CI: the engine test's `status` poller won the race
+    to start the worker, and the sweep's jobs ran without the variables the sweep was given."""
+    from pdmctl.executors import local
+
+    ctx = make_context("local", f"sqlite:///{workdir / 'mlflow.db'}")
+    with monkeypatch.context() as m:  # the submitter: a hold at step 2 in its environment, its worker not started
+        m.setenv("PDMCTL_TOY_HOLD_AT_STEP", "2")
+        m.setenv("PDMCTL_TOY_HOLD_S", "1")
+        m.setattr(local, "ensure_worker", lambda root, cap: None)
+        orchestrate.sweep(expand(TINY, sweep="submitter"), ctx)
+    assert not (ctx.run_root / ".local" / "worker.heartbeat").exists()
+    assert "PDMCTL_TOY_HOLD_AT_STEP" not in os.environ
+    queued = next((ctx.run_root / ".local" / "queue").glob("*.json"))
+    assert queued.stat().st_mode & 0o077 == 0, "the submitter's environment is its owner's to read only"
+    (view,) = wait_for(ctx, "submitter", finished)  # this process's `status` starts the worker
+    log = orchestrate.log_file(view.record, ctx).read_text()
+    assert "pdmctl: held at step 2" in log, log[-2000:]
+    assert not any("env" in json.loads(p.read_text()) for p in (ctx.run_root / ".local").rglob("*.json"))
 
 
 def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(workdir: Path) -> None:  # item 3

@@ -79,10 +79,12 @@ class LocalExecutor(Executor):
         job_ids = []
         for req in requests:
             job_id = _job_id(req.submission)
+            # the job runs in its submitter's environment, as sbatch's --export=ALL does, whoever starts
+            # the worker: `status` starts one for a queue a dead worker left, from its own environment
             _write_json(queue / f"{job_id}.json", {
                 "job_file": str(req.job_file), "log_file": str(req.log_file), "run_id": req.run_id,
-                "submitted": time.time(),
-            })  # fmt: skip
+                "submitted": time.time(), "env": dict(os.environ),
+            }, private=True)  # fmt: skip
             job_ids.append(job_id)
         if job_ids:
             ensure_worker(self.root, self.cap)
@@ -313,7 +315,8 @@ def run_worker(root: Path, cap: int) -> None:
             except (FileNotFoundError, json.JSONDecodeError):
                 continue  # cancelled or half-written; the next round decides
             proc = _start(job_id, req, threads, done)
-            _write_json(running / f.name, {"pid": proc.pid, "start": _start_time(proc.pid), **req})
+            kept = {k: v for k, v in req.items() if k != "env"}  # the environment stays with the job only
+            _write_json(running / f.name, {"pid": proc.pid, "start": _start_time(proc.pid), **kept})
             f.unlink(missing_ok=True)
             children[job_id] = proc
         busy = children or foreign or any(queue.glob("*.json"))
@@ -326,7 +329,8 @@ def run_worker(root: Path, cap: int) -> None:
 def _start(job_id: str, req: dict, threads: int, done: Path) -> subprocess.Popen:
     log_file = Path(req["log_file"])
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PDMCTL_JOB_ID=job_id, PDMCTL_EXECUTOR="local", OMP_NUM_THREADS=str(threads),
+    submitter = req.get("env")  # a queue entry written before the environment was recorded: the worker's
+    env = dict(submitter if isinstance(submitter, dict) else os.environ, PDMCTL_JOB_ID=job_id, PDMCTL_EXECUTOR="local", OMP_NUM_THREADS=str(threads),
                PDMCTL_NUM_THREADS=str(threads), PDMCTL_EXIT_FILE=str(_exit_file(done, job_id)))  # fmt: skip
     with open(log_file, "ab") as log:
         return subprocess.Popen(
@@ -408,9 +412,13 @@ def _alive(pid: int, start: float | None) -> bool:
     return start is None or float(fields[19]) == start
 
 
-def _write_json(path: Path, data: dict) -> None:
+def _write_json(path: Path, data: dict, *, private: bool = False) -> None:
+    """Write `data` whole or not at all; `private`: readable by its owner only (a submitter's environment
+    may hold tokens)."""
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o666)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps(data))
     os.replace(tmp, path)
 
 
