@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import re
 import time
@@ -191,6 +192,12 @@ def test_verl_validations_give_per_problem_scores_and_the_two_level_interval(swe
                 correct, answers = load_samples(sweep.uri, run.info.run_id, dataset, step)
                 assert np.shape(correct) == np.shape(answers) == (16, 16), "16 samples per problem"
     ledger = open_ledger(sweep.uri)
+    for record in ledger.runs("default"):  # issue 29, item 1: where the engine's numbers come from
+        prov = record.provenance
+        assert len(prov["data"]) == 16 and int(prov["data"], 16) >= 0, ("the data the job read, digested", prov)
+        assert prov["version.verl"] == "0.9.1" and prov["version.vllm"].startswith("0.") and prov["version.torch"]
+        assert prov["eval_sampling"].startswith("n=16 ") and len(prov["commit"]) == 40, prov
+        assert json.loads(prov["attempt.1"])["job_id"].startswith("local-"), prov
     report = build_report(ledger, ["default"], load_definition("default"), two_level=True)
     assert len(report.rows) == 2
     for row in report.rows:
