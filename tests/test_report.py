@@ -493,6 +493,8 @@ def test_provenance_and_the_mismatch_panel_in_the_report_and_the_command(store: 
     (curves,) = report.curves
     lines = {line.row.mask: line for line in curves.mismatch_panels["disagreement count"]}
     assert list(lines["pdm_agg"].centre) == pytest.approx([3.5] * 4) and lines["pdm_agg"].n_seeds == 2
+    # two seeds' t band of a count (3 and 4: 3.5 ± 6.4) is drawn from 0, not from -2.9
+    assert list(lines["pdm_agg"].low) == [0.0] * 4 and lines["pdm_agg"].high[0] == pytest.approx(3.5 + 12.706 * 0.5, abs=0.01)
     assert list(curves.mismatch_panels["rollout/trainer gap"][0].steps) == [1, 2, 3, 4]
     bad = CliRunner().invoke(app, ["report", "prov", "--tracking-uri", store, "--panels", "eval,curves"])
     assert bad.exit_code == 2 and "--panels: 'curves' is not one of eval, dynamics, mismatch" in bad.output

@@ -152,6 +152,20 @@ def build_report(ledger: Ledger, sweeps: Sequence[str], definition: Definition, 
 # Provenance (pdmctl.provenance; recorded by each attempt of a job)
 # ---------------------------------------------------------------------------
 
+# what a panel's quantity can be: accuracies in [0, 1]; the mismatch panel's gaps, fractions and counts >= 0
+BAND_RANGE = {"eval": (0.0, 1.0), "mismatch": (0.0, math.inf)}
+
+
+def _within_range(kind: str, values: np.ndarray, low: np.ndarray, high: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A t band drawn inside the range its quantity can take (two seeds' band of a fraction reached below 0):
+    clipped when every value of the line is in the panel's range (a definition's own metric may not be)."""
+    bounds = BAND_RANGE.get(kind)
+    finite = values[np.isfinite(values)]
+    if bounds is None or not finite.size or finite.min() < bounds[0] or finite.max() > bounds[1]:
+        return low, high
+    return np.clip(low, *bounds), np.clip(high, *bounds)
+
+
 NOT_RECORDED = "not recorded"
 PROVENANCE_FIELDS = ("commit", "dirty", *(f"version.{p}" for p in PACKAGES), "data", "eval_sampling")
 
@@ -509,6 +523,7 @@ def curves(
     for (setting, kind, label, key, steps, values), (centre, low, high) in zip(
         pending, computed, strict=True
     ):
+        low, high = _within_range(kind, values, low, high)
         panels[setting, kind][label].append(Line(key, steps, centre, low, high, values.shape[0]))
     return [SettingCurves(setting, keys, by_best, dict(panels[setting, "eval"]), dict(panels[setting, "dynamics"]),
                           dict(panels[setting, "mismatch"]),
