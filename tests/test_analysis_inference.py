@@ -14,6 +14,7 @@ from pdmctl.analysis.inference import (
     coverage,
     pooled_difference,
     primary_lines,
+    render_secondary_table,
     secondary_family,
 )
 from pdmctl.analysis.results import AnalysisResult, CounterfactualCounts
@@ -66,6 +67,25 @@ def test_holm_runs_over_both_presets_together() -> None:
     assert {s.label for s in both} == {"toy-small", "toy-llm"}
     assert [s.p_holm for s in both] == holm([s.p for s in both])
     assert all(b.p_holm >= a.p_holm for a, b in zip(alone, both[: len(alone)], strict=True))
+
+
+def test_own_grad_is_printed_but_never_tested() -> None:
+    """Issue 27: own-grad's sign is the criterion's own prediction (48 of 48 tokens), not evidence; it stays
+    out of the Holm family, which the other protocols' unsafe-keep comparisons join."""
+    from pdmctl.analysis.results import Comparison, CriterionStats
+
+    rng = np.random.default_rng(2)
+    base = _result("toy-small", 6, rng)
+    rates = [0.2, 0.4, 0.3, 0.5, 0.6, 0.1]
+    stats = CriterionStats(rates, 0.35, 0.08, 0.5, 60, rates, [10] * 6)
+    lower = dataclasses.replace(stats, unsafe_keep_per_seed=[r / 2 for r in rates])
+    comparison = Comparison("exact", [10] * 6, stats, lower, 6, 0, 6)
+    result = dataclasses.replace(base, protocol_comparisons={"carried": [comparison], "own-grad": [comparison]})
+    family = secondary_family([result])
+    assert {(s.protocol, s.measure) for s in family} == {
+        ("carried", "unsafe-keep"), ("counterfactual", "region unsafe-keep"), ("counterfactual", "needless mask (sample)")}
+    assert len(family) == 1 + 6
+    assert "own-grad: not tested" in render_secondary_table(family).title
 
 
 def test_bootstrap_coverage_at_few_and_many_seeds() -> None:

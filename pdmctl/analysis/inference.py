@@ -28,6 +28,9 @@ import numpy as np
 from pdmctl.analysis.results import AnalysisResult
 
 PRIMARY_PROTOCOL, PRIMARY_ESTIMATOR = "counterfactual", "exact"
+# not evidence (issue 27): own-grad's ΔD is the criterion's own first-order prediction pushed through the
+# network, so its sign is sign(A·Ḋ) by construction; printed beside the others, never tested
+NOT_EVIDENCE = ("own-grad",)
 RESAMPLES, BOOTSTRAP_SEED, LEVEL = 10_000, 27, 0.95
 
 
@@ -163,8 +166,8 @@ def _secondary_of(result: AnalysisResult) -> list[Secondary]:
 
     for protocol, comparisons in result.protocol_comparisons.items():
         for c in comparisons:
-            if (protocol, c.estimator) == (PRIMARY_PROTOCOL, PRIMARY_ESTIMATOR):
-                continue  # the primary metric: tested on its own
+            if (protocol, c.estimator) == (PRIMARY_PROTOCOL, PRIMARY_ESTIMATOR) or protocol in NOT_EVIDENCE:
+                continue  # the primary metric: tested on its own; own-grad: not evidence
             add(protocol, c.estimator, "unsafe-keep",
                 _per_seed(c.predictive.unsafe_keep_per_seed, c.ratio.unsafe_keep_per_seed))  # fmt: skip
     if result.counterfactual:
@@ -238,7 +241,8 @@ def render_secondary_table(family: list[Secondary]):
     labels = sorted({s.label for s in family})
     title = (f"Secondary comparisons, predictive − ratio (percentage points): mean of the per-seed differences, "
              f"paired t-test; Holm over all {sum(math.isfinite(s.p) for s in family)} tests of "
-             f"{' + '.join(labels)}")  # fmt: skip
+             f"{' + '.join(labels)} ({', '.join(NOT_EVIDENCE)}: not tested, its sign is the criterion's own "
+             "prediction)")  # fmt: skip
     return _table(title, SECONDARY_COLUMNS, 4, secondary_rows(family))
 
 

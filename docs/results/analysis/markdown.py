@@ -1,6 +1,9 @@
 """The tables of `pdmctl analyze`, as Markdown, from its JSON (how docs/results/analysis.md's tables were made).
 
-    python docs/results/analysis/markdown.py docs/results/analysis/toy-small/analysis.json
+    python docs/results/analysis/markdown.py docs/results/analysis/toy-small/analysis.json [OTHER.json ...]
+
+With several files: each one's tables, then the primary metric of each and the secondary comparisons of
+all of them in one Holm family (as `pdmctl analyze --family`).
 """
 
 from __future__ import annotations
@@ -10,6 +13,14 @@ import sys
 from pathlib import Path
 
 from pdmctl.analysis.bands import BAND_COLUMNS, band_rows
+from pdmctl.analysis.inference import (
+    SECONDARY_COLUMNS,
+    primary_lines,
+    primary_metric,
+    secondary_family,
+    secondary_rows,
+)
+from pdmctl.analysis.results import AnalysisResult
 from pdmctl.analysis.tables import (
     ANALYSIS_COLUMNS,
     ASSUMPTION_COLUMNS,
@@ -22,7 +33,6 @@ from pdmctl.analysis.tables import (
     difference_rows,
     protocol_rows,
 )
-from pdmctl.report.tables import _analysis_result
 
 
 def table(columns, rows) -> str:
@@ -49,8 +59,7 @@ def paired_rows(result) -> list[tuple[str, ...]]:
     return rows
 
 
-def main(path: str) -> None:
-    result = _analysis_result(json.loads(Path(path).read_text()))
+def tables(result: AnalysisResult) -> None:
     n = len(result.seeds)
     print(f"{n} seeds {result.seeds[0]}-{result.seeds[-1]}, {result.divergence} δ={result.delta} K={result.k} "
           f"{result.precision}, setting {result.setting}, main protocol {result.protocol}; per seed "
@@ -69,5 +78,18 @@ def main(path: str) -> None:
         print(f"### {title}\n\n{table(columns, rows)}\n")
 
 
+def main(paths: list[str]) -> None:
+    results = [AnalysisResult.from_dict(json.loads(Path(path).read_text())) for path in paths]
+    for result in results:
+        tables(result)
+    print("### Primary metric\n\n```")
+    for result in results:
+        print("\n".join(primary_lines(primary_metric(result))))
+    print("```\n")
+    family = secondary_family(results)
+    print(f"### Secondary comparisons, one Holm family ({sum(1 for s in family if s.p == s.p)} tests)\n")
+    print(table(SECONDARY_COLUMNS, secondary_rows(family)))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])
