@@ -85,7 +85,9 @@ def test_adam_rows_is_the_optimizer_step_bit_for_bit() -> None:
     assert torch.equal(m0, cf._adam_state(learner, layout)[0])  # the carried state was copied, not moved
 
 
-@pytest.mark.parametrize(("model", "precision", "prompts"), [("toy-small", "fp8_e2e", 16), ("toy-llm", "bf16", 4)])
+@pytest.mark.parametrize(
+    ("model", "precision", "prompts"), [("toy-small", "fp8_e2e", 16), ("toy-llm", "bf16", 4), ("toy-fork", "fp8_rollout", 4)]
+)
 def test_batched_counterfactual_on_fp8_weights_and_the_llm_preset(model: str, precision: str, prompts: int) -> None:
     """The same equality through fp8 training weights (a per-tensor scale: the whole embedding is laid out,
     not its read rows) and on the LLM-like preset (19-token responses, its own vocabulary): two tokens."""

@@ -90,7 +90,9 @@ def logits_at(
         x = functional_call(block, {n[len(prefix):]: v for n, v in params.items() if n.startswith(prefix)}, (x,))
     h = x[which, positions]
     h = functional_call(policy.ln_f, {"weight": params["ln_f.weight"], "bias": params["ln_f.bias"]}, (h,))
-    return torch.nn.functional.linear(h, params["head.weight"], params["head.bias"])
+    z = torch.nn.functional.linear(h, params["head.weight"], params["head.bias"])
+    scale = getattr(policy, "logit_scale", None)  # toy-fork's fixed multiplier (None: the other presets)
+    return z if scale is None else z * scale
 
 
 def divergence_at(logits: torch.Tensor, batch: Rollout, rows: torch.Tensor, cols: torch.Tensor, cfg: ToyConfig):

@@ -266,6 +266,8 @@ def token_products(
     trunk = {n: used[n] for n in trunk_names}
     embed, position, w, b = used["tok.weight"], used["pos.weight"][:seq], used[HEAD + "weight"], used[HEAD + "bias"]
 
+    scale = getattr(policy, "logit_scale", None)
+
     def hidden(tp, x0, at):  # u: the final layer norm's output at the token's position [width]
         x = x0[None]
         for i, block in enumerate(policy.blocks):
@@ -277,8 +279,12 @@ def token_products(
     def one(tokens, at, ids, valid, is_k, log_mu, unseen, k):
         u, pullback = vjp(lambda tp, x0: hidden(tp, x0, at), trunk, embed[tokens] + position)
         z = (torch.nn.functional.linear(u[None], w, b)[0]).double()
+        if scale is not None:  # toy-fork's logits are the head's times a fixed multiplier
+            z = z * scale
         g_d, d = grad_and_value(lambda x: divergence_of_logits(x, ids, valid, is_k, log_mu, unseen, cfg.divergence))(z)
         g_lp = torch.nn.functional.one_hot(k, vocab).double() - torch.softmax(z, -1)
+        if scale is not None:  # from here on, the gradients with respect to the head's own output
+            g_d, g_lp = g_d * scale, g_lp * scale
         g_trunk, g_x0 = vmap(pullback)((torch.stack([g_d, g_lp]) @ w.double()).float())
         return d, u, g_d, g_lp, g_trunk, g_x0
 

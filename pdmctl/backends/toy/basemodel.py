@@ -42,10 +42,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pdmctl.backends.toy import llm_task
+from pdmctl.backends.toy import fork_task, llm_task
 from pdmctl.backends.toy import model as model_module
 from pdmctl.backends.toy import task as task_module
-from pdmctl.backends.toy.model import MODEL_PRESETS, LLMPreset, ModelPreset, TinyTransformer, build_model
+from pdmctl.backends.toy.model import (
+    MODEL_PRESETS,
+    ForkPreset,
+    LLMPreset,
+    ModelPreset,
+    TinyTransformer,
+    build_model,
+)
 from pdmctl.backends.toy.task import (
     FREE_LEN,
     VARIANTS,
@@ -64,6 +71,7 @@ SHIPPED_FORMAT = 1
 SHIPPED_SHA256 = {
     "toy-small": "4872ae51c589ab9e0d35b260eb74c151fbfe64129f7695bf7bf5a6201bb9d71f",
     "toy-llm": "d7b22b93d728f2c274d6080a44ee254761ba998c0a5c3724cd9b982e092e9015",
+    "toy-fork": "aee862551f7a34f12baf61cd1a9fb717c989d232916baa67f483d156d2d6cada",
 }
 SOURCES = ("shipped", "warmup")  # PDMCTL_TOY_BASE
 PROBE_SIZE = 1024
@@ -201,7 +209,9 @@ def cache_key(preset_name: str) -> str:
     digest = hashlib.sha256()
     digest.update(json.dumps(recipe_of(preset_name), sort_keys=True).encode())
     digest.update(torch.__version__.encode())
-    extra = (Path(llm_task.__file__),) if isinstance(MODEL_PRESETS[preset_name], LLMPreset) else ()
+    preset = MODEL_PRESETS[preset_name]
+    extra = (Path(llm_task.__file__),) if isinstance(preset, LLMPreset) else ()
+    extra += (Path(fork_task.__file__),) if isinstance(preset, ForkPreset) else ()
     for source in (*_CODE, *extra):
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
@@ -299,7 +309,9 @@ def _warm_up(
     preset = MODEL_PRESETS[preset_name]
     model = build_model(preset, preset.warmup_seed)
     generator = torch.Generator().manual_seed(preset.warmup_seed)
-    if isinstance(preset, LLMPreset):  # the LLM-like task's demonstrations and probe
+    if isinstance(preset, ForkPreset):  # the fork task's (its slots are forks: the probe skips them)
+        probe, accuracy, train_step = _fork_probe_set(preset), llm_probe_accuracy, _fork_warm_up_step
+    elif isinstance(preset, LLMPreset):  # the LLM-like task's demonstrations and probe
         probe, accuracy, train_step = _llm_probe_set(preset), llm_probe_accuracy, _llm_warm_up_step
     else:
         probe, accuracy, train_step = _probe_set(preset), probe_accuracy, _warm_up_step
@@ -455,6 +467,64 @@ def llm_probe_accuracy(model: TinyTransformer, probe: _LLMProbe) -> tuple[float,
     logits = model(probe.tokens[:, :-1], last=llm_task.MAX_RESPONSE_LEN)
     right = logits.argmax(-1) == probe.tokens[:, -llm_task.MAX_RESPONSE_LEN :]
     return float(right[probe.answer].float().mean()), float(right[probe.determined].float().mean())
+
+
+# ---------------------------------------------------------------------------
+# The fork task's warm-up (fork_task): toy-llm's, with the phrasing slots drawn in the demonstrations
+# ---------------------------------------------------------------------------
+
+
+def _fork_demonstrations(
+    preset: ForkPreset, n: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_llm_demonstrations` with each long response's slots drawn from fork_task.slot_law."""
+    problems = fork_task.sample_train(n, generator)
+    words = llm_task.sample_words(n, generator)
+    p_work = torch.where(llm_task.is_careful(words), preset.work_after_careful, preset.work_after_other)
+    work = torch.rand(n, generator=generator) < p_work
+    noise = torch.where(work, preset.noise_with_work, preset.noise_without_work).unsqueeze(1)
+    noisy = torch.rand(problems.answers.shape, generator=generator) < noise
+    random_digits = torch.randint(10, problems.answers.shape, generator=generator)
+    answers = torch.where(noisy, random_digits, problems.answers)
+    slots = fork_task.slot_tokens(fork_task.sample_slots(problems.prompts, generator))
+    return problems.prompts, fork_task.responses(problems.prompts, words, work, answers, slots), work
+
+
+def _fork_warm_up_step(
+    model: TinyTransformer, optimizer: torch.optim.Optimizer, preset: ForkPreset, generator: torch.Generator
+) -> None:
+    prompts, targets, work = _fork_demonstrations(preset, preset.warmup_batch, generator)
+    lengths = torch.where(work, fork_task.LONG_LEN, fork_task.SHORT_LEN)
+    logits = model(torch.cat([prompts, targets], dim=1)[:, :-1], last=targets.shape[1])
+    in_response = torch.arange(targets.shape[1]) < lengths.unsqueeze(1)
+    token_loss = F.cross_entropy(
+        logits.reshape(-1, preset.vocab_size),
+        targets.reshape(-1),
+        label_smoothing=preset.label_smoothing,
+        reduction="none",
+    )
+    loss = (token_loss * in_response.reshape(-1)).sum() / in_response.sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def _fork_probe_set(preset: ForkPreset) -> _LLMProbe:
+    """`_llm_probe_set` of the fork task: each slot filled with its likeliest option; the slots are forks,
+    so they count as neither answer nor determined positions."""
+    generator = torch.Generator().manual_seed(preset.warmup_seed + 1_000_003)
+    problems = fork_task.sample_train(PROBE_SIZE, generator)
+    words = llm_task.sample_words(PROBE_SIZE, generator)
+    work = torch.arange(PROBE_SIZE) % 2 == 0
+    slots = fork_task.slot_tokens(fork_task.slot_law(problems.prompts).argmax(-1))
+    targets = fork_task.responses(problems.prompts, words, work, problems.answers, slots)
+    positions = torch.arange(fork_task.MAX_RESPONSE_LEN)
+    start = torch.where(work, llm_task.ANSWER_OFFSET[True], llm_task.ANSWER_OFFSET[False]).unsqueeze(1)
+    answer = (positions >= start) & (positions < start + llm_task.ANSWER_LEN)
+    length = torch.where(work, fork_task.LONG_LEN, fork_task.SHORT_LEN).unsqueeze(1)
+    slot = torch.isin(positions, torch.tensor(fork_task.SLOT_POSITIONS)) & work.unsqueeze(1)
+    determined = (positions >= 2) & (positions < length) & ~answer & ~slot
+    return _LLMProbe(torch.cat([problems.prompts, targets], dim=1), answer, determined)
 
 
 def save_atomically(obj: object, path: Path) -> None:

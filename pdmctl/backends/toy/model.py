@@ -64,6 +64,17 @@ class LLMPreset(ModelPreset):
     noise_without_work: float = 0.5
 
 
+@dataclass(frozen=True)
+class ForkPreset(LLMPreset):
+    """A preset of the LLM-like task with many-way forks (`fork_task`), and a sharper model: its matrices
+    start `init_scale` times larger and its logits are the head's times `logit_scale` (docs/TESTBED.md,
+    "The fork preset"). A subclass, so that `toy-llm`'s recipe (and its shipped file's) is unchanged."""
+
+    task: str = "fork"
+    init_scale: float = 1.0
+    logit_scale: float = 1.0
+
+
 MODEL_PRESETS: dict[str, ModelPreset] = {
     "toy-small": ModelPreset(
         d_model=32,
@@ -100,6 +111,29 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         careful_lead_label_noise=0.0,
         vocab_size=LLM_VOCAB_SIZE,
         seq_len=PROMPT_LEN + LLM_MAX_RESPONSE_LEN,
+    ),
+    # the fork preset (fork_task, docs/TESTBED.md "The fork preset"): toy-llm's task with four phrasing
+    # slots of six options each (forks with three or more plausible continuations), and a sharper model
+    # (larger initial weights, logits scaled up), whose fp8 rollout weights move tokens out of the region
+    "toy-fork": ForkPreset(
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        warmup_steps=2000,
+        warmup_batch=128,
+        warmup_lr=1e-2,
+        warmup_weight_decay=0.0,
+        warmup_criterion=0.99,
+        warmup_check_every=25,
+        warmup_anneal_steps=200,
+        label_smoothing=0.0,
+        label_noise=0.0,
+        lead_label_noise=0.0,
+        careful_lead_label_noise=0.0,
+        vocab_size=LLM_VOCAB_SIZE,
+        seq_len=PROMPT_LEN + LLM_MAX_RESPONSE_LEN,
+        init_scale=4.0,
+        logit_scale=32.0,
     ),
 }
 
@@ -144,6 +178,13 @@ class TinyTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(preset.d_model, preset.n_heads) for _ in range(preset.n_layers))
         self.ln_f = nn.LayerNorm(preset.d_model)
         self.head = nn.Linear(preset.d_model, preset.vocab_size)
+        # a fixed multiplier on the logits (ForkPreset; None elsewhere: the other presets compute as before)
+        scale = getattr(preset, "logit_scale", 1.0)
+        self.logit_scale = None if scale == 1.0 else scale
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.ln_f(x))
+        return logits if self.logit_scale is None else logits * self.logit_scale
 
     def forward(self, tokens: torch.Tensor, last: int = 1) -> torch.Tensor:
         """Next-token logits at the `last` positions, float [B, last, V], for tokens long [B, T].
@@ -154,7 +195,7 @@ class TinyTransformer(nn.Module):
         x = self.tok(tokens) + self.pos.weight[: tokens.shape[1]]
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x[:, -last:]))
+        return self._logits(x[:, -last:])
 
     def cached(self, tokens: torch.Tensor, start: int, past: list | None) -> tuple[torch.Tensor, list]:
         """The next-token logits [B, V] after `tokens` [B, t] at positions start.., given the cache of the
@@ -165,14 +206,21 @@ class TinyTransformer(nn.Module):
         for i, block in enumerate(self.blocks):
             x, kv = block.cached(x, None if past is None else past[i])
             cache.append(kv)
-        return self.head(self.ln_f(x[:, -1])), cache
+        return self._logits(x[:, -1]), cache
 
 
 def build_model(preset: ModelPreset, seed: int) -> TinyTransformer:
     """A freshly initialised model; the global RNG is left as it was."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        return TinyTransformer(preset)
+        model = TinyTransformer(preset)
+    init_scale = getattr(preset, "init_scale", 1.0)
+    if init_scale != 1.0:  # ForkPreset: every matrix (the embeddings and the head included) starts larger
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.mul_(init_scale)
+    return model
 
 
 # ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdmctl.backends.toy import llm_task
+from pdmctl.backends.toy import fork_task, llm_task
 from pdmctl.backends.toy import task as addition
 from pdmctl.backends.toy.task import Problems
 
@@ -37,6 +37,11 @@ TASKS: dict[str, Task] = {
     "chain": Task(
         "chain", llm_task.MAX_RESPONSE_LEN, llm_task.sample_train, llm_task.heldout, llm_task.score, True,
         answer_ids=llm_task.answer_ids,
+    ),
+    # toy-fork's: the same prompts, lengths and grader as "chain" (fork_task only changes the demonstrations)
+    "fork": Task(
+        "fork", fork_task.MAX_RESPONSE_LEN, fork_task.sample_train, fork_task.heldout, fork_task.score, True,
+        answer_ids=fork_task.answer_ids,
     ),
 }
 
