@@ -7,11 +7,15 @@ setting measured). Each test takes a few seconds on one core.
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pytest
 import torch
 
 from pdmctl.analysis.bands import topk_mass
-from pdmctl.backends.toy import ToyConfig, basemodel, fork_task
+from pdmctl.backends.base import InMemoryTracker
+from pdmctl.backends.toy import ToyConfig, basemodel, fork_task, train
 from pdmctl.backends.toy.model import MODEL_PRESETS, PRECISIONS, TinyTransformer, build_model
 from pdmctl.backends.toy.probe import diagnostics, stale_batch
 from pdmctl.backends.toy.rollout import RolloutEngine
@@ -89,3 +93,12 @@ def test_the_other_presets_compute_as_before() -> None:
             assert torch.equal(a, b)
     fork = build_model(MODEL_PRESETS["toy-fork"], 0)
     assert fork.logit_scale == MODEL_PRESETS["toy-fork"].logit_scale
+
+
+def test_a_short_run_trains_and_evaluates(tmp_path: Path) -> None:
+    cfg = ToyConfig(model="toy-fork", prompts_per_step=16, group_size=4, minibatches=2, steps=2, eval_every=2,
+                    checkpoint_every=2, eval_samples=2, precision="fp8_rollout")  # fmt: skip
+    tracker = InMemoryTracker()
+    train(cfg, tmp_path, tracker)
+    assert [step for step, _ in tracker.history("train/response_length")] == [1, 2]
+    assert all(math.isfinite(v) for _, v in tracker.history("train/entropy"))
