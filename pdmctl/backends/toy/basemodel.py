@@ -421,9 +421,11 @@ def _llm_demonstrations(
 
 
 def _llm_warm_up_step(
-    model: TinyTransformer, optimizer: torch.optim.Optimizer, preset: LLMPreset, generator: torch.Generator
+    model: TinyTransformer, optimizer: torch.optim.Optimizer, preset: LLMPreset, generator: torch.Generator,
+    demonstrations=None,
 ) -> None:
-    prompts, targets, work = _llm_demonstrations(preset, preset.warmup_batch, generator)
+    """One supervised step on a batch of demonstrations (`_llm_demonstrations`, or the fork task's)."""
+    prompts, targets, work = (demonstrations or _llm_demonstrations)(preset, preset.warmup_batch, generator)
     lengths = torch.where(work, llm_task.LONG_LEN, llm_task.SHORT_LEN)
     logits = model(torch.cat([prompts, targets], dim=1)[:, :-1], last=targets.shape[1])
     in_response = torch.arange(targets.shape[1]) < lengths.unsqueeze(1)
@@ -493,20 +495,8 @@ def _fork_demonstrations(
 def _fork_warm_up_step(
     model: TinyTransformer, optimizer: torch.optim.Optimizer, preset: ForkPreset, generator: torch.Generator
 ) -> None:
-    prompts, targets, work = _fork_demonstrations(preset, preset.warmup_batch, generator)
-    lengths = torch.where(work, fork_task.LONG_LEN, fork_task.SHORT_LEN)
-    logits = model(torch.cat([prompts, targets], dim=1)[:, :-1], last=targets.shape[1])
-    in_response = torch.arange(targets.shape[1]) < lengths.unsqueeze(1)
-    token_loss = F.cross_entropy(
-        logits.reshape(-1, preset.vocab_size),
-        targets.reshape(-1),
-        label_smoothing=preset.label_smoothing,
-        reduction="none",
-    )
-    loss = (token_loss * in_response.reshape(-1)).sum() / in_response.sum()
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
+    """toy-llm's step (the fork task's lengths are toy-llm's) on the fork task's demonstrations."""
+    _llm_warm_up_step(model, optimizer, preset, generator, _fork_demonstrations)
 
 
 def _fork_probe_set(preset: ForkPreset) -> _LLMProbe:
