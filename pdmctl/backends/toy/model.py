@@ -10,7 +10,7 @@ master weights.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -112,30 +112,14 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         vocab_size=LLM_VOCAB_SIZE,
         seq_len=PROMPT_LEN + LLM_MAX_RESPONSE_LEN,
     ),
-    # the fork preset (fork_task, docs/TESTBED.md "The fork preset"): toy-llm's task with four phrasing
-    # slots of six options each (forks with three or more plausible continuations), and a sharper model
-    # (larger initial weights, logits scaled up), whose fp8 rollout weights move tokens out of the region
-    "toy-fork": ForkPreset(
-        d_model=32,
-        n_layers=2,
-        n_heads=2,
-        warmup_steps=2000,
-        warmup_batch=128,
-        warmup_lr=1e-2,
-        warmup_weight_decay=0.0,
-        warmup_criterion=0.99,
-        warmup_check_every=25,
-        warmup_anneal_steps=200,
-        label_smoothing=0.0,
-        label_noise=0.0,
-        lead_label_noise=0.0,
-        careful_lead_label_noise=0.0,
-        vocab_size=LLM_VOCAB_SIZE,
-        seq_len=PROMPT_LEN + LLM_MAX_RESPONSE_LEN,
-        init_scale=4.0,
-        logit_scale=32.0,
-    ),
 }
+
+# the fork preset (fork_task, docs/TESTBED.md "The fork preset"): toy-llm's recipe and task with four phrasing
+# slots of six options each (forks with three or more plausible continuations), and a sharper model
+# (larger initial weights, logits scaled up), whose fp8 rollout weights move tokens out of the region
+MODEL_PRESETS["toy-fork"] = ForkPreset(
+    **{**asdict(MODEL_PRESETS["toy-llm"]), "task": "fork", "init_scale": 4.0, "logit_scale": 32.0}
+)
 
 
 class Block(nn.Module):
