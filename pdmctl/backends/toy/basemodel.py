@@ -409,15 +409,20 @@ def _llm_demonstrations(
     preset: LLMPreset, n: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prompts, noisy demonstrated responses and the bool [n] "has the work", drawn from `generator`."""
-    problems = llm_task.sample_train(n, generator)
+    problems, words, work, answers = _llm_draws(preset, llm_task.sample_train(n, generator), generator)
+    return problems.prompts, llm_task.responses(problems.prompts, words, work, answers), work
+
+
+def _llm_draws(preset: LLMPreset, problems, generator: torch.Generator):
+    """After the problems: the words, "has the work" and the noisy answers of the demonstrations."""
+    n = len(problems.prompts)
     words = llm_task.sample_words(n, generator)
     p_work = torch.where(llm_task.is_careful(words), preset.work_after_careful, preset.work_after_other)
     work = torch.rand(n, generator=generator) < p_work
     noise = torch.where(work, preset.noise_with_work, preset.noise_without_work).unsqueeze(1)
     noisy = torch.rand(problems.answers.shape, generator=generator) < noise
     random_digits = torch.randint(10, problems.answers.shape, generator=generator)
-    answers = torch.where(noisy, random_digits, problems.answers)
-    return problems.prompts, llm_task.responses(problems.prompts, words, work, answers), work
+    return problems, words, work, torch.where(noisy, random_digits, problems.answers)
 
 
 def _llm_warm_up_step(
@@ -480,14 +485,7 @@ def _fork_demonstrations(
     preset: ForkPreset, n: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_llm_demonstrations` with each long response's slots drawn from fork_task.slot_law."""
-    problems = fork_task.sample_train(n, generator)
-    words = llm_task.sample_words(n, generator)
-    p_work = torch.where(llm_task.is_careful(words), preset.work_after_careful, preset.work_after_other)
-    work = torch.rand(n, generator=generator) < p_work
-    noise = torch.where(work, preset.noise_with_work, preset.noise_without_work).unsqueeze(1)
-    noisy = torch.rand(problems.answers.shape, generator=generator) < noise
-    random_digits = torch.randint(10, problems.answers.shape, generator=generator)
-    answers = torch.where(noisy, random_digits, problems.answers)
+    problems, words, work, answers = _llm_draws(preset, fork_task.sample_train(n, generator), generator)
     slots = fork_task.slot_tokens(fork_task.sample_slots(problems.prompts, generator))
     return problems.prompts, fork_task.responses(problems.prompts, words, work, answers, slots), work
 
