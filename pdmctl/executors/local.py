@@ -329,8 +329,9 @@ def run_worker(root: Path, cap: int) -> None:
 def _start(job_id: str, req: dict, threads: int, done: Path) -> subprocess.Popen:
     log_file = Path(req["log_file"])
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    submitter = req.get("env")  # a queue entry written before the environment was recorded: the worker's
-    env = dict(submitter if isinstance(submitter, dict) else os.environ, PDMCTL_JOB_ID=job_id, PDMCTL_EXECUTOR="local", OMP_NUM_THREADS=str(threads),
+    # the submitter's environment; a queue entry written before it was recorded: the worker's
+    base = req["env"] if isinstance(req.get("env"), dict) else os.environ
+    env = dict(base, PDMCTL_JOB_ID=job_id, PDMCTL_EXECUTOR="local", OMP_NUM_THREADS=str(threads),
                PDMCTL_NUM_THREADS=str(threads), PDMCTL_EXIT_FILE=str(_exit_file(done, job_id)))  # fmt: skip
     with open(log_file, "ab") as log:
         return subprocess.Popen(
