@@ -256,6 +256,27 @@ def _check_topk_from_vllm(pairs: list[tuple[dict, dict]]) -> None:
         torch.testing.assert_close(sampled_lp, logits["sampled_logprobs"], atol=1e-5, rtol=0)
 
 
+def _check_mask_applied(pairs: list[tuple[dict, dict]]) -> None:
+    """The mask and the ratio VeRL's loss applied to each dumped micro-batch are pdmctl.masks' on the same
+    logits, exactly, with the same advantages."""
+    import torch
+
+    from pdmctl import masks
+
+    for logits, loss in pairs:
+        s = logits["settings"]
+        inside = loss["response_mask"].bool()
+        assert int(inside.sum()) == logits["sampled_ids"].shape[0], "the two records describe the same micro-batch"
+        tensors = (logits["logits"].float(), logits["sampled_ids"], logits["topk_ids"], logits["topk_logprobs"],
+                   logits["sampled_logprobs"], logits["advantages"])  # fmt: skip
+        d = masks.token_diagnostics(*tensors, method=s["method"], divergence=s["divergence"], estimator=s["estimator"],
+                                    delta=s["delta"], delta_low=s["delta_low"], eps_low=s["eps_low"],
+                                    eps_high=s["eps_high"])  # fmt: skip
+        assert torch.equal(d.keep.bool(), loss["keep"][inside].bool()), "the mask VeRL applied"
+        torch.testing.assert_close(d.ratio.float(), loss["ratio"][inside].float(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(loss["advantages"][inside].float(), logits["advantages"].float())
+
+
 def test_loss_inside_verl_equals_masks_policy_loss(sweep: EngineSweep) -> None:
     """The mask VeRL applied is pdmctl.masks' on the same logits, exactly; the loss is MATH.md's
     formula on VeRL's own log-probs, token by token; and `policy_loss` offline is that formula on the
@@ -268,19 +289,16 @@ def test_loss_inside_verl_equals_masks_policy_loss(sweep: EngineSweep) -> None:
 
     pairs = _dumps(sweep.dump_dir)
     assert len(pairs) == 2
+    _check_mask_applied(pairs)
     for logits, loss in pairs:
         s = logits["settings"]
         n = logits["sampled_ids"].shape[0]
         inside = loss["response_mask"].bool()
-        assert int(inside.sum()) == n, "the two records describe the same micro-batch"
         tensors = (logits["logits"].float(), logits["sampled_ids"], logits["topk_ids"], logits["topk_logprobs"],
                    logits["sampled_logprobs"], logits["advantages"])  # fmt: skip
         kwargs = dict(method=s["method"], divergence=s["divergence"], estimator=s["estimator"], delta=s["delta"],
                       delta_low=s["delta_low"], eps_low=s["eps_low"], eps_high=s["eps_high"])  # fmt: skip
         d = masks.token_diagnostics(*tensors, **kwargs)
-        assert torch.equal(d.keep.bool(), loss["keep"][inside].bool()), "the mask VeRL applied"
-        torch.testing.assert_close(d.ratio.float(), loss["ratio"][inside].float(), rtol=1e-6, atol=0)
-        torch.testing.assert_close(loss["advantages"][inside].float(), logits["advantages"].float())
         verl_lp = loss["log_prob"][inside].float()
         offline_lp = torch.log_softmax(logits["logits"].float(), -1).gather(-1, logits["sampled_ids"][:, None])[:, 0]
         # VeRL takes its log-probs from the model's own forward (bf16 on this CPU), the mask from the bf16
@@ -561,10 +579,12 @@ def test_the_v1_trainer_carries_topk_through_transferqueue(tmp_path: Path) -> No
            "PDMCTL_TINY_DIR": _tiny_dir(tmp_path)}  # fmt: skip
     started = time.monotonic()
     result = pdmctl(
-        # δ = 0.001: nearly every token with any train/rollout gap is out of the region, so the mask acts at
-        # every step (at 0.15 it acted in step 1 only: the tiny model then answers in one token, and one
-        # run masked nothing at all)
-        "sweep", "backend=verl", f"model={MODEL}", "mask=pdm_agg", "k=5", "delta=0.001", "--wait",
+        # δ = 1e-6: the train/rollout gap of the bf16 forward alone (1e-7..1e-5 per token) puts most tokens out of
+        # the region, in the first mini-batch too, so the mask acts wherever the advantage is not zero. Only
+        # step 1 has a group with mixed rewards (the tiny model then fails everything); at δ = 0.001 the mask
+        # acted only if that group came after the first mini-batch's update (CI at 6916eec: it came first,
+        # and nothing was masked)
+        "sweep", "backend=verl", f"model={MODEL}", "mask=pdm_agg", "k=5", "delta=1e-6", "--wait",
         "--tracking-uri", sqlite_uri(tmp_path), cwd=tmp_path, env=env, timeout=SWEEP_TIMEOUT_S,
     )  # fmt: skip
     print(f"engine V1 run: {time.monotonic() - started:.0f} s")
@@ -574,11 +594,19 @@ def test_the_v1_trainer_carries_topk_through_transferqueue(tmp_path: Path) -> No
     logs = "\n".join(p.read_text(errors="replace") for p in tmp_path.rglob("*.log"))
     assert "pdmctl: VeRL's V1 trainer (TransferQueue)" in logs and "main_ppo_v0" not in logs, "ran V0"
     mask_frac = _history(sqlite_uri(tmp_path), run.info.run_id, "train/mask_frac")
-    assert sorted(mask_frac) == [1, 2, 3] and max(mask_frac.values()) > 0.0, mask_frac
+    assert sorted(mask_frac) == [1, 2, 3], mask_frac
+    # the mask acts at every step whose batch has a non-zero advantage (at δ = 1e-6 most tokens are out of the
+    # region); in every run seen only step 1 had one, and a run with none would test no mask at all
+    adv = {step: max(abs(v), abs(_history(sqlite_uri(tmp_path), run.info.run_id, "critic/advantages/min")[step]))
+           for step, v in _history(sqlite_uri(tmp_path), run.info.run_id, "critic/advantages/max").items()}  # fmt: skip
+    informative = [step for step in sorted(adv) if adv[step] > 0]
+    assert informative, ("no step had a non-zero advantage: the tiny model's rewards were all equal", adv)
+    assert all(mask_frac[step] > 0.0 for step in informative), (mask_frac, adv)
     assert {0, 3} <= set(_history(sqlite_uri(tmp_path), run.info.run_id, "eval/aime24"))
     pairs = _dumps(dump_dir)
     assert len(pairs) == 1, "one actor micro-batch"
     _check_topk_from_vllm(pairs)
+    _check_mask_applied(pairs)
 
 
 def test_a_tracking_server_outage_during_training_loses_no_metric(tmp_path: Path) -> None:
