@@ -3,8 +3,6 @@
 # build the tiny Qwen3 once, run the engine tests with the engine environment's Python.
 #
 #   bash scripts/ci-engine.sh            (from .ci/run, after SLURM and the MLflow server are up)
-#
-# PDMCTL_CLUSTER_LANE_DONE=FILE (CI): the tests that use the one-node SLURM wait until FILE is written.
 #   bash scripts/ci-engine.sh --all      (also kill -9 and resume, which starts the engine twice)
 #
 # PDMCTL_ENGINE_ENV: where the environment lives (default .venv-engine; reused and repaired if there).
@@ -28,22 +26,7 @@ step "tiny Qwen3 and its data at $PDMCTL_TINY_DIR"
 
 MARK="engine and not engine_long"
 [ "${1:-}" = "--all" ] && MARK="engine"
+step "engine tests (-m '$MARK')"
 # -m replaces pyproject's `-m "not engine"`; a skip fails (everything is installed above)
-engine_tests() { PDMCTL_NO_SKIPS=1 "$ENV_DIR/bin/python" -m pytest -q -m "$1" --durations=0 tests/test_verl_engine.py; }
-if [ -z "${PDMCTL_CLUSTER_LANE_DONE:-}" ]; then
-  step "engine tests (-m '$MARK')"
-  engine_tests "$MARK"
-else
-  # CI: the suite's SLURM lane is running beside us. The engine's tests that need no SLURM start now; the
-  # one that submits to the one-node SLURM waits until that lane has ended (its tests share the node's
-  # queue and slots, and some assert what runs when).
-  step "engine tests without SLURM (-m '$MARK and not cluster'), beside the suite's SLURM lane"
-  engine_tests "$MARK and not cluster"
-  step "waiting for the suite's SLURM lane to end ($PDMCTL_CLUSTER_LANE_DONE)"
-  while [ ! -s "$PDMCTL_CLUSTER_LANE_DONE" ]; do sleep 5; done
-  step "engine tests on the one-node SLURM (-m '$MARK and cluster')"
-  rc=0
-  engine_tests "$MARK and cluster" || rc=$?
-  [ "$rc" = 5 ] || [ "$rc" = 0 ] || exit "$rc"  # 5: none selected (a mark that has none of them)
-fi
+PDMCTL_NO_SKIPS=1 "$ENV_DIR/bin/python" -m pytest -q -m "$MARK" --durations=0 tests/test_verl_engine.py
 step "done"

@@ -22,16 +22,19 @@ mlflow.start_run(run_id=os.environ["MLFLOW_RUN_ID"])
 adapter = tracking._MlflowLoggingAdapter()
 for step in [int(s) for s in sys.argv[1].split(",")]:
     adapter.log({"actor/loss": float(step) + float(sys.argv[2]), "val-core/aime24/acc/mean@16": 0.5}, step)
+if len(sys.argv) > 4:  # the pdmctl job has ended the run (a failure) while this TaskRunner still exits
+    mlflow.MlflowClient().set_terminated(os.environ["MLFLOW_RUN_ID"], status=sys.argv[4])
 if sys.argv[3] == "finish":
     tracking.Tracking.finish(type("T", (), {"logger": {"mlflow": adapter}})())
 # else: the process exits with the run active (MLflow's exit handler would end it FINISHED)
 """
 
 
-def _job(uri: str, run_id: str, steps: str, offset: float, end: str = "finish") -> None:
+def _job(uri: str, run_id: str, steps: str, offset: float, end: str = "finish", *job_status: str) -> None:
     """One 'job' in its own process, as the TaskRunner is: the guard reads the run afresh."""
     env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run_id, "PATH": "/usr/bin:/bin"}
-    subprocess.run([sys.executable, "-c", SCRIPT, steps, str(offset), end], env=env, check=True, timeout=300)
+    subprocess.run([sys.executable, "-c", SCRIPT, steps, str(offset), end, *job_status], env=env, check=True,
+                   timeout=300)  # fmt: skip
 
 
 def test_a_resumed_job_logs_no_step_twice_and_keeps_the_first_value(tmp_path: Path) -> None:
@@ -50,6 +53,20 @@ def test_a_resumed_job_logs_no_step_twice_and_keeps_the_first_value(tmp_path: Pa
         assert sorted(steps) == [0, 1, 2, 3, 4, 5], (key, steps)
     loss = {m.step: m.value for m in client.get_metric_history(run_id, "actor/loss")}
     assert loss == {0: 0.0, 1: 1.0, 2: 2.0, 3: 3.0, 4: 104.0, 5: 105.0}
+
+
+@pytest.mark.parametrize("end", ["finish", "exit"])
+def test_a_trainer_that_exits_after_the_job_ended_the_run_leaves_its_status(tmp_path: Path, end: str) -> None:
+    """CI, on a busy machine: the job had set FAILED when VeRL's TaskRunner went through its exit, whose
+    detach wrote RUNNING over it. Leaving the run (VeRL's finish, or the process's exit) writes no status."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    _job(uri, run_id, "0,1", 0.0, end, "FAILED")
+    assert client.get_run(run_id).info.status == "FAILED"
+    assert [m.step for m in client.get_metric_history(run_id, "actor/loss")] == [0, 1]
 
 
 def test_without_a_ledger_run_nothing_is_patched(monkeypatch: pytest.MonkeyPatch) -> None:
