@@ -30,10 +30,14 @@ PY
 
 if [ "${1:-}" = stop ]; then
   if alive; then
+    # MLflow's server keeps its job queue in a directory of its own under /dev/shm and never removes it
+    HUEY=$(for p in $(pgrep -g "$(cat "$PIDFILE")"); do tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null; done |
+           sed -n 's|^_MLFLOW_HUEY_STORAGE_PATH=\(/dev/shm/tmp[^/]*\)$|\1|p' | sort -u)
     kill -- -"$(cat "$PIDFILE")" 2>/dev/null || kill "$(cat "$PIDFILE")" 2>/dev/null || true
     for _ in $(seq 50); do alive || break; sleep 0.1; done
   fi
   rm -f "$PIDFILE"
+  [ -z "${HUEY:-}" ] || rm -rf $HUEY
   pg_ctlcluster 15 pdmctl stop 2>/dev/null || true
   echo "mlflow server and PostgreSQL cluster pdmctl stopped"
   exit 0
