@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -87,16 +88,37 @@ class Relay:
             with self._lock:
                 self._open += [client, server]
             for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+                threading.Thread(target=self._pump, args=(a, b, a is client), daemon=True).start()
 
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, request: bool) -> None:
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
+                if request:
+                    self.passing(data)
                 sink.sendall(data)
         for s in (source, sink):
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
+
+
+    def passing(self, data: bytes) -> None:
+        """Sees each chunk of a request on its way to the server (a subclass may hold it)."""
+
+
+class HoldingRelay(Relay):
+    """A relay that holds the first request whose bytes hold `marker` for `hold_s` before passing it on:
+    a server slow to answer that one call."""
+
+    def __init__(self, upstream_port: int, marker: bytes, hold_s: float) -> None:
+        self.marker, self.hold_s, self.held = marker, hold_s, 0
+        super().__init__(upstream_port)
+
+    def passing(self, data: bytes) -> None:
+        with self._lock:
+            hold = self.marker in data and not self.held
+            self.held += hold
+        if hold:
+            time.sleep(self.hold_s)
 
 
 def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
@@ -161,6 +183,62 @@ def test_what_the_server_did_not_confirm_is_kept_on_disk_and_sent_in_order_once(
         assert _history(server, run_id, "train/reward")[-1] == (4, 4.0)
     finally:
         relay.down()
+
+
+VERL_TRACKING = """
+from verl.utils import tracking
+from pdmctl.backends.verl import resume
+
+resume.install()
+logger = tracking.Tracking("p", "e", ["mlflow"], config={"trainer": {"total_epochs": 1, "project_name": "p"}})
+print("loggers:", sorted(logger.logger))
+"""
+
+
+@pytest.mark.postgres
+def test_verls_mlflow_start_survives_a_log_batch_past_the_timeout(mlflow_server: str, tmp_path: Path) -> None:
+    """CI (stop 34): VeRL's `Tracking` started MLflow's run, then its `log_params` (one `log-batch`) went
+    past the 5 s timeout the `pdmctl sweep` had set for itself and its job inherited; VeRL's two further
+    tries then failed on "run already active" and the trainer would have gone on without MLflow. With the
+    same settings and the server's first `log-batch` held 6 s, VeRL's next try now succeeds; and a trainer
+    started by a pdmctl job gets MLflow's own retries, not the command's (`without_quick_http`)."""
+    pytest.importorskip("verl")
+    from mlflow.tracking import MlflowClient
+
+    server = MlflowClient(mlflow_server)
+    run_id = server.create_run(server.create_experiment(f"slow-{uuid.uuid4().hex[:12]}")).info.run_id
+    relay = HoldingRelay(int(mlflow_server.rsplit(":", 1)[1]), b"/runs/log-batch", 6.0)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{relay.port}", "MLFLOW_RUN_ID": run_id,
+           "PDMCTL_SPOOL_DIR": str(tmp_path / "spool"), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+           "MLFLOW_HTTP_REQUEST_TIMEOUT": "2"}  # fmt: skip
+    try:
+        proc = subprocess.run([sys.executable, "-c", VERL_TRACKING], env=env, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+    finally:
+        relay.down()
+    assert relay.held == 1, "the first log-batch was held"
+    assert "MLflow initialization attempt 1/3 failed" in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loggers: ['mlflow']" in proc.stdout
+    run = server.get_run(run_id)
+    assert run.data.params.get("trainer/total_epochs") == "1", run.data.params
+
+    from pdmctl.ledger.client import QUICK_HTTP_ENV, quick_http_for_this_process, without_quick_http
+
+    names = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT", QUICK_HTTP_ENV)
+    saved = {name: os.environ.pop(name, None) for name in names}
+    try:
+        os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = "30"  # the user's own
+        quick_http_for_this_process()  # what a ClientLedger does in a pdmctl command
+        assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0" and os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "30"
+        inherited = without_quick_http(dict(os.environ))
+        assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in inherited and QUICK_HTTP_ENV not in inherited
+        assert inherited["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "30"
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
 
 
 def test_pdmctl_resume_sends_what_a_run_kept_on_its_disk(tmp_path: Path) -> None:

@@ -439,13 +439,22 @@ def _slurm(*args: str) -> str:
     return subprocess.run(list(args), capture_output=True, text=True, timeout=60, check=True).stdout
 
 
-def _wait_for_text(path: Path, text: str, timeout: float, root: Path) -> str:
-    deadline = time.monotonic() + timeout
+def _wait_for_text(path: Path, text: str, timeout: float, root: Path, run: tuple[str, str] | None = None) -> str:
+    """The log at `path` once it holds `text`; fails at once when the run (`(tracking URI, run id)`) ends
+    without it (CI waited out 1,800 s for a job that had failed at its start)."""
+    from mlflow.tracking import MlflowClient
+
+    deadline, looked = time.monotonic() + timeout, time.monotonic()
     while True:
         content = path.read_text(errors="replace") if path.exists() else ""
         if text in content:
             return content
         assert time.monotonic() < deadline, f"no {text!r} in {path} after {timeout:.0f} s:\n{_job_logs(root)}"
+        if run is not None and time.monotonic() - looked > 10:
+            looked = time.monotonic()
+            status = MlflowClient(run[0]).get_run(run[1]).info.status
+            assert status not in ("FINISHED", "FAILED", "KILLED"), f"the run ended {status} without {text!r}:\n" + (
+                _job_logs(root))  # fmt: skip
         time.sleep(1)
 
 
@@ -498,7 +507,7 @@ def test_on_slurm_the_job_body_trains_and_its_time_limit_requeues_it_from_the_ch
     assert result.returncode == 0, result.stdout + result.stderr
     (run_dir,) = [p for p in (tmp_path / "pdmctl-runs").glob("default/*/*") if p.is_dir()]
     attempt_1 = run_dir / "logs" / "attempt-1.log"
-    _wait_for_text(attempt_1, "pdmctl: held at step 1", 1800, tmp_path)
+    _wait_for_text(attempt_1, "pdmctl: held at step 1", 1800, tmp_path, (uri, run_dir.name))
     from pdmctl import orchestrate
 
     (view,) = orchestrate.status(orchestrate.make_context(str(profile), uri), "default")
@@ -637,7 +646,7 @@ def test_a_tracking_server_outage_during_training_loses_no_metric(tmp_path: Path
         assert result.returncode == 0, result.stdout + result.stderr
         (run_dir,) = [p for p in (tmp_path / "pdmctl-runs").glob(f"{sweep_name}/*/*") if p.is_dir()]
         log = run_dir / "logs" / "attempt-1.log"
-        _wait_for_text(log, "step:1 -", 1800, tmp_path)
+        _wait_for_text(log, "step:1 -", 1800, tmp_path, (server, run_dir.name))
         relay.down()
         went = time.monotonic()
         print("tracking server away at step 1")

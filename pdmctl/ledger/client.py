@@ -35,6 +35,31 @@ from pdmctl.ledger.store import _chunks, _mlflow_client
 from pdmctl.ledger.uris import _first_line, _redact, check_reachable
 from pdmctl.spec import RunSpec
 
+QUICK_HTTP_ENV = "PDMCTL_QUICK_HTTP"  # the MLflow HTTP settings a pdmctl command set for itself, not the user
+
+
+def quick_http_for_this_process() -> None:
+    """No retries and a 5 s timeout for MLflow's HTTP calls in this process, where the user has not set
+    them; what was set here is named in `QUICK_HTTP_ENV` so that the processes this one starts, which
+    inherit its environment, can leave them out (`without_quick_http`)."""
+    quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(int(HTTP_TIMEOUT_S))}
+    ours = {name for name in os.environ.get(QUICK_HTTP_ENV, "").split(",") if name}
+    for name, value in quick.items():
+        if name not in os.environ:
+            os.environ[name] = value
+            ours.add(name)
+    if ours:
+        os.environ[QUICK_HTTP_ENV] = ",".join(sorted(ours))
+
+
+def without_quick_http(env: dict[str, str]) -> dict[str, str]:
+    """`env` without the MLflow HTTP settings a pdmctl command set for itself (`quick_http_for_this_process`):
+    code that relies on MLflow's own retries (VeRL's tracking, which calls MLflow directly) gets MLflow's
+    defaults, or what the user set. In CI, VeRL inherited a 5 s timeout and no retries from the `pdmctl
+    sweep` that started its job, and a slow `log-batch` of its config made it train without MLflow."""
+    ours = {name for name in env.get(QUICK_HTTP_ENV, "").split(",") if name}
+    return {name: value for name, value in env.items() if name not in ours and name != QUICK_HTTP_ENV}
+
 
 def _server_call(method):
     """A tracking server that fails a call (500, a hung API past the timeout, a dropped connection) is one
@@ -66,8 +91,7 @@ class ClientLedger(Ledger):
         check_reachable(uri, timeout=HTTP_TIMEOUT_S)
         # MLflow's own defaults retry a dead server for minutes (and a hung one for as long): a command
         # answers within seconds, its first failed call one line (`_server`)
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(HTTP_TIMEOUT_S)))
+        quick_http_for_this_process()
         self.uri = uri
         self.client = _mlflow_client(uri)
         self.queries = 0

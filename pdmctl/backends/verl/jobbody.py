@@ -240,6 +240,7 @@ def run(run_config: Mapping[str, Any], python: str, on_line: Callable[[str], Non
 
     from pdmctl.backends.verl import cpu
     from pdmctl.backends.verl.checkpoints import Keeper
+    from pdmctl.ledger.client import without_quick_http
 
     cfg = resolve_local_model(run_config)
     resolved = _resolved(cfg)
@@ -250,7 +251,7 @@ def run(run_config: Mapping[str, Any], python: str, on_line: Callable[[str], Non
     on_slurm = "SLURM_JOB_ID" in os.environ
     command = build_job_command(cfg, python) if on_slurm else build_local_command(cfg, python)
     tag = cpu.new_tag()
-    env = {**os.environ, cpu.ENGINE_TAG_ENV: tag}
+    env = {**without_quick_http(dict(os.environ)), cpu.ENGINE_TAG_ENV: tag}  # MLflow's retries for VeRL
     on_cpu = MODEL_PRESETS[cfg["model"]].device == "cpu"
     with cpu.machine_lock() if on_cpu else contextlib.nullcontext():
         if on_cpu:

@@ -44,8 +44,10 @@ anyway ("Proceeding without MLflow tracking") is stopped with that reason: a run
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from pdmctl import testhooks
@@ -124,6 +126,30 @@ def _numbers(data: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+@contextlib.contextmanager
+def _start_run_reuses_the_active_run() -> Iterator[None]:
+    """VeRL's `Tracking` tries MLflow's start three times (`start_run(run_id)`, then `log_params`): when a
+    try fails after its `start_run` (a `log-batch` of the config past the timeout), the run is active and
+    every later `start_run(run_id)` fails with "already active", so VeRL trains on without MLflow (pdmctl
+    then ends it). Here a `start_run` for the run already active in this process returns that run."""
+    import mlflow
+
+    original = mlflow.start_run
+
+    @functools.wraps(original)
+    def start_run(*args: Any, **kwargs: Any) -> Any:
+        active = mlflow.active_run()
+        if active is not None and kwargs.get("run_id") == active.info.run_id and not args:
+            return active
+        return original(*args, **kwargs)
+
+    mlflow.start_run = start_run
+    try:
+        yield
+    finally:
+        mlflow.start_run = original
+
+
 def install() -> None:
     """Wrap `verl.utils.tracking`'s `Tracking` and `_MlflowLoggingAdapter` (written against VeRL 0.9.1)."""
     global _INSTALLED
@@ -144,7 +170,8 @@ def install() -> None:
         if wanted:
             wait_for_tracking(os.environ.get("MLFLOW_TRACKING_URI", ""), os.environ["MLFLOW_RUN_ID"])
             perproblem.install()  # the trainer's module is imported by now (fit() makes this logger)
-        original_tracking_init(self, project_name, experiment_name, default_backend, config)
+        with _start_run_reuses_the_active_run():
+            original_tracking_init(self, project_name, experiment_name, default_backend, config)
         if wanted and "mlflow" not in getattr(self, "logger", {}):
             raise RuntimeError("pdmctl: VeRL's MLflow logger did not start (VeRL would proceed without MLflow "
                                "tracking); the run does not train untracked")  # fmt: skip
