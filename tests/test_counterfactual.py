@@ -20,6 +20,21 @@ def _same_state(a: dict, b: dict) -> bool:
                torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)  # fmt: skip
 
 
+def _close(batched: cf.Effects, reference: cf.Effects, idx) -> str | None:
+    """The first field where the batched effects differ from the direct ones by more than float32 rounding
+    of the update allows, else None. The two paths sum the same float32 terms in another order, so they
+    agree to a few float32 ulps of D itself: 1e-6 plus 1e-5 of the token's larger |D| (about 80 ulps).
+    Measured: up to 1.6e-6 on D = 1.33 (toy-fork, fp8_rollout; AMD EPYC, AVX512 and AVX2 kernels), where a
+    fixed 1e-6 failed; a wrong update changes D by percents."""
+    scale = torch.maximum(reference.d_keep.abs(), reference.d_mask.abs())
+    tolerance = 1e-6 + 1e-5 * scale
+    for field in ("d_keep", "d_mask", "own", "region"):
+        gap = (getattr(batched, field)[idx] - getattr(reference, field)).abs()
+        if not (gap <= tolerance).all():
+            return f"{field}: gaps {gap.tolist()} over {tolerance.tolist()}"
+    return None
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     """One thread for these comparisons, and the process's count back afterwards: a count left at 1 changed
@@ -58,8 +73,7 @@ def test_batched_counterfactual_equals_the_direct_updates() -> None:
     for name in criteria:
         b, r = batched[name], reference[name]
         assert torch.equal(b.kept[idx], r.kept)
-        for field in ("d_keep", "d_mask", "own", "region"):  # D to float32 rounding of the weights
-            assert torch.allclose(getattr(b, field)[idx], getattr(r, field), rtol=0, atol=1e-6), (name, field)
+        assert _close(b, r, idx) is None, (name, _close(b, r, idx))  # D to float32 rounding of the update
         assert (r.own.abs() > 1e-5).all()  # effects far above the rounding: the same signs
         assert torch.equal(b.own[idx] > 0, r.own > 0)
 
@@ -102,5 +116,4 @@ def test_batched_counterfactual_on_fp8_weights_and_the_llm_preset(model: str, pr
     batched = cf.counterfactual_effects(learner, batch, advantages, criteria, rows, cols, variants=variants)["ratio"]
     assert batched.own[~variants].isnan().all() and not batched.own[variants].isnan().any()
     reference = cf.counterfactual_effects_reference(learner, batch, advantages, criteria, rows, cols, picked)["ratio"]
-    for field in ("d_keep", "d_mask", "own", "region"):
-        assert torch.allclose(getattr(batched, field)[picked], getattr(reference, field), rtol=0, atol=1e-6), field
+    assert _close(batched, reference, picked) is None, _close(batched, reference, picked)
