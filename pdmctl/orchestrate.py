@@ -109,6 +109,11 @@ class RunView:
 def run_state(record: RunRecord, job: JobState | None) -> RunState:
     if record.status == FINISHED:
         return RunState.FINISHED
+    if record.status == FAILED and job is not None and job.alive:
+        # the job that reported the failure is alive: still ending (seconds), or the scheduler brought it
+        # back (SLURM requeued it after a lost node, whose loss had failed its trainer first); its next
+        # attempt resumes by itself, and a second job for the run must not start beside it
+        return RunState.RUNNING if job == JobState.RUNNING else RunState.QUEUED
     if record.status in (FAILED, KILLED):
         reason = (record.reason or "").lower()
         for prefix, state in (("timeout", RunState.TIMEOUT), ("preempted", RunState.PREEMPTED),
@@ -161,11 +166,12 @@ def _executor_for(record: RunRecord, ctx: Context, cache: dict[str, Executor]) -
 
 
 def job_states(records: Sequence[RunRecord], ctx: Context) -> dict[str, JobState]:
-    """run id -> the executor's state, for runs the ledger does not call ended (one call per executor)."""
+    """run id -> the executor's state, for runs the ledger does not call finished or cancelled (one call per
+    executor). A failed run's too: its job may be alive still, or again (`run_state`)."""
     cache: dict[str, Executor] = {}
     by_executor: dict[int, tuple[Executor, list[RunRecord]]] = {}
     for r in records:
-        if r.status in TERMINAL or not r.job_id:
+        if r.status in (FINISHED, KILLED) or not r.job_id:
             continue
         executor = _executor_for(r, ctx, cache)
         if executor is not None:
@@ -192,7 +198,7 @@ def reconcile(
     updates: dict[tuple[str, str], list[str]] = defaultdict(list)
     for r in records:
         job = states.get(r.run_id)
-        if job is not None and job in _ENDED:
+        if job is not None and job in _ENDED and r.status not in TERMINAL:
             status, reason = _ENDED[job]
             if job in (JobState.FAILED, JobState.COMPLETED):  # the log may say why it never reported
                 error = last_error_line(log_file(r, ctx))

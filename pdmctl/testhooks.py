@@ -6,7 +6,8 @@ in about a second; SLURM acts on a time limit or a dead node within 20-60 s).
 nothing logged or checkpointed when its job started (so a requeued or resumed attempt never holds), it
 prints `pdmctl: held at step N …` every 10 s, with a progress report (`pdmctl-progress test_hold_s=…`: a
 VeRL job's stall watchdog ends a trainer that reports no progress, and a hold is a test's, not a hang), and
-lets go after `seconds_env` seconds (default 300). Nothing sets these variables but the tests.
+lets go after `seconds_env` seconds (default 300). `fail_if_asked(step, fresh_run, env)`, under the same
+rule, makes a fresh run's job fail there instead. Nothing sets these variables but the tests.
 
 **Test-only.** A hook left in a user's shell would stall or break real runs without a word, so submitting
 (`orchestrate.check_before_submit`: sweep, resume, tune) refuses any of `HOOKS` in one line unless pytest is
@@ -20,9 +21,9 @@ import os
 import time
 
 DEFAULT_HOLD_S = 300.0
-# every variable that is a test's hook: the holds (toy, VeRL) and VeRL's failure injection
-HOOKS = ("PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_TOY_HOLD_S", "PDMCTL_VERL_HOLD_AT_STEP", "PDMCTL_VERL_HOLD_S",
-         "PDMCTL_VERL_FAIL")  # fmt: skip
+# every variable that is a test's hook: the holds (toy, VeRL) and the failure injections (toy, VeRL)
+HOOKS = ("PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_TOY_HOLD_S", "PDMCTL_TOY_FAIL_AT_STEP", "PDMCTL_VERL_HOLD_AT_STEP",
+         "PDMCTL_VERL_HOLD_S", "PDMCTL_VERL_FAIL")  # fmt: skip
 UNDER_TEST = "PYTEST_CURRENT_TEST"
 
 
@@ -49,6 +50,19 @@ def hold_seconds(seconds_env: str) -> float:
     except ValueError:
         limit = float("nan")
     return limit if 0 < limit < 86400 else DEFAULT_HOLD_S  # nan compares False
+
+
+class InjectedFailure(RuntimeError):
+    """A test's failure, raised by `fail_if_asked`."""
+
+
+def fail_if_asked(step: int, fresh_run: bool, env: str) -> None:
+    """Fail (InjectedFailure) at `step` of a run that started fresh, when `env` names that step: the job ends
+    mid-training on its own, its run FAILED, as when a lost node fails a trainer before the scheduler has seen
+    the loss; a requeued or resumed attempt takes the run on from its checkpoint and does not fail."""
+    wanted = os.environ.get(env, "").strip()
+    if fresh_run and wanted.isdigit() and int(wanted) == step:
+        raise InjectedFailure(f"failed at step {step} ({env}, a test's)")
 
 
 def hold_if_asked(step: int, fresh_run: bool, env: str, seconds_env: str) -> None:

@@ -660,7 +660,8 @@ def test_verl_fields_are_checked_against_verls_own_schema(store: Path, override:
 # -- 1: a test's hook left in a user's shell ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("hook", ["PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_VERL_HOLD_AT_STEP", "PDMCTL_VERL_FAIL"])
+@pytest.mark.parametrize("hook", ["PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_TOY_FAIL_AT_STEP", "PDMCTL_VERL_HOLD_AT_STEP",
+                                  "PDMCTL_VERL_FAIL"])  # fmt: skip
 @pytest.mark.parametrize("command", [["sweep", "seed=0", *SYN], ["sweep", "seed=0", *SYN, "--dry-run"], ["resume"],
                                      ["tune", "delta=interval(0.05,0.3)", *SYN, "--trials", "1"]])  # fmt: skip
 def test_a_tests_hook_is_refused_outside_a_test(workdir: Path, monkeypatch: pytest.MonkeyPatch, hook: str,
@@ -675,7 +676,7 @@ def test_the_hooks_are_the_holds_and_the_failure_injection(monkeypatch: pytest.M
     from pdmctl.backends.toy import trainer
     from pdmctl.backends.verl import launch, resume
 
-    names = {trainer.HOLD_ENV, trainer.HOLD_S_ENV, resume.HOLD_ENV, resume.HOLD_S_ENV, launch.HOLD_ENV,
+    names = {trainer.HOLD_ENV, trainer.HOLD_S_ENV, trainer.FAIL_ENV, resume.HOLD_ENV, resume.HOLD_S_ENV, launch.HOLD_ENV,
              launch.HOLD_S_ENV, launch.FAIL_ENV}  # fmt: skip
     assert names == set(testhooks.HOOKS)
     monkeypatch.setenv(trainer.HOLD_ENV, "4")

@@ -282,6 +282,43 @@ def test_scontrol_requeue_resumes_from_the_checkpoint_as_the_next_attempt(tmp_pa
     assert step0_artifact_mtime(ctx, view.record.run_id) < requeued_at
 
 
+def test_a_failed_job_that_slurm_requeues_is_queued_and_never_gets_a_second_job(tmp_path: Path, monkeypatch) -> None:
+    # CI stop 35: n2 was lost mid-training, and the trainer on n1 failed at once (its driver had been on n2): the
+    # job wrote FAILED into its run, and SLURM then requeued the job for the lost node. `status` said failed for a
+    # job SLURM held: `sweep --wait` gave up, and `resume` would have started a second job beside the requeued one.
+    # Here the job fails by itself once it has checkpointed step 4 (PDMCTL_TOY_FAIL_AT_STEP: a fresh attempt only),
+    # and `scontrol requeue` brings the failed job back, as SLURM does after a node failure.
+    monkeypatch.setenv("PDMCTL_TOY_FAIL_AT_STEP", "4")  # sbatch passes the environment to the job
+    profile = write_profile(tmp_path)
+    ctx, sweep, (job_id,) = start_sweep(tmp_path, ["backend.steps=40"], profile)
+    (view,) = wait_until(ctx, sweep, lambda vs: vs[0].state not in orchestrate.ACTIVE, 180, "the job's failure")
+    assert view.state == RunState.FAILED and "failed at step 4" in (view.record.reason or ""), view
+    assert latest_checkpoint_step(view.record.run_dir) == 4
+    executor = make_executor(ctx.profile)
+    wait_for_job_states(executor, [job_id], {JobState.FAILED})
+    requeued_at = time.time()
+    slurm("scontrol", "requeue", job_id)
+    # once SLURM holds the job again, the run is queued or running until its next attempt ends, never failed,
+    # and neither `resume` nor the same sweep submits anything for it
+    wait_for_job_states(executor, [job_id], {JobState.PENDING}, timeout=30)  # sacct's word may lag a moment
+    (view,) = orchestrate.status(ctx, sweep)
+    assert view.state == RunState.QUEUED and view.record.status == "FAILED", view
+    assert orchestrate.resume(ctx, sweep) == ([], [])
+    plan, again = orchestrate.sweep(grid.expand([*TOY, "backend.steps=40"], None, sweep), ctx)
+    assert again == [] and set(plan.states.values()) <= orchestrate.ACTIVE, plan.states
+    seen = []
+    while (view := orchestrate.status(ctx, sweep)[0]).state != RunState.FINISHED:
+        seen.append(view.state)
+        assert view.state in orchestrate.ACTIVE, (view, seen, _job_logs(ctx))
+        assert time.time() < requeued_at + 180, (seen, _job_logs(ctx))
+        time.sleep(0.5)
+    assert view.record.attempt == 2 and view.record.job_id == job_id  # the same job, its second attempt
+    assert sacct("-n", "-P", "-X", "--name", yaml.safe_load(Path(profile).read_text())["job_name"],
+                 "-o", "JobID").split() == [job_id]  # fmt: skip
+    assert_complete_history(ctx, view.record.run_id, steps=40)  # every step once
+    assert step0_artifact_mtime(ctx, view.record.run_id) < requeued_at  # attempt 2 started at step 4's checkpoint
+
+
 @pytest.mark.timeout(900)
 def test_job_reaching_its_time_limit_is_requeued_and_completes(tmp_path: Path, monkeypatch) -> None:
     # slurmctld checks limits every 30 s and this config trains about 20 steps/s on a quiet 2-core machine,

@@ -30,6 +30,7 @@ from pdmctl.backends.toy.tasks import TASKS, Task, task_of
 EVAL_SETS = ("toy24", "toy25")
 CPU = torch.device("cpu")
 HOLD_ENV, HOLD_S_ENV = "PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_TOY_HOLD_S"  # tests only: hold after this checkpoint
+FAIL_ENV = "PDMCTL_TOY_FAIL_AT_STEP"  # tests only: fail after this checkpoint
 KEEP_CHECKPOINTS = 2
 _UPDATE_METRICS = ("mask_frac", "out_of_region_frac", "mean_divergence", "ppo_kl")  # token-weighted means
 
@@ -236,6 +237,7 @@ def train(
             save_checkpoint(checkpoints, learner.state_dict(step, cfg), step)
             # a test's hold (pdmctl.testhooks): a time limit or a lost node finds the run mid-training
             testhooks.hold_if_asked(step, start == 0, HOLD_ENV, HOLD_S_ENV)
+            testhooks.fail_if_asked(step, start == 0, FAIL_ENV)
         if stop_after is not None and step >= stop_after:
             break
     return final
