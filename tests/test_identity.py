@@ -157,6 +157,11 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(workdir: Path)
     assert sorted(p.name for p in checkpoints.glob("step_*.pt")) == ["step_00000002.pt", "step_00000004.pt"]
     newest = checkpoints / "step_00000004.pt"
     newest.write_bytes(newest.read_bytes()[:1000])  # cut short, as a full disk leaves it
+    # the run is lost, as a lost run is: its job gone (one that is still exiting keeps a second job off its run)
+    executor, job_id, deadline = make_executor(ctx.profile), view.record.job_id, time.time() + 60
+    while executor.states([job_id])[job_id].alive:
+        assert time.time() < deadline, executor.states([job_id])
+        time.sleep(0.2)
     ledger = open_ledger(ctx.tracking_uri)
     ledger.set_status([view.record.run_id], "FAILED", reason="lost: the test says so")
     chosen, _ = orchestrate.resume(ctx, "damaged")
