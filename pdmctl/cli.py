@@ -183,6 +183,8 @@ def _status_rows(views) -> list[tuple[list[str], str]]:
         r = v.record
         state = str(v.state)
         note = (r.reason if v.state != "finished" else None) or r.notice if r else None
+        if r is not None and r.status == "FAILED" and v.state in ("queued", "running"):  # orchestrate.run_state
+            note = f"its job lives on; attempt {r.attempt} failed: {r.reason or 'no reason given'}"
         if note:
             state += f" ({note[:80]})"
         step, avg = (r.step, r.avg16) if r else (None, None)

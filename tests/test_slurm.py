@@ -283,6 +283,10 @@ def test_scontrol_requeue_resumes_from_the_checkpoint_as_the_next_attempt(tmp_pa
 
 
 def test_a_failed_job_that_slurm_requeues_is_queued_and_never_gets_a_second_job(tmp_path: Path, monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from pdmctl.cli import app
+
     # CI stop 35: n2 was lost mid-training, and the trainer on n1 failed at once (its driver had been on n2): the
     # job wrote FAILED into its run, and SLURM then requeued the job for the lost node. `status` said failed for a
     # job SLURM held: `sweep --wait` gave up, and `resume` would have started a second job beside the requeued one.
@@ -303,6 +307,9 @@ def test_a_failed_job_that_slurm_requeues_is_queued_and_never_gets_a_second_job(
     wait_for_job_states(executor, [job_id], {JobState.PENDING}, timeout=30)  # sacct's word may lag a moment
     (view,) = orchestrate.status(ctx, sweep)
     assert view.state == RunState.QUEUED and view.record.status == "FAILED", view
+    shown = CliRunner().invoke(app, ["status", sweep, "--cluster", profile, "--tracking-uri", ctx.tracking_uri],
+                               env={"COLUMNS": "300"}).stdout  # fmt: skip
+    assert "queued (its job lives on; attempt 1" in shown and "1 queued" in shown, shown
     assert orchestrate.resume(ctx, sweep) == ([], [])
     plan, again = orchestrate.sweep(grid.expand([*TOY, "backend.steps=40"], None, sweep), ctx)
     assert again == [] and set(plan.states.values()) <= orchestrate.ACTIVE, plan.states
