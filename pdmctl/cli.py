@@ -178,12 +178,14 @@ RICH_TABLE_MAX_ROWS = 200  # rich lays out every cell; beyond this, aligned plai
 
 
 def _status_rows(views) -> list[tuple[list[str], str]]:
+    from pdmctl.orchestrate import ACTIVE
+
     rows = []
     for v in sorted(views, key=lambda v: (v.sweep, v.summary)):
         r = v.record
         state = str(v.state)
         note = (r.reason if v.state != "finished" else None) or r.notice if r else None
-        if r is not None and r.status == "FAILED" and v.state in ("queued", "running"):  # orchestrate.run_state
+        if r is not None and r.status == "FAILED" and v.state in ACTIVE:  # its job lives on (orchestrate.run_state)
             note = f"its job lives on; attempt {r.attempt} failed: {r.reason or 'no reason given'}"
         if note:
             state += f" ({note[:80]})"

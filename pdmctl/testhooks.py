@@ -52,6 +52,12 @@ def hold_seconds(seconds_env: str) -> float:
     return limit if 0 < limit < 86400 else DEFAULT_HOLD_S  # nan compares False
 
 
+def asked(step: int, fresh_run: bool, env: str) -> bool:
+    """Whether `env` names `step` of a run that started fresh (nothing logged or checkpointed)."""
+    wanted = os.environ.get(env, "").strip()
+    return fresh_run and wanted.isdigit() and int(wanted) == step
+
+
 class InjectedFailure(RuntimeError):
     """A test's failure, raised by `fail_if_asked`."""
 
@@ -60,15 +66,13 @@ def fail_if_asked(step: int, fresh_run: bool, env: str) -> None:
     """Fail (InjectedFailure) at `step` of a run that started fresh, when `env` names that step: the job ends
     mid-training on its own, its run FAILED, as when a lost node fails a trainer before the scheduler has seen
     the loss; a requeued or resumed attempt takes the run on from its checkpoint and does not fail."""
-    wanted = os.environ.get(env, "").strip()
-    if fresh_run and wanted.isdigit() and int(wanted) == step:
+    if asked(step, fresh_run, env):
         raise InjectedFailure(f"failed at step {step} ({env}, a test's)")
 
 
 def hold_if_asked(step: int, fresh_run: bool, env: str, seconds_env: str) -> None:
     """Hold at `step` of a run that started fresh, when `env` asks for that step (module docstring)."""
-    wanted = os.environ.get(env, "").strip()
-    if not (fresh_run and wanted.isdigit() and int(wanted) == step):
+    if not asked(step, fresh_run, env):
         return
     limit = hold_seconds(seconds_env)
     started = time.monotonic()
