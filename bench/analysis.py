@@ -1,4 +1,4 @@
-"""The direction analysis's cost per seed, before and after issue 19's speed-up, and the 61-seed projection.
+"""The direction analysis's cost per seed, the reference path against the fast one, and the 61-seed projection.
 
     python bench/analysis.py                      # toy-small: reference vs fast on one seed, then 2·jobs seeds
     python bench/analysis.py --preset toy-llm --reference-prompts 32
