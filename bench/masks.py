@@ -1,4 +1,4 @@
-"""Cost of the masks relative to one log-softmax (issue 2's benchmark).
+"""Cost of the masks relative to one log-softmax.
 
 N = 4,096 tokens, V = 151,936 (Qwen3's vocabulary), K = 20, float32, this CPU.
 Each figure is the median of REPEATS rounds in one process (cases interleaved), printed as a ratio to
