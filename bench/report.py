@@ -1,4 +1,4 @@
-"""The full report on a large sweep (issue 7's benchmark): target <= 10 s.
+"""The full report on a large sweep: target <= 10 s.
 
 2,000 runs (2 precisions × 5 masks × 5 δ × 8 K × 5 seeds) in a SQLite MLflow store, each with 100
 logged evaluation points (eval/toy24 and eval/toy25) and the four training-dynamics metrics at the same
