@@ -1,4 +1,4 @@
-"""Submitting a 1,000-run grid to the test SLURM and reading its state back (issue 5's benchmark).
+"""Submitting a 1,000-run grid to the test SLURM and reading its state back.
 
 Targets: `pdmctl sweep` of 1,000 runs <= 15 s and <= 3 `sbatch` calls; `pdmctl status` over them
 <= 3 s with one `sacct` call. Scheduler commands are counted by wrapper scripts put first on PATH
