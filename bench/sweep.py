@@ -1,4 +1,4 @@
-"""The orchestrator at scale (issue 4's benchmark).
+"""The orchestrator at scale: planning, submitting and reading back a large sweep.
 
 1. Expand a 1,000-run grid and register it in a fresh SQLite ledger (no training): target <= 10 s.
 2. `pdmctl status` over those 1,000 runs, as a user runs it (a new process, imports included),
