@@ -1,4 +1,4 @@
-"""The rollout top-K carry at the paper's scale (issue 18's benchmark, review item 9).
+"""The rollout top-K carry at the paper's scale.
 
 One RL step of the paper's dense runs: 1,024 responses (128 prompts x n 8) of up to 8,192 tokens, K = 20.
 Per generated token vLLM hands the server `{token_id: Logprob}` with the top-K and the sampled token;
@@ -37,7 +37,7 @@ Memory: the carried tensors' bytes (per response, and the padded batch) and this
 Inputs are a pool of --pool distinct responses used round-robin (1,024 distinct ones would be 176 M
 Logprob objects, ~25 GB of Python objects, which no rollout holds at once either).
 
-The carry at scale (issue 26, item 4; `--sections carry`): what one RL step moves with the batch, before
+The carry at scale (`--sections carry`): what one RL step moves with the batch, before
 (the padded layout until 634251f: `[bsz, longest response, K+1]` int64 ids + float32 log-probs, each
 agent-loop worker's share padded by `pad_topk`) and after (`topk.carry_topk`: each response's own
 `[T_i, K]`, int32 ids + float32 log-probs, in the DataProto's non_tensor_batch), at two scales:
