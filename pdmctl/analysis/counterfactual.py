@@ -1,4 +1,4 @@
-"""The `counterfactual` protocol (issue 27): what a criterion's decision on one token does.
+"""The `counterfactual` protocol: what a criterion's decision on one token does.
 
 For every out-of-region token and every criterion, two real updates of the training protocol from the
 same start (the stale learner's weights and its carried Adam state, the same batch): one with the
