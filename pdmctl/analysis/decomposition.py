@@ -1,4 +1,4 @@
-"""ΔD decomposed, per out-of-region token (issue 19; MATH.md, "ΔD decomposed").
+"""ΔD decomposed, per out-of-region token (docs/MATH.md, "ΔD decomposed").
 
 Every update the analysis takes is, exactly, `Δθ = m + K ⊙ g`: `g` the clipped batch gradient,
 `m` the carried momentum's part and `K` a per-coordinate gain. For Adam at step `s` (torch's
