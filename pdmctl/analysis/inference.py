@@ -1,4 +1,4 @@
-"""The direction analysis's inference (issue 27 item 2): the primary metric, named before the run, with its
+"""The direction analysis's inference: the primary metric, named before the run, with its
 two intervals, and every secondary comparison with its Holm-adjusted p over one family.
 
 The primary metric (docs/results/analysis.md, "The primary metric"): under the `counterfactual`
@@ -28,7 +28,7 @@ import numpy as np
 from pdmctl.analysis.results import AnalysisResult
 
 PRIMARY_PROTOCOL, PRIMARY_ESTIMATOR = "counterfactual", "exact"
-# not evidence (issue 27): own-grad's ΔD is the criterion's own first-order prediction pushed through the
+# not evidence: own-grad's ΔD is the criterion's own first-order prediction pushed through the
 # network, so its sign is sign(A·Ḋ) by construction; printed beside the others, never tested
 NOT_EVIDENCE = ("own-grad",)
 RESAMPLES, BOOTSTRAP_SEED, LEVEL = 10_000, 27, 0.95
