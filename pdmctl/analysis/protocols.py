@@ -164,7 +164,7 @@ def restore(learner: Learner, start: Snapshot) -> None:
 
     `Module.load_state_dict` copies into the parameters, but `Optimizer.load_state_dict` keeps the
     tensors it is given (same dtype and device) and Adam then updates them in place: restoring
-    `start.optimizer` itself would let every update move the snapshot on (issue 19: the ratio update
+    `start.optimizer` itself would let every update move the snapshot on (the ratio update
     started at Adam step 7, the next criterion at step 8 with the ratio update in its momentum). So
     the optimizer gets a copy of the snapshot at each use."""
     learner.policy.load_state_dict(start.weights)
