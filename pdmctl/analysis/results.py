@@ -149,7 +149,7 @@ class AnalysisResult:
     out_of_region_per_position: list[int] = dataclasses.field(default_factory=list)
     disagreement_tokens: list[DisagreementTokens] = dataclasses.field(default_factory=list)  # per estimator
     counterfactual: list[CounterfactualCounts] = dataclasses.field(default_factory=list)  # its counts, per seed
-    model: str = ""  # the preset (written before issue 27: empty)
+    model: str = ""  # the preset (empty in results written before presets were recorded)
 
     def to_json(self) -> str:
         """The whole result; one line per field, the token lists each on one line (they are most of it)."""
@@ -172,7 +172,7 @@ class AnalysisResult:
         by_protocol = {p: [comparison(c) for c in cs] for p, cs in data.get("protocol_comparisons", {}).items()}
         decomposed = [DecompositionRow(**r) for r in data.get("decomposition", [])]
         assumption = [AssumptionRow(**r) for r in data.get("logit_assumption", [])]
-        bands = [BandStats(**b) for b in data.get("bands", [])]  # written before the bands (issue 19): none
+        bands = [BandStats(**b) for b in data.get("bands", [])]  # results written before the bands: none
         tokens = [DisagreementTokens(**t) for t in data.get("disagreement_tokens", [])]  # written before: none
         counterfactual = [CounterfactualCounts(**c) for c in data.get("counterfactual", [])]
         return cls(**{**data, "comparisons": comparisons, "estimator_differences": differences,
