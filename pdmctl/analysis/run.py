@@ -9,11 +9,11 @@ criterion then takes one real update on the whole batch from the same weights
 and optimizer state, and D is recomputed on the same tokens: ΔD > 0 on a kept
 disagreement token is an unsafe keep, ΔD < 0 a corrective one.
 
-How the update is taken is a protocol (`PROTOCOLS`). The main one, `counterfactual` (issue 27,
-counterfactual.py), measures the decision itself: per token, a carried update with it kept against one
+How the update is taken is a protocol (`PROTOCOLS`). The main one, `counterfactual`
+(counterfactual.py), measures the decision itself: per token, a carried update with it kept against one
 with it masked, ΔD = D(keep) − D(mask). The earlier ones take one update per criterion and read the
 realized ΔD: with the Adam state the stale mini-batch updates left (`carried`: the step training takes
-next, whose ΔD is mostly the carried momentum, issue 19), with a fresh Adam (`fresh-adam`), or as a plain
+next, whose ΔD is mostly the carried momentum), with a fresh Adam (`fresh-adam`), or as a plain
 gradient step (`sgd`); they are measured and printed beside it.
 """
 
