@@ -1,7 +1,7 @@
 """The CPU RL testbed: a tiny transformer learns two-digit addition with GRPO through pdmctl.masks.
 
 `ToyConfig` and `MODEL_PRESETS` are what expanding a grid needs; `train` (the trainer, its rollouts and
-tasks) is imported when first asked for, so a dry run never loads the training code (issue 28).
+tasks) is imported when first asked for, so a dry run never loads the training code.
 """
 
 from __future__ import annotations
