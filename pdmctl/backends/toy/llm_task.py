@@ -18,7 +18,7 @@ tokens at the base, up to 19), and sharpening the digits. The grader reads only 
 What it models: most positions near-deterministic (top-20 mass ≈ 1), a few percent of forking
 positions with a long tail over the vocabulary, a response of tens of tokens whose length RL can
 move. What it does not: the answer is a copy, not a computation, so the base needs no sudden
-transition to learn it (the addition's second digit, issue 17) and its warm-up is short and lands
+transition to learn it (the addition's second digit) and its warm-up is short and lands
 in the same place on any CPU; the vocabulary is 512 tokens (a run of the default length stays
 within a minute of two cores).
 """
