@@ -1,4 +1,4 @@
-"""A run's VeRL checkpoints bounded across attempts (issue 26, item 3).
+"""A run's VeRL checkpoints bounded across attempts.
 
 VeRL 0.9.1 keeps the list of the checkpoints it saved in memory only (`BaseCheckpointManager.
 previous_saved_paths`), so a resumed attempt never deletes what earlier attempts kept: with
