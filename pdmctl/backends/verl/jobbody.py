@@ -69,7 +69,7 @@ cleanup() {
   done
   for pid in "${BACKGROUND[@]}"; do kill -KILL "$pid" 2>/dev/null; done
   # Whatever the engine, the processes the job started that Ray's teardown leaves behind (vLLM's engine
-  # cores, in sessions of their own and reparented to the node's init, holding a GPU's memory) and its
+  # cores, in process sessions of their own and reparented to the node's init, holding a GPU's memory) and its
   # /dev/shm segments, on the other nodes: pdmctl ends the first node's itself (cpu.cleanup). They
   # carry the job's engine tag, which srun passed to the node's `ray start`.
   if [ -n "${PDMCTL_ENGINE_TAG:-}" ] && [ "$N" -gt 1 ]; then
