@@ -489,7 +489,7 @@ def check_local_files(run_config: Mapping[str, Any], models_dir: str | None, dat
         )
     if not model.is_dir():
         raise LaunchConfigError(f"model {cfg['model']}: {model} is not a directory (stage the weights there: docs/CLUSTER.md)")
-    offline.check_model_dir(model, cfg["model"])  # whole files, not names: issue 28 item 3
+    offline.check_model_dir(model, cfg["model"])  # whole files, not names
     if preset.hf_path is None:
         return
     if not cfg["data_dir"]:
