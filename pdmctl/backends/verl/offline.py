@@ -1,5 +1,5 @@
-"""What can be checked cheaply on a login node of the weights and data an offline job will read (issue 28,
-item 3): that they are there is not enough, an empty or partial copy fails on the cluster after the queue
+"""What can be checked cheaply on a login node of the weights and data an offline job will read:
+that they are there is not enough, an empty or partial copy fails on the cluster after the queue
 wait. Headers and footers only, never the tensors or the rows: a 60 GB model is checked in milliseconds.
 
 `check_model_dir`: config.json and the tokenizer's JSON parse, and every weight file (every shard the
