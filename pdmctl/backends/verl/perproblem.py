@@ -1,4 +1,4 @@
-"""Each held-out problem's samples at each VeRL validation, stored as the testbed stores them (issue 26, item 7).
+"""Each held-out problem's samples at each VeRL validation, stored as the testbed stores them.
 
 VeRL logs only `val-core/<source>/acc/mean@16`, the mean over problems; the report's seed × problem
 interval and its unbiased pass@k / maj@k need each problem's samples. They are read where VeRL has them,
