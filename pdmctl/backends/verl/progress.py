@@ -1,4 +1,4 @@
-"""The trainer's progress, as the job's stall watchdog judges it (issue 26, item 5).
+"""The trainer's progress, as the job's stall watchdog judges it.
 
 A VeRL trainer can be silent for a long time while it works: VeRL's default
 `rollout.disable_log_stats: true` keeps vLLM quiet while it generates thousands of responses of up to
