@@ -27,13 +27,13 @@ when the job started: a requeue or a lost node then always finds the run mid-tra
 this machine's speed, and the resumed attempt never holds. It prints a line every 10 s (the
 job's stall watchdog reads silence as a hang) and lets go after `PDMCTL_VERL_HOLD_S` (300 s).
 
-**Live progress (issue 26, item 1).** Each step's `val-core/<source>/acc/mean@16` and
+**Live progress.** Each step's `val-core/<source>/acc/mean@16` and
 `critic/score/mean` are logged under pdmctl's names too (`eval/aime24`, `train/reward`, ...,
 `metrics.pdmctl_metric_name`) as VeRL logs them, so `pdmctl status` (step, avg@16) and `report` see a
 VeRL run while it trains; the job's copy at the end (`RunLogger.copy_metrics`) then finds every step
 already there and adds none. With each validation's mean goes its per-problem record (`perproblem.py`).
 
-**Nothing lost to a tracking-server outage (issue 26, item 2).** Where the job names the run's spool
+**Nothing lost to a tracking-server outage.** Where the job names the run's spool
 (`PDMCTL_SPOOL_DIR`), a step is not sent by VeRL's adapter (three tries without a wait, then dropped):
 it is appended to the spool on the run's disk and sent from there, in order (`ledger.spool`); what the
 server does not confirm stays there and goes out with a later step, at VeRL's `finish`, by the job after
