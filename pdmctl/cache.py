@@ -1,4 +1,4 @@
-"""pdmctl's cache directory on this machine: `$PDMCTL_CACHE`, else ~/.cache/pdmctl (issue 28, items 7-8).
+"""pdmctl's cache directory on this machine: `$PDMCTL_CACHE`, else ~/.cache/pdmctl.
 
 What lives there: the submission lock of a tracking server's ledger (`locks/`, shared by every shell
 that submits to that server, whatever its current directory) and the toy backend's warmed-up base
