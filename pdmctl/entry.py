@@ -1,7 +1,7 @@
 """The `pdmctl` console script: the command line (`pdmctl.cli`), imported under a Ctrl-C guard.
 
 Importing the CLI takes a second (typer, rich, the mounted commands); a Ctrl-C then would otherwise print
-Python's traceback of the import machinery instead of one line (issue 28, item 18).
+Python's traceback of the import machinery instead of one line.
 """
 
 from __future__ import annotations
