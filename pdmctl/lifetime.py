@@ -1,4 +1,4 @@
-"""Helper processes that end with the process that started them (issue 28, item 14).
+"""Helper processes that end with the process that started them.
 
 A worker of a process pool reads its next task from a pipe; a parent killed with SIGKILL cannot tell it
 to stop, and a worker in the middle of a long task lives on under PID 1 with its memory. On Linux the
