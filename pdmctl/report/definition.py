@@ -36,7 +36,7 @@ class Panel:
     metric: str
 
 
-# The rollout/trainer mismatch panel (issue 29): each a label and the metrics that can fill it, the first a
+# The rollout/trainer mismatch panel: each a label and the metrics that can fill it, the first a
 # run logged wins (VeRL 0.9.1's names where the rollout's log-probs are kept, then rollout correction's,
 # then the testbed's own, which measures what VeRL's first does)
 DEFAULT_MISMATCH = (
