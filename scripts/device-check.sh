@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check (issue 30): the masks on a GPU against their CPU path, their cost at the paper's
+# The device check: the masks on a GPU against their CPU path, their cost at the paper's
 # scale (ratios to one log_softmax and to DPPO), the fused Triton kernel beside the torch path, and
 # the toy testbed trained a few steps on the GPU. bench/device_check.py says what each part checks.
 #
