@@ -7,7 +7,7 @@
 #   lane "rest":    everything else, beside it.
 #
 # Most of the cluster lane's time is spent waiting on SLURM and on jobs, so on 2 cores the two lanes
-# together take about two thirds of one process's time (issue 24). Arguments go to both pytest processes
+# together take about two thirds of one process's time. Arguments go to both pytest processes
 # (e.g. `bash scripts/test.sh --durations=20`, `-x`, a file: a lane that selects nothing is not a failure).
 # The rest lane prints as it goes; the cluster lane's output follows when both are done. Exit status:
 # the first lane's failure, else 0. Python: $PYTHON, else ./.venv/bin/python if there, else `python`.
