@@ -1,4 +1,4 @@
-"""The direction analysis's inference (issue 27 item 2): the primary metric's two intervals, Holm over the
+"""The direction analysis's inference: the primary metric's two intervals, Holm over the
 family of both presets, and the bootstrap interval's coverage."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_holm_runs_over_both_presets_together() -> None:
 
 
 def test_own_grad_is_printed_but_never_tested() -> None:
-    """Issue 27: own-grad's sign is the criterion's own prediction (48 of 48 tokens), not evidence; it stays
+    """Own-grad's sign is the criterion's own prediction (48 of 48 tokens), not evidence; it stays
     out of the Holm family, which the other protocols' unsafe-keep comparisons join."""
     from pdmctl.analysis.results import Comparison, CriterionStats
 
