@@ -1,4 +1,4 @@
-"""The house's shape (docs/ARCHITECTURE.md, issue 24): no module imports one that imports it back, lazy
+"""The house's shape (docs/ARCHITECTURE.md): no module imports one that imports it back, lazy
 imports inside functions included (a circle there still ties the two rooms together), and no module
 grows past the size that made the last restructuring necessary."""
 
