@@ -1,4 +1,4 @@
-"""A hostile user's input: one clear line, exit code 2, and nothing written (issue 10, items 4-11 and 13).
+"""A hostile user's input: one clear line, exit code 2, and nothing written.
 
 The commands run in this process (typer's runner): each refusal must come before the store or a run
 directory is touched, which `snapshot` checks byte for byte, SQLite's -wal/-shm files included (a
