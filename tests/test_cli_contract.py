@@ -1,17 +1,17 @@
-"""The command line's contract, as a property (issue 20): whatever a careless or hostile user types, a call
+"""The command line's contract, as a property: whatever a careless or hostile user types, a call
 either succeeds or exits 2 with one line on stderr and no traceback, and a refused call leaves the store
 and the run directories byte for byte as they were.
 
 Hypothesis draws the inputs: overrides, sweep files, cluster profiles (control characters in the values
 that reach the sbatch script included), tracking URIs, tune files, the options of analyze, tune and logs,
 and the environment variables pdmctl reads, with values that are empty, huge, non-finite, not UTF-8, of
-the wrong type, or paths (issue 20; issue 28). `test_contract_in_process` runs
+the wrong type, or paths. `test_contract_in_process` runs
 `pdmctl.cli.main` (the console script, click's usage errors included) in this process, many examples;
 `test_contract_as_a_user_runs_it` runs the real CLI in a subprocess, a few. Both stay within about a
 minute each. Sweeps always run with --dry-run: a call that succeeds may write, but it must not start jobs
 here.
 
-Not drawn: a cluster profile's fields of the wrong type (`workdir: 5`), issue 20 item 15, which the
+Not drawn: a cluster profile's fields of the wrong type (`workdir: 5`), which the
 cluster-profile schema covers.
 """
 
@@ -67,12 +67,12 @@ PROFILES = st.one_of(
     st.sampled_from([b"\xff\xfename: x\n", b"[1, 2]\n", b"executor: nope\n", b"max_concurrent: 0\n",
                      b"max_concurrent: many\n", b"name: x\nexecutor: local\n", b"{{{\n", b"",
                      b"executor: slurm\nmem_gb: .nan\n", b"executor: slurm\nmem_gb: .inf\n"]),  # fmt: skip
-    # a control character in any value that reaches the sbatch script (issue 28, item 2)
+    # a control character in any value that reaches the sbatch script
     st.builds(lambda field, text: f"executor: slurm\n{field}: {text!r}\n".replace("'", '"').encode(),
               st.sampled_from(["account", "qos", "job_name", "partition", "gpu_type", "workdir", "python"]),
               st.text(alphabet=st.sampled_from("ab\n\r\x0b\x85\t"), min_size=1, max_size=6)),
 )
-ENV = st.dictionaries(  # environment variables pdmctl reads, set to nasty values (issue 28)
+ENV = st.dictionaries(  # environment variables pdmctl reads, set to nasty values
     st.sampled_from(["PDMCTL_CACHE", "PDMCTL_TOY_BASE", "PDMCTL_TUNE_STORAGE", "PDMCTL_TOY_HOLD_AT_STEP",
                      "PDMCTL_VERL_HOLD_AT_STEP", "PDMCTL_VERL_FAIL"]),  # fmt: skip
     st.sampled_from(["", " ", "2", "warmup", "bogus", "relative/dir", "/proc/pdmctl", "/etc/passwd", "sqlite://",
