@@ -1,4 +1,4 @@
-"""The counterfactual protocol (issue 27): the batched pairs of updates equal the direct ones."""
+"""The counterfactual protocol: the batched pairs of updates equal the direct ones."""
 
 from __future__ import annotations
 
