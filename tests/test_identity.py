@@ -1,4 +1,4 @@
-"""A run's identity and its one live job (issue 10, items 1, 2 and 13's local-worker surprises): real
+"""A run's identity and its one live job (and the local worker's edge cases): real
 local jobs, real MLflow on SQLite, the CPU testbed on its smallest settings."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def local_jobs(ctx) -> list[str]:
     return sorted(p.stem for d in ("queue", "running", "done") for p in (root / d).glob("*.json"))
 
 
-def test_a_second_store_never_resumes_the_first_stores_checkpoints(workdir: Path) -> None:  # item 1
+def test_a_second_store_never_resumes_the_first_stores_checkpoints(workdir: Path) -> None:
     specs = expand(TINY, sweep="smoke")
     first = make_context("local", f"sqlite:///{workdir / 'A.db'}")
     orchestrate.sweep(specs, first)
@@ -66,7 +66,7 @@ def test_a_second_store_never_resumes_the_first_stores_checkpoints(workdir: Path
 
 def test_an_interrupt_between_submit_and_record_never_submits_twice(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:  # item 2, local executor
+) -> None:  # local executor
     ctx = make_context("local", f"sqlite:///{workdir / 'mlflow.db'}")
     specs = expand([*TINY, "seed=0,1"], sweep="twice")
 
@@ -94,7 +94,7 @@ def test_an_interrupt_between_submit_and_record_never_submits_twice(
         assert log.count("pdmctl job: run") == 1, log
 
 
-def test_a_held_worker_lock_is_said_before_anything_is_queued(workdir: Path) -> None:  # item 13
+def test_a_held_worker_lock_is_said_before_anything_is_queued(workdir: Path) -> None:
     root = workdir / "pdmctl-runs" / ".local"
     root.mkdir(parents=True)
     with open(root / "worker.lock", "a+") as lock:
@@ -106,7 +106,7 @@ def test_a_held_worker_lock_is_said_before_anything_is_queued(workdir: Path) -> 
     assert snapshot(workdir) == before
 
 
-def test_a_job_that_ends_while_its_worker_is_dead_is_not_lost(workdir: Path) -> None:  # item 13
+def test_a_job_that_ends_while_its_worker_is_dead_is_not_lost(workdir: Path) -> None:
     ctx = make_context("local", f"sqlite:///{workdir / 'mlflow.db'}")
     _, (job_id,) = orchestrate.sweep(expand(TINY, sweep="orphan"), ctx)
     root = ctx.run_root / ".local"
@@ -149,7 +149,7 @@ def test_a_job_runs_in_its_submitters_environment_whoever_starts_the_worker(
     assert not any("env" in json.loads(p.read_text()) for p in (ctx.run_root / ".local").rglob("*.json"))
 
 
-def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(workdir: Path) -> None:  # item 3
+def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(workdir: Path) -> None:
     ctx = make_context("local", f"sqlite:///{workdir / 'mlflow.db'}")
     orchestrate.sweep(expand([*TINY[1:], "backend.steps=4"], sweep="damaged"), ctx)
     (view,) = wait_for(ctx, "damaged", finished)
