@@ -112,7 +112,7 @@ def test_kl_simplification_equals_general_formula():
 
 
 # ---------------------------------------------------------------------------
-# Corner cases (issue 19 item 7)
+# Corner cases
 # ---------------------------------------------------------------------------
 
 
@@ -126,7 +126,7 @@ def _jvp_ddot(z_row, log_mu_row, support_ids, k, family):
 
 
 def test_kl_ddot_when_the_rollout_top_k_sums_above_one():
-    """Issue 19: bf16-rounded top-K log-probabilities can sum above 1; μ_tail is then clamped to ε and
+    """bf16-rounded top-K log-probabilities can sum above 1; μ_tail is then clamped to ε and
     Ḋ must still be the derivative of that D (it was −1.0e-05 here, the derivative +3.8e-05: kept, not masked)."""
     pi = torch.tensor([[0.5, 0.3, 0.2]], dtype=torch.float64)
     mu_s = torch.tensor([[0.5251625, 0.4752375]], dtype=torch.float64)  # Σ_S μ = 1.0004
@@ -182,7 +182,7 @@ def _tiny_pi_k_batch(tail_logit: float, mu_top: float):
 
 @pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
 def test_binary_tv_ddot_keeps_its_sign_at_tiny_pi_k(estimator):
-    """Issue 19: with π_k ≈ 3e-17 binary TV's Ḋ cancelled to 0 (agg, exact: kept where DPPO masks).
+    """With π_k ≈ 3e-17 binary TV's Ḋ once cancelled to 0 (agg, exact: kept where DPPO masks).
     On a binary support Ḋ = (g_k − g_tail) π_k ((1 − π_k)² + Q_tail), here −π_k (1 + Q_tail)."""
     args = _tiny_pi_k_batch(2.0, 0.4)
     d = token_diagnostics(*args, divergence="binary_tv", estimator=estimator)
@@ -562,7 +562,7 @@ def test_confident_policy_matches_a_float64_reference(vocab, k, seed, drift, div
 
 
 def test_confident_policy_reproduction():
-    """Issue 10 item 14: with a float32 normaliser this batch had D off by up to 4.4 and 136 of 4096 tokens on
+    """With a float32 normaliser this batch had D off by up to 4.4 and 136 of 4096 tokens on
     the wrong side of δ = 0.01 (one at D = 0.0272 where it is 0.0086, with 1 − π_k = 1.25e-6)."""
     z, sampled, ids, lps, slp, adv = confident_batch(4096, 1000, 5, seed=0, drift=0.5)
     got = token_diagnostics(z, sampled, ids, lps, slp, adv, method="dppo", delta=0.01)
