@@ -1,4 +1,4 @@
-"""Multiple comparisons in `pdmctl report` (issue 19 item 6): p-values, Holm's adjustment per column, its
+"""Multiple comparisons in `pdmctl report`: p-values, Holm's adjustment per column, its
 family-wise error rate under the null, and the tables that name it."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def test_holm_by_hand() -> None:
     assert holm([0.01, 0.04, 0.03, 0.005, math.nan])[:4] == pytest.approx([0.03, 0.06, 0.06, 0.02])
     assert math.isnan(holm([0.01, math.nan])[1]) and holm([0.01, math.nan])[0] == pytest.approx(0.01)
     assert holm([0.5, 0.9]) == [1.0, 1.0] and holm([]) == []
-    # issue 19's stress table: 12 comparisons in the Average column; exact − GRPO passes, exact − DPPO does not
+    # the stress table (docs/results/stress.md): 12 comparisons in the Average column; exact − GRPO passes, exact − DPPO does not
     family = [0.0036, 0.044, *np.linspace(0.1, 0.9, 10)]
     adjusted = holm(family)
     assert adjusted[0] == pytest.approx(12 * 0.0036) and adjusted[0] <= 0.05
