@@ -204,7 +204,7 @@ def test_scancel_mid_run_then_resume_finishes_from_the_checkpoint(tmp_path: Path
     store.execute("BEGIN IMMEDIATE")
     try:
         slurm("scancel", job_id)
-        # sacct says CANCELLED at once; squeue says COMPLETING until KillWait's SIGKILL has landed
+        # sacct says CANCELLED at once; squeue says COMPLETING until KillWait's SIGKILL has taken effect
         deadline = time.time() + 60
         while slurm("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T").strip() != "CANCELLED":
             assert time.time() < deadline, slurm("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T")
@@ -250,7 +250,7 @@ def test_an_interrupt_between_sbatch_and_the_ledger_never_submits_twice(tmp_path
 
 def test_scontrol_requeue_resumes_from_the_checkpoint_as_the_next_attempt(tmp_path: Path) -> None:
     # 400 steps: a quiet 2-core machine runs this config at about 20 steps/s, and with 40 the first
-    # attempt once ended between the test's look at step 6 and its requeue (a CI rehearsal, 2026-12-01)
+    # attempt once ended between the test's look at step 6 and its requeue (in a CI run)
     profile = write_profile(tmp_path)
     ctx, sweep, (job_id,) = start_sweep(tmp_path, ["backend.steps=400"], profile)
     view = wait_for_step(ctx, sweep, 6)
@@ -287,7 +287,7 @@ def test_a_failed_job_that_slurm_requeues_is_queued_and_never_gets_a_second_job(
 
     from pdmctl.cli import app
 
-    # CI stop 35: n2 was lost mid-training, and the trainer on n1 failed at once (its driver had been on n2): the
+    # Seen in CI: n2 was lost mid-training, and the trainer on n1 failed at once (its driver had been on n2): the
     # job wrote FAILED into its run, and SLURM then requeued the job for the lost node. `status` said failed for a
     # job SLURM held: `sweep --wait` gave up, and `resume` would have started a second job beside the requeued one.
     # Here the job fails by itself once it has checkpointed step 4 (PDMCTL_TOY_FAIL_AT_STEP: a fresh attempt only),
