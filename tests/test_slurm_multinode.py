@@ -220,7 +220,7 @@ def test_a_two_node_job_runs_its_steps_on_both_nodes(shared_dir: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_a_clone_under_tmp_and_its_environment_are_seen_by_every_node(shared_dir: Path) -> None:
-    """Issue 24: a clone under /tmp called <clone>/.venv/bin/python3 in its job scripts and every run was LOST,
+    """A clone under /tmp once called <clone>/.venv/bin/python3 in its job scripts and every run was LOST,
     each node's private /tmp hiding it. A clone under /tmp with its own virtualenv, the cluster script run from
     that clone: a 2-node job runs the clone's Python on both nodes, reads the clone's files, and each node's
     /tmp is still its own. The cluster is put back as it was (this checkout's script) afterwards."""
@@ -372,12 +372,12 @@ def test_losing_a_node_mid_run_requeues_and_resumes_from_the_checkpoint(shared_d
 
 # ---------------------------------------------------------------------------
 # The VeRL job body on both nodes, with stand-ins for Ray and the trainer (the engine is not run): which
-# address each node's Ray binds (issue 25 item 8), and what an attempt leaves on its nodes (issue 26
-# item 6). The job body, its srun steps, the address resolver and the cleanup are the real ones.
+# address each node's Ray binds, and what an attempt leaves on its nodes.
+# The job body, its srun steps, the address resolver and the cleanup are the real ones.
 # ---------------------------------------------------------------------------
 
 # The job's `ray`: records its node and arguments, and (LEAVE_ENGINE_CORE=1) leaves behind what a vLLM
-# engine core is to a job once Ray's worker, its parent, has exited: a process in a session of its own
+# engine core is to a job once Ray's worker, its parent, has exited: a process in a process session of its own
 # (no process-group signal reaches it), reparented to the node's init (so not in the step's process
 # tree: the step's end does not reach it), named VLLM::EngineCore_DP0, ignoring SIGTERM. It carries the job's
 # environment (and so its engine tag), as vLLM's processes do.
@@ -472,7 +472,7 @@ def second_network(nodes: list[str]) -> Iterator[Callable[[str], None]]:
 
 @pytest.mark.timeout(120)
 def test_ray_binds_the_profiles_network_interface_on_every_node(shared_dir: Path) -> None:
-    """Issue 25 item 8. The profile names ib0, a second network beside eth0 (whose address each node's
+    """The profile names ib0, a second network beside eth0 (whose address each node's
     hostname resolves to and lists first: what the job body took before). With ib0 on n1 only, the job
     fails at its start, before any Ray, in one line naming n2 and ib0. With ib0 on both, each node's
     `ray start` binds its ib0 address and the worker joins the head's."""
@@ -507,8 +507,8 @@ def test_ray_binds_the_profiles_network_interface_on_every_node(shared_dir: Path
 
 @pytest.mark.timeout(120)
 def test_an_attempt_leaves_no_process_on_either_node(shared_dir: Path) -> None:
-    """Issue 26 item 6. A GPU model's attempt whose Ray left an engine core behind on each node (in its own
-    session, reparented to the node's init, ignoring SIGTERM, named VLLM::EngineCore_DP0): once the job
+    """A GPU model's attempt whose Ray left an engine core behind on each node (in its own
+    process session, reparented to the node's init, ignoring SIGTERM, named VLLM::EngineCore_DP0): once the job
     has ended, nothing of it is left on n1 or n2 (the job body ends n2's, the job itself n1's: KILL after
     the grace)."""
     marker = f"pdmctl-core-{uuid.uuid4().hex[:8]}"
