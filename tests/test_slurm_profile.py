@@ -119,7 +119,7 @@ def test_slurm_local_profile_loads() -> None:
 
 
 def test_the_gpu_check_profile_asks_for_one_real_gpu_and_tells_the_trainer() -> None:
-    """scripts/gpu-check.sh's SLURM job (issue 18, item 12): one node, gres gpu:1 (SLURM sets
+    """scripts/gpu-check.sh's SLURM job: one node, gres gpu:1 (SLURM sets
     CUDA_VISIBLE_DEVICES), and the trainer's n_gpus_per_node through the profile's env."""
     profile = load_profile("slurm-local-gpu")
     executor = make_executor(profile)
@@ -129,7 +129,7 @@ def test_the_gpu_check_profile_asks_for_one_real_gpu_and_tells_the_trainer() -> 
     assert "PDMCTL_GPUS_PER_NODE=1" in text, text
 
 
-# --- a profile against its schema (issue 20, item 15) -----------------------------------------
+# --- a profile against its schema -----------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -163,7 +163,7 @@ def test_a_bad_profile_is_one_line_and_exit_2_at_the_cli(tmp_path: Path) -> None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home.yaml", "latin1.yaml", "typo.yaml"]
 
 
-# --- issue 25: runs at once against the partition, placeholders, a setup that fails ---------------
+# --- checked at once: runs against the partition, placeholders, a setup that fails ---------------
 
 
 def _h20_profile(tmp_path: Path, **changes) -> ClusterProfile:
