@@ -1,4 +1,4 @@
-"""No metric lost to a tracking-server outage (issue 26, item 2): the run's spool against the CI's real
+"""No metric lost to a tracking-server outage: the run's spool against the CI's real
 MLflow server (PostgreSQL-backed, `.ci/mlflow_server_up.sh`).
 
 The outage is made between the client and the server: the client talks to the server through a TCP
@@ -197,7 +197,7 @@ print("loggers:", sorted(logger.logger))
 
 @pytest.mark.postgres
 def test_verls_mlflow_start_survives_a_log_batch_past_the_timeout(mlflow_server: str, tmp_path: Path) -> None:
-    """CI (stop 34): VeRL's `Tracking` started MLflow's run, then its `log_params` (one `log-batch`) went
+    """Seen in CI: VeRL's `Tracking` started MLflow's run, then its `log_params` (one `log-batch`) went
     past the 5 s timeout the `pdmctl sweep` had set for itself and its job inherited; VeRL's two further
     tries then failed on "run already active" and the trainer would have gone on without MLflow. With the
     same settings and the server's first `log-batch` held 6 s, VeRL's next try now succeeds; and a trainer
