@@ -104,7 +104,7 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def test_every_criterion_starts_from_the_same_weights_and_optimizer_state(monkeypatch) -> None:
-    """Issue 19 item 1: each criterion's update starts bit for bit from the stale learner's weights and, under
+    """Each criterion's update starts bit for bit from the stale learner's weights and, under
     `carried`, its Adam state (restoring the optimizer from the snapshot itself let Adam advance the snapshot:
     step 7, 8, 9, 10); `fresh-adam` and `sgd` start from the same weights with no optimizer state."""
     starts = _recording_updates(monkeypatch)
