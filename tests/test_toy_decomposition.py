@@ -1,4 +1,4 @@
-"""ΔD decomposed per out-of-region token (issue 19): the pieces sum, the own effect is what it says, the
+"""ΔD decomposed per out-of-region token: the pieces sum, the own effect is what it says, the
 own-effect protocols run."""
 
 from __future__ import annotations
