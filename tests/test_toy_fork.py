@@ -1,4 +1,4 @@
-"""The fork preset (`model=toy-fork`, issue 27 item 3): toy-llm's task with phrasing slots that fork
+"""The fork preset (`model=toy-fork`): toy-llm's task with phrasing slots that fork
 three or more ways, and a sharper model whose fp8 rollout weights move tokens out of the trust region.
 
 The thresholds hold on the shipped base (docs/TESTBED.md, "The fork preset", has what each kernel
