@@ -1,5 +1,5 @@
 """The LLM-like preset (`model=toy-llm`), the top-K-mass bands of the analysis, and the entropy and
-top-K mass the trainer logs (issue 19, item 4).
+top-K mass the trainer logs.
 
 The thresholds hold on the shipped base and on a base rebuilt under the scalar, AVX2 and AVX-512
 kernels (docs/TESTBED.md, "The LLM-like preset", has what each measured).
