@@ -91,8 +91,8 @@ def _assert_in_the_band(model: torch.nn.Module) -> None:
 
 
 def test_base_model_has_an_llm_like_tail_and_a_middling_score(base_model) -> None:
-    """The guard against the tail collapsing again (issue 12) and against a base that did not learn the
-    task (issue 17): the base every run starts from (the shipped one, or PDMCTL_TOY_BASE's) is in the band."""
+    """The guard against the tail collapsing again and against a base that did not learn the
+    task: the base every run starts from (the shipped one, or PDMCTL_TOY_BASE's) is in the band."""
     _assert_in_the_band(base_model)
 
 
