@@ -74,7 +74,7 @@ def test_a_short_run_raises_held_out_accuracy(tmp_path: Path, method: str) -> No
     # 20 of the default run's 40 steps: the gain is measured on both held-out sets together (80
     # problems x 16 samples), where the base model's avg@16 has a standard error of about 0.02. At 10
     # steps the PDM run gained only 0.588 -> 0.618 on one machine under ATEN_CPU_CAPABILITY=avx2 with the
-    # warm-up's base (the landed code alike); at 20 it passes there, and under `default`
+    # warm-up's base (the current code alike); at 20 it passes there, and under `default`
     cfg = ToyConfig(method=method, steps=20, eval_every=20, prompts_per_step=64)
     # Two threads, pinned: the float sums' order follows the thread count, and so does a 20-step RL run's
     # end point (at one thread the GRPO run went 0.595 -> 0.579 on this machine: RL at this lr oscillates
@@ -95,7 +95,7 @@ def test_a_short_run_raises_held_out_accuracy(tmp_path: Path, method: str) -> No
 
 
 def test_k_changes_what_the_run_learns(tmp_path: Path) -> None:
-    """Issue 12: with K = 10 and K = 20 the quickstart's runs gave identical evaluation curves (the
+    """With a thin tail, K = 10 and K = 20 once gave the quickstart's runs identical evaluation curves (the
     tail beyond the top-10 barely existed). On the default preset, K changes the masks' decisions,
     and so the trajectory: the mask fraction and the evaluations differ (same seed, same batches)."""
     cfg = ToyConfig(steps=4, eval_every=2, checkpoint_every=4, prompts_per_step=32)
