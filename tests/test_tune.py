@@ -245,7 +245,7 @@ def test_kill_9_of_the_driver_loses_nothing_and_runs_nothing_twice(workdir: Path
 
 
 def test_a_trial_left_half_asked_by_a_killed_driver_is_failed_and_asked_anew(workdir: Path):
-    """The kill landed inside Optuna's `ask`: the trial exists, RUNNING, with only some parameters."""
+    """The kill arrived inside Optuna's `ask`: the trial exists, RUNNING, with only some parameters."""
     args = [*SYNTH, "backend.steps=2", "--seed", "1", "--name", "half"]
     res = pdmctl("tune", *args, "--trials", "1", cwd=workdir)
     assert res.returncode == 0, res.stdout + res.stderr
