@@ -1,4 +1,4 @@
-"""A run's VeRL checkpoints bounded across attempts (issue 26, item 3): `checkpoints.plan` on the cases,
+"""A run's VeRL checkpoints bounded across attempts: `checkpoints.plan` on the cases,
 `Keeper` on real directory trees laid out as VeRL 0.9.1 writes them, four attempts in a row."""
 
 from __future__ import annotations
