@@ -1,6 +1,6 @@
 """A VeRL run against its cluster profile, without a cluster: node counts, offline weights and data,
-checkpoint retention, network settings, the head's address and ports, what --dry-run shows (issue 18),
-every command, every run and the cost (issue 25)."""
+checkpoint retention, network settings, the head's address and ports, what --dry-run shows,
+every command, every run and the cost."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _check(specs, profile_path: str) -> None:
     check_runs(specs, Context(profile, "sqlite:///x.db"), make_executor(profile))
 
 
-# --- nnodes from the allocation (review 1) ---------------------------------------------------
+# --- nnodes from the allocation -------------------------------------------------------------
 
 
 def _staged(tmp_path: Path, *models: str) -> tuple[Path, Path]:
@@ -106,7 +106,7 @@ def test_the_cli_refuses_a_node_mismatch_in_one_line_and_writes_nothing(workdir:
     assert ok.returncode == 0, ok.stderr
 
 
-# --- offline by default on a cluster (review 2) ----------------------------------------------
+# --- offline by default on a cluster --------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -187,7 +187,7 @@ def test_bad_cluster_fields_are_one_line(tmp_path: Path, fields, message) -> Non
     assert "\n" not in str(info.value)
 
 
-# --- checkpoint retention (review 4) ---------------------------------------------------------
+# --- checkpoint retention -------------------------------------------------------------------
 
 
 def test_verl_keeps_three_checkpoints_unless_the_run_says() -> None:
@@ -198,7 +198,7 @@ def test_verl_keeps_three_checkpoints_unless_the_run_says() -> None:
         launch.verl_overrides({**BASE, "model": "qwen3-4b-base", "max_ckpt_to_keep": 0})
 
 
-# --- network settings (review 5) -------------------------------------------------------------
+# --- network settings -----------------------------------------------------------------------
 
 
 def test_the_profiles_env_block_reaches_every_job_after_its_setup(tmp_path: Path) -> None:
@@ -210,7 +210,7 @@ def test_the_profiles_env_block_reaches_every_job_after_its_setup(tmp_path: Path
 
 
 def test_the_profiles_network_interface_reaches_the_job_body(tmp_path: Path) -> None:
-    """Issue 25 item 8: `network_interface: ib0` is exported as PDMCTL_RAY_INTERFACE, which the job body
+    """`network_interface: ib0` is exported as PDMCTL_RAY_INTERFACE, which the job body
     resolves on every node (jobbody.JOB_BODY); without it nothing is exported."""
     setup = make_executor(load_profile(str(_profile_file(tmp_path, network_interface="ib0")))).sbatch_parameters(1)["setup"]
     assert "export PDMCTL_RAY_INTERFACE=ib0" in setup
@@ -232,7 +232,7 @@ def test_nccl_timeout_is_1800_across_nodes_and_the_profiles_where_set(monkeypatc
     assert "actor_rollout_ref.nccl_timeout=900" in launch.verl_overrides(run, nnodes=1)
 
 
-# --- what --dry-run shows (review 8, and 4's sizes) --------------------------------------------
+# --- what --dry-run shows (and checkpoint sizes) ------------------------------------------------
 
 
 def test_dry_run_prints_every_distinct_command_its_runs_a_verl_key_and_the_checkpoints(workdir: Path) -> None:
@@ -339,7 +339,7 @@ def test_checkpoints_kept_are_the_saves_where_a_run_saves_fewer() -> None:
     assert launch.checkpoint_bytes({**BASE, "model": "qwen3-tiny-gpu", "total_training_steps": None})[1:] == (3, 3)
 
 
-# --- whole files, not names (issue 28, item 3) ------------------------------------------------
+# --- whole files, not names -----------------------------------------------------------------
 
 
 def _shard_index(copy: Path) -> None:
