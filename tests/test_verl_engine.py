@@ -57,14 +57,14 @@ def _tiny_dir(root: Path) -> str:
 
 
 def _training(row: list[str]) -> bool:
-    """A `pdmctl status` row of a run that is running, past step 0, with an avg@16 (issue 26, item 1)."""
+    """A `pdmctl status` row of a run that is running, past step 0, with an avg@16."""
     return row[3].startswith("running") and row[4].isdigit() and int(row[4]) > 0 and bool(row[5])
 
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineSweep]:
     """The user's sweep; while it runs, `pdmctl status`'s rows (its own code, in this process) every
-    second, and the CLI itself once the first run shows a step and an avg@16 (issue 26, item 1)."""
+    second, and the CLI itself once the first run shows a step and an avg@16."""
     import subprocess
     import sys
     import threading
@@ -148,7 +148,7 @@ def test_sweep_trains_both_masks_and_fills_the_ledger(sweep: EngineSweep) -> Non
             evals = _history(sweep.uri, run.info.run_id, dataset)
             assert {0, 3} <= set(evals), (dataset, evals)  # before training and at the end
             assert all(0.0 <= v <= 1.0 for v in evals.values())
-    # the stall watchdog's progress (issue 26, item 5): the vLLM servers count the tokens they generate and
+    # the stall watchdog's progress: the vLLM servers count the tokens they generate and
     # the actors the micro-batches they train, and Ray brings both reports to the job's reader
     logs = "\n".join(p.read_text(errors="replace") for p in sweep.root.rglob("attempt-*.log"))
     assert re.search(r"pdmctl-progress tokens=[1-9]\d* host=\S+ pid=\d+", logs), logs[-3000:]
@@ -156,7 +156,7 @@ def test_sweep_trains_both_masks_and_fills_the_ledger(sweep: EngineSweep) -> Non
 
 
 def test_status_shows_a_verl_runs_step_and_avg16_while_it_trains(sweep: EngineSweep) -> None:
-    """Issue 26, item 1: VeRL's `critic/score/mean` and `val-core/<source>/acc/mean@16` reach pdmctl's
+    """VeRL's `critic/score/mean` and `val-core/<source>/acc/mean@16` reach pdmctl's
     names as VeRL logs them, so `pdmctl status` shows a step and an avg@16 before the run finishes, and
     the job's copy when the attempt ends adds no step."""
     training = [(t, row) for t, rows in sweep.live for row in rows if _training(row)]
@@ -170,7 +170,7 @@ def test_status_shows_a_verl_runs_step_and_avg16_while_it_trains(sweep: EngineSw
 
 
 def test_verl_validations_give_per_problem_scores_and_the_two_level_interval(sweep: EngineSweep) -> None:
-    """Issue 26, item 7: each validation's problems × 16 samples (VeRL's own grades) are stored as the
+    """Each validation's problems × 16 samples (VeRL's own grades) are stored as the
     testbed stores them; their mean is VeRL's mean@16; the report gets its seed × problem interval and
     pass@k / maj@k for the VeRL rows."""
     import numpy as np
@@ -192,7 +192,7 @@ def test_verl_validations_give_per_problem_scores_and_the_two_level_interval(swe
                 correct, answers = load_samples(sweep.uri, run.info.run_id, dataset, step)
                 assert np.shape(correct) == np.shape(answers) == (16, 16), "16 samples per problem"
     ledger = open_ledger(sweep.uri)
-    for record in ledger.runs("default"):  # issue 29, item 1: where the engine's numbers come from
+    for record in ledger.runs("default"):  # where the engine's numbers come from
         prov = record.provenance
         assert len(prov["data"]) == 16 and int(prov["data"], 16) >= 0, ("the data the job read, digested", prov)
         assert prov["version.verl"] == "0.9.1" and prov["version.vllm"].startswith("0.") and prov["version.torch"]
@@ -482,8 +482,8 @@ def test_on_slurm_the_job_body_trains_and_its_time_limit_requeues_it_from_the_ch
     """A VeRL job on the CI's SLURM: the job body starts Ray's head in the allocation and the trainer
     joins it; the job reaches its time limit mid-training, SLURM's USR2 (`signal_delay_s` before the
     limit) requeues it, and the next attempt resumes from VeRL's checkpoint into the same MLflow run,
-    every step logged once (issue 18, item 7). With 2 checkpoints a run (`backend.max_ckpt_to_keep=2`) the
-    run ends with global_step_2 and _3, never more than 2 on disk during the resumed attempt (issue 26, item 3).
+    every step logged once. With 2 checkpoints a run (`backend.max_ckpt_to_keep=2`) the
+    run ends with global_step_2 and _3, never more than 2 on disk during the resumed attempt.
 
     slurmctld checks limits every 30 s and the tiny model trains a step in about a second, so the
     run is held still after step 1 (its checkpoint saved, `PDMCTL_VERL_HOLD_AT_STEP`; the resumed
@@ -499,7 +499,7 @@ def test_on_slurm_the_job_body_trains_and_its_time_limit_requeues_it_from_the_ch
                                        "max_timeouts": 3}))  # fmt: skip
     env = {"PDMCTL_TINY_DIR": _tiny_dir(tmp_path), "PDMCTL_VERL_HOLD_AT_STEP": "1", "PDMCTL_VERL_HOLD_S": "600"}
     uri = sqlite_uri(tmp_path)
-    # 2 checkpoints a run across attempts (issue 26, item 3): VeRL alone keeps 1, 2 and 3 here (its list of
+    # 2 checkpoints a run across attempts: VeRL alone keeps 1, 2 and 3 here (its list of
     # what it saved starts empty in the resumed attempt)
     args = ["backend=verl", f"model={MODEL}", "mask=pdm_agg", "k=5", "backend.max_ckpt_to_keep=2",
             "--cluster", str(profile), "--tracking-uri", uri]  # fmt: skip
@@ -619,7 +619,7 @@ def test_the_v1_trainer_carries_topk_through_transferqueue(tmp_path: Path) -> No
 
 
 def test_a_tracking_server_outage_during_training_loses_no_metric(tmp_path: Path) -> None:
-    """Issue 26, item 2: the CI's MLflow server goes away for 60 s while a VeRL run trains and validates
+    """The CI's MLflow server goes away for 60 s while a VeRL run trains and validates
     (`test_freq=1`: a validation every step), seen from the job through a TCP relay that closes (the server
     is shared with the tests beside this one, so it is not stopped itself). The TaskRunner keeps what the
     server does not confirm on the run's disk and trains on; when the server answers again every step of
