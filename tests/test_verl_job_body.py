@@ -1,6 +1,6 @@
 """The VeRL job body's control flow on two stand-in nodes: `srun`, `scontrol`, `hostname`, Ray and the
 job's Python are small scripts that log what they are asked, so a failed start, a dead trainer and a
-cancel can be timed without a cluster (issue 18, review 3, 5, 6 and 7). The same body on a real
+cancel can be timed without a cluster. The same body on a real
 SLURM: tests/test_verl_slurm.py."""
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def test_a_head_without_an_ipv4_address_is_one_line(nodes: dict[str, str], tmp_p
 
 
 def test_the_profiles_network_interface_is_what_ray_binds_on_every_node(nodes: dict[str, str]) -> None:
-    """Issue 25 item 8: with a network interface named (PDMCTL_RAY_INTERFACE, the profile's
+    """With a network interface named (PDMCTL_RAY_INTERFACE, the profile's
     network_interface), each node's address on it goes to its own `ray start --node-ip-address`, the
     head's is the address the workers join and the trainer's RAY_ADDRESS, whatever `hostname` lists
     first (here 127.0.1.1, then 10.1.2.3)."""
@@ -243,7 +243,7 @@ def test_an_interface_address_is_read_from_the_kernel(monkeypatch: pytest.Monkey
     assert (proc.returncode, proc.stdout) == (0, "n7 127.0.0.1\n"), proc.stderr
 
 
-# What a vLLM engine core does to a job: started by a Ray worker in a session of its own (so no process
+# What a vLLM engine core does to a job: started by a Ray worker in a process session of its own (so no process
 # group signal reaches it), named VLLM::EngineCore_DP0, outliving its parent and ignoring SIGTERM.
 ENGINE_CORE = ('import ctypes, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); '
                'ctypes.CDLL(None).prctl(15, b"VLLM::EngineCor", 0, 0, 0); time.sleep(300)')  # fmt: skip
@@ -262,8 +262,8 @@ def _engine_cores(marker: str) -> list[int]:
 
 
 def test_a_gpu_engine_attempt_leaves_no_process_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 26 item 6: a GPU model's attempt (here outside SLURM, VeRL's own Ray) whose trainer leaves an
-    engine core behind in its own session, ignoring SIGTERM: once `run` returns, it is gone (KILL after
+    """A GPU model's attempt (here outside SLURM, VeRL's own Ray) whose trainer leaves an
+    engine core behind in its own process session, ignoring SIGTERM: once `run` returns, it is gone (KILL after
     the grace). Before, the per-node cleanup ran for the CPU engine only and it stayed."""
     marker = f"pdmctl-test-{os.getpid()}-{time.monotonic_ns()}"
     python = tmp_path / "python"
@@ -311,7 +311,7 @@ CANCEL = textwrap.dedent(
 
 def test_a_job_that_blocks_sigterm_can_still_end_its_trainer(nodes: dict[str, str]) -> None:
     """The SLURM job blocks SIGTERM for itself; the trainer's process must not inherit that, or
-    `terminate()` does nothing (review 6). Here the job body gets the TERM, and its trap ends the
+    `terminate()` does nothing. Here the job body gets the TERM, and its trap ends the
     trainer and stops Ray."""
     env = {**os.environ, **nodes, "FAKE_TRAIN": "echo training; grep SigBlk /proc/self/status; exec sleep 1002"}
     proc = subprocess.run([sys.executable, "-c", CANCEL, *_body()], env=env, capture_output=True, text=True,
