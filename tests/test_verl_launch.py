@@ -89,7 +89,7 @@ def test_the_v1_trainer_is_chosen_by_the_environment(monkeypatch: pytest.MonkeyP
 
 
 def test_mask_values_reach_the_config() -> None:
-    """...and the run's own VeRL keys (issue 25): a declared one, one in a mapping VeRL leaves open (Hydra's
+    """...and the run's own VeRL keys: a declared one, one in a mapping VeRL leaves open (Hydra's
     `+`), one pdmctl also sets (the run's wins, the token budget follows), and val_before_train."""
     own = {"actor_rollout_ref.rollout.gpu_memory_utilization": 0.85,
            "actor_rollout_ref.rollout.engine_kwargs.vllm.enforce_eager": True, "data.max_response_length": 4096}  # fmt: skip
@@ -122,7 +122,7 @@ def test_mlflow_run_identity_reaches_ray_workers() -> None:
     assert env.MLFLOW_RUN_ID == "0123abcd" and env.MLFLOW_TRACKING_URI == "sqlite:////tmp/ledger.db"
     assert env.PDMCTL_VERL_TOPK == "20" and env.VERL_USE_EXTERNAL_MODULES == launch.PLUGIN_MODULE
     assert "mlflow" in config.trainer.logger
-    # the TaskRunner logs through the run's spool, beside its checkpoints (issue 26, item 2)
+    # the TaskRunner logs through the run's spool, beside its checkpoints
     spool = env.PDMCTL_SPOOL_DIR
     assert spool == str(Path(run["checkpoint_dir"]).parent / "spool")
 
@@ -373,7 +373,7 @@ def test_each_backend_names_the_final_step_a_tune_trial_never_prunes() -> None:
     assert get_backend("synthetic").final_step({"steps": 9}) == 9
 
 
-# --- every VeRL key settable from a grid, every unknown key refused (issue 25, item 5) -------------
+# --- every VeRL key settable from a grid, every unknown key refused --------------------------
 
 
 def _overrides(spec) -> list[str]:
