@@ -158,7 +158,7 @@ def test_loss_through_verl_equals_policy_loss(method: str, divergence: str, esti
 def test_the_carried_layout_gives_the_padded_layouts_mask_and_loss_bit_for_bit(
     method: str, divergence: str, estimator: str, monkeypatch
 ) -> None:
-    """Issue 26, item 4: the same rollout and logits through the padded layout read as it was read until
+    """The same rollout and logits through the padded layout read as it was read until
     634251f (tests/topk_reference.py) and through the carried one (`[T_i, K]` int32 per response, slot K
     rebuilt): every diagnostic of the logits processor, the loss, its gradient and VeRL's metrics equal."""
     from tests.topk_reference import reference_response_tokens
