@@ -5,12 +5,12 @@ job body starts Ray's head on n1 and a worker on n2 (srun), VeRL 0.9.1 trains th
 `trainer.nnodes=2`, one actor rank and one vLLM rollout server per node (gloo between the ranks), and
 the run's metrics reach the MLflow ledger on the shared directory.
 
-Then n2 is lost mid-training (issue 18, item 7): once the run has checkpointed step 1 it is held still
+Then n2 is lost mid-training: once the run has checkpointed step 1 it is held still
 there (`PDMCTL_VERL_HOLD_AT_STEP=1`: whatever this machine's speed, the loss finds it training), n2's
 slurmd, PID 1 of its node's PID namespace, is SIGKILLed, and every process of the node goes with it,
 as in a crash. SLURM sees the node down after SlurmdTimeout and requeues the job (or it fails, and
 `pdmctl resume` brings it back). Where VeRL placed its driver (TaskRunner) on n2, the trainer fails at
-once and the job writes FAILED into its run before SLURM requeues it (CI stop 35): the run is queued
+once and the job writes FAILED into its run before SLURM requeues it: the run is queued
 while SLURM holds its job, and the same sweep waits for it (`orchestrate.run_state`); n2 is started again, and the next attempt starts Ray on both nodes
 again and resumes from VeRL's checkpoint into the same MLflow run, every step logged once. One
 scenario (two engine starts, ~10 min here) serves every test of the module.
