@@ -1,4 +1,4 @@
-"""Per-problem records of VeRL's validation (issue 26, item 7), taken where VeRL's own V0 trainer has them:
+"""Per-problem records of VeRL's validation, taken where VeRL's own V0 trainer has them:
 its `extract_reward` and `_val_metrics_update`, patched, on a validation batch as `_validate` builds it."""
 
 from __future__ import annotations
