@@ -114,8 +114,8 @@ def test_a_bad_hold_limit_is_the_default(monkeypatch, given: str) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Issue 26: live pdmctl names (item 1), per-problem records (item 7), the spool and no untracked
-# training (item 2), through VeRL's own Tracking and MLflow adapter in this process
+# Live pdmctl names, per-problem records, the spool and no untracked
+# training, through VeRL's own Tracking and MLflow adapter in this process
 # ---------------------------------------------------------------------------
 
 
@@ -158,9 +158,9 @@ def wrapped(installed, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 
 
 def test_verl_logs_pdmctl_names_live_with_per_problem_records_and_the_job_copy_adds_no_step(wrapped) -> None:
-    """Item 1: `status` reads eval/aime24 and train/reward while VeRL trains (they are logged with VeRL's
-    names), and the job's copy at the end adds no step. Item 7: each validation's per-problem record goes
-    in with its mean, where `load_samples` reads it. Item 2: all of it through the run's spool."""
+    """`status` reads eval/aime24 and train/reward while VeRL trains (they are logged with VeRL's
+    names), and the job's copy at the end adds no step. Each validation's per-problem record goes
+    in with its mean, where `load_samples` reads it. All of it goes through the run's spool."""
     import mlflow
     from verl.utils import tracking
 
@@ -202,7 +202,7 @@ def test_verl_logs_pdmctl_names_live_with_per_problem_records_and_the_job_copy_a
 
 
 def test_verl_does_not_train_without_tracking(installed, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Item 2: VeRL's `Tracking` waits for the server (backoff, PDMCTL_TRACKING_WAIT_S) and then stops the
+    """VeRL's `Tracking` waits for the server (backoff, PDMCTL_TRACKING_WAIT_S) and then stops the
     trainer with that reason, where VeRL would print "Proceeding without MLflow tracking" and train on."""
     import socket
     import time
