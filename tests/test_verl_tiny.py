@@ -1,5 +1,5 @@
-"""The engine's tiny Qwen3 is the same model whatever CPU kernels build it (issue 17's question for
-tiny.py's warm-up): its supervised warm-up is short and far from any transition, so the scalar
+"""The engine's tiny Qwen3 is the same model whatever CPU kernels build it (the question a
+fixed-length warm-up raises, for tiny.py's): its supervised warm-up is short and far from any transition, so the scalar
 kernels and the machine's own give the same greedy answers to every problem."""
 
 from __future__ import annotations
