@@ -140,7 +140,7 @@ def test_mismatched_lengths_and_bad_k_are_refused() -> None:
 
 
 def test_the_carry_holds_each_response_unpadded_with_ids_in_32_bits() -> None:
-    """Issue 26, item 4: what travels with the batch is each response's own `[T_i, K]` (no padding to the
+    """What travels with the batch is each response's own `[T_i, K]` (no padding to the
     longest, no slot K: `responses` and `rollout_log_probs` hold it), int32 ids and float32 log-probs."""
     a = topk.extract_topk([1, 2], [position({1: (-0.1, 1)}), position({2: (-0.2, 2), 5: (-0.05, 1)})], k=2)
     b = topk.extract_topk([3], [position({3: (-0.3, 1)})], k=2)
@@ -332,7 +332,7 @@ def test_the_v1_actor_reads_each_micro_batchs_top_k_as_vllm_returned_it() -> Non
     `list_of_dict_to_tensordict` per output), read back per field as TransferQueue packs samples (a jagged
     nested tensor), cut into a shuffled mini-batch (`make_iterator`'s `index_select_tensor_dict`) and micro-
     batches (`chunk_tensordict`), then read by the actor's `response_tokens`: every generated token's
-    `TopK ∪ {k}`, slot K rebuilt, equals vLLM's support. (Issue 26 item 4: the V1 engine test once masked
+    `TopK ∪ {k}`, slot K rebuilt, equals vLLM's support. (The V1 engine test once masked
     nothing with the carry; in the real engine this read equalled the padded layout's at all 24 micro-batches.)"""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
