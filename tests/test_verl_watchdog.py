@@ -1,4 +1,4 @@
-"""The stall watchdog judges progress, not prints (issue 26, item 5): `jobbody._run_trainer` on real child
+"""The stall watchdog judges progress, not prints: `jobbody._run_trainer` on real child
 processes that stand for the trainer, with a limit of 2 s in place of a preset's minutes."""
 
 from __future__ import annotations
