@@ -1,4 +1,4 @@
-"""The device check (issue 30): the masks on a GPU against their CPU path, what they cost there at the
+"""The device check: the masks on a GPU against their CPU path, what they cost there at the
 paper's scale, and the toy testbed trained on the GPU. `scripts/device-check.sh` runs it.
 
     python bench/device_check.py OUT_DIR          a CUDA machine: V = 151,936, K = 20 (about 5 minutes)
@@ -44,7 +44,7 @@ import traceback
 from pathlib import Path
 
 VOCAB, K = 151_936, 20
-GOALS = {"pdm_vs_dppo": 1.10, "pdm_vs_log_softmax": 1.5, "fused_vs_log_softmax": 1.0}  # issue 30
+GOALS = {"pdm_vs_dppo": 1.10, "pdm_vs_log_softmax": 1.5, "fused_vs_log_softmax": 1.0}  # the goals: cost ratios at most these
 # the paper's micro-batches (DPPO appendix: response length 8,192 dense, 16,384 MoE)
 GPU_SIZES = (("8x8192", 8 * 8192), ("32x16384", 32 * 16384))
 CPU_SIZES = (("1x256", 256),)
@@ -459,7 +459,7 @@ def ratios(results: dict, goals: bool) -> dict:
 
 def toy(torch, plan: Plan) -> dict:
     """The toy testbed on the device, through the device's default path; if that raises, the error
-    and a second run through the torch path (so one device session still learns whether it trains)."""
+    and a second run through the torch path (so one device run still learns whether it trains)."""
     try:
         return train_toy(torch, plan)
     except Exception as exc:
@@ -481,7 +481,7 @@ def train_toy(torch, plan: Plan) -> dict:
         final = train(cfg, Path(work), tracker, device=plan.device)
         seconds = time.perf_counter() - t0
         (last,) = sorted((Path(work) / "checkpoints").glob("step_*.pt"))[-1:]
-        state = torch.load(last, weights_only=False, map_location="cpu" if plan.device == "cpu" else None)
+        state = torch.load(last, weights_only=True, map_location="cpu" if plan.device == "cpu" else None)
     weights_on = sorted({str(t.device.type) for t in state["policy"].values()})
     finite = all(math.isfinite(v) for v in final.values())
     logits = torch.zeros(1, 8, device=plan.device)

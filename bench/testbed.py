@@ -36,13 +36,13 @@ def run(cfg: ToyConfig, keep: dict | None = None) -> tuple[float, InMemoryTracke
         if keep is not None:
             policy = load_base_model(cfg.model)
             (checkpoint,) = sorted((Path(workdir) / "checkpoints").glob("step_*.pt"))[-1:]
-            policy.load_state_dict(torch.load(checkpoint, weights_only=False)["policy"])
+            policy.load_state_dict(torch.load(checkpoint, weights_only=True)["policy"])
             keep["policy"] = policy
         return wall, tracker
 
 
 def print_tails(cfg: ToyConfig, final_policy) -> None:
-    """The figures of issue 12: tail shape, what K and the estimator change, the direction analysis."""
+    """The testbed's figures: tail shape, what K and the estimator change, the direction analysis."""
     from pdmctl.analysis.run import run_analysis
     from pdmctl.analysis.tables import difference_rows
     from pdmctl.backends.toy.tails import (

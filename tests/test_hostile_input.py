@@ -1,6 +1,6 @@
-"""A hostile user's input, round two (issue 20): one line naming the problem, exit 2, nothing written.
+"""A hostile user's input, further cases: one line naming the problem, exit 2, nothing written.
 
-Each test names the item of issue 20 it covers. `refused` (from test_bad_input) runs the command in this
+Each test names what it refuses. `refused` (from test_bad_input) runs the command in this
 process and checks the store and run directories byte for byte.
 """
 
@@ -482,7 +482,7 @@ def _tables(db: Path) -> set[str]:
 def test_a_store_whose_creation_a_full_disk_cut_short_is_created_afresh(tmp_path: Path) -> None:
     """A real full disk (a 128 KiB tmpfs) while MLflow creates the schema leaves some of its tables and
     a migration stamp MLflow itself cannot continue from; once space returns, the next command moves
-    that store (no run in it) aside and works (helper's reproduction of item 8 on a real disk)."""
+    that store (no run in it) aside and works (a full disk reproduced on a real filesystem)."""
     import os
     import subprocess
 
@@ -654,7 +654,7 @@ def test_verl_fields_are_checked_against_verls_own_schema(store: Path, override:
     refused(store, ["sweep", *VERL, override], needle)
 
 
-# == round three (issue 28) ==========================================================================
+# == environment, paths and cluster inputs ==========================================================================
 
 
 # -- 1: a test's hook left in a user's shell ---------------------------------------------------------
@@ -1037,3 +1037,37 @@ def test_a_path_too_long_for_the_file_system_is_one_line(workdir: Path, field: s
     (workdir / "p.yaml").write_text(yaml.safe_dump(profile))
     refused(workdir, ["sweep", *VERL, "backend.nnodes=1", f"backend.{field}=/" + "d" * 300, "--dry-run",
                       "--cluster", "p.yaml"], "/" + "d" * 59 + "...: File name too long")  # fmt: skip
+
+
+# -- round four: a checkpoint planted in a shared run directory ------------------------------------------
+
+
+class _Plant:
+    """A pickle that, when unpickled, creates a file (what a planted checkpoint would do with its payload)."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        return (open, (self.target, "w"))
+
+
+def test_a_planted_pickle_checkpoint_never_runs_and_the_run_resumes_from_its_own(tmp_path: Path) -> None:
+    import pickle
+
+    from pdmctl.backends.base import InMemoryTracker
+    from pdmctl.backends.toy.config import ToyConfig
+    from pdmctl.backends.toy.trainer import Learner, load_latest_checkpoint, save_checkpoint
+
+    cfg = ToyConfig(steps=2, prompts_per_step=4, group_size=2, minibatches=1, checkpoint_every=1)
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    save_checkpoint(checkpoints, Learner.from_base(cfg).state_dict(1, cfg), 1)  # what pdmctl writes
+    ran = tmp_path / "payload-ran"
+    (checkpoints / "step_99999999.pt").write_bytes(pickle.dumps({"policy": _Plant(str(ran))}))
+    tracker = InMemoryTracker()
+    path, state = load_latest_checkpoint(checkpoints, tracker)
+    assert not ran.exists()
+    assert path.name == "step_00000001.pt" and state["step"] == 1
+    (notice,) = tracker.notices
+    assert notice.startswith("resumed from step_00000001.pt: step_99999999.pt does not load")

@@ -259,12 +259,15 @@ def save_checkpoint(directory: Path, state: Mapping[str, object], step: int) -> 
 
 def load_latest_checkpoint(directory: Path, tracker: Tracker) -> tuple[Path, dict] | None:
     """The newest checkpoint that loads, and its state; each one skipped is said in the log and to the
-    tracker (`pdmctl status` shows it). None when there is none; ValueError when none loads."""
+    tracker (`pdmctl status` shows it). None when there is none; ValueError when none loads.
+
+    Loaded with `weights_only=True`: a checkpoint holds tensors, dicts and plain values only, so a file
+    planted in a shared run directory (a pickle that would run code) does not load and is skipped."""
     found = sorted(directory.glob("step_*.pt"), reverse=True)
     skipped = []
     for path in found:
         try:
-            state = torch.load(path, weights_only=False)
+            state = torch.load(path, weights_only=True, map_location="cpu")
         except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError, ... for damage
             skipped.append(f"{path.name} does not load ({str(exc).strip().splitlines()[0][:120]})")
             continue
