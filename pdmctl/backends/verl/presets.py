@@ -2,8 +2,8 @@
 
 Every preset value has a source, and docs/CLUSTER.md ("The paper's settings") lists each with it; a test
 (tests/test_verl_presets.py) composes every preset against VeRL's own config and reads each value back.
-Sources: paper = the PDM paper (shared/papers: Megatron-LM training, vLLM rollouts, 4 x 8 H20, K = 20,
-δ 0.15 / 0.05, GRPO clip-higher 0.2 / 0.28, avg@16; its Table 1 body is not in our copy); DPPO = the DPPO
+Sources: paper = the PDM paper (arXiv 2607.10848, §4.1 and §E.1: Megatron-LM training, vLLM rollouts, 4 x 8 H20, K = 20,
+δ 0.15 / 0.05, GRPO clip-higher 0.2 / 0.28, avg@16; the batch sizes, learning rate and steps of its Table 1 are not used here); DPPO = the DPPO
 paper's appendix (arXiv 2602.04879) and VeRL's `examples/dppo_trainer/run_qwen3_30b_a3b_megatron.sh`;
 DAPO = VeRL's DAPO recipe (verl-recipe `dapo/test_dapo_qwen3_30b_math.sh`); FP8 = VeRL's FP8-E2E recipe
 (verl-recipe `low_precision/run_dapo_qwen3_moe_30b_megatron_fp8e2e.sh`, docs/low_precision/fp8.md).
