@@ -53,7 +53,7 @@ def test_the_promised_power_is_delivered_at_3_to_10_seeds() -> None:
 
 
 def test_seeds_that_do_not_vary_give_no_power_claim() -> None:
-    """A collapsed run scores 0 on every seed (the tiny engine model at the preset's lr, 2026-12-03): the
+    """A collapsed run scores 0 on every seed (the tiny engine model at the preset's lr): the
     t-test is undefined there, so no seeds needed and no resolvable difference, said as such."""
     from pdmctl.report.build import with_power
     from pdmctl.report.stats import Comparison, Estimate, Interval
