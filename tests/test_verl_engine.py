@@ -37,7 +37,7 @@ pytestmark = [
 # scripts/gpu-check.sh runs these same tests on a GPU with PDMCTL_ENGINE_MODEL=qwen3-tiny-gpu
 MODEL = os.environ.get("PDMCTL_ENGINE_MODEL", "qwen3-tiny")
 ON_CPU = MODEL == "qwen3-tiny"
-SWEEP_TIMEOUT_S = 3600  # two jobs, one after the other; one took 15 min here (2026-12-01), mostly start-up
+SWEEP_TIMEOUT_S = 3600  # two jobs, one after the other; one can take 15 min on a slow 2-core machine, mostly start-up
 SHM = Path("/dev/shm")
 
 
