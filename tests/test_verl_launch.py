@@ -302,7 +302,7 @@ DATA = Path(__file__).parent / "data"
 
 
 def test_a_validation_line_verl_prints_gives_the_trial_its_evaluation() -> None:
-    """The lines are VeRL 0.9.1's own console output from an engine job on the CI's SLURM (2026-12-01):
+    """The lines are VeRL 0.9.1's own console output from an engine job on the CI's SLURM:
     step 0's validation (val-core avg@16 of both held-out sets) and a training step (no validation)."""
     validation = (DATA / "verl_step0_validation_line.txt").read_text()
     training = (DATA / "verl_step1_training_line.txt").read_text()
