@@ -377,7 +377,7 @@ def test_losing_a_node_mid_run_requeues_and_resumes_from_the_checkpoint(shared_d
 # ---------------------------------------------------------------------------
 
 # The job's `ray`: records its node and arguments, and (LEAVE_ENGINE_CORE=1) leaves behind what a vLLM
-# engine core is to a job once Ray's worker, its parent, has exited: a process in a process session of its own
+# engine core is to a job once Ray's worker, its parent, has exited: a process in a session of its own
 # (no process-group signal reaches it), reparented to the node's init (so not in the step's process
 # tree: the step's end does not reach it), named VLLM::EngineCore_DP0, ignoring SIGTERM. It carries the job's
 # environment (and so its engine tag), as vLLM's processes do.
