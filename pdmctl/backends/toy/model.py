@@ -1,6 +1,6 @@
 """The policy: a small pre-LN causal transformer, its presets, and the weight precisions.
 
-Precision is a property of weights only, as in the issue: the rollout engine
+Precision is a property of weights only, as in the paper's setup: the rollout engine
 keeps its own copy of the weights rounded to bfloat16 or quantized through
 float8 e4m3 (one scale per tensor); `fp8_e2e` also runs the training forward
 through the fp8 weights, with a straight-through gradient to the float32
