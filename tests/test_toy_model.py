@@ -140,7 +140,7 @@ def test_an_unknown_base_source_is_refused_at_submit(monkeypatch) -> None:
 
 
 def test_k_and_the_estimator_change_the_masks_decisions() -> None:
-    """On stale batches of the default preset (4 seeds, a quarter of the batch), the issue's thresholds
+    """On stale batches of the default preset (4 seeds, a quarter of the batch), the testbed's thresholds
     with margin: K = 10 against 50 moves mean D on the out-of-region tokens by > 10% and flips > 5% of
     their keep decisions; agg and uni disagree on the sign of Ḋ on > 1% of them."""
     effects = k_and_estimator_effects(ToyConfig(prompts_per_step=32), seeds=[1, 2, 3, 4])
