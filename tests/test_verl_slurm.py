@@ -52,8 +52,8 @@ def test_job_body_starts_ray_and_the_probe_reaches_it(tmp_path: Path, stray_toke
 
 @pytest.mark.skipif(shutil.which("sinfo") is None, reason="no SLURM here (sinfo absent)")
 def test_a_failed_ray_start_ends_the_job_fast_and_stops_ray(tmp_path: Path) -> None:
-    """The head's `ray start` fails (an invalid port): the job ends in well under the 2 minutes the
-    issue allows (not at the wait's timeout, not at the stall watchdog's 30 minutes), with the reason
+    """The head's `ray start` fails (an invalid port): the job ends in well under 2 minutes
+    (not at the wait's timeout, not at the stall watchdog's 30 minutes), with the reason
     in its output and no Ray process of the job left."""
     import time
 
