@@ -433,7 +433,7 @@ def cost(torch, plan: Plan, report, deadline: float) -> dict:
 
 
 def ratios(results: dict, goals: bool) -> dict:
-    """Each case's time and peak memory as ratios; against the issue's goals where `goals` (a GPU)."""
+    """Each case's time and peak memory as ratios; against the goals where `goals` (a GPU)."""
     base, base32 = results["log_softmax"], results["log_softmax->fp32"]
     for name, r in results.items():
         if "error" in r:
