@@ -36,7 +36,7 @@ from pdmctl.executors import base as executors
 from pdmctl.executors.base import Executor, JobRequest, JobState
 from pdmctl.tune import study as tune_study
 
-LIMIT_S = 0.2  # the driver's cost per trial the issue allows
+LIMIT_S = 0.2  # the driver's cost per trial allowed
 _POOL: multiprocessing.pool.Pool | None = None
 _JOBS: dict[str, multiprocessing.pool.AsyncResult] = {}
 
