@@ -11,23 +11,23 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import yaml
 
+from pdmctl.resources import config_dir, search_path
 from pdmctl.spec import RunSpec, SpecError, validate
-from pdmctl.yamlfiles import load_named
+from pdmctl.yamlfiles import did_you_mean, load_named
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
-CONFIG_DIR = Path(os.environ.get("PDMCTL_CONFIG_DIR", PROJECT_DIR / "configs"))
-SWEEP_DIR = Path(os.environ.get("PDMCTL_SWEEP_DIR", PROJECT_DIR / "sweeps"))
 MAX_RUNS = 100_000  # a bigger grid is a typo more often than a plan; --max-runs raises it
+# The array's order (`--order`, or `order:` in a sweep file): "seed" (the default) runs replicate 0 of every arm
+# of every setting, then replicate 1, ..., so that any prefix that ends a replicate is a complete paired
+# comparison; "setting" runs one run of each setting, then the rest in grid order (setting by setting).
+ORDERS = ("seed", "setting")
 _SWEEP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
@@ -41,15 +41,16 @@ class SweepFile:
     description: str = ""
     grid: dict[str, str] = field(default_factory=dict)  # key -> Hydra value (may sweep)
     settings: list[dict[str, str]] = field(default_factory=list)  # fixed combinations, zipped not crossed
+    order: str | None = None  # the array's order (ORDERS); None: the default
 
 
 def load_sweep_file(path_or_name: str) -> SweepFile:
     """`sweeps/NAME.yaml`, a bare NAME found there, or any path."""
-    path, data = load_named(path_or_name, SWEEP_DIR, "sweep file", GridError)
+    path, data = load_named(path_or_name, search_path("sweeps"), "sweep file", GridError)
     where = f"sweep file: {path}"
     if not data:  # an empty file would silently sweep nothing but the default config
         raise GridError(f"{where}: empty (give it a grid: or settings:)")
-    unknown = set(data) - {"name", "description", "grid", "settings", "tune"}  # tune: for pdmctl tune
+    unknown = set(data) - {"name", "description", "grid", "settings", "tune", "order"}  # tune: for pdmctl tune
     if unknown:
         raise GridError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
     if "grid" not in data and "settings" not in data:  # name: alone would sweep the default config
@@ -69,8 +70,18 @@ def load_sweep_file(path_or_name: str) -> SweepFile:
     settings = [
         {str(k): _hydra_value(v, f"{where}: settings: {k}") for k, v in s.items()} for s in raw_settings
     ]
+    order = data.get("order")
+    if order is not None:
+        order = check_order(order, f"{where}: order")
     return SweepFile(name=str(data.get("name") or path.stem), description=str(data.get("description") or ""),
-                     grid=grid, settings=settings)  # fmt: skip
+                     grid=grid, settings=settings, order=order)  # fmt: skip
+
+
+def check_order(order: Any, where: str = "order") -> str:
+    """One of ORDERS, else GridError naming the choices."""
+    if order not in ORDERS:
+        raise GridError(f"{where}: unknown order {order!r}; choose from {', '.join(ORDERS)}")
+    return str(order)
 
 
 def _hydra_value(value: Any, where: str) -> str:
@@ -182,9 +193,23 @@ def _refuse_repeated_keys(overrides: Sequence[str]) -> None:
         key = _same_key(_override_key(override))  # `seeds=3 seed=7` set one field twice
         if key in seen:
             values = f"{seen[key].partition('=')[2]},{override.partition('=')[2]}"
+            if key == "seed":  # `seeds=3` is seeds 0,1,2: the hint joins the seeds, not the texts
+                both = [_seed_list(seen[key]), _seed_list(override)]
+                values = ",".join(map(str, sorted({*both[0], *both[1]}))) if None not in both else "a,b,c"
             raise GridError(f"{key}: given twice ({seen[key]!r} and {override!r}); give its values once, "
                             f"e.g. {key}={values}")  # fmt: skip
         seen[key] = override
+
+
+def _seed_list(override: str) -> list[int] | None:
+    """The seeds a `seeds=N`, `seeds=a,b` or `seed=a,b` override names; None for anything else (a range)."""
+    key, _, value = override.partition("=")
+    value = value.strip().strip("[]")
+    if key.lstrip("+") == "seeds" and re.fullmatch(r"\d+", value):
+        return list(range(int(value)))
+    if re.fullmatch(r"\d+(\s*,\s*\d+)*", value):
+        return [int(v) for v in value.split(",")]
+    return None
 
 
 def _same_key(key: str) -> str:
@@ -230,7 +255,7 @@ def expand_globs(overrides: Sequence[str]) -> list[str]:
 
 def group_options(group: str) -> list[str]:
     """The options of a config group: its files under configs/ (and, for backend, the backends)."""
-    options = {p.stem for p in (CONFIG_DIR / group).glob("*.yaml")}
+    options = {p.stem for p in (config_dir() / group).glob("*.yaml")}
     if group == "backend":
         from pdmctl.backends.registry import BACKENDS
 
@@ -249,7 +274,8 @@ def _check_options(groups: Sequence[str]) -> None:
         options = group_options(group)
         if not isinstance(option, str) or option not in options:
             shown = repr(option) if len(repr(option)) <= 80 else f"{repr(option)[:80]}..."
-            raise GridError(f"{group}: unknown option {shown}; choose from {', '.join(options)}")
+            hint = did_you_mean(option, options) if isinstance(option, str) and len(option) <= 80 else ""
+            raise GridError(f"{group}: unknown option {shown}{hint}; choose from {', '.join(options)}")
 
 
 def compose(overrides: Sequence[str]) -> dict[str, Any]:
@@ -299,7 +325,8 @@ def _apply(config: dict[str, Any], override) -> None:
         if child is None and (override.is_add() or override.is_force_add()):
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise GridError(f"{'.'.join(parents[: i + 1])}: unknown key (no such field in the run config)")
+            hint = _key_hint(node, parents[:i], part) if child is None else ""
+            raise GridError(f"{'.'.join(parents[: i + 1])}: unknown key{hint or ' (no such field in the run config)'}")
         node = child
     if override.is_delete():
         if leaf not in node:
@@ -313,8 +340,47 @@ def _apply(config: dict[str, Any], override) -> None:
         node[leaf] = override.value()
     else:
         if leaf not in node:
-            raise GridError(f"{key}: unknown key (no such field in the run config; '+{key}=...' adds one)")
+            hint = _key_hint(node, parents, leaf)
+            adds = f" (no such field in the run config; '+{key}=...' adds one)"
+            raise GridError(f"{key}: unknown key{hint or adds}")
         node[leaf] = override.value()
+
+
+def _key_hint(node: dict[str, Any], parents: Sequence[str], leaf: str) -> str:
+    """` (did you mean 'delta'?)` for a mistyped key, from the keys beside it in the run config."""
+    prefix = "".join(f"{p}." for p in parents)
+    return _suggest_key(f"{prefix}{leaf}", [f"{prefix}{k}" for k in (*node, *([] if parents else ["seeds"]))])
+
+
+def _suggest_key(key: str, keys: Sequence[str]) -> str:
+    """` (did you mean 'backend.steps'?)`: the closest key beside `key` (the same parent, the leaf compared)."""
+    import difflib
+
+    parent, _, leaf = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == parent}
+    match = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6) if len(leaf) <= 80 else []
+    return f" (did you mean {siblings[match[0]]!r}?)" if match else ""
+
+
+def override_keys() -> list[str]:
+    """The keys a grid override can set on the default run config (`delta`, `backend.steps`, `seeds`, ...)."""
+    with _hydra():
+        return _default_keys()
+
+
+def _default_keys() -> list[str]:
+    """override_keys() inside `_hydra()`."""
+    config = _compose_groups(())
+    keys = {"seeds"}
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for k, v in node.items():
+            keys.add(prefix + k)
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+
+    walk(config, "")
+    return sorted(keys)
 
 
 def _apply_engine_key(config: dict[str, Any], override) -> bool:
@@ -338,8 +404,38 @@ def _apply_engine_key(config: dict[str, Any], override) -> bool:
         if not settings:
             del config["backend"][prefix]
     else:
+        _check_engine_bounds(key, override.value())
         settings[rest] = override.value()
     return True
+
+
+ENGINE_COUNT_MAX = 10**9  # a size or a count beyond this is a typo (or an overflow on the node), never a plan
+# keys of an engine's config that are sizes or counts (>= 1) and fractions in (0, 1]; a few that VeRL
+# sets itself (-1) or where 0 means "none" (rollout.nnodes: colocated) take their sentinel too
+_ENGINE_COUNT = re.compile(r"(batch_size|batch_size_per_gpu|_parallel_size|(^|\.)n|n_gpus_per_node|nnodes|"
+                           r"max_prompt_length|max_response_length|ppo_epochs|max_token_len_per_gpu|"
+                           r"total_training_steps|total_epochs|max_num_batched_tokens|max_model_len|max_num_seqs)$")
+_ENGINE_FRACTION = re.compile(r"(gpu_memory_utilization|top_p)$")
+_ENGINE_SENTINEL = {"optim.total_training_steps": -1, "nnodes": 0}
+
+
+def _check_engine_bounds(key: str, value: Any) -> None:
+    """`verl.<key>` sizes and counts in [1, ENGINE_COUNT_MAX], fractions in (0, 1]: what the engine would
+    refuse on the node after the queue wait, refused here."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return
+    if _ENGINE_FRACTION.search(key):
+        if not (math.isfinite(value) and 0 < value <= 1):
+            raise GridError(f"{key}: must be a fraction in (0, 1], got {value!r}")
+    elif _ENGINE_COUNT.search(key):
+        sentinel = next((v for end, v in _ENGINE_SENTINEL.items() if key.endswith(end) and key != "verl.trainer.nnodes"),
+                        None)  # fmt: skip
+        if value == sentinel:
+            return
+        if not (isinstance(value, int) and 1 <= value <= ENGINE_COUNT_MAX):
+            raise GridError(f"{key}: must be a whole number from 1 to {ENGINE_COUNT_MAX:,}, got {value!r:.40}")
+    elif isinstance(value, int) and abs(value) > 2**63 - 1:
+        raise GridError(f"{key}: {value!r:.40} does not fit a 64-bit integer")
 
 
 def _engine_prefixes() -> dict[str, str]:
@@ -407,7 +503,7 @@ def _hydra_compose(groups: tuple[str, ...]) -> dict[str, Any]:
 @lru_cache(maxsize=256)
 def _plain_option(group: str, option: str) -> dict[str, Any] | None:
     """A group option's node when it is a plain mapping, else None (Hydra composes it)."""
-    path = CONFIG_DIR / group / f"{option}.yaml"
+    path = config_dir() / group / f"{option}.yaml"
     if path.is_file():
         text = path.read_text()
         if "@package" in text:
@@ -442,7 +538,7 @@ class _hydra:
         GlobalHydra.instance().clear()
         _compose_groups.cache_clear()
         _hydra_compose.cache_clear()
-        self._ctx = initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="pdmctl")
+        self._ctx = initialize_config_dir(config_dir=str(config_dir()), version_base="1.3", job_name="pdmctl")
         self._ctx.__enter__()
         return self
 
@@ -461,13 +557,13 @@ def _register_backend_groups() -> None:
 
     store = ConfigStore.instance()
     for name, backend in BACKENDS.items():
-        if not (CONFIG_DIR / "backend" / f"{name}.yaml").exists():
+        if not (config_dir() / "backend" / f"{name}.yaml").exists():
             store.store(group="backend", name=name, node={"name": name, **backend.defaults()})
 
 
 @lru_cache(maxsize=1)
 def _config_groups() -> frozenset[str]:
-    return frozenset(p.name for p in CONFIG_DIR.iterdir() if p.is_dir()) | {"backend"}
+    return frozenset(p.name for p in config_dir().iterdir() if p.is_dir()) | {"backend"}
 
 
 @lru_cache(maxsize=4096)
@@ -533,11 +629,16 @@ def _one_line(exc: BaseException, overrides: Iterable[str]) -> str:
     )
     if match:
         key = match.group(1)
-        return f"{key}: unknown key (no such field in the run config; '+{key}=...' adds one)"
+        try:
+            hint = _suggest_key(key, _default_keys())
+        except GridError:  # the default config itself does not compose: no key to suggest
+            hint = ""
+        adds = f" (no such field in the run config; '+{key}=...' adds one)"
+        return f"{key}: unknown key{hint or adds}"
     match = re.search(r"Could not find '([^']+)/([^']+)'", text)
     if match:
         group, option = match.groups()
-        options = sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+        options = sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
         if group == "backend":
             from pdmctl.backends.registry import BACKENDS
 

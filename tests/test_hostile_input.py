@@ -1071,3 +1071,34 @@ def test_a_planted_pickle_checkpoint_never_runs_and_the_run_resumes_from_its_own
     assert path.name == "step_00000001.pt" and state["step"] == 1
     (notice,) = tracker.notices
     assert notice.startswith("resumed from step_00000001.pt: step_99999999.pt does not load")
+
+
+# -- round four: verl.* sizes, counts and fractions bounded before anything is written --------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [("verl.actor_rollout_ref.rollout.n=-3", "verl.actor_rollout_ref.rollout.n: must be a whole number from 1 to "
+                                              "1,000,000,000, got -3"),
+     ("verl.data.train_batch_size=0", "verl.data.train_batch_size: must be a whole number from 1"),
+     ("verl.data.train_batch_size=" + "1" * 23, "verl.data.train_batch_size: must be a whole number from 1"),
+     ("verl.actor_rollout_ref.actor.ppo_mini_batch_size=2.5", "ppo_mini_batch_size: must be a whole number"),
+     ("verl.actor_rollout_ref.rollout.gpu_memory_utilization=-5", "gpu_memory_utilization: must be a fraction in "
+                                                                  "(0, 1], got -5"),
+     ("verl.actor_rollout_ref.rollout.gpu_memory_utilization=1.5", "must be a fraction in (0, 1], got 1.5"),
+     ("verl.actor_rollout_ref.rollout.gpu_memory_utilization=0", "must be a fraction in (0, 1], got 0"),
+     ("verl.actor_rollout_ref.rollout.top_p=nan", "verl.actor_rollout_ref.rollout.top_p: must be a fraction"),
+     ("backend.total_training_steps=" + "1" * 23, "backend.total_training_steps: must be at most 1,000,000,000"),
+     ("backend.total_training_steps=1e21", "backend.total_training_steps: must be an integer >= 1")],
+)  # fmt: skip
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_verl_sizes_counts_and_fractions_are_bounded(workdir: Path, override: str, needle: str, dry_run: bool) -> None:
+    refused(workdir, ["sweep", *VERL, "backend.nnodes=1", override, *(["--dry-run"] if dry_run else [])], needle)
+
+
+@pytest.mark.parametrize("override", ["verl.actor_rollout_ref.rollout.n=8", "verl.actor_rollout_ref.rollout.nnodes=0",
+                                      "verl.actor_rollout_ref.rollout.gpu_memory_utilization=1",
+                                      "verl.data.train_batch_size=1000000000"])  # fmt: skip
+def test_verl_values_within_their_bounds_pass(override: str) -> None:
+    (spec,) = expand([*VERL, "backend.nnodes=1", override])
+    assert spec.key

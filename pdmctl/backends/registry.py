@@ -51,6 +51,10 @@ class Backend:
     # at submit, given the cluster's settings: the digest of the data the run will read (its data manifest's),
     # which the run config carries as backend.data_manifest (in the run key); None: no manifest to pin
     data_digest: Callable[[Mapping[str, Any], Mapping[str, Any]], str | None] = lambda flat, cluster: None
+    # what each run is expected to cost, given the cluster's settings: run key -> a pdmctl.cost.Estimate, or a
+    # line saying why there is none (--dry-run --json)
+    estimate: Callable[[list[DescribedRun], Mapping[str, Any]], dict[str, Any]] = (
+        lambda runs, cluster: dict.fromkeys((run.key for run in runs), "no cost model for this backend"))
 
 
 @dataclass(frozen=True)
@@ -185,8 +189,11 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+COUNT_MAX = 10**9  # a count beyond this (steps, epochs, nodes) is a typo, never a plan
+
+
 def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= COUNT_MAX
 
 
 def _path(value: Any, absolute: bool) -> bool:
@@ -228,6 +235,8 @@ def _verl_fields(flat: Mapping[str, Any]) -> None:
     for field, (check, wanted) in VERL_FIELD_CHECKS.items():
         value = flat.get(field, defaults[field])
         if not check(value):
+            if isinstance(value, int) and not isinstance(value, bool) and value > COUNT_MAX:
+                wanted = f"at most {COUNT_MAX:,}"
             raise ValueError(f"backend.{field}: must be {wanted}, got {value!r:.80}")
     mode = flat.get("loss_agg_mode", "token-mean")
     if mode not in VERL_LOSS_AGG_MODES:
@@ -386,10 +395,11 @@ def _verl_check_cluster(flat: Mapping[str, Any], cluster: Mapping[str, Any]) -> 
             raise ValueError(f"{name[:60]}{'...' if len(name) > 60 else ''}: {exc.strerror or exc}") from None
 
 
-def _verl_describe(runs: list[DescribedRun], cluster: Mapping[str, Any]) -> list[str]:
-    """Every distinct VeRL command by setting, each run under its command, the cost (`describe.describe_jobs`)."""
+def _verl_describe(runs: list[DescribedRun], cluster: Mapping[str, Any], estimate: bool = False) -> Any:
+    """Every distinct VeRL command by setting, each run under its command, the cost (`describe.describe_jobs`);
+    with `estimate`, each run's expected cost instead (`describe.estimate_jobs`)."""
     if not runs:
-        return []
+        return {} if estimate else []
     launch = _verl_module()
     from pdmctl.backends.verl import describe
 
@@ -398,13 +408,22 @@ def _verl_describe(runs: list[DescribedRun], cluster: Mapping[str, Any]) -> list
     if cluster.get("offline"):
         environ.update(dict.fromkeys(launch.OFFLINE_ENV, "1"))
     environ.update(cluster.get("env") or {})
+    environ.update(cluster.get("network") or {})  # the profile's network: (slurm_options.NETWORK_VARIABLES)
     jobs = []
     for run in runs:
         cfg = {**run.flat, "data_dir": run.flat.get("data_dir") or environ.get("PDMCTL_DATA_DIR")}
         job = {**_verl_job_config(cfg, run.run_dir), "mlflow_run_id": "RUN_ID",
                "tracking_uri": cluster.get("tracking_uri") or "TRACKING_URI"}  # fmt: skip
         jobs.append(describe.Job(run.key, run.summary, launch.setting(job), job))
+    if estimate:
+        return describe.estimate_jobs(jobs, int(cluster.get("nodes") or 1), environ, cluster)
     return describe.describe_jobs(jobs, int(cluster.get("nodes") or 1), environ, cluster)
+
+
+def _toy_estimate(runs: list[DescribedRun], cluster: Mapping[str, Any]) -> dict[str, Any]:
+    from pdmctl.cost import toy_estimate
+
+    return {run.key: toy_estimate(run.flat, cluster) for run in runs}
 
 
 def _synthetic() -> Backend:
@@ -414,12 +433,13 @@ def _synthetic() -> Backend:
 
 
 BACKENDS: dict[str, Backend] = {
-    "toy": Backend("toy", _toy_defaults, _toy_validate, _toy_run, provenance=_toy_provenance),
+    "toy": Backend("toy", _toy_defaults, _toy_validate, _toy_run, provenance=_toy_provenance, estimate=_toy_estimate),
     "verl": Backend("verl", _verl_defaults, _verl_validate, _verl_run, lambda flat: _verl_module().final_step(flat),
                     lambda flat: _verl_module().run_nodes(_verl_job_config(flat, Path("/pdmctl-validate"))),
                     _verl_check_cluster, _verl_describe, provenance=_verl_provenance, engine_keys="verl",
                     setting=lambda flat: _verl_module().setting(_verl_job_config(flat, Path("/pdmctl-validate"))),
-                    data_digest=_verl_data_digest),  # fmt: skip
+                    data_digest=_verl_data_digest,
+                    estimate=lambda runs, cluster: _verl_describe(runs, cluster, estimate=True)),  # fmt: skip
     "synthetic": _synthetic(),  # a known objective for pdmctl tune's tests and benchmark
 }
 
