@@ -72,12 +72,18 @@ def sweep(
     max_runs: Annotated[
         int, typer.Option("--max-runs", help="Refuse a grid of more runs than this (a guard against typos).")
     ] = MAX_RUNS,
+    order: Annotated[
+        str | None, typer.Option("--order", help="The array's order: seed (default: replicate 0 of every arm of "
+                                 "every setting, then replicate 1, ...) or setting (setting by setting); "
+                                 "a sweep file's order: otherwise.")
+    ] = None,
 ) -> None:
     """Expand a grid into runs, register them in MLflow and submit the ones not yet served."""
     from pdmctl import grid, orchestrate
 
     with _guard():
         sweep_file = grid.load_sweep_file(file) if file else None
+        chosen = grid.check_order(order, "--order") if order is not None else (sweep_file and sweep_file.order) or "seed"
         ctx = orchestrate.make_context(cluster, tracking_uri)
         orchestrate.check_placeholders(ctx.profile)  # before a grid whose checks may take seconds
         specs = grid.expand(overrides or [], sweep_file, name, max_runs=max_runs)
@@ -89,12 +95,14 @@ def sweep(
             executor = orchestrate.check_profile(ctx)
             orchestrate.check_runs(specs, ctx, executor)
             unread = orchestrate.ledger_unreachable(ctx)
-            plan = orchestrate.plan(specs, ctx, read_only=True, read_ledger=unread is None)
+            plan = orchestrate.plan(specs, ctx, read_only=True, read_ledger=unread is None, order=chosen)
             _print_plan(plan, ctx, executor, unread)
+            console.print(orchestrate.describe_order(plan.specs, chosen), highlight=False, markup=False,
+                          soft_wrap=True)
             for line in orchestrate.describe_runs(plan.to_submit, ctx, executor):
                 console.print(line, highlight=False, markup=False, soft_wrap=True)
             return
-        plan, job_ids = orchestrate.sweep(specs, ctx)
+        plan, job_ids = orchestrate.sweep(specs, ctx, order=chosen)
     counts = plan.counts()
     sweep_name = specs[0].sweep
     console.print(

@@ -266,9 +266,10 @@ def ledger_unreachable(ctx: Context) -> str | None:
     return None
 
 
-def plan(specs: list[RunSpec], ctx: Context, *, read_only: bool = True, read_ledger: bool = True) -> SweepPlan:
-    """What a sweep would do: each spec's state in the ledger (nothing is written when read_only; nothing is
-    read when not read_ledger: every run is new)."""
+def plan(specs: list[RunSpec], ctx: Context, *, read_only: bool = True, read_ledger: bool = True,
+         order: str = "seed") -> SweepPlan:
+    """What a sweep would do, its runs in array order (`order_runs`): each spec's state in the ledger (nothing is
+    written when read_only; nothing is read when not read_ledger: every run is new)."""
     states = {s.key: RunState.NEW for s in specs}
     if specs and read_ledger and ledger_exists(ctx.tracking_uri):
         ledger = open_ledger(ctx.tracking_uri)
@@ -281,7 +282,7 @@ def plan(specs: list[RunSpec], ctx: Context, *, read_only: bool = True, read_led
                 states[r.key] = (
                     RunState.QUEUED if r.run_id in recovered else run_state(r, js or job.get(r.run_id))
                 )
-    return SweepPlan(settings_first(specs), states)
+    return SweepPlan(order_runs(specs, order), states)
 
 
 class RunDirError(OSError):
@@ -367,6 +368,69 @@ def describe_runs(specs: Sequence[RunSpec], ctx: Context, executor: Executor) ->
     return [line for name, runs in by_backend.items() for line in get_backend(name).describe(runs, cluster)]
 
 
+def order_runs(specs: Sequence[RunSpec], order: str = "seed") -> list[RunSpec]:
+    """The runs in array order (grid.ORDERS): "seed" is `seed_major`, "setting" is `settings_first`."""
+    if order == "setting":
+        return settings_first(specs)
+    if order != "seed":
+        raise ValueError(f"order: unknown {order!r}")
+    return seed_major(specs)
+
+
+def seed_major(specs: Sequence[RunSpec]) -> list[RunSpec]:
+    """The runs in array order, replicate by replicate: replicate 0 (each arm's lowest seed) of every arm of
+    every setting, then replicate 1, ... An arm is a run's config but its seed; a run's replicate is its
+    seed's rank among its arm's seeds. Within a replicate, settings take turns (the first arm of each setting,
+    then the second of each, ...), so the array still starts with one run of each setting, and a sweep stopped
+    after replicate r holds r + 1 complete paired comparisons of every arm of every setting."""
+    from pdmctl.backends.registry import flat_config, get_backend
+
+    replicate_of = replicates(specs)
+    setting_index: dict[tuple[str, str], int] = {}
+    turn: Counter = Counter()  # (replicate, setting) -> runs of that setting already placed in that replicate
+    keyed = []
+    for position, spec in enumerate(specs):
+        setting = (spec.backend, get_backend(spec.backend).setting(flat_config(spec.config)))
+        replicate = replicate_of[spec.key]
+        index = setting_index.setdefault(setting, len(setting_index))
+        keyed.append(((replicate, turn[(replicate, setting)], index, position), spec))
+        turn[(replicate, setting)] += 1
+    return [spec for _, spec in sorted(keyed, key=lambda item: item[0])]
+
+
+def replicates(specs: Sequence[RunSpec]) -> dict[str, int]:
+    """run key -> its replicate: its seed's rank among the seeds of its arm (its config but the seed)."""
+    arms: dict[str, set[int]] = defaultdict(set)
+    arm_of = {}
+    for spec in specs:
+        arm_of[spec.key] = json.dumps({k: v for k, v in spec.config.items() if k != "seed"}, sort_keys=True)
+        arms[arm_of[spec.key]].add(spec.seed)
+    ranks = {arm: {seed: rank for rank, seed in enumerate(sorted(seeds))} for arm, seeds in arms.items()}
+    return {spec.key: ranks[arm_of[spec.key]][spec.seed] for spec in specs}
+
+
+def describe_order(specs: Sequence[RunSpec], order: str) -> str:
+    """The dry run's line on the array's order (the runs as `order_runs` placed them)."""
+    if order == "setting":
+        return ("order: setting: one run of each setting, then the rest setting by setting in grid order "
+                "(--order seed: replicate by replicate)")  # fmt: skip
+    replicate_of = replicates(specs)
+    spans: list[tuple[int, int, int]] = []  # (replicate, first, last), 1-based positions
+    for i, spec in enumerate(specs, 1):
+        r = replicate_of[spec.key]
+        if spans and spans[-1][0] == r:
+            spans[-1] = (r, spans[-1][1], i)
+        else:
+            spans.append((r, i, i))
+    parts = []
+    for r, a, b in spans:
+        runs = f"runs {a}-{b}" if a != b else f"run {a}"
+        parts.append(f"{runs} are replicate 0 (each arm's lowest seed)" if r == 0 else f"{runs} replicate {r}")
+    shown = ", ".join(parts)
+    return (f"order: seed: {shown}; a prefix that ends a replicate holds complete paired comparisons of every "
+            "arm of every setting (--order setting: setting by setting)")
+
+
 def settings_first(specs: Sequence[RunSpec]) -> list[RunSpec]:
     """The runs in array order: one run of each setting first (a backend's engine path: VeRL's model,
     precision and strategy), then the rest in grid order, so that every path starts on the first day."""
@@ -393,14 +457,15 @@ def _check_writable(path: Path) -> None:
         raise RunDirError(f"run directory {path}: {existing} is not writable")
 
 
-def sweep(specs: list[RunSpec], ctx: Context) -> tuple[SweepPlan, list[str]]:
-    """Register the grid in the ledger and submit the runs no job serves. Returns the plan and the job ids."""
+def sweep(specs: list[RunSpec], ctx: Context, order: str = "seed") -> tuple[SweepPlan, list[str]]:
+    """Register the grid in the ledger and submit the runs no job serves, in array order (`order_runs`).
+    Returns the plan and the job ids."""
     executor = check_before_submit(ctx)
     check_runs(specs, ctx, executor)
     ledger = open_ledger(ctx.tracking_uri)
     with ledger.lock():
         ledger.register(specs, {s.key: str(ctx.run_dir_parent(s)) for s in specs})
-        current = plan(specs, ctx, read_only=False)
+        current = plan(specs, ctx, read_only=False, order=order)
         by_key = {r.key: r for r in ledger.runs(specs[0].sweep)} if specs else {}
         records = [by_key[s.key] for s in current.to_submit]
         job_ids = _submit(records, ledger, executor, ctx)
