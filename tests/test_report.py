@@ -37,6 +37,7 @@ from pdmctl.report.stats import (
 from pdmctl.report.tables import (
     comparison_csv,
     excluded_table,
+    methods,
     power_table,
     results_csv,
     results_table,
@@ -276,10 +277,10 @@ def test_partial_sweep_one_seed_rows_and_nan_metrics(store: str, tmp_path: Path)
 
     table = results_table(report)
     uni = next(row for row in table.rows if row[1] == "pdm_uni")
-    assert uni[2].endswith("[n/a]") and uni[-1] == "1"
+    assert uni[2:5] == ("34.0", "n/a", "n/a") and uni[-1] == "1"  # mean, low, high: one seed, no interval
     rows = list(csv.DictReader(io.StringIO(results_csv(report))))
     uni_csv = next(r for r in rows if r["mask"] == "pdm_uni")
-    assert uni_csv["AIME24 mean (%)"] == "34.0000" and uni_csv["AIME24 low (%)"] == ""
+    assert uni_csv["toy24 mean (%)"] == "34.0000" and uni_csv["toy24 low (%)"] == ""  # the set the runs logged
     comps = {c.row.mask: c for c in report.comparisons}
     assert comps["pdm_uni"].seeds == (1,) and comps["pdm_uni"].cells["Average"].difference.interval is None
     assert "n/a" not in comparison_csv(report).splitlines()[0]
@@ -288,12 +289,12 @@ def test_partial_sweep_one_seed_rows_and_nan_metrics(store: str, tmp_path: Path)
     written = write_report(report, tmp_path / "out")
     assert {p.name for p in written} >= {"index.html", "results.md", "results.csv", "results.tex", "comparison.csv",
                                          "seeds.csv"}  # fmt: skip
-    assert "[n/a]" in (tmp_path / "out" / "results.md").read_text()
+    assert "| 34.0 | n/a | n/a |" in (tmp_path / "out" / "results.md").read_text()
     # seeds.csv: the value behind each mean, one line per row and seed; the table's means are theirs
     per_seed = list(csv.DictReader(io.StringIO(seeds_csv(report))))
     agg = [r for r in per_seed if r["mask"] == "pdm_agg"]
     assert [r["seed"] for r in agg] == ["0", "1"]
-    assert sum(float(r["AIME24 (%)"]) for r in agg) / 2 == pytest.approx(100 * by_mask["pdm_agg"].cells["AIME24"].mean)
+    assert sum(float(r["toy24 (%)"]) for r in agg) / 2 == pytest.approx(100 * by_mask["pdm_agg"].cells["AIME24"].mean)
     assert len(per_seed) == sum(len(r.seeds) for r in report.rows)
 
 
@@ -406,11 +407,11 @@ def test_the_report_says_under_each_comparison_how_many_seeds_it_needs(store: st
     assert cell.seeds_needed == power.seeds_needed(abs(d.mean()) / d.std(ddof=1)) and cell.seeds_needed > 4
     assert cell.resolvable == pytest.approx(power.resolvable(4) * d.std(ddof=1))
     table = power_table(report)
-    (row,) = table.rows
-    assert row[3] == f"{cell.seeds_needed} (has 4); resolves |Δ| ≥ {100 * cell.resolvable:.1f}"
-    assert "80% power" in table.title and "noncentral t" in table.note
+    row = table.rows[0]  # a line per column: the first column's (shown under the set the runs logged)
+    assert row[3:] == ("toy24", str(cell.seeds_needed), f"{100 * cell.resolvable:.1f}", "4")
+    assert "80% power" in table.title and "noncentral t" in " ".join(methods(report))
     header, first = comparison_csv(report).splitlines()[:2]
-    assert "AIME24 seeds for 80% power" in header and f",{cell.seeds_needed}," in first
+    assert "toy24 seeds for 80% power" in header and f",{cell.seeds_needed}," in first
 
 
 def _samples(rng: np.random.Generator, problems: int = 6, n: int = 8) -> tuple[np.ndarray, np.ndarray]:
@@ -448,7 +449,8 @@ def test_pass_and_majority_at_k_from_each_runs_stored_samples(store: str, tmp_pa
         for kind, values in per_seed.items():
             cell = row.cells["AIME25", kind, k]
             assert cell.mean == pytest.approx(np.mean(values), abs=1e-12)
-            assert cell.interval == t_estimates([values], 0.95)[0].interval
+            ref = t_estimates([values], 0.95)[0].interval  # a fraction's interval, clipped to [0, 1]
+            assert cell.interval == Interval(max(ref.low, 0.0), min(ref.high, 1.0))
     table = next(r for r in report.rows if r.row.mask == "dppo_topk_kl")
     assert row.cells["Average", "pass", 1].mean == pytest.approx(table.cells["Average"].mean)  # pass@1 = avg@n
     out = tmp_path / "out"
@@ -622,8 +624,8 @@ def test_every_table_and_figure_names_its_interval(store: str, tmp_path: Path, m
             assert text.count(f"{name} intervals") == 2 and sentence in text, page
         assert titles and all(title.endswith(f"{name} band") for title in titles)  # drawn into every PNG
         md = (out / "results.md").read_text()
-        # every figure's alt text and caption
-        assert md.count(f"band = the 95% {sentence}") == 2 * len(titles)
+        # every figure's alt text and caption names its band; the Methods block says once how it is made
+        assert md.count(f"band = {name} band (Methods)") == 2 * len(titles) and md.count("## Methods") == 1
         for table in ("results.csv", "comparison.csv"):
             rows = list(csv.DictReader(io.StringIO((out / table).read_text())))
             assert rows and all(r["interval"].startswith(name) for r in rows), table

@@ -1,5 +1,5 @@
 """The report's HTML page in a real browser: Debian's headless Chromium opens it, takes a screenshot and
-dumps the DOM after a load handler has counted the images that decoded."""
+dumps the DOM after a load handler has counted the images that decoded and measured every table."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,132 @@ def test_html_page_opens_in_chromium_with_its_table_and_every_image(tmp_path: Pa
     assert loaded.group(1) == images.group(1)  # every image decoded (naturalWidth > 0)
     results = re.search(r'<table id="results">(.*?)</table>', dom, re.S)
     assert results is not None
-    assert results.group(1).count("<tr>") == 3  # the header and one row per mask
-    assert "pdm_agg" in results.group(1) and "AIME24" in results.group(1)
-    assert '<table id="comparison">' in dom
+    assert results.group(1).count("<tr>") == 4  # two header rows (the set, then mean/low/high) and one per mask
+    assert "pdm_agg" in results.group(1) and "toy24" in results.group(1)  # the set the runs logged, by its name
+    assert '<table id="comparison">' in dom and "AIME" not in dom
+
+
+# appended to a copy of the page: where each table ends and how wide the page is, as Chromium lays them out
+MEASURE_TABLES = """<script>
+window.addEventListener("load", () => {
+  const tables = [...document.querySelectorAll("table")];
+  document.body.dataset.tables = tables.map(t => t.id + ":" + Math.ceil(t.getBoundingClientRect().right)).join(" ");
+  document.body.dataset.page = document.documentElement.scrollWidth;
+});
+</script>"""
+
+
+class Tables(HTMLParser):
+    """Every table of a page as rows of (tag, text) cells."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: dict[str, list[list[tuple[str, str]]]] = {}
+        self._table: list[list[tuple[str, str]]] | None = None
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "table":
+            self._table = self.tables.setdefault(dict(attrs).get("id") or str(len(self.tables)), [])
+        elif tag == "tr" and self._table is not None:
+            self._table.append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("td", "th") and self._cell is not None and self._table is not None:
+            self._table[-1].append((tag, "".join(self._cell).strip()))
+            self._cell = None
+        elif tag == "table":
+            self._table = None
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def interval_ends(rows: list[list[tuple[str, str]]]) -> list[float]:
+    """The numbers under every `low` and `high` header of a table (its last header row names them)."""
+    header = [text for tag, text in [r for r in rows if r and r[0][0] == "th"][-1]]
+    columns = [i for i, name in enumerate(header) if name in ("low", "high")]
+    body = [r for r in rows if r and r[0][0] == "td"]
+    return [float(r[i][1]) for r in body for i in columns if i < len(r) and r[i][1] not in ("", "n/a")]
+
+
+def test_every_table_fits_a_1400_pixel_page_and_no_interval_leaves_0_to_100(tmp_path: Path) -> None:
+    """Three seeds near 100% (and a baseline near 0%) give t intervals past [0, 100]: the page shows them
+    clipped there, in the tables and the bands alike, and Chromium lays every table out within a
+    1400-pixel window; a panel whose every value is the same is left out and said so once."""
+    sweep = make_sweep(f"sqlite:///{tmp_path / 'mlflow.db'}", "wide",
+                       ["mask=pdm_agg,pdm_uni,dppo_topk_kl", "delta=0.05,0.15", "k=10,20", "seed=0,1,2"])  # fmt: skip
+    points = []
+    for rid, spec in sweep.specs.items():
+        mask = spec.config["mask"]["name"]
+        high = {0: 0.90, 1: 0.99, 2: 1.0}[spec.seed]  # mean 96.3, s = 5.5: a 95% t interval reaches 110
+        low = {0: 0.0, 1: 0.01, 2: 0.06}[spec.seed]  # mean 2.3, the interval reaches below 0
+        for step in (0, 5, 10):
+            top = high if mask != "dppo_topk_kl" else low
+            points += [(rid, "eval/toy24", step, top * step / 10), (rid, "eval/toy25", step, low * step / 10),
+                       (rid, "train/reward", step, 0.3 + 0.01 * spec.seed), (rid, "train/response_length", step, 3.0),
+                       (rid, "train/ppo_kl", step, 0.001 * spec.seed), (rid, "train/mask_frac", step, 0.02)]  # fmt: skip
+    write_points(sweep.ledger, points)
+    finish(sweep.ledger, list(sweep.specs))
+    report = build_report(sweep.ledger, ["wide"], load_definition("default"))
+    assert report.clipped > 0  # the t intervals did reach past the range
+    for curves in report.curves:
+        for lines in curves.eval_panels.values():
+            for line in lines:
+                assert line.low.min() >= 0 and line.high.max() <= 1
+    assert set(report.constant_panels) == {"response length", "mask fraction"}
+    out = tmp_path / "report"
+    write_report(report, out)
+    page = (out / "index.html").read_text()
+    assert page.count('<h2 id="methods">Methods</h2>') == 1 and page.count("t the 0.975 quantile") == 1
+    assert "AIME" not in page and str(tmp_path) not in page  # the sets by their names; the store by its name
+    assert "response length (3 throughout)" in page
+
+    probe = out / "probe.html"
+    probe.write_text(page.replace("</body>", MEASURE_TABLES + "</body>"))
+    dom = chromium(tmp_path / "profile", "--window-size=1400,3000", "--virtual-time-budget=10000", "--dump-dom",
+                   probe.as_uri()).stdout  # fmt: skip
+    body = re.search(r"<body([^>]*)>", dom)
+    assert body is not None, dom[:500]
+    measured = re.search(r'data-tables="([^"]*)"', body.group(1))
+    width = re.search(r'data-page="(\d+)"', body.group(1))
+    assert measured and width, body.group(0)
+    rights = dict(item.split(":") for item in measured.group(1).split())
+    assert {"results", "comparison", "power", "provenance"} <= set(rights)
+    assert all(int(right) <= 1400 for right in rights.values()), rights
+    assert int(width.group(1)) <= 1400
+
+    parsed = Tables()
+    parsed.feed(dom)
+    results = interval_ends(parsed.tables["results"])
+    differences = interval_ends(parsed.tables["comparison"])
+    assert len(results) == 12 * 3 * 2 and len(differences) == 8 * 3 * 2  # rows × sets × (low, high)
+    assert min(results) >= 0 and max(results) <= 100 and max(results) == 100 and min(results) == 0
+    assert min(differences) >= -100 and max(differences) <= 100
+
+
+def test_the_study_page_shares_the_report_pages_header_and_stylesheet(tmp_path: Path) -> None:
+    """`pdmctl report --tune` draws from the same templates: one stylesheet, and a header naming pdmctl's
+    version and commit and the store by its name (never this machine's directories)."""
+    from pdmctl import __version__
+    from pdmctl.report.page import code_commit
+    from pdmctl.tune.page import render
+    from pdmctl.tune.study import StudyView, TrialView
+
+    trials = [TrialView(0, "complete", 0.41, {"delta": 0.1}, ("k0",), None),
+              TrialView(1, "pruned", None, {"delta": 0.2}, ("k1",), None)]  # fmt: skip
+    study = render(StudyView("toy", None, "maximize", trials, trials[0]), [], f"sqlite:///{tmp_path}/optuna.db")
+    sweep = make_sweep(f"sqlite:///{tmp_path / 'mlflow.db'}", "one", ["mask=pdm_agg", "seed=0"])
+    write_points(sweep.ledger, [(rid, "eval/toy24", 1, 0.5) for rid in sweep.specs] +
+                 [(rid, "eval/toy25", 1, 0.5) for rid in sweep.specs])  # fmt: skip
+    finish(sweep.ledger, list(sweep.specs))
+    write_report(build_report(sweep.ledger, ["one"], load_definition("default")), tmp_path / "report")
+    report = (tmp_path / "report" / "index.html").read_text()
+    style = re.compile(r"<style>.*?</style>", re.S)
+    assert style.search(study).group(0) == style.search(report).group(0)  # type: ignore[union-attr]
+    for page, store in ((study, "optuna.db (sqlite)"), (report, "mlflow.db (sqlite)")):
+        assert f"{__version__}" in page and code_commit() in page and store in page and str(tmp_path) not in page
+    assert study.count("<tr><td class='num'>") == 2 and "pruned" in study and "<code>k0</code>" in study

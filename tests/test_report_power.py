@@ -57,12 +57,12 @@ def test_seeds_that_do_not_vary_give_no_power_claim() -> None:
     t-test is undefined there, so no seeds needed and no resolvable difference, said as such."""
     from pdmctl.report.build import with_power
     from pdmctl.report.stats import Comparison, Estimate, Interval
-    from pdmctl.report.tables import _needed_cell
+    from pdmctl.report.tables import _needed_cells
 
     for diffs, baseline in (([0.0, 0.0], None), ([0.1, 0.1, 0.1], None), ([0.2, 0.2], [0.2, 0.2])):
         comparison = Comparison(Estimate(float(np.mean(diffs)), len(diffs), Interval(0.0, 0.0)), 0.5, baseline is None, 2)
         out = with_power(comparison, diffs, baseline)
         assert out.spread == 0 and out.seeds_needed is None and math.isnan(out.resolvable)
-        assert _needed_cell(out) == f"n/a: the seeds do not vary (has {len(diffs)})"
+        assert _needed_cells(out) == ("n/a: the seeds do not vary", "n/a")  # seeds needed, resolvable |Δ|
     varying = with_power(Comparison(Estimate(0.1, 3, Interval(0.0, 0.2)), 0.5, True, 3), [0.0, 0.1, 0.2])
     assert varying.spread > 0 and varying.seeds_needed is not None and varying.resolvable > 0

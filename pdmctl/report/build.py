@@ -25,6 +25,7 @@ from pdmctl.report.definition import Definition, ReportError
 from pdmctl.report.stats import (
     Comparison,
     Estimate,
+    Interval,
     Series,
     holm,
     mean,
@@ -115,6 +116,14 @@ class Report:
     queries: int = 0  # statements the ledger sent to the store for this report
     provenance: list[ProvenanceRow] = field(default_factory=list)
     pass_k: list[PassKRow] = field(default_factory=list)
+    names: dict[str, str] = field(default_factory=dict)  # column label -> the held-out set(s) shown for it
+    clipped: int = 0  # intervals of the tables that reached past their quantity's range, drawn to its edge
+    constant_panels: dict[str, float] = field(default_factory=dict)  # panel left out -> its one value
+
+    def name(self, label: str) -> str:
+        """What a table or figure calls a column: the held-out set its runs logged (`toy24` where the
+        definition's label is AIME24 and the runs are the testbed's)."""
+        return self.names.get(label, label)
 
 
 def build_report(ledger: Ledger, sweeps: Sequence[str], definition: Definition, *, two_level: bool = False,
@@ -129,6 +138,10 @@ def build_report(ledger: Ledger, sweeps: Sequence[str], definition: Definition, 
     rows = table_rows(data, definition, labels)
     if two_level:
         rows = [with_two_level(row, data.by_row[row.row], ledger.uri, definition) for row in rows]
+    rows, clipped_rows = clip_rows(rows)
+    compared, clipped_differences = clip_comparisons(comparisons(data, definition, labels), rows)
+    passes, clipped_passes = clip_pass_k(pass_k_rows(data, definition, labels, ledger))
+    drawn, constant = informative(curves(ledger, data, definition, rows))
     return Report(
         sweeps=tuple(sweeps),
         tracking_uri=ledger.uri,
@@ -136,24 +149,124 @@ def build_report(ledger: Ledger, sweeps: Sequence[str], definition: Definition, 
         dims=data.dims,
         labels=labels,
         rows=rows,
-        comparisons=comparisons(data, definition, labels),
+        comparisons=compared,
         excluded=data.excluded,
-        curves=curves(ledger, data, definition, rows),
+        curves=drawn,
         two_level=two_level,
         baseline_present=any(r.mask == definition.baseline for r in data.rows),
         analysis=direction,
         queries=getattr(ledger, "queries", 0) - queries_before,
         provenance=provenance_rows(data),
-        pass_k=pass_k_rows(data, definition, labels, ledger),
+        pass_k=passes,
+        names=held_out_names(data, definition),
+        clipped=clipped_rows + clipped_differences + clipped_passes,
+        constant_panels=constant,
     )
+
+
+# ---------------------------------------------------------------------------
+# What the page calls each column; intervals kept inside the range of their quantity
+# ---------------------------------------------------------------------------
+
+
+def held_out_names(data: Collected, definition: Definition) -> dict[str, str]:
+    """Column label -> the held-out set(s) its counted runs logged, by the metric's name without `eval/`:
+    a column filled from `eval/toy24` is shown as toy24, not under the label meant for AIME24."""
+    out = {}
+    for column in definition.columns:
+        sets = sorted({p.metrics[column.label].removeprefix("eval/") for points in data.by_row.values()
+                       for p in points if column.label in p.metrics})  # fmt: skip
+        if sets and [s.lower() for s in sets] != [column.label.lower()]:
+            out[column.label] = " / ".join(sets)
+    return out
+
+
+UNIT = (0.0, 1.0)  # avg@16, pass@k, maj@k: fractions
+DIFFERENCE = (-1.0, 1.0)  # a difference of two fractions
+
+
+def _clip(estimate: Estimate, bounds: tuple[float, float]) -> tuple[Estimate, bool]:
+    iv = estimate.interval
+    if iv is None or (iv.low >= bounds[0] and iv.high <= bounds[1]):
+        return estimate, False
+    return Estimate(estimate.mean, estimate.n, Interval(max(iv.low, bounds[0]), min(iv.high, bounds[1]))), True
+
+
+def _in_unit(values: Sequence[float]) -> bool:
+    return bool(values) and all(UNIT[0] <= v <= UNIT[1] for v in values)
+
+
+def clip_rows(rows: list[TableRow]) -> tuple[list[TableRow], int]:
+    """Each interval of a column whose every seed lies in [0, 1] (a fraction: avg@16) clipped to [0, 1]: a
+    t interval over a few seeds near 100% reaches past it. Returns the rows and how many were clipped."""
+    out, count = [], 0
+    for r in rows:
+        cells = dict(r.cells)
+        for label, e in r.cells.items():
+            if _in_unit(r.per_seed.get(label, ())):
+                cells[label], clipped = _clip(e, UNIT)
+                count += clipped
+        out.append(dataclasses.replace(r, cells=cells))
+    return out, count
+
+
+def clip_comparisons(rows: list[ComparisonRow], table: list[TableRow]) -> tuple[list[ComparisonRow], int]:
+    """A difference of two fractions lies in [-1, 1]: its interval clipped there."""
+    values = {r.row: r.per_seed for r in table}
+    out, count = [], 0
+    for comp in rows:
+        cells = dict(comp.cells)
+        for label, c in comp.cells.items():
+            if all(_in_unit(values.get(key, {}).get(label, ())) for key in (comp.row, comp.baseline)):
+                difference, clipped = _clip(c.difference, DIFFERENCE)
+                cells[label] = dataclasses.replace(c, difference=difference)
+                count += clipped
+        out.append(dataclasses.replace(comp, cells=cells))
+    return out, count
+
+
+def clip_pass_k(rows: list[PassKRow]) -> tuple[list[PassKRow], int]:
+    """pass@k and maj@k are fractions: their intervals clipped to [0, 1]."""
+    out, count = [], 0
+    for r in rows:
+        cells = {}
+        for key, e in r.cells.items():
+            cells[key], clipped = _clip(e, UNIT)
+            count += clipped
+        out.append(dataclasses.replace(r, cells=cells))
+    return out, count
+
+
+def informative(drawn: list[SettingCurves]) -> tuple[list[SettingCurves], dict[str, float]]:
+    """The curves without the training-dynamics and mismatch panels whose every line holds one and the
+    same value at every step (the testbed's fixed response length): such a panel says nothing a sentence
+    does not. Returns the curves and each panel left out with its value."""
+    constant: dict[str, float] = {}
+
+    def keep(panels: dict[str, list[Line]]) -> dict[str, list[Line]]:
+        kept = {}
+        for label, lines in panels.items():
+            values = np.concatenate([ln.centre for ln in lines]) if lines else np.array([])
+            if values.size and np.all(values == values[0]) and all(
+                np.all(~np.isfinite(ln.low) | (ln.low == ln.high)) for ln in lines
+            ):
+                constant[label] = float(values[0])
+            else:
+                kept[label] = lines
+        return kept
+
+    out = [dataclasses.replace(c, dynamics_panels=keep(c.dynamics_panels), mismatch_panels=keep(c.mismatch_panels))
+           for c in drawn]  # fmt: skip
+    return out, constant
 
 
 # ---------------------------------------------------------------------------
 # Provenance (pdmctl.provenance; recorded by each attempt of a job)
 # ---------------------------------------------------------------------------
 
-# what a panel's quantity can be: accuracies in [0, 1]; the mismatch panel's gaps, fractions and counts >= 0
-BAND_RANGE = {"eval": (0.0, 1.0), "mismatch": (0.0, math.inf)}
+# what a panel's quantity can be: accuracies in [0, 1]; the mismatch panel's gaps, fractions and counts, and
+# the training dynamics' lengths, KLs and fractions >= 0 (a panel whose values go below 0 is left as it is)
+BAND_RANGE = {"eval": (0.0, 1.0), "mismatch": (0.0, math.inf), "dynamics": (0.0, math.inf)}
 
 
 def _within_range(kind: str, values: np.ndarray, low: np.ndarray, high: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

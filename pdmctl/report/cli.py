@@ -71,11 +71,20 @@ def report(
     ] = None,
 ) -> None:
     """Tables of avg@16 with seed confidence intervals, comparisons with the baseline, learning curves."""
+    from rich.text import Text
+
     from pdmctl.ledger import ledger_exists, open_ledger
     from pdmctl.orchestrate import make_context
     from pdmctl.report.build import build_report, load_analysis, pooling_notes
     from pdmctl.report.definition import ReportError, load_definition
-    from pdmctl.report.tables import comparison_table, excluded_table, power_table, results_table, to_rich
+    from pdmctl.report.tables import (
+        comparison_table,
+        excluded_table,
+        methods,
+        power_table,
+        results_table,
+        to_rich,
+    )
     from pdmctl.report.write import write_report
     from pdmctl.terminal import check_output, console, fail, guard
 
@@ -117,6 +126,7 @@ def report(
         console.print(to_rich(power_table(result)))
     for line in pooling_notes(result):
         console.print(f"provenance: {line}", highlight=False)
+    console.print(Text("Methods: " + " ".join(methods(result))))
     if result.excluded:
         console.print(to_rich(excluded_table(result)))
     console.print(f"wrote {len(written)} files to {out_dir}/ — open {written[-1]}", highlight=False)

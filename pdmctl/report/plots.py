@@ -63,10 +63,12 @@ def _panels(title: str, panels: Mapping[str, list[Line]], colour: Mapping[RowKey
     return buf.getvalue()
 
 
-def curve_figure(curves: SettingCurves, band: str) -> bytes:
-    """`band` names the interval drawn around each line (e.g. `95% t band`); it goes into the title."""
+def curve_figure(curves: SettingCurves, band: str, names: Mapping[str, str] | None = None) -> bytes:
+    """`band` names the interval drawn around each line (e.g. `95% t band`); it goes into the title.
+    `names`: a column label -> the held-out set shown for it (the panel's title)."""
     title = f"{curves.setting}: held-out avg@16, mean over seeds and {band}"
-    return _panels(title, curves.eval_panels, colours(curves.rows), 100.0, "avg@16 (%)")
+    panels = {(names or {}).get(label, label): lines for label, lines in curves.eval_panels.items()}
+    return _panels(title, panels, colours(curves.rows), 100.0, "avg@16 (%)")
 
 
 def dynamics_figure(curves: SettingCurves, band: str) -> bytes:

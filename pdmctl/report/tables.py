@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pdmctl.report.build import PROVENANCE_FIELDS, ProvenanceRow, Report, family_sizes, pooling_notes
 from pdmctl.report.collect import RowKey
 from pdmctl.report.intervals import describe, describe_unpaired, short_name
-from pdmctl.report.stats import Comparison, Estimate, format_estimate, format_p, pct
+from pdmctl.report.stats import Comparison, Estimate, format_p, pct, signed_pct
 
 TWO_LEVEL_MARK = "‡"
 
@@ -25,6 +25,15 @@ class TextTable:
     rows: list[tuple[str, ...]]
     note: str
     numeric_from: int  # columns from here on are right-aligned
+    # a header row above `headers`: (text, columns it spans), the spans adding up to the number of columns
+    groups: tuple[tuple[str, int], ...] = ()
+
+    def flat_headers(self) -> tuple[str, ...]:
+        """One header per column, a group's name before its columns' (Markdown, the terminal, CSV-like)."""
+        if not self.groups:
+            return self.headers
+        prefixes = [name for name, span in self.groups for _ in range(span)]
+        return tuple(f"{p} {h}".strip() if p else h for p, h in zip(prefixes, self.headers, strict=True))
 
 
 def _row_cells(row: RowKey, dims: Sequence[str], previous: RowKey | None) -> tuple[str, ...]:
@@ -32,127 +41,173 @@ def _row_cells(row: RowKey, dims: Sequence[str], previous: RowKey | None) -> tup
     return (setting, row.mask, *(row.dim(d) for d in dims))
 
 
+def _repeat_blank(row: RowKey, dims: Sequence[str], previous: RowKey | None) -> tuple[str, ...]:
+    """The row's key cells, blank where the line above is the same row (long tables: a line per column)."""
+    if previous == row:
+        return ("",) * (2 + len(dims))
+    return _row_cells(row, dims, previous)
+
+
+def estimate_cells(e: Estimate, signed: bool = False) -> tuple[str, str, str]:
+    """Mean, low, high in % (points): three cells; n/a where there is no value or no interval."""
+    fmt = signed_pct if signed else pct
+    if e.n == 0:
+        return ("n/a", "", "")
+    if e.interval is None:
+        return (fmt(e.mean), "n/a", "n/a")
+    return (fmt(e.mean), fmt(e.interval.low), fmt(e.interval.high))
+
+
 def results_note(report: Report) -> str:
-    d, c = report.definition, report.definition.confidence
-    columns = " and ".join(col.label for col in d.columns)
-    parts = [
-        f"avg@16 in %, mean over seeds {d.at.describe()}. Interval: {describe(c)}. "
-        f"[n/a]: fewer than 2 seeds, no interval. n: seeds that count; runs left out are listed separately."
-    ]
+    d = report.definition
+    parts = [f"avg@16 in %, mean over seeds {d.at.describe()}, with the interval's low and high ends "
+             "(Methods). n/a: fewer than 2 seeds, no interval. n: seeds that count; runs left out are listed "
+             "separately."]  # fmt: skip
     if d.average:
+        columns = " and ".join(report.name(col.label) for col in d.columns)
         parts.append(f"{d.average}: each seed's mean of {columns}, then the same interval.")
     if report.two_level:
-        parts.append(
-            f"{TWO_LEVEL_MARK}: two-level percentile bootstrap — seeds with replacement, then problems with "
-            f"replacement within each drawn seed ({c.resamples} resamples, seed {c.seed}); cells without "
-            f"{TWO_LEVEL_MARK} lack per-problem scores and use the interval above."
-        )
+        parts.append(f"{TWO_LEVEL_MARK}: the two-level bootstrap over seeds and problems (Methods); cells without "
+                     f"{TWO_LEVEL_MARK} lack per-problem scores.")  # fmt: skip
     return " ".join(parts)
 
 
 def results_table(report: Report) -> TextTable:
     rows, previous = [], None
     for r in report.rows:
-        cells = [format_estimate(r.cells[label]) + (TWO_LEVEL_MARK if r.two_level.get(label) else "")
-                 for label in report.labels]  # fmt: skip
+        cells = []
+        for label in report.labels:
+            mean_, low, high = estimate_cells(r.cells[label])
+            cells += [mean_ + (TWO_LEVEL_MARK if r.two_level.get(label) else ""), low, high]
         rows.append((*_row_cells(r.row, report.dims, previous), *cells, str(len(r.seeds))))
         previous = r.row
-    headers = ("setting", "mask", *report.dims, *report.labels, "n")
+    keys = 2 + len(report.dims)
+    headers = ("setting", "mask", *report.dims, *(("mean", "low", "high") * len(report.labels)), "n")
+    groups = (("", keys), *((report.name(label), 3) for label in report.labels), ("", 1))
     title = f"avg@16 ({', '.join(report.sweeps)}), {short_name(report.definition.confidence)} intervals"
-    return TextTable("results", title, headers, rows, results_note(report),
-                     2 + len(report.dims))  # fmt: skip
+    return TextTable("results", title, headers, rows, results_note(report), keys, groups)
 
 
 def comparison_note(report: Report) -> str:
-    d, c = report.definition, report.definition.confidence
+    d = report.definition
     if not report.baseline_present:
         return f"The baseline mask {d.baseline} has no runs in {', '.join(report.sweeps)}: nothing to compare with."
     return (
-        f"Mask minus {d.baseline} (the row's own setting, and its δ, K wherever the baseline has them), in "
-        f"percentage points. Paired rows (seeds listed): the mean of the per-seed differences with the "
-        f"{describe(c)}, taken over the differences. Unpaired rows (no seed in common): "
-        f"{describe_unpaired(c)}. P, the probability of improvement, is an estimate, not an interval: the "
-        f"share of matched seeds on which the mask scores higher (paired), or of all pairs of runs (unpaired), "
-        f"a tie counting half; it estimates the chance that the mask beats the baseline on a new seed, and "
-        f"with n seeds it moves in steps of 1/(2n). [n/a]: fewer than 2 (matched) seeds. "
-        f"{holm_note(report)}"
+        f"One line per row and column: the mask minus {d.baseline} (the row's own setting, and its δ, K "
+        "wherever the baseline has them), in percentage points, with the interval's low and high ends; P, the "
+        "probability of improvement; p, the t-test's; Holm, p adjusted (Methods). Paired rows list their "
+        f"matched seeds. n/a: fewer than 2 (matched) seeds. {holm_note(report)}"
     )
 
 
 def holm_note(report: Report) -> str:
-    """Names the p-values' test and the family Holm's procedure adjusts over."""
+    """Names the family Holm's procedure adjusts over."""
     sizes = family_sizes(report.comparisons, report.labels)
     counts = set(sizes.values())
     family = (f"the {counts.pop()} comparisons of each column" if len(counts) == 1
-              else "each column's comparisons (" + ", ".join(f"{label}: {m}" for label, m in sizes.items()) + ")")  # fmt: skip
+              else "each column's comparisons (" + ", ".join(f"{report.name(label)}: {m}" for label, m in sizes.items()) + ")")  # fmt: skip
     return (
-        "p: two-sided t-test of no difference (paired: one-sample t on the per-seed differences; unpaired: "
-        f"Welch's), whatever the interval. Holm: p adjusted by Holm's step-down procedure over {family}, "
-        "every row against the baseline; a column's differences with Holm ≤ 0.05 are significant at 5% "
-        "together (family-wise error rate ≤ 5%), a raw p ≤ 0.05 alone is not. A claim across columns "
-        "makes a larger family."
+        f"Holm's step-down procedure over {family}, every row against the baseline; a column's differences "
+        "with Holm ≤ 0.05 are significant at 5% together (family-wise error rate ≤ 5%), a raw p ≤ 0.05 alone "
+        "is not. A claim across columns makes a larger family."
     )
 
 
-def _comparison_cell(c: Comparison) -> str:
-    p = "n/a" if math.isnan(c.probability_of_improvement) else f"{c.probability_of_improvement:.2f}"
-    return f"{format_estimate(c.difference, signed=True)} P={p} p={format_p(c.p_value)} Holm={format_p(c.p_holm)}"
+def _pairing(comp) -> str:
+    first = next(iter(comp.cells.values()))
+    return (f"paired {','.join(map(str, comp.seeds))}" if comp.seeds
+            else f"unpaired {first.difference.n} vs {first.n_baseline}")  # fmt: skip
 
 
 def comparison_table(report: Report) -> TextTable:
     rows, previous = [], None
     for comp in report.comparisons:
-        first = next(iter(comp.cells.values()))
-        pairing = (f"paired: seeds {','.join(map(str, comp.seeds))}" if comp.seeds
-                   else f"unpaired: {first.difference.n} vs {first.n_baseline} runs")  # fmt: skip
-        rows.append((*_row_cells(comp.row, report.dims, previous), comp.baseline.label,
-                     *(_comparison_cell(comp.cells[label]) for label in report.labels), pairing))  # fmt: skip
-        previous = comp.row
-    headers = (
-        "setting",
-        "mask",
-        *report.dims,
-        "baseline",
-        *(f"Δ {label}" for label in report.labels),
-        "seeds",
-    )
+        for i, label in enumerate(report.labels):
+            c = comp.cells[label]
+            p = "n/a" if math.isnan(c.probability_of_improvement) else f"{c.probability_of_improvement:.2f}"
+            rows.append((*_repeat_blank(comp.row, report.dims, previous),
+                         comp.baseline.label if i == 0 else "", report.name(label),
+                         *estimate_cells(c.difference, signed=True), p, format_p(c.p_value), format_p(c.p_holm),
+                         _pairing(comp) if i == 0 else ""))  # fmt: skip
+            previous = comp.row
+    headers = ("setting", "mask", *report.dims, "baseline", "set", "Δ (pp)", "low", "high", "P", "p", "Holm",
+               "seeds")  # fmt: skip
     title = f"vs {report.definition.baseline}, {short_name(report.definition.confidence)} intervals"
-    return TextTable("comparison", title, headers, rows, comparison_note(report),
-                     3 + len(report.dims))  # fmt: skip
+    return TextTable("comparison", title, headers, rows, comparison_note(report), 4 + len(report.dims))
 
 
-def _needed_cell(c: Comparison) -> str:
+def _needed_cells(c: Comparison) -> tuple[str, str]:
+    """(seeds needed, smallest resolvable |Δ| in pp)."""
     if not math.isfinite(c.spread):
-        return "n/a"
+        return ("n/a", "n/a")
     if c.spread == 0:
-        return f"n/a: the seeds do not vary (has {c.difference.n})"
+        return ("n/a: the seeds do not vary", "n/a")
     if c.seeds_needed is None:
         needed = "none (Δ = 0)" if c.difference.mean == 0 else "> 1000"
     else:
         needed = str(c.seeds_needed)
-    return f"{needed} (has {c.difference.n}); resolves |Δ| ≥ {pct(c.resolvable)}"
+    return (needed, pct(c.resolvable))
 
 
 def power_note(report: Report) -> str:
-    return (
-        "Seeds needed: the fewest seeds (pairs of matched seeds; per mask where unpaired) at which the table's "
-        "two-sided t-test at 5% detects the observed difference with 80% power, taking the seeds' observed "
-        "standard deviation (of the per-seed differences; pooled where unpaired) for the true one: exact power "
-        "of the t-test under a noncentral t (scipy.stats.nct). resolves: the smallest |difference|, in "
-        "percentage points, that the present seeds detect with 80% power at that spread. With few seeds the "
-        "spread is itself uncertain: a guide to the next sweep's size, not a promise. n/a: fewer than 2 seeds."
-    )
+    return ("Seeds needed for 80% power at 5% at the observed difference and spread, and the smallest |Δ| the "
+            "present seeds resolve (Methods). With few seeds the spread is itself uncertain: a guide to the next "
+            "sweep's size, not a promise. n/a: fewer than 2 seeds.")  # fmt: skip
 
 
 def power_table(report: Report) -> TextTable:
     rows, previous = [], None
     for comp in report.comparisons:
-        rows.append((*_row_cells(comp.row, report.dims, previous), comp.baseline.label,
-                     *(_needed_cell(comp.cells[label]) for label in report.labels)))  # fmt: skip
-        previous = comp.row
-    headers = ("setting", "mask", *report.dims, "baseline", *(f"seeds needed {label}" for label in report.labels))
+        for i, label in enumerate(report.labels):
+            c = comp.cells[label]
+            rows.append((*_repeat_blank(comp.row, report.dims, previous), comp.baseline.label if i == 0 else "",
+                         report.name(label), *_needed_cells(c), str(c.difference.n)))  # fmt: skip
+            previous = comp.row
+    headers = ("setting", "mask", *report.dims, "baseline", "set", "seeds needed", "resolves |Δ| ≥ (pp)", "has")
     return TextTable("power", f"Seeds for 80% power at 5% against {report.definition.baseline}", headers, rows,
-                     power_note(report), 3 + len(report.dims))  # fmt: skip
+                     power_note(report), 4 + len(report.dims))  # fmt: skip
+
+
+def methods(report: Report) -> list[str]:
+    """The page's Methods block: each interval, test and bound stated once (the tables' notes refer here)."""
+    d, c = report.definition, report.definition.confidence
+    out = [f"Values: avg@16 in %, read {d.at.describe()}; each row pools the seeds of one mask, setting, δ and "
+           f"K. Interval of a mean: the {describe(c)}."]  # fmt: skip
+    out.append(f"Differences against {d.baseline}, in percentage points: paired on matched seeds, the mean of "
+               f"the per-seed differences with the same interval taken over the differences; unpaired (no seed "
+               f"in common), the {describe_unpaired(c)}. P, the probability of improvement, is an estimate, not "
+               "an interval: the share of matched seeds on which the mask scores higher (paired), or of all "
+               "pairs of runs (unpaired), a tie counting half; with n seeds it moves in steps of 1/(2n). "
+               "p: two-sided t-test of no difference (paired: one-sample t on the per-seed differences; "
+               "unpaired: Welch's), whatever the interval. Holm: p adjusted by Holm's step-down procedure over "
+               "each column's comparisons.")  # fmt: skip
+    if report.comparisons:
+        out.append("Seeds for 80% power: the fewest seeds (pairs of matched seeds; per mask where unpaired) at "
+                   "which the two-sided t-test at 5% detects the observed difference with 80% power, taking the "
+                   "seeds' observed standard deviation for the true one (exact power under a noncentral t, "
+                   "scipy.stats.nct); resolves: the smallest |difference| the present seeds detect so.")  # fmt: skip
+    if report.two_level:
+        out.append(f"{TWO_LEVEL_MARK}: two-level percentile bootstrap — seeds with replacement, then problems with "
+                   f"replacement within each drawn seed ({c.resamples} resamples, seed {c.seed}).")  # fmt: skip
+    clipped = (f" {report.clipped} interval(s) of the tables reached past that range and are shown clipped."
+               if report.clipped else "")  # fmt: skip
+    out.append("Bounds: avg@16, pass@k and maj@k lie in [0, 100] % and a difference of two in [−100, 100] pp; "
+               "a t interval over few seeds can reach past them, so every interval and every band of a "
+               "fraction is clipped to its range (bands of the training dynamics and the mismatch at 0 "
+               f"where their values are never negative).{clipped}")  # fmt: skip
+    out.append(f"Curves: the line is the mean over seeds at each step and the band the "
+               f"{short_name(c.for_bands)} interval at that step (resamples {c.for_bands.resamples} where a "
+               "bootstrap); no band with one seed." if c.method != "t" else
+               "Curves: the line is the mean over seeds at each step and the band the same t interval at that "
+               "step; no band with one seed.")  # fmt: skip
+    if report.names:
+        sets = ", ".join(report.name(label) for label in report.names)
+        out.append(f"Held-out sets: each column is named by the set its runs evaluated on, as they logged it "
+                   f"(eval/NAME): {sets}.")  # fmt: skip
+    if report.constant_panels:
+        flat = ", ".join(f"{label} ({value:g} throughout)" for label, value in report.constant_panels.items())
+        out.append(f"Panels left out: {flat}; every run held the same value at every step.")
+    return out
 
 
 def pass_k_label(report: Report) -> str:
@@ -160,11 +215,10 @@ def pass_k_label(report: Report) -> str:
 
 
 def pass_k_note(report: Report) -> str:
-    c = report.definition.confidence
     return (
-        f"{pass_k_label(report)}, in %: the mean over problems of each problem's unbiased estimate from its n samples "
-        "at the evaluation the results table reads, then the mean over seeds with the "
-        f"{describe(c)}. pass@k: 1 − C(n − c, k) / C(n, k) for c correct of n (Chen et al. 2021; "
+        f"{report.name(pass_k_label(report))}, in %: the mean over problems of each problem's unbiased estimate "
+        "from its n samples at the evaluation the results table reads, then the mean over seeds with its "
+        "interval (Methods). pass@k: 1 − C(n − c, k) / C(n, k) for c correct of n (Chen et al. 2021; "
         "scipy.stats.hypergeom): the chance that k of the n samples, drawn without replacement, hold a correct "
         "one. maj@k: the same expectation of a majority vote of k samples on their answers (samples without an "
         "answer do not vote): 1 if the correct answer has the most votes alone, 1/t if it ties with t − 1 other "
@@ -175,17 +229,20 @@ def pass_k_note(report: Report) -> str:
 
 def pass_k_table(report: Report) -> TextTable:
     label = pass_k_label(report)
-    ks = sorted({k for r in report.pass_k for k in r.ks})
     rows, previous = [], None
     for r in report.pass_k:
-        for kind in ("pass", "maj"):
-            cells = [format_estimate(r.cells[label, kind, k]) if (label, kind, k) in r.cells else "" for k in ks]
-            rows.append((*_row_cells(r.row, report.dims, previous), f"{kind}@k", *cells, str(r.samples),
+        for k in r.ks:
+            cells = [cell for kind in ("pass", "maj")
+                     for cell in (estimate_cells(r.cells[label, kind, k]) if (label, kind, k) in r.cells
+                                  else ("", "", ""))]  # fmt: skip
+            rows.append((*_repeat_blank(r.row, report.dims, previous), str(k), *cells, str(r.samples),
                          str(len(r.seeds))))  # fmt: skip
             previous = r.row
-    headers = ("setting", "mask", *report.dims, "metric", *(f"k={k}" for k in ks), "n", "seeds")
-    title = f"pass@k and maj@k ({label}), {short_name(report.definition.confidence)} intervals"
-    return TextTable("passk", title, headers, rows, pass_k_note(report), 3 + len(report.dims))
+    keys = 3 + len(report.dims)
+    headers = ("setting", "mask", *report.dims, "k", *(("mean", "low", "high") * 2), "n", "seeds")
+    groups = (("", keys), ("pass@k", 3), ("maj@k", 3), ("", 2))
+    title = f"pass@k and maj@k ({report.name(label)}), {short_name(report.definition.confidence)} intervals"
+    return TextTable("passk", title, headers, rows, pass_k_note(report), keys - 1, groups)
 
 
 _PROVENANCE_HEADERS = {"commit": "commit", "dirty": "dirty", "version.pdmctl": "pdmctl", "version.verl": "VeRL",
@@ -256,13 +313,12 @@ def to_rich(table: TextTable):
     from rich.table import Table
     from rich.text import Text
 
-    # Text, not markup: "[n/a]" and "[31.0, 37.5]" would otherwise read as rich tags
+    # Text, not markup: "[n/a]" would otherwise read as a rich tag
     out = Table(title=Text(table.title), caption=Text(table.note), caption_justify="left")
-    for i, header in enumerate(table.headers):
+    for i, header in enumerate(table.flat_headers()):
         numeric = i >= table.numeric_from
-        # Each column at least as wide as its longest word: a narrow terminal wraps cells between words
-        # (a long comparison cell goes over two lines), never inside a number or a name, and no column
-        # is squeezed to nothing by its neighbours.
+        # Each column at least as wide as its longest word: a narrow terminal wraps cells between words,
+        # never inside a number or a name, and no column is squeezed to nothing by its neighbours.
         words = [w for cell in (header, *(row[i] for row in table.rows)) for w in cell.split()]
         out.add_column(Text(header), justify="right" if numeric else "left",
                        min_width=min(max(map(len, words), default=1), 40), overflow="fold")  # fmt: skip
@@ -275,7 +331,7 @@ def to_markdown(table: TextTable) -> str:
     def cell(text: str) -> str:
         return text.replace("|", "\\|")
 
-    lines = [f"### {table.title}", "", "| " + " | ".join(map(cell, table.headers)) + " |",
+    lines = [f"### {table.title}", "", "| " + " | ".join(map(cell, table.flat_headers())) + " |",
              "|" + "|".join("---:" if i >= table.numeric_from else "---" for i in range(len(table.headers))) + "|"]  # fmt: skip
     lines += ["| " + " | ".join(map(cell, row)) + " |" for row in table.rows]
     return "\n".join([*lines, "", f"*{table.note}*", ""])
@@ -283,11 +339,25 @@ def to_markdown(table: TextTable) -> str:
 
 _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
         "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "δ": r"$\delta$", "Δ": r"$\Delta$",
-        "·": r"$\cdot$", "—": "--", "−": "-", "±": r"$\pm$", "‡": r"$^\ddagger$", "≤": r"$\le$", ">": r"$>$"}  # fmt: skip
+        "·": r"$\cdot$", "—": "--", "−": "-", "±": r"$\pm$", "‡": r"$^\ddagger$", "≤": r"$\le$", "≥": r"$\ge$",
+        ">": r"$>$", "|": r"$|$"}  # fmt: skip
 
 
 def tex(text: str) -> str:
     return "".join(_TEX.get(ch, ch) for ch in text)
+
+
+def _tex_groups(table: TextTable) -> list[str]:
+    """The group header row (\\multicolumn) and a \\cmidrule under each named group."""
+    if not table.groups:
+        return []
+    cells, rules, first = [], [], 1
+    for name, span in table.groups:
+        cells.append(rf"\multicolumn{{{span}}}{{c}}{{{tex(name)}}}" if span > 1 else tex(name))
+        if name:
+            rules.append(rf"\cmidrule(lr){{{first}-{first + span - 1}}}")
+        first += span
+    return [" & ".join(cells) + r" \\", " ".join(rules)]
 
 
 def to_latex(table: TextTable) -> str:
@@ -295,21 +365,27 @@ def to_latex(table: TextTable) -> str:
     body = [" & ".join(tex(c) for c in row) + r" \\" for row in table.rows]
     return "\n".join([
         r"\begin{table}[t]", r"\centering", rf"\caption{{{tex(table.title)}}}", rf"\label{{tab:{table.key}}}",
-        r"\small", rf"\begin{{tabular}}{{{spec}}}", r"\toprule",
+        r"\small", rf"\begin{{tabular}}{{{spec}}}", r"\toprule", *_tex_groups(table),
         " & ".join(tex(h) for h in table.headers) + r" \\", r"\midrule", *body, r"\bottomrule", r"\end{tabular}",
         rf"\par\smallskip\parbox{{\linewidth}}{{\footnotesize {tex(table.note)}}}", r"\end{table}", "",
     ])  # fmt: skip
 
 
 def to_html(table: TextTable) -> str:
+    """The table alone (the page's template places it): a group header row where the table has one."""
+    from markupsafe import Markup
+
     def cells(row: Sequence[str], tag: str) -> str:
         return "".join(f'<{tag}{" class=num" if i >= table.numeric_from else ""}>{html.escape(c)}</{tag}>'
                        for i, c in enumerate(row))  # fmt: skip
 
+    head = "".join(f'<th colspan="{span}" class="group">{html.escape(name)}</th>' if span > 1
+                   else f'<th class="group">{html.escape(name)}</th>' for name, span in table.groups)  # fmt: skip
+    heads = (f"<tr>{head}</tr>" if head else "") + f"<tr>{cells(table.headers, 'th')}</tr>"
     rows = "\n".join(f"<tr>{cells(r, 'td')}</tr>" for r in table.rows)
-    return (f'<table id="{table.key}"><caption>{html.escape(table.title)}</caption>\n'
-            f"<thead><tr>{cells(table.headers, 'th')}</tr></thead>\n<tbody>\n{rows}\n</tbody></table>\n"
-            f'<p class="note">{html.escape(table.note)}</p>')  # fmt: skip
+    return Markup(f'<table id="{table.key}"><caption>{html.escape(table.title)}</caption>\n'
+                  f"<thead>{heads}</thead>\n<tbody>\n{rows}\n</tbody></table>\n"
+                  f'<p class="note">{html.escape(table.note)}</p>')  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -330,7 +406,7 @@ def results_csv(report: Report) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(["setting", "mask", *report.dims,
-                     *(f"{label} {part} (%)" for label in report.labels for part in ("mean", "low", "high")),
+                     *(f"{report.name(label)} {part} (%)" for label in report.labels for part in ("mean", "low", "high")),
                      "n", "seeds", "interval", *(_PROVENANCE_HEADERS[f] for f in PROVENANCE_FIELDS), "attempts",
                      "job ids", "pools"])  # fmt: skip
     c = report.definition.confidence
@@ -363,7 +439,7 @@ def pass_k_csv(report: Report) -> str:
     name = f"{short_name(report.definition.confidence)} over seeds"
     for r in report.pass_k:
         for (label, kind, k), e in r.cells.items():
-            writer.writerow([r.row.setting, r.row.mask, *(r.row.dim(d) for d in report.dims), label, f"{kind}@k", k,
+            writer.writerow([r.row.setting, r.row.mask, *(r.row.dim(d) for d in report.dims), report.name(label), f"{kind}@k", k,
                              *_estimate_fields(e), r.samples, " ".join(map(str, r.seeds)), name])  # fmt: skip
     return buf.getvalue()
 
@@ -373,7 +449,7 @@ def seeds_csv(report: Report) -> str:
     check the table, or to compare a re-run seed by seed)."""
     buf = io.StringIO()
     writer = csv.writer(buf)
-    writer.writerow(["setting", "mask", *report.dims, "seed", *(f"{label} (%)" for label in report.labels)])
+    writer.writerow(["setting", "mask", *report.dims, "seed", *(f"{report.name(label)} (%)" for label in report.labels)])
     for r in report.rows:
         for i, seed in enumerate(r.seeds):
             values = [r.per_seed[label][i] for label in report.labels] if r.per_seed else []
@@ -386,7 +462,7 @@ def comparison_csv(report: Report) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(["setting", "mask", *report.dims, "baseline",
-                     *(f"{label} {part}" for label in report.labels
+                     *(f"{report.name(label)} {part}" for label in report.labels
                        for part in ("diff (pp)", "low (pp)", "high (pp)", "P(improve)", "p", "p Holm",
                                     "seeds for 80% power", "resolvable (pp)")),
                      "paired", "seeds", "interval"])  # fmt: skip

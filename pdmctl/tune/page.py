@@ -8,7 +8,6 @@ intermediate values (where pruning cut curves short), parameter importances.
 from __future__ import annotations
 
 import base64
-import html
 import io
 from collections.abc import Callable
 from pathlib import Path
@@ -16,14 +15,6 @@ from typing import Any
 
 from pdmctl.orchestrate import Context
 from pdmctl.tune.study import StudyView, load_study, storage_url, study_view
-
-_CSS = """
-body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:1200px;padding:0 1rem;color:#222}
-table{border-collapse:collapse;margin:1rem 0;font-size:.9rem}
-th,td{padding:.25rem .6rem;border-bottom:1px solid #ddd;text-align:left;white-space:nowrap}
-th{border-bottom:2px solid #444}.num{text-align:right;font-variant-numeric:tabular-nums}
-.meta{color:#555;font-size:.85rem}figure{margin:1rem 0}img{max-width:100%}
-"""
 
 
 def write_study_report(name: str, ctx: Context, out_dir: Path, storage: str | None = None) -> Path:
@@ -77,37 +68,40 @@ def study_figures(study) -> list[tuple[str, str, bytes]]:
 
 
 def render(view: StudyView, figures: list[tuple[str, str, bytes]], storage: str) -> str:
-    esc = html.escape
+    """The study's page from templates/study.html.j2 (the report's header and stylesheet)."""
+    from pdmctl.report.page import header
+    from pdmctl.report.page import render as render_page
+
     counts = ", ".join(f"{n} {s}" for s, n in sorted(view.counts().items())) or "no trials"
     request = view.request
-    lines = [f"<!doctype html><html><head><meta charset='utf-8'><title>study {esc(view.name)}</title>",
-             f"<style>{_CSS}</style></head><body><h1>study {esc(view.name)}</h1>"]  # fmt: skip
+    meta = []
     if request is not None:
-        lines.append(f"<p class='meta'>{esc(request.direction)} {esc(request.objective)} at the {esc(request.at)} "
-                     f"evaluation; pruner {esc(request.pruner)}; {request.seeds_per_trial} seed(s) per trial; "
-                     f"space: <code>{esc(' '.join(request.overrides))}</code></p>")  # fmt: skip
-    lines.append(f"<p class='meta'>trials: {esc(counts)}; storage {esc(storage)}</p>")
+        meta.append(f"{request.direction} {request.objective} at the {request.at} evaluation; pruner "
+                    f"{request.pruner}; {request.seeds_per_trial} seed(s) per trial; space: "
+                    f"{' '.join(request.overrides)}")  # fmt: skip
+    meta.append(f"trials: {counts}")
+    best = None
     if view.best is not None:
         params = ", ".join(f"{k} = {_fmt(v)}" for k, v in view.best.params.items())
-        lines.append(f"<p><b>best</b>: trial {view.best.number}, value {view.best.value:.4f} ({esc(params)}); "
-                     f"run {esc(' '.join(view.best.keys))}</p>")  # fmt: skip
+        best = f"trial {view.best.number}, value {view.best.value:.4f} ({params}); run {' '.join(view.best.keys)}"
     names = sorted({k for t in view.trials for k in t.params})
-    head = "".join(f"<th>{esc(n)}</th>" for n in ("#", "state", "value", *names, "runs", "run state"))
-    rows = []
-    for t in view.trials:
-        cells = [f"<td class='num'>{t.number}</td>", f"<td>{esc(t.state)}</td>",
-                 f"<td class='num'>{'' if t.value is None else f'{t.value:.4f}'}</td>",
-                 *(f"<td class='num'>{esc(_fmt(t.params.get(n)))}</td>" for n in names),
-                 f"<td><code>{esc(' '.join(t.keys))}</code></td>", f"<td>{esc(t.run_state or '')}</td>"]  # fmt: skip
-        rows.append(f"<tr>{''.join(cells)}</tr>")
-    lines.append(f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>")
-    for _, caption, png in figures:
-        data = base64.b64encode(png).decode()
-        lines.append(
-            f"<figure><img src='data:image/png;base64,{data}'><figcaption>{esc(caption)}</figcaption></figure>"
-        )
-    lines.append("</body></html>")
-    return "\n".join(lines)
+    headers = ("#", "state", "value", *names, "runs", "run state")
+    rows = [(str(t.number), t.state, "" if t.value is None else f"{t.value:.4f}",
+             *(_fmt(t.params.get(n)) for n in names), " ".join(t.keys), t.run_state or "")
+            for t in view.trials]  # fmt: skip
+    return render_page(
+        "study.html.j2",
+        title=f"study {view.name}",
+        header=header(storage),
+        generated=None,
+        meta=meta,
+        best=best,
+        headers=headers,
+        rows=rows,
+        numeric={0, 2, *range(3, 3 + len(names))},
+        code=3 + len(names),
+        figures=[{"data": base64.b64encode(png).decode(), "caption": caption} for _, caption, png in figures],
+    )
 
 
 def _fmt(value: Any) -> str:
