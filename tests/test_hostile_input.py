@@ -1102,3 +1102,32 @@ def test_verl_sizes_counts_and_fractions_are_bounded(workdir: Path, override: st
 def test_verl_values_within_their_bounds_pass(override: str) -> None:
     (spec,) = expand([*VERL, "backend.nnodes=1", override])
     assert spec.key
+
+
+# -- round four: tune --storage that cannot hold a study, refused before any run is registered -------------
+
+
+@pytest.mark.parametrize(
+    ("storage", "needle"),
+    [("postgresql+psycopg2://u:secret@127.0.0.1:9/db", "study storage postgresql+psycopg2://u:***@127.0.0.1:9/db: "
+                                                       "cannot connect ("),
+     ("mysql://u@127.0.0.1/x", "--storage mysql://u@127.0.0.1/x: its database driver MySQLdb is not installed"),
+     ("sqlite:///:memory:", "--storage sqlite:///:memory:: a SQLite storage is sqlite:///PATH (a file, not memory"),
+     ("sqlite:///{work}/o.db?mode=ro", "a SQLite storage is sqlite:///PATH, without ?options")],
+)  # fmt: skip
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_study_storage_that_cannot_hold_the_study_is_one_line(workdir: Path, storage: str, needle: str,
+                                                                 dry_run: bool) -> None:  # fmt: skip
+    if storage.startswith("postgresql"):
+        pytest.importorskip("psycopg2")
+    if storage.startswith("mysql"):
+        try:
+            import MySQLdb  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            pytest.skip("the MySQL driver is installed here")
+    args = [*TUNE, "--storage", storage.format(work=workdir), *(["--dry-run"] if dry_run else [])]
+    line = refused(workdir, args, needle)
+    assert "secret" not in line
+    assert not list(workdir.iterdir())  # no ledger, no lock file, no run directory

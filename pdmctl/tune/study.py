@@ -125,6 +125,7 @@ def check(name: str, request: Request, options: Options | None, ctx: Context, st
         make_sampler(options.sampler, options.seed, space)
     url = storage_url(ctx.tracking_uri, storage)
     check_sqlite_storage(url, ctx.tracking_uri)
+    check_storage_reachable(url)
     return Plan(name, request, space, metrics, url)
 
 
@@ -202,9 +203,40 @@ def check_storage(url: str) -> str:
         raise TuneError(f"--storage {_redact(url)}: not a database URL (sqlite:///PATH or postgresql://...)") from None
     except ImportError as exc:
         raise TuneError(f"--storage {_redact(url)}: its database driver {exc.name or exc} is not installed") from None
-    if parsed.get_backend_name() == "sqlite" and not (parsed.database or "").strip("/"):
-        raise TuneError(f"--storage {url}: a SQLite storage is sqlite:///PATH (a file, not memory)")
+    try:
+        parsed.get_dialect().import_dbapi()  # the driver itself (make_url finds the dialect only)
+    except ImportError as exc:
+        hint = "; name one that is, e.g. postgresql+psycopg2://" if url.startswith("postgresql") else ""
+        raise TuneError(f"--storage {_redact(url)}: its database driver {exc.name or exc} is not installed{hint}") from None
+    if parsed.get_backend_name() == "sqlite":
+        database = (parsed.database or "").strip("/")
+        if not database or database == ":memory:" or database.startswith("file::memory:"):
+            raise TuneError(f"--storage {url}: a SQLite storage is sqlite:///PATH (a file, not memory: the jobs "
+                            "report their trials to it from other processes)")  # fmt: skip
+        if parsed.query or "?" in url:
+            raise TuneError(f"--storage {url}: a SQLite storage is sqlite:///PATH, without ?options (the study "
+                            "is written to: not read-only, not in memory)")  # fmt: skip
     return url
+
+
+def check_storage_reachable(url: str, timeout: float = 5.0) -> None:
+    """A database server's storage answers (TuneError, one line, when it does not): checked before any run
+    is registered, in a dry run too. SQLite files are checked by check_sqlite_storage."""
+    if sqlite_path(url) is not None:
+        return
+    import sqlalchemy
+
+    connect_args = {"connect_timeout": int(timeout)} if url.startswith(("postgresql", "mysql")) else {}
+    try:
+        engine = sqlalchemy.create_engine(url, connect_args=connect_args)
+        try:
+            with engine.connect() as conn:
+                conn.execute(sqlalchemy.text("SELECT 1"))
+        finally:
+            engine.dispose()
+    except Exception as exc:  # the driver's OperationalError, a refused login, a name that does not resolve
+        why = " ".join(str(exc).split("\n")[0].split())[:200]
+        raise TuneError(f"study storage {_redact(url)}: cannot connect ({why})") from None
 
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
