@@ -77,11 +77,18 @@ def sweep(
                                  "every setting, then replicate 1, ...) or setting (setting by setting); "
                                  "a sweep file's order: otherwise.")
     ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="With --dry-run: the plan as JSON (every run in array order, its "
+                           "expected cost with its range and upper bound; per setting and for the sweep; "
+                           "docs/PLAN_JSON.md), nothing else on stdout.")
+    ] = False,
 ) -> None:
     """Expand a grid into runs, register them in MLflow and submit the ones not yet served."""
     from pdmctl import grid, orchestrate
 
     with _guard():
+        if as_json and not dry_run:
+            fail("--json: prints the plan of a dry run; give --dry-run too")
         sweep_file = grid.load_sweep_file(file) if file else None
         chosen = grid.check_order(order, "--order") if order is not None else (sweep_file and sweep_file.order) or "seed"
         ctx = orchestrate.make_context(cluster, tracking_uri)
@@ -96,6 +103,13 @@ def sweep(
             orchestrate.check_runs(specs, ctx, executor)
             unread = orchestrate.ledger_unreachable(ctx)
             plan = orchestrate.plan(specs, ctx, read_only=True, read_ledger=unread is None, order=chosen)
+            if as_json:
+                import json
+
+                from pdmctl.cost import plan_json
+
+                sys.stdout.write(json.dumps(plan_json(plan, ctx, executor, chosen, unread), indent=1) + "\n")
+                return
             _print_plan(plan, ctx, executor, unread)
             console.print(orchestrate.describe_order(plan.specs, chosen), highlight=False, markup=False,
                           soft_wrap=True)

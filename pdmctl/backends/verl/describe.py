@@ -16,13 +16,14 @@ numbers and their basis):
     a run               = steps x one step + validations x one validation; GPU-hours = a run x its GPUs
 
 Every response at its length cap, and the prompts (DAPO-Math's: a few hundred tokens) left out: an upper
-bound for the tokens of a step. Queue waits, start-up and checkpoint writes are not counted. The sweep's
-wall time places the runs in array order on `max_concurrent` slots.
+bound for the tokens of a step, printed as the upper bound (with start-ups and checkpoint writes at their
+dear end). The expected cost beside it (`pdmctl.cost`) takes a mean response length, the straggler tail,
+start-up per attempt and checkpoint writes from the model's stated assumptions, with a range. Queue waits
+are not counted. The sweep's wall time places the runs in array order on `max_concurrent` slots.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import shlex
 from collections.abc import Mapping, Sequence
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdmctl import cost as costs
 from pdmctl.backends.verl import launch
 
 
@@ -59,7 +61,8 @@ class RunCost:
     tokens: int  # generated, then trained on, per step
     validation_tokens: int  # generated per validation
     gpus: int
-    seconds: float
+    seconds: float  # every response at the cap, nothing else counted
+    estimate: costs.Estimate | None = None  # the expected cost, its range and the upper bound (pdmctl.cost)
 
     @property
     def gpu_hours(self) -> float:
@@ -107,16 +110,18 @@ def describe_jobs(jobs: Sequence[Job], nodes: int, environ: Mapping[str, str], c
             else:
                 lines.append(f"  command {label} differs from {s}.1 in: {_difference(first, command)}")
             lines.append("    runs: " + ", ".join(f"{job.key} (seed {job.config['seed']})" for job in command.jobs))
-            cost, why_not = _cost(command, throughputs)
+            cost, why_not = _cost(command, throughputs, cluster)
             said = _cost_line(cost) if cost is not None else f"not estimated: {why_not}"
             lines.append(f"    cost: {'as the command before' if said == previous else said}")
             previous = said
             in_setting += [(job, cost) for job in command.jobs]
         per_run += in_setting
-        costs = [cost for _, cost in in_setting if cost is not None]
-        if len(costs) == len(in_setting):
-            lines.append(f"  setting cost: {len(runs)} run(s), {_number(sum(c.gpu_hours for c in costs))} GPU-hours, "
-                         f"{_duration(max(c.seconds for c in costs))} a run{_attempts(costs, cluster)}")  # fmt: skip
+        estimates = [cost.estimate for _, cost in in_setting if cost is not None and cost.estimate is not None]
+        if len(estimates) == len(in_setting):
+            t = costs.total(estimates, cluster.get("max_concurrent"))
+            longest = max(estimates, key=lambda e: e.seconds.expected)
+            lines.append(f"  setting cost: {len(runs)} run(s), {costs.hours_text(t.hours, t.upper_hours)}; "
+                         f"{_duration(longest.seconds.expected)} a run{_attempts(estimates, cluster)}")  # fmt: skip
         stored = [launch.checkpoint_bytes(job.config, cost.steps if cost else None) for job, cost in in_setting]
         size, kept, saves = stored[0]
         setting_bytes = sum(one * count for one, count, _ in stored)
@@ -129,6 +134,25 @@ def describe_jobs(jobs: Sequence[Job], nodes: int, environ: Mapping[str, str], c
                      f"{_bytes(size * kept)} a run, {_bytes(setting_bytes)} for the setting")  # fmt: skip
     lines.append(_sweep_line(per_run, cluster, checkpoints_total))
     return lines
+
+
+def estimate_jobs(jobs: Sequence[Job], nodes: int, environ: Mapping[str, str],
+                  cluster: Mapping[str, Any]) -> dict[str, costs.Estimate | str]:
+    """Each run's expected cost (`pdmctl.cost.verl_estimate`), by key; where there is none, why not."""
+    throughputs = _throughputs(cluster)
+    commands: dict[tuple, _Command] = {}
+    for job in jobs:
+        command = _command(job, nodes, environ)
+        commands.setdefault((tuple(command.overrides), tuple(sorted(command.env.items()))), command).jobs.append(job)
+    out: dict[str, costs.Estimate | str] = {}
+    for command in commands.values():
+        cost, why_not = _cost(command, throughputs, cluster)
+        for job in command.jobs:
+            if cost is not None and cost.estimate is not None:
+                out[job.key] = cost.estimate
+            else:
+                out[job.key] = why_not or f"pdmctl.cost states no assumptions for {job.config['model']}"
+    return out
 
 
 def _command(job: Job, nodes: int, environ: Mapping[str, str]) -> _Command:
@@ -158,7 +182,8 @@ def _throughputs(cluster: Mapping[str, Any]) -> dict[str, Throughput]:
     return {model: Throughput(float(rates["rollout"]), float(rates["train"])) for model, rates in given.items()}
 
 
-def _cost(command: _Command, throughputs: Mapping[str, Throughput]) -> tuple[RunCost | None, str]:
+def _cost(command: _Command, throughputs: Mapping[str, Throughput],
+          cluster: Mapping[str, Any] | None = None) -> tuple[RunCost | None, str]:
     """A run's cost under this command, or None and why it cannot be estimated."""
     job = command.jobs[0]
     model = job.config["model"]
@@ -188,7 +213,11 @@ def _cost(command: _Command, throughputs: Mapping[str, Throughput]) -> tuple[Run
     validation_tokens = sum(p or 0 for p in problems) * int(values["actor_rollout_ref.rollout.val_kwargs.n"]) * response
     step_s = tokens / (rate.rollout * gpus) + tokens / (rate.train * gpus)
     seconds = steps * step_s + validations * validation_tokens / (rate.rollout * gpus)
-    return RunCost(steps, validations, tokens, validation_tokens, gpus, seconds), ""
+    size, _, saves = launch.checkpoint_bytes(job.config, steps)
+    shape = costs.VerlShape(model, steps, validations, batch, group, response, validation_tokens // response, gpus,
+                            size, saves or 0)  # fmt: skip
+    estimate = costs.verl_estimate(shape, rate.rollout, rate.train, cluster or {})
+    return RunCost(steps, validations, tokens, validation_tokens, gpus, seconds, estimate), ""
 
 
 def _rows(path: Path) -> int | None:
@@ -202,17 +231,30 @@ def _rows(path: Path) -> int | None:
 
 
 def _cost_line(cost: RunCost) -> str:
-    return (f"{cost.steps} steps of {_tokens(cost.tokens)} tokens generated and trained, {cost.validations} "
-            f"validations of {_tokens(cost.validation_tokens)} generated, on {cost.gpus} GPUs: "
-            f"{_duration(cost.seconds)} and {_number(cost.gpu_hours)} GPU-hours a run")  # fmt: skip
+    head = (f"{cost.steps} steps of {_tokens(cost.tokens)} tokens generated and trained, {cost.validations} "
+            f"validations of {_tokens(cost.validation_tokens)} generated, at the length cap, on {cost.gpus} GPUs: ")
+    e = cost.estimate
+    if e is None:
+        return head + (f"{_duration(cost.seconds)} and {_number(cost.gpu_hours)} GPU-hours a run at the cap, an upper "
+                       "bound (pdmctl.cost states no assumptions for this model: no expected cost)")  # fmt: skip
+    h = e.hours
+    return head + (f"{_number(h.expected)} GPU-hours a run expected ({_number(h.low)}-{_number(h.high)}), upper "
+                   f"bound {_number(e.upper_hours)}; {_duration(e.seconds.expected)} a run expected "
+                   f"({_duration(e.seconds.low)}-{_duration(e.seconds.high)}), at most {_duration(e.upper_s)}; "
+                   f"rests on {e.rests_on}: {e.assumptions}")  # fmt: skip
 
 
-def _attempts(costs: Sequence[RunCost], cluster: Mapping[str, Any]) -> str:
-    """How many attempts of the profile's time limit a run needs, where it needs more than the profile allows."""
+def _attempts(estimates: Sequence[costs.Estimate], cluster: Mapping[str, Any]) -> str:
+    """How many attempts of the profile's time limit a run needs (expected), where it needs more than the profile
+    allows at its upper bound."""
     limit_min, timeouts = cluster.get("time"), cluster.get("max_timeouts")
     if not limit_min or timeouts is None:
         return ""
-    needed = math.ceil(max(c.seconds for c in costs) / (60 * limit_min))
+    needed = max(e.attempts for e in estimates)
+    upper = math.ceil(max(e.upper_s for e in estimates) / (60 * limit_min))
+    if needed <= timeouts + 1 < upper:
+        return (f" ({needed} attempt(s) of the profile's {_duration(60 * limit_min)}; at the upper bound {upper}, "
+                f"more than max_timeouts: {timeouts} allows)")  # fmt: skip
     if needed <= timeouts + 1:
         return f" ({needed} attempt(s) of the profile's {_duration(60 * limit_min)})"
     return (f"; WARNING: a run needs {needed} attempts of the profile's {_duration(60 * limit_min)} and the profile "
@@ -221,17 +263,18 @@ def _attempts(costs: Sequence[RunCost], cluster: Mapping[str, Any]) -> str:
 
 def _sweep_line(per_run: Sequence[tuple[Job, RunCost | None]], cluster: Mapping[str, Any], checkpoints: int) -> str:
     storage = f"checkpoints: {_bytes(checkpoints)} at most, kept in the runs' directories"
-    costs = [cost for _, cost in per_run if cost is not None]
-    if len(costs) < len(per_run):
-        return f"sweep cost: not estimated ({len(per_run) - len(costs)} run(s) without an estimate); {storage}"
-    slots = cluster.get("max_concurrent") or len(costs)
-    ends = [0.0] * min(slots, len(costs))  # the array's %-limit: each run starts when a slot frees
-    for cost in costs:
-        heapq.heappush(ends, heapq.heappop(ends) + cost.seconds)
+    estimates = [cost.estimate for _, cost in per_run if cost is not None and cost.estimate is not None]
+    if len(estimates) < len(per_run):
+        return f"sweep cost: not estimated ({len(per_run) - len(estimates)} run(s) without an estimate); {storage}"
+    slots = cluster.get("max_concurrent") or len(estimates)  # the array's %-limit: each run starts when a slot frees
+    t = costs.total(estimates, slots)
     nodes = cluster.get("nodes") or 1
-    return (f"sweep cost: {len(costs)} run(s), {_number(sum(c.gpu_hours for c in costs))} GPU-hours; "
-            f"{_duration(max(ends))} of wall time at max_concurrent {slots} ({slots} x {nodes} node(s) at a time), "
-            f"from the queue's first start; every response at its length cap: an upper bound; {storage}")  # fmt: skip
+    w = t.wall_s
+    return (f"sweep cost: {len(estimates)} run(s), {costs.hours_text(t.hours, t.upper_hours)}; "
+            f"{_duration(w.expected)} of wall time expected ({_duration(w.low)}-{_duration(w.high)}; upper bound "
+            f"{_duration(t.upper_wall_s)}) on the profile's {slots * nodes} node(s) at max_concurrent {slots} "
+            f"({slots} x {nodes} node(s) at a time), from the queue's first start; rests on {costs.RESTS_ON}; "
+            f"{storage}")  # fmt: skip
 
 
 def _tokens(n: float) -> str:

@@ -1,0 +1,390 @@
+"""What a run, a setting and a sweep are expected to cost: GPU-hours (VeRL) or CPU-hours (the testbed), an
+expected figure with a low-high range from stated assumptions, and the upper bound beside it.
+
+VeRL (docs/CLUSTER.md, "Cost"). The upper bound is every response at its length cap, the rollout and the
+training step at the profile's tokens per second per GPU (`throughput:`). The expected cost replaces the cap
+by a mean response length and adds what the bound leaves out:
+
+    mean response      = response_fraction x max_response_length
+    rollout of a step  = batch x n x mean / (rollout rate x GPUs)                     (the bulk, at full batch)
+                         + (tail_fraction x max_response_length - mean) / tail_decode  (the straggler tail: the
+                                                                        slowest response decodes alone at the end)
+    training of a step = batch x n x mean / (train rate x GPUs)
+    one validation     = held-out problems x val_kwargs.n x mean / (rollout rate x GPUs) + the same tail
+    checkpoint writes  = saves x checkpoint bytes / write_gb_s
+    start-up           = startup_s per attempt (Ray, weights, vLLM and the trainer up; a resume's load),
+                         attempts = the run's time over the profile's `time` per attempt
+
+The assumptions are per model (`ASSUMPTIONS`): an expected value and a low-high range each; the low end of
+the cost takes every one at its cheap end, the high end every one at its dear end (clipped to the upper
+bound, which takes the cap, the dear start-up and the slow writes). Until runs have been measured on the
+cluster they are assumptions, not measurements, and the estimate says so (`RESTS_ON`).
+
+The testbed (its rates in TOY_ROLLOUT_S, TOY_STARTUP_S): a run's rollouts (steps x prompts_per_step x group_size) at a stated CPU time per rollout (the
+default toy-small run: 40 steps of 1,024 rollouts in about 9 s of one core on a quiet machine, 32 s under
+load; docs/TESTBED.md), evaluations included, plus a start-up per attempt; one CPU a job.
+
+The sweep's wall time places the runs, in array order, on `max_concurrent` slots (each run starts when a
+slot frees), for the expected, low, high and upper-bound run times alike.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Span:
+    """An assumption or an estimate: its expected value and a low-high range around it."""
+
+    expected: float
+    low: float
+    high: float
+
+    def scaled(self, factor: float) -> Span:
+        return Span(self.expected * factor, self.low * factor, self.high * factor)
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """A model's stated assumptions for the expected cost of its VeRL runs (each: expected, low, high)."""
+
+    response_fraction: Span  # the mean response's length as a share of max_response_length
+    tail_fraction: Span  # the slowest response of a step (or a validation), as a share of max_response_length
+    tail_decode: Span  # tokens per second one sequence decodes at once the batch has drained (the tail)
+    startup_s: Span  # seconds from a job's start to its first step, per attempt (resume's load included)
+    write_gb_s: Span  # GB per second a run writes its checkpoint to the shared filesystem
+
+    def describe(self) -> str:
+        r, t, d, s, w = self.response_fraction, self.tail_fraction, self.tail_decode, self.startup_s, self.write_gb_s
+        return (f"mean response {r.expected:.0%} of the cap ({r.low:.0%}-{r.high:.0%}), slowest {t.expected:.0%} "
+                f"({t.low:.0%}-{t.high:.0%}) decoding alone at {d.expected:g} tokens/s ({min(d.low, d.high):g}-"
+                f"{max(d.low, d.high):g}), start-up {s.expected / 60:g} min an attempt ({s.low / 60:g}-{s.high / 60:g}), "
+                f"checkpoints written at {w.expected:g} GB/s ({min(w.low, w.high):g}-{max(w.low, w.high):g})")  # fmt: skip
+
+
+_DENSE = dict(tail_fraction=Span(1.0, 0.75, 1.0), startup_s=Span(600, 300, 1200), write_gb_s=Span(2.0, 5.0, 0.5))
+# Mean lengths: DAPO-style training of a Qwen3 base model averages about a third of an 8k cap (dense) and under a
+# quarter of a 16k cap (30B-A3B); some responses reach the cap in nearly every step, so the slowest is the cap.
+# Tail decode: a third of one sequence's bandwidth bound on an H20 (4.0 TB/s over the bytes read per token).
+# For write_gb_s the "low" cost is the fast filesystem: the low and high ends are of the cost, not the value.
+ASSUMPTIONS: dict[str, Assumptions] = {
+    "qwen3-4b-base": Assumptions(Span(0.33, 0.2, 0.6), tail_decode=Span(150, 250, 80), **_DENSE),
+    "qwen3-8b-base": Assumptions(Span(0.33, 0.2, 0.6), tail_decode=Span(90, 150, 50), **_DENSE),
+    "qwen3-30b-a3b-base": Assumptions(Span(0.23, 0.12, 0.5), Span(1.0, 0.75, 1.0), tail_decode=Span(100, 150, 50),
+                                      startup_s=Span(1200, 600, 2400), write_gb_s=Span(2.0, 5.0, 0.5)),
+}
+RESTS_ON = "the stated assumptions (pdmctl/cost.py; docs/CLUSTER.md, \"Cost\"), not measurements"
+
+# The testbed: CPU seconds per rollout (evaluations included) and start-up, per attempt (expected, low, high)
+TOY_ROLLOUT_S = Span(9.0 / 40_960, 6.0 / 40_960, 32.0 / 40_960)
+TOY_STARTUP_S = Span(5.0, 3.0, 15.0)
+TOY_ASSUMPTIONS = ("the default toy-small run's 40 steps of 1,024 rollouts in 9 s of one core (6-32 s), start-up "
+                   "5 s an attempt (3-15)")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One run's expected cost: wall seconds (expected, low, high) and the upper bound, on `devices` GPUs or
+    CPUs held for all of it, in `attempts` attempts."""
+
+    unit: str  # "GPU" or "CPU"
+    devices: int
+    seconds: Span
+    upper_s: float
+    attempts: int
+    rests_on: str  # what the estimate rests on: RESTS_ON (assumptions) or the runs it was calibrated on
+    assumptions: str = ""  # the values it took, in words
+    parts: Mapping[str, float] = field(default_factory=dict)  # expected seconds by part (rollout, train, ...)
+
+    @property
+    def hours(self) -> Span:
+        return self.seconds.scaled(self.devices / 3600)
+
+    @property
+    def upper_hours(self) -> float:
+        return self.upper_s * self.devices / 3600
+
+    def as_json(self) -> dict[str, Any]:
+        h, w = self.hours, self.seconds
+        return {"unit": f"{self.unit}-hours", "devices": self.devices, "device": self.unit,
+                "expected": _r(h.expected), "low": _r(h.low), "high": _r(h.high), "upper_bound": _r(self.upper_hours),
+                "wall_s": {"expected": _r(w.expected), "low": _r(w.low), "high": _r(w.high),
+                           "upper_bound": _r(self.upper_s)},
+                "attempts": self.attempts, "parts_s": {k: _r(v) for k, v in self.parts.items()},
+                "rests_on": self.rests_on, "assumptions": self.assumptions}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class VerlShape:
+    """What one VeRL run's command says of its work (read off the command: describe.py)."""
+
+    model: str
+    steps: int
+    validations: int
+    batch: int
+    group: int
+    response: int  # max_response_length
+    held_out: int  # problems x val_kwargs.n, per validation
+    gpus: int
+    checkpoint_bytes: int
+    saves: int
+
+
+def verl_estimate(shape: VerlShape, rollout_rate: float, train_rate: float, cluster: Mapping[str, Any]) -> Estimate | None:
+    """The expected cost of one VeRL run, or None where the model has no stated assumptions."""
+    a = ASSUMPTIONS.get(shape.model)
+    if a is None:
+        return None
+    limit_s = 60 * float(cluster["time"]) if cluster.get("time") else None
+    s = shape
+
+    def run(fraction: float, tail: float, decode: float, startup: float, write: float) -> tuple[float, int, dict]:
+        mean = fraction * s.response
+        straggler = max(0.0, tail * s.response - mean) / decode if decode > 0 else 0.0
+        rollout = s.batch * s.group * mean / (rollout_rate * s.gpus) + straggler
+        train = s.batch * s.group * mean / (train_rate * s.gpus)
+        validation = s.held_out * mean / (rollout_rate * s.gpus) + straggler
+        writes = s.saves * s.checkpoint_bytes / (write * 1e9)
+        work = s.steps * (rollout + train) + s.validations * validation + writes
+        attempts = max(1, math.ceil(work / (limit_s - startup))) if limit_s and limit_s > startup else 1
+        parts = {"rollout": s.steps * rollout, "train": s.steps * train, "validation": s.validations * validation,
+                 "checkpoint_writes": writes, "startup": attempts * startup}  # fmt: skip
+        return work + attempts * startup, attempts, parts
+
+    r, t, d, st, w = a.response_fraction, a.tail_fraction, a.tail_decode, a.startup_s, a.write_gb_s
+    upper, _, _ = run(1.0, 1.0, 0.0, st.high, w.high)  # every response at the cap: no tail beyond the batch
+    expected, attempts, parts = run(r.expected, t.expected, d.expected, st.expected, w.expected)
+    low, _, _ = run(r.low, t.low, d.low, st.low, w.low)
+    high, _, _ = run(r.high, t.high, d.high, st.high, w.high)
+    return Estimate("GPU", s.gpus, Span(min(expected, upper), min(low, upper), min(high, upper)), upper, attempts,
+                    RESTS_ON, a.describe(), parts)  # fmt: skip
+
+
+def toy_estimate(flat: Mapping[str, Any], cluster: Mapping[str, Any]) -> Estimate:
+    """The expected cost of one testbed run, in CPU-hours (one CPU a job, or the profile's cpus_per_task)."""
+    rollouts = int(flat["steps"]) * int(flat["prompts_per_step"]) * int(flat["group_size"])
+    cpus = int(cluster.get("cpus_per_task") or 1)
+    work = TOY_ROLLOUT_S.scaled(rollouts)
+    seconds = Span(work.expected + TOY_STARTUP_S.expected, work.low + TOY_STARTUP_S.low, work.high + TOY_STARTUP_S.high)
+    return Estimate("CPU", cpus, seconds, seconds.high, 1, RESTS_ON, TOY_ASSUMPTIONS,
+                    {"training": work.expected, "startup": TOY_STARTUP_S.expected})  # fmt: skip
+
+
+def wall_seconds(run_seconds: Sequence[float], slots: int | None) -> float:
+    """The runs, in array order, on `slots` slots (each starts when one frees): when the last one ends."""
+    if not run_seconds:
+        return 0.0
+    ends = [0.0] * min(slots or len(run_seconds), len(run_seconds))
+    for seconds in run_seconds:
+        heapq.heappush(ends, heapq.heappop(ends) + seconds)
+    return max(ends)
+
+
+@dataclass(frozen=True)
+class Total:
+    """The cost of several runs (a setting's, the sweep's): hours summed, wall time on the slots."""
+
+    runs: int
+    unit: str
+    hours: Span
+    upper_hours: float
+    wall_s: Span
+    upper_wall_s: float
+
+
+def total(estimates: Sequence[Estimate], slots: int | None) -> Total:
+    units = {e.unit for e in estimates}
+    hours = Span(sum(e.hours.expected for e in estimates), sum(e.hours.low for e in estimates),
+                 sum(e.hours.high for e in estimates))  # fmt: skip
+    wall = Span(*(wall_seconds([getattr(e.seconds, k) for e in estimates], slots) for k in ("expected", "low", "high")))
+    return Total(len(estimates), "/".join(sorted(units)) or "GPU", hours, sum(e.upper_hours for e in estimates), wall,
+                 wall_seconds([e.upper_s for e in estimates], slots))  # fmt: skip
+
+
+def total_json(t: Total) -> dict[str, Any]:
+    day = 86400
+    return {"runs": t.runs, "unit": f"{t.unit}-hours", "expected": _r(t.hours.expected), "low": _r(t.hours.low),
+            "high": _r(t.hours.high), "upper_bound": _r(t.upper_hours),
+            "wall_days": {"expected": _r(t.wall_s.expected / day), "low": _r(t.wall_s.low / day),
+                          "high": _r(t.wall_s.high / day), "upper_bound": _r(t.upper_wall_s / day)}}  # fmt: skip
+
+
+def _r(x: float) -> float:
+    """Four significant digits: what an estimate carries."""
+    return float(f"{x:.4g}")
+
+
+def hours_text(hours: Span, upper: float, unit: str = "GPU") -> str:
+    """`79,000 GPU-hours expected (35,000-208,000), upper bound 397,384`."""
+    return (f"{number(hours.expected)} {unit}-hours expected ({number(hours.low)}-{number(hours.high)}), "
+            f"upper bound {number(upper)}")
+
+
+def number(x: float) -> str:
+    """An hours figure as printed: whole above 10, two decimals above 1, two significant digits below."""
+    return f"{x:,.0f}" if x >= 10 else f"{x:.2f}" if x >= 1 else f"{x:.2g}"
+
+
+def duration(seconds: float) -> str:
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:.1f} days"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.1f} min"
+
+
+# ---------------------------------------------------------------------------
+# The plan as JSON (--dry-run --json; docs/PLAN_JSON.md)
+# ---------------------------------------------------------------------------
+
+PLAN_FORMAT = "pdmctl-plan/1"
+
+
+def slots(ctx: Any, executor: Any) -> int | None:
+    """Runs at once: the profile's max_concurrent, else the local executor's cap (one per core)."""
+    return ctx.profile.max_concurrent or getattr(executor, "cap", None)
+
+
+def cluster_settings(ctx: Any, executor: Any) -> dict[str, Any]:
+    """What the backends' estimates read of the cluster (describe_runs' settings, and the CPUs of a job)."""
+    options = getattr(executor, "options", None)
+    return {**executor.job_settings(), "nodes": executor.nodes_per_job(), "tracking_uri": ctx.tracking_uri,
+            "max_concurrent": slots(ctx, executor), "cpus_per_task": getattr(options, "cpus_per_task", None)}  # fmt: skip
+
+
+def estimate_specs(specs: Sequence[Any], ctx: Any, executor: Any) -> dict[str, Estimate | str]:
+    """run key -> its Estimate, or why it has none, for runs of any backend."""
+    from collections import defaultdict
+
+    from pdmctl.backends.registry import DescribedRun, flat_config, get_backend
+
+    cluster = cluster_settings(ctx, executor)
+    by_backend: dict[str, list[DescribedRun]] = defaultdict(list)
+    for spec in specs:
+        by_backend[spec.backend].append(DescribedRun(spec.key, spec.summary, flat_config(spec.config),
+                                                     ctx.run_dir_parent(spec) / "RUN_ID"))  # fmt: skip
+    out: dict[str, Estimate | str] = {}
+    for name, runs in by_backend.items():
+        out.update(get_backend(name).estimate(runs, cluster))
+    return out
+
+
+def plan_json(plan: Any, ctx: Any, executor: Any, order: str, ledger_unread: str | None = None) -> dict[str, Any]:
+    """The dry run's plan as JSON data (PLAN_FORMAT): every run in array order with its cost, per setting and for
+    the runs the sweep would submit."""
+    from pdmctl.backends.registry import flat_config, get_backend
+    from pdmctl.orchestrate import replicates
+
+    specs = plan.specs
+    estimates = estimate_specs(specs, ctx, executor)
+    replicate_of = replicates(specs)
+    submit = {s.key for s in plan.to_submit}
+    given = executor.nodes_per_job()
+    runs, by_setting = [], {}
+    for position, spec in enumerate(specs, 1):
+        backend, flat = get_backend(spec.backend), flat_config(spec.config)
+        setting = f"{spec.backend}: {backend.setting(flat)}"
+        estimate = estimates.get(spec.key)
+        runs.append({"order": position, "key": spec.key, "summary": spec.summary, "setting": setting,
+                     "seed": spec.seed, "replicate": replicate_of[spec.key], "state": str(plan.states[spec.key]),
+                     "action": "submit" if spec.key in submit else "skip", "nodes": backend.nodes(flat) or given,
+                     "config": spec.config,
+                     "cost": estimate.as_json() if isinstance(estimate, Estimate) else None,
+                     "cost_missing": estimate if isinstance(estimate, str) else None})  # fmt: skip
+        if spec.key in submit:
+            by_setting.setdefault(setting, []).append(estimate)
+    at_once = slots(ctx, executor)
+
+    def summed(found: Sequence[Any]) -> dict[str, Any] | None:
+        if not found or not all(isinstance(e, Estimate) for e in found):
+            return None
+        t = total_json(total(found, at_once))
+        t["rests_on"] = sorted({e.rests_on for e in found})
+        return t
+
+    settings = [{"setting": name, "runs": len(found), "cost": summed(found)} for name, found in by_setting.items()]
+    to_submit = [estimates.get(s.key) for s in plan.to_submit]
+    return {"format": PLAN_FORMAT, "sweep": specs[0].sweep if specs else None, "cluster": ctx.profile.name,
+            "executor": ctx.profile.executor, "order": order, "nodes_per_job": given, "max_concurrent": at_once,
+            "ledger_read": ledger_unread is None, "runs": runs, "settings": settings,
+            "sweep_cost": summed(to_submit)}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------
+# Spent against predicted (pdmctl status)
+# ---------------------------------------------------------------------------
+
+
+def spent_seconds(record: Any, now: float) -> float | None:
+    """Wall seconds a run's attempts have taken: each attempt from its recorded start to the next attempt's
+    start, the last to the run's end (now, while it runs); None where no attempt has started."""
+    from datetime import datetime
+
+    starts = []
+    for attempt in record.attempts:
+        try:
+            starts.append(datetime.strptime(str(attempt["started"]), "%Y-%m-%dT%H:%M:%S%z").timestamp())
+        except (KeyError, ValueError):
+            continue
+    if not starts:
+        return None
+    starts.sort()
+    end = record.end_time / 1000 if record.end_time and record.status != "RUNNING" else now
+    ends = [*starts[1:], max(end, starts[-1])]
+    return sum(max(0.0, b - a) for a, b in zip(starts, ends, strict=True))
+
+
+def spent_lines(views: Sequence[Any], ctx: Any) -> list[str]:
+    """Per sweep: the hours its runs have spent (wall x the GPUs or CPUs each holds) beside the prediction for the
+    same runs, and for the whole sweep."""
+    import time as _time
+
+    from pdmctl.executors import make_executor
+
+    by_sweep: dict[str, list[Any]] = {}
+    for view in views:
+        if view.record is not None and view.record.spec is not None:
+            by_sweep.setdefault(view.sweep, []).append(view)
+    if not by_sweep:
+        return []
+    try:
+        executor = make_executor(ctx.profile)
+    except Exception:  # a profile this status cannot build an executor from: no prediction, nothing to say
+        return []
+    now = _time.time()
+    lines = []
+    for sweep, found in by_sweep.items():
+        try:
+            estimates = estimate_specs([v.record.spec for v in found], ctx, executor)
+        except (ValueError, OSError) as exc:  # a recorded config this pdmctl cannot estimate: say so, go on
+            lines.append(f"cost of {sweep}: no prediction ({str(exc).splitlines()[0] if str(exc) else exc!r})")
+            continue
+        spent, predicted, unit, started = 0.0, [], "", 0
+        for view in found:
+            estimate = estimates.get(view.record.spec.key)
+            seconds = spent_seconds(view.record, now)
+            if not isinstance(estimate, Estimate) or seconds is None:
+                continue
+            started += 1
+            unit = estimate.unit
+            spent += seconds * estimate.devices / 3600
+            predicted.append(estimate)
+        every = [e for e in estimates.values() if isinstance(e, Estimate)]
+        if not every:
+            lines.append(f"cost of {sweep}: no estimate for its runs, so no prediction to set the hours spent against")
+            continue
+        unit = unit or every[0].unit
+        whole = total(every, slots(ctx, executor))
+        line = (f"cost of {sweep}: {number(spent)} {unit}-hours spent by the {started} run(s) that started (each "
+                f"attempt's start to the next attempt's or the run's end, x the {unit}s it holds)")
+        if predicted:
+            mine = total(predicted, slots(ctx, executor))
+            line += f", predicted {hours_text(mine.hours, mine.upper_hours, unit)}"
+        lines.append(f"{line}; the sweep's {len(every)} run(s): {hours_text(whole.hours, whole.upper_hours, unit)}; "
+                     f"the prediction rests on {RESTS_ON}")  # fmt: skip
+    return lines

@@ -1,0 +1,170 @@
+"""What a sweep is expected to cost: the model (mean response, straggler tail, start-up per attempt, checkpoint
+writes) with its range under the upper bound, the dry run's lines and its JSON plan, for VeRL on the h20 profile
+and for the testbed, and the figures docs/CLUSTER.md quotes."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdmctl import cost
+from pdmctl.executors import load_profile, make_executor
+from pdmctl.grid import expand, load_sweep_file
+from pdmctl.orchestrate import Context, describe_runs, plan
+from tests.conftest import pdmctl
+
+ROOT = Path(__file__).parents[1]
+
+
+def _shape(**changes) -> cost.VerlShape:
+    fields = dict(model="qwen3-4b-base", steps=300, validations=31, batch=128, group=8, response=8192,
+                  held_out=60 * 16, gpus=32, checkpoint_bytes=48_000_000_000, saves=30)  # fmt: skip
+    return cost.VerlShape(**{**fields, **changes})
+
+
+def test_the_expected_cost_is_the_stated_model_and_its_range_lies_under_the_upper_bound() -> None:
+    shape, a = _shape(), cost.ASSUMPTIONS["qwen3-4b-base"]
+    estimate = cost.verl_estimate(shape, 3000, 1000, {"time": 2880})
+    assert estimate is not None
+    mean = a.response_fraction.expected * 8192
+    tail = (a.tail_fraction.expected * 8192 - mean) / a.tail_decode.expected
+    step = 128 * 8 * mean / (3000 * 32) + tail + 128 * 8 * mean / (1000 * 32)
+    validation = 960 * mean / (3000 * 32) + tail
+    writes = 30 * 48e9 / (a.write_gb_s.expected * 1e9)
+    work = 300 * step + 31 * validation + writes
+    attempts = math.ceil(work / (2880 * 60 - a.startup_s.expected))
+    assert estimate.seconds.expected == pytest.approx(work + attempts * a.startup_s.expected)
+    assert estimate.attempts == attempts == 1 and estimate.devices == 32 and estimate.unit == "GPU"
+    at_cap = 300 * (128 * 8 * 8192 / (3000 * 32) + 128 * 8 * 8192 / (1000 * 32)) + 31 * 960 * 8192 / (3000 * 32)
+    upper = at_cap + 30 * 48e9 / (a.write_gb_s.high * 1e9) + a.startup_s.high
+    assert estimate.upper_s == pytest.approx(upper)
+    s = estimate.seconds
+    assert s.low < s.expected < s.high <= estimate.upper_s
+    assert estimate.hours.expected == pytest.approx(s.expected * 32 / 3600)
+    assert "not measurements" in estimate.rests_on and "mean response 33% of the cap" in estimate.assumptions
+
+
+def test_a_run_longer_than_the_time_limit_pays_a_start_up_for_every_attempt() -> None:
+    one = cost.verl_estimate(_shape(), 3000, 1000, {})
+    short = cost.verl_estimate(_shape(), 3000, 1000, {"time": 120})  # two hours an attempt
+    assert one is not None and short is not None and one.attempts == 1
+    assert short.attempts == math.ceil((one.seconds.expected - 600) / (7200 - 600)) > 1
+    assert short.seconds.expected == pytest.approx(one.seconds.expected + (short.attempts - 1) * 600)
+    assert cost.verl_estimate(_shape(model="qwen3-tiny"), 3000, 1000, {}) is None  # no stated assumptions
+
+
+def test_the_sweeps_wall_time_places_the_runs_in_order_on_the_slots() -> None:
+    assert cost.wall_seconds([10, 10, 10, 10], 1) == 40
+    assert cost.wall_seconds([10, 10, 10, 10], 2) == 20
+    assert cost.wall_seconds([30, 10, 10, 10], 2) == 30
+    assert cost.wall_seconds([], 4) == 0
+
+
+def _staged_h20(tmp_path: Path, **changes) -> Path:
+    """clusters/h20.yaml with its placeholders pointed at staged weights and data (17,408 training rows,
+    AIME 2024 and 2025 of 30 each), with `changes`."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from safetensors.numpy import save_file
+
+    from pdmctl.backends.verl import launch
+
+    models, data = tmp_path / "models", tmp_path / "data"
+    for name in ("Qwen3-4B-Base", "Qwen3-8B-Base", "Qwen3-30B-A3B-Base"):
+        (models / name).mkdir(parents=True)
+        for file in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            (models / name / file).write_text("{}")
+        save_file({"w": np.zeros((2, 2), dtype=np.float32)}, str(models / name / "model.safetensors"))
+    data.mkdir()
+    for name, rows in ((launch.TRAIN_FILE, 17_408), (launch.VAL_FILES[0], 30), (launch.VAL_FILES[1], 30)):
+        pq.write_table(pa.table({"row": list(range(rows))}), data / name)
+    fields = yaml.safe_load((ROOT / "clusters" / "h20.yaml").read_text())
+    fields.update(models_dir=str(models), data_dir=str(data), workdir=str(tmp_path / "runs"), **changes)
+    path = tmp_path / "h20.yaml"
+    path.write_text(yaml.safe_dump(fields))
+    return path
+
+
+def _paper_main(tmp_path: Path, max_concurrent: int):
+    profile = load_profile(str(_staged_h20(tmp_path, max_concurrent=max_concurrent)))
+    ctx = Context(profile, f"sqlite:///{tmp_path / 'none.db'}")
+    executor = make_executor(profile)
+    return ctx, executor, plan(expand([], load_sweep_file("paper-main")), ctx, order="seed")
+
+
+def test_paper_main_on_four_nodes_has_an_expected_cost_per_run_under_its_upper_bound_seed_zero_first(
+        tmp_path: Path) -> None:  # fmt: skip
+    """The JSON plan of paper-main on the h20 profile at max_concurrent 1 (a 4-node partition): every run's
+    expected cost with its range below its upper bound, all arms of seed 0 before any run of seed 1, the settings'
+    and the sweep's sums, and the text dry run's sweep line with the same figures."""
+    ctx, executor, sweep_plan = _paper_main(tmp_path, max_concurrent=1)
+    data = cost.plan_json(sweep_plan, ctx, executor, "seed")
+    assert data["format"] == "pdmctl-plan/1" and data["order"] == "seed" and data["max_concurrent"] == 1
+    runs = data["runs"]
+    assert len(runs) == 48 and [r["order"] for r in runs] == list(range(1, 49))
+    assert max(r["order"] for r in runs if r["seed"] == 0) < min(r["order"] for r in runs if r["seed"] == 1)
+    for run in runs:
+        c = run["cost"]
+        assert c["unit"] == "GPU-hours" and c["devices"] == 32 and run["nodes"] == 4, run["key"]
+        assert c["low"] < c["expected"] < c["high"] <= c["upper_bound"], c
+        assert run["config"]["seed"] == run["seed"] and run["action"] == "submit"
+    sweep = data["sweep_cost"]
+    assert sweep["runs"] == 48 and sweep["expected"] == pytest.approx(sum(r["cost"]["expected"] for r in runs), rel=1e-3)
+    assert sweep["low"] < sweep["expected"] < sweep["high"] < sweep["upper_bound"]
+    assert sum(s["runs"] for s in data["settings"]) == 48
+    days = sweep["wall_days"]  # one run at a time: the runs' times end to end
+    assert days["expected"] * 86400 == pytest.approx(sum(r["cost"]["wall_s"]["expected"] for r in runs), rel=1e-3)
+    line = describe_runs(sweep_plan.to_submit, ctx, executor)[-1]
+    printed = re.match(r"sweep cost: 48 run\(s\), ([\d,]+) GPU-hours expected \(([\d,]+)-([\d,]+)\), upper bound ([\d,]+);",
+                       line)  # fmt: skip
+    assert printed is not None, line
+    for figure, key in zip(printed.groups(), ("expected", "low", "high", "upper_bound"), strict=True):
+        assert float(figure.replace(",", "")) == pytest.approx(sweep[key], rel=1e-3), key
+    assert "on the profile's 4 node(s) at max_concurrent 1" in line and "not measurements" in line
+
+
+def test_the_testbeds_plan_is_json_in_cpu_hours_and_writes_nothing(workdir: Path) -> None:
+    result = pdmctl("sweep", "seed=0,1", "k=10,20", "--dry-run", "--json", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)  # nothing else on stdout
+    assert [(r["order"], r["seed"], r["replicate"]) for r in data["runs"]] == [(1, 0, 0), (2, 0, 0), (3, 1, 1), (4, 1, 1)]
+    first = data["runs"][0]
+    assert set(first) == {"order", "key", "summary", "setting", "seed", "replicate", "state", "action", "nodes",
+                          "config", "cost", "cost_missing"}  # fmt: skip
+    assert first["cost"]["unit"] == "CPU-hours" and first["cost"]["devices"] == 1 and first["cost_missing"] is None
+    assert first["config"]["k"] == 10 and first["state"] == "new" and first["action"] == "submit"
+    rollouts = 40 * 128 * 8  # the default toy run
+    expected_s = rollouts * cost.TOY_ROLLOUT_S.expected + cost.TOY_STARTUP_S.expected
+    assert first["cost"]["wall_s"]["expected"] == pytest.approx(expected_s, rel=1e-3)
+    assert data["sweep_cost"]["unit"] == "CPU-hours" and data["sweep_cost"]["runs"] == 4
+    assert data["sweep_cost"]["expected"] == pytest.approx(4 * expected_s / 3600, rel=1e-3)
+    assert data["settings"] == [{"setting": "toy: toy-small bf16", "runs": 4, "cost": data["sweep_cost"]}]
+    assert list(workdir.iterdir()) == []
+
+
+def test_json_without_a_dry_run_is_refused_in_one_line(workdir: Path) -> None:
+    result = pdmctl("sweep", "seed=0,1", "--json", cwd=workdir)
+    assert result.returncode == 2 and result.stderr.strip() == "error: --json: prints the plan of a dry run; give --dry-run too"
+    assert list(workdir.iterdir()) == []
+
+
+def test_the_cost_figures_in_docs_cluster_are_the_shipped_profiles_dry_run(tmp_path: Path) -> None:
+    """docs/CLUSTER.md, "Cost", quotes the paper-main sweep's expected GPU-hours, range, upper bound and wall days
+    on the shipped h20 profile (max_concurrent 4: 16 nodes) and on a 4-node partition (max_concurrent 1)."""
+    doc = (ROOT / "docs" / "CLUSTER.md").read_text()
+    section = doc[doc.index("### Cost"):]
+    for slots in (4, 1):
+        ctx, executor, sweep_plan = _paper_main(tmp_path / str(slots), max_concurrent=slots)
+        line = describe_runs(sweep_plan.to_submit, ctx, executor)[-1]
+        figures = re.match(r"sweep cost: 48 run\(s\), (.+?); (.+?) of wall time expected \((.+?); upper bound (.+?)\)",
+                           line)  # fmt: skip
+        assert figures is not None, line
+        hours, days, spread, upper = figures.groups()
+        quoted = f"{hours}; {days} expected ({spread}; upper bound {upper}) at max_concurrent {slots}"
+        assert quoted in section, quoted
