@@ -278,6 +278,10 @@ def status(
         title = f"pdmctl status — {sweep_name or 'all sweeps'}"
         if not watch:
             console.print(_status_table(views, title))
+            from pdmctl.cost import spent_lines
+
+            for line in spent_lines(views, ctx):  # the hours spent beside the prediction, per sweep
+                console.print(line, highlight=False, markup=False, soft_wrap=True)
             return
         with Live(_status_table(views, title), console=console, refresh_per_second=2) as live:
             while any(v.state in orchestrate.ACTIVE for v in views):

@@ -165,14 +165,60 @@ def verl_estimate(shape: VerlShape, rollout_rate: float, train_rate: float, clus
                     RESTS_ON, a.describe(), parts)  # fmt: skip
 
 
+def toy_rollouts(flat: Mapping[str, Any]) -> int:
+    return int(flat["steps"]) * int(flat["prompts_per_step"]) * int(flat["group_size"])
+
+
 def toy_estimate(flat: Mapping[str, Any], cluster: Mapping[str, Any]) -> Estimate:
-    """The expected cost of one testbed run, in CPU-hours (one CPU a job, or the profile's cpus_per_task)."""
-    rollouts = int(flat["steps"]) * int(flat["prompts_per_step"]) * int(flat["group_size"])
+    """The expected cost of one testbed run, in CPU-hours (one CPU a job, or the profile's cpus_per_task): at
+    the stated rates, or at the rate measured on finished runs of its setting (`cluster["calibration"]`,
+    `calibrate`)."""
+    rollouts = toy_rollouts(flat)
     cpus = int(cluster.get("cpus_per_task") or 1)
-    work = TOY_ROLLOUT_S.scaled(rollouts)
+    measured = (cluster.get("calibration") or {}).get(f"toy: {flat['model']} {flat['precision']}")
+    rate, rests_on, assumptions = TOY_ROLLOUT_S, RESTS_ON, TOY_ASSUMPTIONS
+    if measured is not None:
+        rate, rests_on = measured.per_rollout_s, measured.rests_on
+        assumptions = (f"measured {rate.expected * 1e3:.3g} ms of one core a rollout ({rate.low * 1e3:.3g}-"
+                       f"{rate.high * 1e3:.3g}) once the stated start-up of {TOY_STARTUP_S.expected:g} s is taken off")
+    work = rate.scaled(rollouts)
     seconds = Span(work.expected + TOY_STARTUP_S.expected, work.low + TOY_STARTUP_S.low, work.high + TOY_STARTUP_S.high)
-    return Estimate("CPU", cpus, seconds, seconds.high, 1, RESTS_ON, TOY_ASSUMPTIONS,
+    return Estimate("CPU", cpus, seconds, seconds.high, 1, rests_on, assumptions,
                     {"training": work.expected, "startup": TOY_STARTUP_S.expected})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A setting's rate measured on finished runs: seconds of one core per rollout (mean, lowest, highest)."""
+
+    per_rollout_s: Span
+    rests_on: str
+
+
+def calibrate(records: Sequence[Any], sweep: str) -> dict[str, Calibration]:
+    """Per testbed setting (`toy: MODEL PRECISION`), the rate its finished runs of `sweep` measured: each run's
+    wall time (`spent_seconds`) less the stated start-up, over its rollouts. VeRL runs are not calibrated here:
+    their estimates keep resting on the stated assumptions."""
+    from pdmctl.backends.registry import flat_config
+
+    rates: dict[str, list[tuple[float, str]]] = {}
+    for record in records:
+        spec = record.spec
+        if record.status != "FINISHED" or spec is None or spec.backend != "toy":
+            continue
+        seconds = spent_seconds(record, now=0.0)
+        if seconds is None:
+            continue
+        flat = flat_config(spec.config)
+        rate = max(0.0, seconds - TOY_STARTUP_S.expected) / toy_rollouts(flat)
+        rates.setdefault(f"toy: {flat['model']} {flat['precision']}", []).append((rate, record.key))
+    out = {}
+    for setting, found in rates.items():
+        values = [r for r, _ in found]
+        keys = ", ".join(k for _, k in found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        out[setting] = Calibration(Span(sum(values) / len(values), min(values), max(values)),
+                                   f"calibrated on {len(found)} finished run(s) of sweep {sweep} ({keys})")  # fmt: skip
+    return out
 
 
 def wall_seconds(run_seconds: Sequence[float], slots: int | None) -> float:
@@ -257,13 +303,15 @@ def cluster_settings(ctx: Any, executor: Any) -> dict[str, Any]:
             "max_concurrent": slots(ctx, executor), "cpus_per_task": getattr(options, "cpus_per_task", None)}  # fmt: skip
 
 
-def estimate_specs(specs: Sequence[Any], ctx: Any, executor: Any) -> dict[str, Estimate | str]:
-    """run key -> its Estimate, or why it has none, for runs of any backend."""
+def estimate_specs(specs: Sequence[Any], ctx: Any, executor: Any,
+                   calibration: Mapping[str, Calibration] | None = None) -> dict[str, Estimate | str]:
+    """run key -> its Estimate, or why it has none, for runs of any backend (calibrated where `calibration`
+    measured the run's setting)."""
     from collections import defaultdict
 
     from pdmctl.backends.registry import DescribedRun, flat_config, get_backend
 
-    cluster = cluster_settings(ctx, executor)
+    cluster = {**cluster_settings(ctx, executor), "calibration": dict(calibration or {})}
     by_backend: dict[str, list[DescribedRun]] = defaultdict(list)
     for spec in specs:
         by_backend[spec.backend].append(DescribedRun(spec.key, spec.summary, flat_config(spec.config),
@@ -274,14 +322,15 @@ def estimate_specs(specs: Sequence[Any], ctx: Any, executor: Any) -> dict[str, E
     return out
 
 
-def plan_json(plan: Any, ctx: Any, executor: Any, order: str, ledger_unread: str | None = None) -> dict[str, Any]:
+def plan_json(plan: Any, ctx: Any, executor: Any, order: str, ledger_unread: str | None = None,
+              calibration: Mapping[str, Calibration] | None = None) -> dict[str, Any]:
     """The dry run's plan as JSON data (PLAN_FORMAT): every run in array order with its cost, per setting and for
     the runs the sweep would submit."""
     from pdmctl.backends.registry import flat_config, get_backend
     from pdmctl.orchestrate import replicates
 
     specs = plan.specs
-    estimates = estimate_specs(specs, ctx, executor)
+    estimates = estimate_specs(specs, ctx, executor, calibration)
     replicate_of = replicates(specs)
     submit = {s.key for s in plan.to_submit}
     given = executor.nodes_per_job()
@@ -313,6 +362,20 @@ def plan_json(plan: Any, ctx: Any, executor: Any, order: str, ledger_unread: str
             "executor": ctx.profile.executor, "order": order, "nodes_per_job": given, "max_concurrent": at_once,
             "ledger_read": ledger_unread is None, "runs": runs, "settings": settings,
             "sweep_cost": summed(to_submit)}  # fmt: skip
+
+
+def testbed_line(specs: Sequence[Any], ctx: Any, executor: Any,
+                 calibration: Mapping[str, Calibration] | None = None) -> str | None:
+    """The text dry run's cost line for the testbed's runs to submit (VeRL's are describe.py's), or None."""
+    toy = [s for s in specs if s.backend == "toy"]
+    if not toy:
+        return None
+    found = [e for e in estimate_specs(toy, ctx, executor, calibration).values() if isinstance(e, Estimate)]
+    t = total(found, slots(ctx, executor))
+    basis = sorted({e.rests_on for e in found})
+    return (f"testbed cost: {len(found)} run(s), {hours_text(t.hours, t.upper_hours, 'CPU')}; {duration(t.wall_s.expected)} "
+            f"of wall time expected ({duration(t.wall_s.low)}-{duration(t.wall_s.high)}) at {slots(ctx, executor)} at a "
+            f"time; rests on {'; '.join(basis)}")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------

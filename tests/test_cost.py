@@ -168,3 +168,43 @@ def test_the_cost_figures_in_docs_cluster_are_the_shipped_profiles_dry_run(tmp_p
         hours, days, spread, upper = figures.groups()
         quoted = f"{hours}; {days} expected ({spread}; upper bound {upper}) at max_concurrent {slots}"
         assert quoted in section, quoted
+
+
+def test_the_time_spent_is_every_attempts_wall_time_to_the_next_attempt_or_the_runs_end() -> None:
+    from datetime import UTC, datetime
+
+    from pdmctl.ledger.records import RunRecord
+
+    def stamp(epoch: float) -> str:
+        return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%S%z")
+
+    t0 = 1_800_000_000
+    attempts = {"attempt.1": json.dumps({"job_id": "1", "started": stamp(t0)}),
+                "attempt.2": json.dumps({"job_id": "2", "started": stamp(t0 + 3600)})}  # fmt: skip
+    record = RunRecord("r", "s", "k", "FINISHED", 2, "2", "local", None, "", None, None, t0 * 1000,
+                       (t0 + 5400) * 1000, provenance=attempts)  # fmt: skip
+    assert cost.spent_seconds(record, now=t0 + 99_999) == 5400  # 3,600 s, then 1,800 s to the run's end
+    running = RunRecord("r", "s", "k", "RUNNING", 2, "2", "local", None, "", None, None, t0 * 1000, None,
+                        provenance=attempts)  # fmt: skip
+    assert cost.spent_seconds(running, now=t0 + 4000) == 4000
+    assert cost.spent_seconds(RunRecord("r", "s", "k", "SCHEDULED", 0, None, None, None, "", None, None, None,
+                                        None), now=t0) is None  # fmt: skip
+
+
+def test_status_shows_the_cpu_hours_a_finished_sweep_spent_beside_its_prediction(workdir: Path) -> None:
+    from tests.conftest import FAST
+
+    result = pdmctl("sweep", "--name", "spent", "seed=0", *FAST, "--wait", cwd=workdir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = pdmctl("status", "spent", cwd=workdir)
+    assert out.returncode == 0, out.stderr
+    line = next(line for line in out.stdout.splitlines() if line.startswith("cost of spent: "))
+    spent = float(line.split("cost of spent: ")[1].split(" CPU-hours spent by the 1 run(s) that started")[0])
+    from pdmctl.ledger import open_ledger
+    from tests.conftest import sqlite_uri
+
+    (record,) = open_ledger(sqlite_uri(workdir)).runs("spent")
+    wall = cost.spent_seconds(record, now=0)
+    assert wall is not None and 0 < wall <= (record.end_time - record.start_time) / 1000 + 1
+    assert spent == pytest.approx(wall / 3600, rel=0.05, abs=1e-4)
+    assert ", predicted " in line and "CPU-hours expected (" in line and "not measurements" in line
