@@ -8,7 +8,6 @@ one module per backend).
 from __future__ import annotations
 
 import importlib
-import os
 import re
 import unicodedata
 from abc import ABC, abstractmethod
@@ -18,9 +17,10 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from pdmctl.resources import package_dir, search_path
 from pdmctl.yamlfiles import load_named
 
-CLUSTER_DIR = Path(os.environ.get("PDMCTL_CLUSTER_DIR", Path(__file__).resolve().parents[2] / "clusters"))
+CLUSTER_DIR = package_dir("clusters")  # the profiles shipped with pdmctl; lookups go along search_path("clusters")
 
 
 class ExecutorError(RuntimeError):
@@ -85,7 +85,7 @@ def load_profile(name_or_path: str) -> ClusterProfile:
     """A cluster profile, validated against its schema: the keys above, then the executor's own options
     (local: none; slurm: `SlurmOptions`). Unknown keys and wrong types are refused in one line."""
     try:
-        path, data = load_named(name_or_path, CLUSTER_DIR, "cluster profile", ExecutorError)
+        path, data = load_named(name_or_path, search_path("clusters"), "cluster profile", ExecutorError)
     except UnicodeDecodeError as exc:
         raise ExecutorError(f"cluster profile: {name_or_path} is not UTF-8 text (byte {exc.start})") from exc
     where = f"cluster {data.get('name') if isinstance(data.get('name'), str) else Path(path).stem}"

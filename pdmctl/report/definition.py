@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
+from pdmctl.resources import search_path
 from pdmctl.yamlfiles import load_named
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent.parent
-REPORT_DIR = Path(os.environ.get("PDMCTL_REPORT_DIR", PROJECT_DIR / "reports"))
 T_METHOD = "t"  # Student's t (Welch's for unpaired differences); the others are scipy.stats.bootstrap's
 CI_METHODS = (T_METHOD, "percentile", "bca")
 _LAST_N = re.compile(r"^last-([1-9][0-9]*)$")
@@ -134,7 +131,7 @@ def parse_panels(text: str) -> tuple[str, ...]:
 
 def load_definition(name_or_path: str = "default") -> Definition:
     """`reports/NAME.yaml`, a bare NAME found there, or any path."""
-    path, data = load_named(name_or_path, REPORT_DIR, "report definition", ReportError)
+    path, data = load_named(name_or_path, search_path("reports"), "report definition", ReportError)
     try:
         return parse_definition(data, default_name=path.stem)
     except (KeyError, TypeError, ValueError) as exc:

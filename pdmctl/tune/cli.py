@@ -126,11 +126,12 @@ def tune(
 
 
 def _read_file(path_or_name: str) -> tuple[str, list[str], dict[str, Any]]:
-    from pdmctl.grid import SWEEP_DIR, GridError, _hydra_value
+    from pdmctl.grid import GridError, _hydra_value
+    from pdmctl.resources import search_path
     from pdmctl.tune.study import TuneError
     from pdmctl.yamlfiles import load_named
 
-    path, data = load_named(path_or_name, SWEEP_DIR, "sweep file", GridError)
+    path, data = load_named(path_or_name, search_path("sweeps"), "sweep file", GridError)
     section = data.get("tune")
     if not isinstance(section, dict):
         raise TuneError(f"sweep file: {path}: no tune: section (a mapping with space: and options)")
