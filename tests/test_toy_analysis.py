@@ -215,3 +215,64 @@ def test_mismatch_only_takes_no_stale_update(monkeypatch) -> None:
     console = Console(width=250, record=True)
     console.print(render_analysis_table(result))
     assert "mismatch only" in console.export_text()
+
+
+def test_effective_seeds_is_kish_from_the_per_seed_token_counts() -> None:
+    """(Σn)² / Σn²: every seed when all hold as many tokens, one when one seed holds them all."""
+    from pdmctl.analysis.inference import effective_seeds
+
+    assert effective_seeds([7] * 61) == pytest.approx(61)
+    assert effective_seeds([0, 0, 12, 0]) == pytest.approx(1)
+    assert effective_seeds([10, 30]) == pytest.approx(1600 / 1000)
+    assert effective_seeds([0, 0]) != effective_seeds([0, 0])  # NaN: no token
+
+
+def test_sign_flip_p_is_the_exact_permutation_p_over_seeds() -> None:
+    """The sign-flip p of the pooled difference equals, to Monte Carlo error, the p of every one of the 2^s
+    swaps of the two criteria within seeds; no difference gives p = 1, a large one on many seeds a small p."""
+    import itertools
+
+    import numpy as np
+
+    from pdmctl.analysis.inference import pooled_difference, sign_flip_p
+
+    up_a, n_a, up_b, n_b = [3, 1, 4, 0, 2], [5, 4, 6, 2, 3], [1, 2, 1, 1, 0], [6, 5, 4, 3, 5]
+    observed = abs(pooled_difference(up_a, n_a, up_b, n_b))
+    extreme = 0
+    for swap in itertools.product((False, True), repeat=5):
+        s = np.array(swap)
+        a = (np.where(s, up_b, up_a), np.where(s, n_b, n_a))
+        b = (np.where(s, up_a, up_b), np.where(s, n_a, n_b))
+        extreme += abs(pooled_difference(*a, *b)) >= observed - 1e-12
+    exact = extreme / 32
+    assert 0.05 < exact < 0.5  # a case the test can tell apart
+    assert sign_flip_p(up_a, n_a, up_b, n_b) == pytest.approx(exact, abs=0.02)
+    assert sign_flip_p([2, 3], [5, 5], [2, 3], [5, 5]) == 1.0
+    assert sign_flip_p([1] * 20, [10] * 20, [8] * 20, [10] * 20) < 1e-3
+
+
+def test_the_channels_are_the_primary_statistic_from_each_measurement() -> None:
+    """Each channel's pooled difference is Σ unsafe / Σ kept of its own counts, on the primary tokens: the
+    whole step's is the primary metric, the clip-held one's from its own counts, the first-order own step's
+    from the own-adam protocol's per-seed rates and kept counts; each line says which question it answers."""
+    from pdmctl.analysis.inference import CHANNELS, channel_lines, channels, primary_metric
+
+    cfg = ToyConfig(prompts_per_step=16, delta=0.1)
+    result = run_analysis(cfg, [5, 6], ("counterfactual", "own-adam"), threads=1)
+    found = {c.name: c for c in channels(result, resamples=200)}
+    assert list(found) == [name for name, _, _ in CHANNELS]
+    assert found["whole step"].pooled == primary_metric(result, resamples=200).pooled
+    pred, ratio = ({(c.criterion): c for c in result.counterfactual
+                    if (c.estimator, c.tokens, c.decision) == ("exact", "disagreement", "kept")}[k]
+                   for k in ("predictive", "ratio"))  # fmt: skip
+    assert found["clip held"].pooled == pytest.approx(
+        sum(pred.own_up_clip_held) / sum(pred.n) - sum(ratio.own_up_clip_held) / sum(ratio.n)
+    )
+    (own,) = [c for c in result.protocol_comparisons["own-adam"] if c.estimator == "exact"]
+    assert own.predictive.kept_per_seed == pred.n and own.ratio.kept_per_seed == ratio.n  # the same tokens
+    ups = [round(r * n) if r is not None else 0 for r, n in zip(own.predictive.unsafe_keep_per_seed, pred.n, strict=True)]
+    ups_r = [round(r * n) if r is not None else 0 for r, n in zip(own.ratio.unsafe_keep_per_seed, ratio.n, strict=True)]
+    assert found["own step, first order"].pooled == pytest.approx(sum(ups) / sum(pred.n) - sum(ups_r) / sum(ratio.n))
+    text = "\n".join(channel_lines(result, resamples=200))
+    assert all(question in text for _, _, question in CHANNELS) and "effective seeds" in text
+    assert all(len(c.below_floor) == 2 for c in result.counterfactual)

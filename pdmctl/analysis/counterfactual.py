@@ -1,8 +1,9 @@
 """The `counterfactual` protocol: what a criterion's decision on one token does.
 
-For every out-of-region token and every criterion, two real updates of the training protocol from the
-same start (the stale learner's weights and its carried Adam state, the same batch): one with the
-token kept and one with it masked, every other token as the criterion decides. The token's D after
+For every out-of-region token and every criterion, two real updates from the same start (the stale
+learner's weights after the step's first mini-batch updates and its carried Adam state), each one Adam
+update on the whole batch with the clip factor of its own gradient norm: one with the token kept and one
+with it masked, every other token as the criterion decides. The token's D after
 each, and the mean D over the batch's out-of-region tokens after each (the trust region's purpose):
 
     own_j    = D_j(keep) − D_j(mask)                    (> 0: keeping the token raised its D)
@@ -19,8 +20,14 @@ out-of-region token (shared by the criteria: α_j as if kept does not depend on 
 variant, exactly what training does with a gradient: the clipping of `clip_grad_norm_` on its own norm
 and a real Adam step (`torch.optim.adam.adam`, the function `Adam.step` calls) from a copy of the
 carried state, all variants of a chunk stacked as one [variants, parameters] tensor (Adam is
-elementwise). D is read at the out-of-region tokens only (the trunk on their rows, the head at their
-positions). `counterfactual_effects_reference` takes every update the direct way (a loss with the
+elementwise). Each variant's own D is read on its token's row only (`own_logits`: the variants of a chunk
+in one vmapped forward, beside the criterion's update on the same row so that both members round
+alike). The region's mean is first order: one backward of the region's mean D at the criterion's update
+(`region_gradient`) times each variant's weights minus the update's; a few variants per seed also take it
+exactly (a forward of every out-of-region row), and `exact_region` takes every one so (the full forward
+for both D's). Beside the whole-step pair, a clip-held pair: the other member's raw gradient scaled by
+the criterion's own update's clip factor, not its own (`Effects.own_clip_held`). |own| below
+`SIGN_FLOOR` is float32 rounding (tests/test_counterfactual.py measures it). `counterfactual_effects_reference` takes every update the direct way (a loss with the
 token's mask flipped, backward, clipping, `optimizer.step` on a copy of the optimizer) and is what the
 batched one is tested against (tests/test_counterfactual.py).
 """
@@ -35,7 +42,13 @@ from torch.func import functional_call, grad, vmap
 from torch.optim.adam import adam as adam_step
 
 from pdmctl import masks
-from pdmctl.analysis.decomposition import _math_attention, loss_coefficients
+from pdmctl.analysis.decomposition import (
+    TokenSupport,
+    _math_attention,
+    divergence_of_logits,
+    loss_coefficients,
+    token_support,
+)
 from pdmctl.backends.toy.config import ToyConfig
 from pdmctl.backends.toy.model import PRECISIONS, forward
 from pdmctl.backends.toy.probe import flat_diagnostics
@@ -44,6 +57,11 @@ from pdmctl.backends.toy.trainer import Learner
 
 CHUNK_VARIANTS = 32  # variants stacked per Adam step: [32, parameters] float32 × 4 (param, grad, m, v)
 CHUNK_GRADIENTS = 32  # per-token gradients per vmapped pass
+# |own| below which a sign is float32 rounding: twice the largest |own(float32) − own(float64)| measured
+# (tests/test_counterfactual.py, test_signs_agree_above_the_float32_floor, says how), rounded up
+SIGN_FLOOR = 2e-5
+# variants per criterion whose region effect is also taken exactly, beside its first-order value
+REGION_CHECKS = 1
 
 
 @dataclass(frozen=True)
@@ -55,6 +73,11 @@ class Effects:
     region: torch.Tensor  # mean over the listed tokens of D(keep) − D(mask)
     d_keep: torch.Tensor  # D_j after the keep update
     d_mask: torch.Tensor  # D_j after the mask update
+    # the region's effect taken exactly (a forward of the whole region) where it was, NaN elsewhere (None: all)
+    region_exact: torch.Tensor | None = None
+    first_order: bool = False  # `region` by first order (else every one exact)
+    # own with the other member's gradient scaled by the criterion's own clipping factor, not its own
+    own_clip_held: torch.Tensor | None = None
 
 
 def _flat_names(policy: torch.nn.Module) -> list[tuple[str, tuple[int, ...], slice]]:
@@ -118,19 +141,20 @@ def token_gradients(
     params = {n: p.detach() for n, p in policy.named_parameters()}
     with torch.no_grad():
         logits = forward(policy, batch.tokens[:, :-1], batch.sampled_ids.shape[1], PRECISIONS[cfg.precision].train)
-    alpha = loss_coefficients(logits, batch, advantages, cfg, masked=False)[rows, cols].float()
+    dtype = logits.dtype  # the model's (float32; float64 where a test reruns it so)
+    alpha = loss_coefficients(logits, batch, advantages, cfg, masked=False)[rows, cols].to(dtype)
     inputs = batch.tokens[:, :-1][rows]
     length = batch.sampled_ids.shape[1]
     ks = batch.sampled_ids[rows, cols]
 
-    at = torch.nn.functional.one_hot(cols, length).float()
+    at = torch.nn.functional.one_hot(cols, length).to(dtype)
 
     def log_pi_k(p, tokens, at, k):
         z = (functional_call(policy, _used(p, cfg), (tokens[None], length))[0] * at[:, None]).sum(0)
-        return torch.log_softmax(z, -1, dtype=torch.float32).gather(0, k[None])[0]
+        return torch.log_softmax(z, -1, dtype=torch.promote_types(z.dtype, torch.float32)).gather(0, k[None])[0]
 
     per_token = vmap(grad(log_pi_k), in_dims=(None, 0, 0, 0))
-    out = torch.empty(len(rows), layout[-1][2].stop if coordinates is None else len(coordinates))
+    out = torch.empty(len(rows), layout[-1][2].stop if coordinates is None else len(coordinates), dtype=dtype)
     with _math_attention():
         for start in range(0, len(rows), chunk):
             sl = slice(start, start + chunk)
@@ -158,11 +182,11 @@ def loss_with_keep(logits, batch, advantages, resp_mask, cfg, keep=None) -> torc
     vocab = logits.shape[-1]
     d = flat_diagnostics(logits.detach(), batch, advantages, cfg, method=cfg.method, estimator=cfg.estimator)
     m = d.keep if keep is None else keep.reshape(-1)
-    log_pi_k = torch.log_softmax(logits.reshape(-1, vocab), -1, dtype=torch.float32).gather(
+    log_pi_k = torch.log_softmax(logits.reshape(-1, vocab), -1, dtype=torch.promote_types(logits.dtype, torch.float32)).gather(
         -1, batch.sampled_ids.reshape(-1, 1)
     ).squeeze(-1)
     a = advantages.unsqueeze(1).expand(shape).reshape(-1)
-    weight = a.float() * d.ratio.clamp(max=cfg.ratio_cap) * m.float()
+    weight = a.to(log_pi_k.dtype) * d.ratio.clamp(max=cfg.ratio_cap).to(log_pi_k.dtype) * m.to(log_pi_k.dtype)
     token_loss = (-weight * log_pi_k).reshape(shape)
     return masks.AGGREGATIONS[cfg.loss_agg_mode](token_loss, resp_mask.to(token_loss.dtype))
 
@@ -183,15 +207,19 @@ def _adam_state(learner: Learner, layout) -> tuple[torch.Tensor, torch.Tensor, t
     return m, v, torch.tensor(steps.pop()), group
 
 
-def clip_rows(g: torch.Tensor, layout, max_norm: float, dropped: torch.Tensor | None = None) -> torch.Tensor:
-    """clip_grad_norm_ on each row of g [V, P] (its norm of the per-parameter norms), a new tensor.
+def clip_coefficients(g: torch.Tensor, layout, max_norm: float, dropped: torch.Tensor | None = None) -> torch.Tensor:
+    """clip_grad_norm_'s factor [V] for each row of g [V, P] (from its norm of the per-parameter norms).
     `dropped` [parameters]: the norm of each parameter's coordinates that g leaves out (they count)."""
     norms = torch.stack([torch.linalg.vector_norm(g[:, sl], dim=1) for _, _, sl in layout], 1)
     if dropped is not None:
         norms = torch.hypot(norms, dropped)
     total = torch.linalg.vector_norm(norms, dim=1)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    return g * coef[:, None]
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+def clip_rows(g: torch.Tensor, layout, max_norm: float, dropped: torch.Tensor | None = None) -> torch.Tensor:
+    """clip_grad_norm_ on each row of g [V, P] (clip_coefficients), a new tensor."""
+    return g * clip_coefficients(g, layout, max_norm, dropped)[:, None]
 
 
 def adam_rows(theta0, g, m0, v0, step0, group) -> torch.Tensor:
@@ -230,6 +258,50 @@ def _read_coordinates(layout, inputs: torch.Tensor, vocab: int, whole: bool = Fa
     return torch.cat(parts), compact, remap[inputs]
 
 
+def own_logits(policy: torch.nn.Module, compact, theta: torch.Tensor, inputs: torch.Tensor, positions: torch.Tensor,
+               cfg: ToyConfig) -> torch.Tensor:
+    """The logits [V, vocab] predicting position `positions[v]` of the one sequence `inputs[v]` under the
+    weights `theta[v]` (flat over `compact`'s coordinates): each variant's forward on its own token's row
+    only, all variants in one vmapped pass (the model's forward, attention written out)."""
+    seq = inputs.shape[1]
+    scale = getattr(policy, "logit_scale", None)
+
+    def one(t: torch.Tensor, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        params = _used(_unflat(t, compact), cfg)
+        x = (torch.nn.functional.embedding(tokens, params["tok.weight"]) + params["pos.weight"][:seq])[None]
+        for i, block in enumerate(policy.blocks):
+            prefix = f"blocks.{i}."
+            x = functional_call(block, {n[len(prefix):]: v for n, v in params.items() if n.startswith(prefix)}, (x,))
+        h = (x[0] * (torch.arange(seq) == position).to(x.dtype)[:, None]).sum(0)  # the row at `position`, exactly
+        h = functional_call(policy.ln_f, {"weight": params["ln_f.weight"], "bias": params["ln_f.bias"]}, (h,))
+        z = torch.nn.functional.linear(h, params["head.weight"], params["head.bias"])
+        return z if scale is None else z * scale
+
+    with torch.no_grad(), _math_attention():
+        return vmap(one)(theta, inputs, positions)
+
+
+def region_gradient(
+    policy: torch.nn.Module, compact, theta: torch.Tensor, inputs, which, positions, support: TokenSupport,
+    cfg: ToyConfig,
+) -> torch.Tensor:
+    """∇θ of the mean D over the listed tokens at the weights `theta` (flat over `compact`), float64 [P]:
+    one forward of their rows and one backward, D as decomposition.divergence_of_logits takes it
+    (differentiable; the cast weights' gradient straight through, as training's), `support` the tokens'
+    (decomposition.token_support)."""
+    t = theta.detach().clone().requires_grad_(True)
+
+    def one(z, ids, valid, is_k, log_mu, unseen):
+        return divergence_of_logits(z, ids, valid, is_k, log_mu, unseen, cfg.divergence)
+
+    with torch.enable_grad():
+        z = logits_at(policy, _used(_unflat(t, compact), cfg), inputs, which, positions)
+        s = support
+        d = vmap(one)(z, s.ids, s.valid, s.is_k, s.log_mu, s.unseen)
+        (g,) = torch.autograd.grad(d.mean(), t)
+    return g.double()
+
+
 def counterfactual_effects(
     learner: Learner,
     batch: Rollout,
@@ -240,11 +312,23 @@ def counterfactual_effects(
     *,
     variants: torch.Tensor | None = None,
     chunk: int = CHUNK_VARIANTS,
+    exact_region: bool = False,
+    checks: int = REGION_CHECKS,
+    generator: torch.Generator | None = None,
 ) -> dict[str, Effects]:
     """Each criterion's counterfactual (`Effects`) on the out-of-region tokens (rows, cols), from the
     learner's weights and optimizer state, which are left as they were. `variants` (bool [n]): the
-    tokens whose pairs are taken (None: all); D is read on all (the region's mean), the effects of the
-    others are NaN."""
+    tokens whose pairs are taken (None: all); the effects of the others are NaN.
+
+    Each variant's own D is read on its own token's row (`own_logits`, the variants of a chunk in one
+    vmapped pass, each beside the criterion's update on the same row so that both members round alike).
+    The region's mean effect is first order: ∇θ mean_out D at the criterion's update (`region_gradient`,
+    one backward) times each variant's weights minus the update's, a product per variant; on `checks`
+    variants per criterion drawn by `generator` it is also taken exactly (a forward of every out-of-region
+    row at the variant's weights: `Effects.region_exact`). `exact_region`: every variant the exact way
+    (the full forward for both D's, at about ten times the CPU; region_exact then equals region), as with
+    cast training weights (fp8_e2e), under which D is piecewise constant in the master weights and has no
+    first order."""
     policy = learner.policy
     layout = _flat_names(policy)
     any_cfg = next(iter(criteria.values()))
@@ -263,8 +347,10 @@ def counterfactual_effects(
     active = (contributions != 0).any(1).nonzero().squeeze(1)  # into sel
     outside = torch.ones(layout[-1][2].stop, dtype=torch.bool)
     outside[coords] = False
+    rng = generator if generator is not None else torch.Generator().manual_seed(0)
+    exact_region = exact_region or PRECISIONS[any_cfg.precision].train is not None
 
-    def d_after(theta: torch.Tensor, cfg: ToyConfig) -> torch.Tensor:  # [V, n]
+    def d_after(theta: torch.Tensor, cfg: ToyConfig) -> torch.Tensor:  # [V, n]: every listed token's D
         out = []
         with torch.no_grad():
             for t in theta:
@@ -272,42 +358,106 @@ def counterfactual_effects(
                 out.append(divergence_at(z, batch, rows, cols, cfg))
         return torch.stack(out)
 
+    def d_own(theta: torch.Tensor, idx: torch.Tensor, cfg: ToyConfig) -> torch.Tensor:  # [V]: token idx[v]'s D
+        z = own_logits(policy, compact, theta, inputs[which[idx]], positions[idx], cfg)
+        return divergence_at(z, batch, rows[idx], cols[idx], cfg)
+
     found: dict[str, Effects] = {}
     done: dict[bytes, Effects] = {}  # criteria with the same mask on the batch take the same updates
+    # one forward for every criterion (a criterion changes the loss's mask, not the logits), a backward each
+    resp_mask = learner.task.response_mask(batch.sampled_ids)
+    logits = forward(policy, batch.tokens[:, :-1], batch.sampled_ids.shape[1], PRECISIONS[any_cfg.precision].train)
+    supports: dict[str, TokenSupport] = {}  # the tokens' supports, per divergence (region_gradient)
     for name, cfg in criteria.items():
         if cfg.precision != any_cfg.precision or cfg.loss_agg_mode != any_cfg.loss_agg_mode:
             raise ValueError("counterfactual: the criteria share one precision and one aggregation")
         with torch.no_grad():
-            logits = forward(policy, batch.tokens[:, :-1], batch.sampled_ids.shape[1], PRECISIONS[cfg.precision].train)
-            keep = flat_diagnostics(logits, batch, advantages, cfg, method=cfg.method, estimator=cfg.estimator).keep
+            keep = flat_diagnostics(logits.detach(), batch, advantages, cfg, method=cfg.method, estimator=cfg.estimator).keep
         key = keep.numpy().tobytes() + repr((cfg.grad_clip, cfg.ratio_cap, cfg.divergence)).encode()
         if key in done:
             found[name] = done[key]
             continue
-        full = raw_gradient(learner, batch, advantages, cfg)
+        # the raw batch gradient, as raw_gradient takes it
+        loss = loss_with_keep(logits, batch, advantages, resp_mask, cfg)
+        full = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, list(policy.parameters()), retain_graph=True)])
         dropped = torch.stack([torch.linalg.vector_norm(full[sl][outside[sl]]) for _, _, sl in layout])
         base = full[coords]
 
         def update(g: torch.Tensor, clip: float = cfg.grad_clip, dropped: torch.Tensor = dropped) -> torch.Tensor:
             return adam_rows(theta0, clip_rows(g, compact, clip, dropped), m0, v0, step0, group)
 
+        # the clip-held channel: the other member's raw gradient scaled by the criterion's own clipping factor
+        held = clip_coefficients(base[None], compact, cfg.grad_clip, dropped)
+
+        def update_held(g: torch.Tensor, held: torch.Tensor = held) -> torch.Tensor:
+            return adam_rows(theta0, g * held[:, None], m0, v0, step0, group)
+
         kept = keep.view(batch.sampled_ids.shape)[rows, cols]
         sign = torch.where(kept, -1.0, 1.0)  # the other member: the kept token masked, the masked one kept
-        d_base = d_after(update(base[None]), cfg)[0]
+        theta_base = update(base[None])
+        held_sel = torch.zeros(len(sel), dtype=torch.float64)
+
+        n_sel = len(sel)
         # a token with α = 0 (A = 0) adds nothing to the gradient: both members are the criterion's update
-        d_other = d_base.expand(len(sel), -1).clone()
-        for start in range(0, len(active), chunk):
-            sl = active[start : start + chunk]
-            g = base[None] + sign[sel[sl], None] * contributions[sl]
-            d_other[sl] = d_after(update(g), cfg)
-        d_keep = torch.where(kept[sel, None], d_base[None], d_other)  # [variant, token]
-        d_mask = torch.where(kept[sel, None], d_other, d_base[None])
-        ar = torch.arange(len(sel))
-        own, region, at_keep, at_mask = (torch.full((len(rows),), torch.nan, dtype=torch.float64) for _ in range(4))
-        own[sel] = d_keep[ar, sel] - d_mask[ar, sel]
-        region[sel] = (d_keep - d_mask).mean(1)
-        at_keep[sel], at_mask[sel] = d_keep[ar, sel], d_mask[ar, sel]
-        found[name] = done[key] = Effects(kept=kept, own=own, region=region, d_keep=at_keep, d_mask=at_mask)
+        d_base_own = torch.empty(n_sel, dtype=torch.float64)  # D after the criterion's update
+        d_other_own = torch.empty(n_sel, dtype=torch.float64)  # D after the other member
+        own_sel = torch.zeros(n_sel, dtype=torch.float64)
+        region_sel = torch.zeros(n_sel, dtype=torch.float64)
+        exact_sel = torch.full((n_sel,), torch.nan, dtype=torch.float64)
+        if exact_region:  # every variant's D over the whole region: the full forward at its weights
+            d_base_all = d_after(theta_base, cfg)[0]
+            d_base_own[:] = d_other_own[:] = d_base_all[sel]
+            for start in range(0, len(active), chunk):
+                sl = active[start : start + chunk]
+                g = base[None] + sign[sel[sl], None] * contributions[sl]
+                d_all = d_after(update(g), cfg)
+                s = sign[sel[sl]].double()
+                # the clip-held pairs, each on its token's own row
+                pair = d_own(torch.cat([update_held(g), theta_base.expand(len(sl), -1)]), sel[sl].repeat(2), cfg)
+                held_sel[sl] = s * (pair[: len(sl)] - pair[len(sl) :])
+                d_other_own[sl] = d_all[torch.arange(len(sl)), sel[sl]]
+                own_sel[sl] = s * (d_other_own[sl] - d_base_own[sl])
+                region_sel[sl] = s * (d_all - d_base_all[None]).mean(1)
+            exact_sel[:] = region_sel
+        else:
+            if cfg.divergence not in supports:
+                kind = masks.DIVERGENCES[cfg.divergence].support
+                supports[cfg.divergence] = token_support(batch, rows, cols, kind, policy.head.out_features)
+            grad_region = region_gradient(policy, compact, theta_base[0], inputs, which, positions,
+                                          supports[cfg.divergence], cfg)  # fmt: skip
+            idle = torch.ones(n_sel, dtype=torch.bool)
+            idle[active] = False
+            idle = idle.nonzero().squeeze(1)
+            for start in range(0, len(idle), chunk):  # the criterion's update on each token's own row
+                sl = idle[start : start + chunk]
+                d_base_own[sl] = d_other_own[sl] = d_own(theta_base.expand(len(sl), -1), sel[sl], cfg)
+            for start in range(0, len(active), chunk):
+                sl = active[start : start + chunk]
+                g = base[None] + sign[sel[sl], None] * contributions[sl]
+                theta, k = update(g), len(sl)
+                # the variant, its clip-held twin and the criterion's update, each on the token's own row
+                trio = d_own(torch.cat([theta, update_held(g), theta_base.expand(k, -1)]), sel[sl].repeat(3), cfg)
+                s = sign[sel[sl]].double()
+                d_base_own[sl], d_other_own[sl] = trio[2 * k :], trio[:k]
+                held_sel[sl] = s * (trio[k : 2 * k] - trio[2 * k :])
+                own_sel[sl] = s * (d_other_own[sl] - d_base_own[sl])
+                region_sel[sl] = s * ((theta - theta_base).double() @ grad_region)
+            picked = active[torch.randperm(len(active), generator=rng)[:checks]]
+            if len(picked):  # the first order against the exact value, on a few variants
+                d_base_all = d_after(theta_base, cfg)[0]
+                d_all = d_after(update(base[None] + sign[sel[picked], None] * contributions[picked]), cfg)
+                exact_sel[picked] = sign[sel[picked]].double() * (d_all - d_base_all[None]).mean(1)
+        own, region, region_exact, at_keep, at_mask, own_clip_held = (
+            torch.full((len(rows),), torch.nan, dtype=torch.float64) for _ in range(6)
+        )
+        own[sel], region[sel], region_exact[sel], own_clip_held[sel] = own_sel, region_sel, exact_sel, held_sel
+        at_keep[sel] = torch.where(kept[sel], d_base_own, d_other_own)
+        at_mask[sel] = torch.where(kept[sel], d_other_own, d_base_own)
+        found[name] = done[key] = Effects(
+            kept=kept, own=own, region=region, d_keep=at_keep, d_mask=at_mask, region_exact=region_exact,
+            first_order=not exact_region, own_clip_held=own_clip_held,
+        )  # fmt: skip
+    del logits
     for p in policy.parameters():
         p.grad = None
     return found
@@ -321,11 +471,13 @@ def counterfactual_effects_reference(
     rows: torch.Tensor,
     cols: torch.Tensor,
     tokens: list[int] | None = None,
+    clip_held: bool = False,
 ) -> dict[str, Effects]:
     """`counterfactual_effects` the direct way (tests): for each listed token (`tokens`: indices into rows,
     cols; None: all) two whole updates from the learner's weights and a deep copy of its optimizer — the
     loss with the token kept, backward, clip_grad_norm_, optimizer.step — and D read by the model's own
-    forward. The learner is left as it was."""
+    forward. `clip_held`: the gradients scaled by the criterion's own update's clipping factor instead of
+    clip_grad_norm_ on their own norm (`Effects.own_clip_held`'s pairs). The learner is left as it was."""
     policy = learner.policy
     weights = copy.deepcopy(policy.state_dict())
     optimizer_state = copy.deepcopy(learner.optimizer.state_dict())
@@ -346,6 +498,12 @@ def counterfactual_effects_reference(
             logits = forward(policy, batch.tokens[:, :-1], shape[1], PRECISIONS[cfg.precision].train)
         keep = flat_diagnostics(logits, batch, advantages, cfg, method=cfg.method, estimator=cfg.estimator).keep
         keep = keep.view(shape)
+        resp_mask = learner.task.response_mask(batch.sampled_ids)
+        learner.optimizer.zero_grad()
+        loss_with_keep(forward(policy, batch.tokens[:, :-1], shape[1], PRECISIONS[cfg.precision].train), batch,
+                       advantages, resp_mask, cfg).backward()  # fmt: skip
+        norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), float("inf")))  # the criterion's own
+        factor = min(1.0, cfg.grad_clip / (norm + 1e-6))
         after: dict[bool, list[torch.Tensor]] = {True: [], False: []}
         for j in picked:
             for kept_j in (True, False):
@@ -359,7 +517,11 @@ def counterfactual_effects_reference(
                 loss = loss_with_keep(z, batch, advantages, resp_mask, cfg, mask)
                 optimizer.zero_grad()
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+                if clip_held:
+                    for p in policy.parameters():
+                        p.grad.mul_(factor)
+                else:
+                    torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
                 optimizer.step()
                 after[kept_j].append(d_now(cfg))
         d_keep, d_mask = torch.stack(after[True]), torch.stack(after[False])  # [picked, n]

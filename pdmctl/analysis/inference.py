@@ -5,7 +5,10 @@ The primary metric (docs/results/analysis.md, "The primary metric"): under the `
 protocol, on the disagreement tokens of the `exact` estimator, the predictive criterion's unsafe-keep
 rate minus the ratio criterion's, each pooled over the tokens it keeps (all seeds together: Σ unsafe /
 Σ kept); its 95% interval from a seed-cluster bootstrap (seeds resampled with replacement, the pooled
-difference recomputed, the 2.5 and 97.5 percentiles; 10,000 resamples, generator seeded 27). Beside it,
+difference recomputed, the 2.5 and 97.5 percentiles; 10,000 resamples, generator seeded 27), its two-sided
+sign-flip p (the two criteria's counts swapped within each seed at random, the same generator) and Kish's
+effective number of seeds from the per-seed kept-token counts, with a warning below FEW_EFFECTIVE_SEEDS. The
+same statistic, interval, p and effective seeds from each of three channels (`CHANNELS`). Beside it,
 the mean over seeds of the per-seed difference (seeds where both criteria keep some disagreement token)
 with its Student's t interval, and a warning when the two estimates differ in sign (the aggregation
 decides the verdict: the pooled one weighs seeds by their tokens, the per-seed one weighs them equally).
@@ -32,6 +35,9 @@ PRIMARY_PROTOCOL, PRIMARY_ESTIMATOR = "counterfactual", "exact"
 # network, so its sign is sign(A·Ḋ) by construction; printed beside the others, never tested
 NOT_EVIDENCE = ("own-grad",)
 RESAMPLES, BOOTSTRAP_SEED, LEVEL = 10_000, 27, 0.95
+# below this many effective seeds (Kish, from the per-seed token counts) a pooled interval rests on a handful of
+# seeds: printed with a warning
+FEW_EFFECTIVE_SEEDS = 10
 
 
 def pooled_difference(up_a, n_a, up_b, n_b) -> float:
@@ -64,6 +70,33 @@ def cluster_bootstrap(
     return float(np.quantile(stats, alpha)), float(np.quantile(stats, 1 - alpha))
 
 
+def effective_seeds(counts) -> float:
+    """Kish's effective number of seeds of a statistic pooled over tokens, (Σ n)² / Σ n², from each seed's
+    token count: the seed count when every seed holds as many tokens, fewer as a few seeds hold most (NaN: no
+    token)."""
+    n = np.asarray(counts, dtype=float)
+    square = float(np.sum(n * n))
+    return float(np.sum(n)) ** 2 / square if square > 0 else math.nan
+
+
+def sign_flip_p(up_a, n_a, up_b, n_b, *, resamples: int = RESAMPLES, rng: np.random.Generator | None = None) -> float:
+    """Two-sided p of `pooled_difference` against no difference between the two sides: under the null the two
+    sides' (unsafe, kept) counts are exchangeable within a seed, so each seed's pair is swapped with
+    probability 1/2 and the pooled difference recomputed; p = (1 + #{|d*| ≥ |d|}) / (1 + resamples)
+    (resamples where a side has no token count as not extreme). NaN where the statistic is not defined."""
+    ua, na, ub, nb = (np.asarray(x, dtype=float) for x in (up_a, n_a, up_b, n_b))
+    observed = pooled_difference(ua, na, ub, nb)
+    if not math.isfinite(observed):
+        return math.nan
+    rng = rng if rng is not None else np.random.default_rng(BOOTSTRAP_SEED)
+    swap = rng.integers(0, 2, size=(resamples, len(ua))).astype(bool)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        stats = (np.where(swap, ub, ua).sum(1) / np.where(swap, nb, na).sum(1)
+                 - np.where(swap, ua, ub).sum(1) / np.where(swap, na, nb).sum(1))  # fmt: skip
+    extreme = np.abs(stats) >= abs(observed) - 1e-12  # ties by float rounding of the same sums count
+    return float((1 + np.sum(extreme & np.isfinite(stats))) / (1 + resamples))
+
+
 def _rates(up, n) -> list[float | None]:
     return [u / k if k else None for u, k in zip(up, n, strict=True)]
 
@@ -85,6 +118,15 @@ class PrimaryMetric:
     t_high: float
     seeds_compared: int
     seeds: int
+    p: float = math.nan  # the pooled difference's two-sided sign-flip p over seeds (sign_flip_p)
+    effective_seeds: float = math.nan  # Kish's, from the per-seed kept disagreement tokens of both criteria
+
+    @property
+    def few_seeds_warning(self) -> str | None:
+        if math.isfinite(self.effective_seeds) and self.effective_seeds < FEW_EFFECTIVE_SEEDS:
+            return (f"WARNING {self.label}: {self.effective_seeds:.1f} effective seeds (of {self.seeds}): a few seeds "
+                    "hold most of the tokens, and the pooled interval rests on them")  # fmt: skip
+        return None
 
     @property
     def warning(self) -> str | None:
@@ -117,6 +159,7 @@ def primary_metric(result: AnalysisResult, *, resamples: int = RESAMPLES) -> Pri
         return PrimaryMetric(label_of(result), nan, nan, nan, 0, 0, nan, nan, nan, 0, len(result.seeds))
     pooled = pooled_difference(pred.own_up, pred.n, ratio.own_up, ratio.n)
     low, high = cluster_bootstrap(pred.own_up, pred.n, ratio.own_up, ratio.n, resamples=resamples)
+    p = sign_flip_p(pred.own_up, pred.n, ratio.own_up, ratio.n, resamples=resamples)
     diffs = _per_seed(_rates(pred.own_up, pred.n), _rates(ratio.own_up, ratio.n))
     estimate = paired_difference(diffs, [0.0] * len(diffs)) if diffs else None
     interval = estimate.interval if estimate is not None else None
@@ -132,6 +175,8 @@ def primary_metric(result: AnalysisResult, *, resamples: int = RESAMPLES) -> Pri
         t_high=interval.high if interval is not None else nan,
         seeds_compared=len(diffs),
         seeds=len(result.seeds),
+        p=p,
+        effective_seeds=effective_seeds([a + b for a, b in zip(pred.n, ratio.n, strict=True)]),
     )
 
 
@@ -215,13 +260,110 @@ def primary_lines(metric: PrimaryMetric) -> list[str]:
         f"PRIMARY METRIC {metric.label} (named before the run): predictive − ratio unsafe-keep rate, counterfactual "
         f"protocol, {PRIMARY_ESTIMATOR} disagreement tokens",
         f"  pooled over tokens: {_pts(metric.pooled)} points, 95% seed-cluster bootstrap {_interval(metric.low, metric.high)} "
-        f"({metric.kept_predictive} predictive-kept, {metric.kept_ratio} ratio-kept tokens, {metric.seeds} seeds)",
+        f"({metric.kept_predictive} predictive-kept, {metric.kept_ratio} ratio-kept tokens, {metric.seeds} seeds, "
+        f"{metric.effective_seeds:.1f} effective), sign-flip p over seeds {_p(metric.p)}",
         f"  per-seed mean:      {_pts(metric.per_seed_mean)} points, 95% t-interval {_interval(metric.t_low, metric.t_high)} "
         f"({metric.seeds_compared} seeds with both rates)",
     ]  # fmt: skip
-    if metric.warning:
-        lines.append(metric.warning)
+    for warning in (metric.warning, metric.few_seeds_warning):
+        if warning:
+            lines.append(warning)
     return lines
+
+
+def _p(p: float) -> str:
+    from pdmctl.report.stats import format_p
+
+    return format_p(p) if math.isfinite(p) else "n/a"
+
+
+# the primary metric's channels: the same statistic on the same tokens from three measurements of a token's
+# effect, each with the question it answers
+CHANNELS = (
+    ("whole step", "counterfactual",
+     "what the decision does in one real update: the whole batch after the step's first mini-batch updates, "
+     "the carried Adam state, the clip factor as each member's own gradient norm sets it (the primary metric)"),
+    ("clip held", "counterfactual (clip held)",
+     "the same update with both members' gradients scaled by the criterion's own update's clip factor: the "
+     "decision's effect without the change it makes to the global clip"),
+    ("own step, first order", "own-adam",
+     "the token's own gradient alone through the carried Adam step's gain, first order at the start weights: "
+     "what its own step does, without the rest of the update moving the weights first"),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Channel:
+    name: str
+    source: str  # where its counts come from (a protocol, or the counterfactual with the clip held)
+    question: str
+    pooled: float  # predictive − ratio unsafe-keep rate, tokens pooled (NaN: not measured)
+    low: float  # seed-cluster bootstrap interval
+    high: float
+    p: float  # sign-flip p over seeds
+    effective_seeds: float  # Kish's
+
+
+def _channel_counts(result: AnalysisResult, source: str):
+    """(unsafe predictive, kept predictive, unsafe ratio, kept ratio) per seed on the primary tokens, or None."""
+    if source.startswith("counterfactual"):
+        pred = _counts(result, PRIMARY_ESTIMATOR, "predictive", "disagreement", "kept")
+        ratio = _counts(result, PRIMARY_ESTIMATOR, "ratio", "disagreement", "kept")
+        field = "own_up_clip_held" if source.endswith("(clip held)") else "own_up"
+        if pred is None or ratio is None or not getattr(pred, field):
+            return None
+        return getattr(pred, field), pred.n, getattr(ratio, field), ratio.n
+    found = [c for c in result.protocol_comparisons.get(source, []) if c.estimator == PRIMARY_ESTIMATOR]
+    if not found or not found[0].predictive.kept_per_seed:
+        return None
+    c = found[0]
+
+    def ups(stats) -> list[int]:
+        return [round(r * n) if r is not None else 0 for r, n in zip(stats.unsafe_keep_per_seed, stats.kept_per_seed,
+                                                                       strict=True)]  # fmt: skip
+
+    return ups(c.predictive), c.predictive.kept_per_seed, ups(c.ratio), c.ratio.kept_per_seed
+
+
+def channels(result: AnalysisResult, *, resamples: int = RESAMPLES) -> list[Channel]:
+    """The primary statistic from each channel's measurement (CHANNELS), where it was measured."""
+    found = []
+    for name, source, question in CHANNELS:
+        counts = _channel_counts(result, source)
+        if counts is None:
+            continue
+        low, high = cluster_bootstrap(*counts, resamples=resamples)
+        found.append(Channel(name, source, question, pooled_difference(*counts), low, high,
+                             sign_flip_p(*counts, resamples=resamples),
+                             effective_seeds([a + b for a, b in zip(counts[1], counts[3], strict=True)])))  # fmt: skip
+    return found
+
+
+def channel_lines(result: AnalysisResult, *, resamples: int = RESAMPLES) -> list[str]:
+    """The channels in a few lines (`pdmctl analyze` prints them after the primary metric)."""
+    rows = channels(result, resamples=resamples)
+    if not rows:
+        return []
+    lines = [f"CHANNELS {label_of(result)}: the primary statistic (predictive − ratio unsafe-keep rate, "
+             f"{PRIMARY_ESTIMATOR} disagreement tokens, pooled) from three measurements of a token's effect"]  # fmt: skip
+    for c in rows:
+        lines.append(f"  {c.name + ':':23s}{_pts(c.pooled)} points, 95% seed-cluster bootstrap {_interval(c.low, c.high)}, "
+                     f"sign-flip p {_p(c.p)}, {c.effective_seeds:.1f} effective seeds")  # fmt: skip
+        lines.append(f"  {'':23s}({c.question})")
+    return lines
+
+
+def region_check_line(result: AnalysisResult) -> str | None:
+    """How far the counterfactual's first-order region effects are from their exact values, on the variants
+    where both were taken (None: none was, e.g. every one was taken exactly)."""
+    if not result.region_check:
+        return None
+    pairs = np.asarray(result.region_check, dtype=float)
+    first, exact = pairs[:, 0], pairs[:, 1]
+    signs = int(((first > 0) == (exact > 0)).sum())
+    return (f"region effect (secondary measure) by first order, against the full-batch value on {len(pairs)} "
+            f"variants: max |error| {np.abs(first - exact).max():.2e} (largest |effect| {np.abs(exact).max():.2e}), "
+            f"signs agree on {signs}/{len(pairs)}; --exact-region takes every variant's exactly")  # fmt: skip
 
 
 SECONDARY_COLUMNS = ("analysis", "protocol", "estimator", "measure", "mean difference", "95% t-interval", "seeds",

@@ -16,8 +16,9 @@ from pdmctl.backends.toy.rollout import Rollout
 from pdmctl.backends.toy.trainer import Learner, masked_loss
 
 PROTOCOLS = {  # how the update that ΔD measures is taken, from the same weights
-    "counterfactual": "the decision itself: per token, a carried Adam update with it kept against one with it "
-    "masked, the same batch and start; ΔD = D(keep) − D(mask) (counterfactual.py)",
+    "counterfactual": "the decision in one real update: per token, one Adam update on the whole batch after the "
+    "step's first mini-batch updates (the carried state, each member clipped by its own gradient norm) with it "
+    "kept against one with it masked, from the same start; ΔD = D(keep) − D(mask) (counterfactual.py)",
     "carried": "Adam with the state the stale mini-batch updates left (the step training takes next)",
     "fresh-adam": "a fresh Adam: the first step of a run, no momentum",
     "sgd": "the plain (clipped) gradient, no preconditioning, scaled to the fresh Adam step's length",

@@ -120,6 +120,10 @@ class CounterfactualCounts:
     own_down: list[int]
     region_up: list[int]
     region_down: list[int]
+    # keeping raised the token's own D with the other member's gradient scaled by the criterion's own update's
+    # clipping factor (the clip-held channel); |own| below the float32 sign floor (its sign is rounding)
+    own_up_clip_held: list[int] = dataclasses.field(default_factory=list)
+    below_floor: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,9 @@ class AnalysisResult:
     disagreement_tokens: list[DisagreementTokens] = dataclasses.field(default_factory=list)  # per estimator
     counterfactual: list[CounterfactualCounts] = dataclasses.field(default_factory=list)  # its counts, per seed
     model: str = ""  # the preset (empty in results written before presets were recorded)
+    # the counterfactual's region effect by first order against its exact value on a few variants per seed:
+    # [first order, exact] each (empty: every variant taken exactly, or not measured)
+    region_check: list[list[float]] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> str:
         """The whole result; one line per field, the token lists each on one line (they are most of it)."""

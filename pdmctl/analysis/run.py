@@ -9,9 +9,10 @@ criterion then takes one real update on the whole batch from the same weights
 and optimizer state, and D is recomputed on the same tokens: ΔD > 0 on a kept
 disagreement token is an unsafe keep, ΔD < 0 a corrective one.
 
-How the update is taken is a protocol (`PROTOCOLS`). The main one, `counterfactual`
-(counterfactual.py), measures the decision itself: per token, a carried update with it kept against one
-with it masked, ΔD = D(keep) − D(mask). The earlier ones take one update per criterion and read the
+How the update is taken is a protocol (`PROTOCOLS`). The main one, `counterfactual` (counterfactual.py),
+measures the decision in one real update: per token, one Adam update on the whole batch after the step's
+first mini-batch updates (the carried state, each member clipped by its own gradient norm) with it kept
+against one with it masked, ΔD = D(keep) − D(mask). The earlier ones take one update per criterion and read the
 realized ΔD: with the Adam state the stale mini-batch updates left (`carried`: the step training takes
 next, whose ΔD is mostly the carried momentum), with a fresh Adam (`fresh-adam`), or as a plain
 gradient step (`sgd`); they are measured and printed beside it.
@@ -28,7 +29,7 @@ import torch
 
 from pdmctl.analysis import decomposition
 from pdmctl.analysis.bands import BandCounter, topk_mass
-from pdmctl.analysis.counterfactual import counterfactual_effects
+from pdmctl.analysis.counterfactual import SIGN_FLOOR, counterfactual_effects
 from pdmctl.analysis.criteria import _compare, _estimator_differences, _SeedTokens
 from pdmctl.analysis.decomposition_rows import (
     _assumption_rows,
@@ -72,6 +73,7 @@ def run_analysis(
     threads: int | None = 1,
     reference: bool = False,
     mismatch_only: bool = False,
+    exact_region: bool = False,
 ) -> AnalysisResult:
     """The direction analysis on `seeds` (each a fresh rollout batch) with the config's mask settings, ΔD
     measured under each of `protocols` (the first is the main table's).
@@ -83,13 +85,18 @@ def run_analysis(
     the direct way (one Learner.update per criterion and protocol, whole-network jacobians): the slow
     code the fast one is tested against. `mismatch_only`: the paper's fresh-rollout setting, no stale
     mini-batch update before the criteria's (D from the rollout weights' precision alone; with it the
-    `carried` protocol's Adam has no state)."""
+    `carried` protocol's Adam has no state). `exact_region`: the counterfactual's region effect of every
+    variant by a forward of the whole region at its weights (about ten times the CPU), not by first order
+    (counterfactual.counterfactual_effects)."""
     unknown = [p for p in protocols if p not in PROTOCOLS]
     if unknown or not protocols:
         raise ValueError(f"protocols: unknown {unknown or 'none given'}; choose from {sorted(PROTOCOLS)}")
     if jobs < 1 or (threads is not None and threads < 1):
         raise ValueError(f"jobs and threads: must be >= 1, got {jobs} and {threads}")
-    tasks = [(dataclasses.replace(cfg, seed=seed), tuple(protocols), reference, not mismatch_only) for seed in seeds]
+    tasks = [
+        (dataclasses.replace(cfg, seed=seed), tuple(protocols), reference, not mismatch_only, exact_region)
+        for seed in seeds
+    ]
     if jobs == 1 or len(seeds) == 1:
         before = torch.get_num_threads()
         try:
@@ -127,16 +134,16 @@ class _SeedResult:
     extras: _SeedExtras
 
 
-def _threads_then_seed_task(threads: int, task: tuple[ToyConfig, tuple[str, ...], bool, bool]) -> _SeedResult:
+def _threads_then_seed_task(threads: int, task: tuple[ToyConfig, tuple[str, ...], bool, bool, bool]) -> _SeedResult:
     torch.set_num_threads(threads)
     return _seed_task(task)
 
 
-def _seed_task(task: tuple[ToyConfig, tuple[str, ...], bool, bool]) -> _SeedResult:
-    cfg, protocols, reference, stale = task
+def _seed_task(task: tuple[ToyConfig, tuple[str, ...], bool, bool, bool]) -> _SeedResult:
+    cfg, protocols, reference, stale, exact_region = task
     bands, extras = BandCounter.empty(), _SeedExtras()
     n_tokens, n_out, by_protocol, parts = _analyse_seed(
-        cfg, protocols, bands, reference=reference, stale=stale, extras=extras
+        cfg, protocols, bands, reference=reference, stale=stale, extras=extras, exact_region=exact_region
     )
     return _SeedResult(n_tokens, n_out, by_protocol, parts, bands, extras)
 
@@ -171,6 +178,7 @@ def _combine(
         out_of_region_per_position=_add_lists([r.extras.out_of_region_per_position for r in results]),
         counterfactual=_counterfactual_rows(results),
         model=cfg.model,
+        region_check=[pair for r in results for pair in r.extras.region_check],
         disagreement_tokens=[
             DisagreementTokens(
                 estimator=e,
@@ -188,7 +196,7 @@ def _combine(
 def _counterfactual_rows(results: list[_SeedResult]) -> list[CounterfactualCounts]:
     keys = list(results[0].extras.counterfactual) if results else []
     return [
-        CounterfactualCounts(*key, *([r.extras.counterfactual[key][i] for r in results] for i in range(5)))
+        CounterfactualCounts(*key, *([r.extras.counterfactual[key][i] for r in results] for i in range(7)))
         for key in keys
     ]
 
@@ -210,30 +218,35 @@ class _SeedExtras:
     out_of_region_per_position: list[int] = dataclasses.field(default_factory=list)
     tokens: dict[str, dict[str, list]] = dataclasses.field(default_factory=dict)  # estimator -> field -> values
     # the counterfactual protocol's counts: (estimator, criterion, tokens, decision) -> (n, own up, own down,
-    # region up, region down)
-    counterfactual: dict[tuple[str, str, str, str], tuple[int, int, int, int, int]] = dataclasses.field(
+    # region up, region down, own up with the clip factor held, |own| below the sign floor)
+    counterfactual: dict[tuple[str, str, str, str], tuple[int, ...]] = dataclasses.field(
         default_factory=dict
     )
+    # the counterfactual's region effect of a few variants: [first order, exact] (counterfactual_effects)
+    region_check: list[list[float]] = dataclasses.field(default_factory=list)
 
 
-def _counterfactual_counts(delta, region, outside, in_sample, ratio_keep, advantages, pre) -> dict:
+def _counterfactual_counts(delta, region, held, outside, in_sample, ratio_keep, advantages, pre) -> dict:
     """Per estimator, criterion (ratio, predictive), token set (its disagreement tokens, all out-of-region
-    ones: the uniform sample, `in_sample`) and decision (kept, masked): how many tokens, and on how many keeping raised (lowered) the
-    token's own D and the mean D of the region, against masking."""
+    ones: the uniform sample, `in_sample`) and decision (kept, masked): how many tokens, and on how many keeping
+    raised (lowered) the token's own D and the mean D of the region, against masking; on how many it raised
+    the token's own D with the clip factor held (`held`), and on how many |own| is below the float32 sign
+    floor (counterfactual.SIGN_FLOOR: a sign there is rounding)."""
     found = {}
     a = advantages.unsqueeze(1)
     for e in ESTIMATORS:
         predictive_keep = a * pre[e].ddot <= 0
         disagree = outside & (ratio_keep != predictive_keep)
         for criterion, keep, name in (("ratio", ratio_keep, "ratio"), ("predictive", predictive_keep, f"predictive/{e}")):
-            own, reg = delta["counterfactual", name], region[name]
+            own, reg, own_held = delta["counterfactual", name], region[name], held[name]
             for tokens, where in (("disagreement", disagree), ("out-of-region", outside & in_sample)):
                 for decision, chosen in (("kept", keep), ("masked", ~keep)):
                     sel = where & chosen
-                    o, r = own[sel], reg[sel]
+                    o, r, h = own[sel], reg[sel], own_held[sel]
                     found[e, criterion, tokens, decision] = (
-                        int(sel.sum()), int((o > 0).sum()), int((o < 0).sum()), int((r > 0).sum()), int((r < 0).sum())
-                    )
+                        int(sel.sum()), int((o > 0).sum()), int((o < 0).sum()), int((r > 0).sum()), int((r < 0).sum()),
+                        int((h > 0).sum()), int((o.abs() < SIGN_FLOOR).sum()),
+                    )  # fmt: skip
     return found
 
 
@@ -245,6 +258,7 @@ def _analyse_seed(
     reference: bool = False,
     stale: bool = True,
     extras: _SeedExtras | None = None,
+    exact_region: bool = False,
 ) -> tuple[int, int, dict[str, dict[str, _SeedTokens]], _SeedDecomposition]:
     learner, batch, advantages = stale_batch(cfg, stale=stale)
     response = task.response_mask(batch.sampled_ids).bool()
@@ -290,6 +304,7 @@ def _analyse_seed(
             delta[protocol, name] = delta_d()
     restore(learner, start)
     region: dict[str, torch.Tensor] = {}
+    held: dict[str, torch.Tensor] = {}
     in_sample = torch.zeros(outside.shape, dtype=torch.bool)
     if "counterfactual" in protocols:  # ΔD: the token's D after its keep update minus after its mask update
         rows_o, cols_o = outside.nonzero(as_tuple=True)
@@ -302,13 +317,20 @@ def _analyse_seed(
         sampled = torch.zeros(len(rows_o), dtype=torch.bool)
         sampled[order[:COUNTERFACTUAL_SAMPLE]] = True
         effects_of = counterfactual_effects(
-            learner, batch, advantages, criteria, rows_o, cols_o, variants=disagree_any | sampled
-        )
+            learner, batch, advantages, criteria, rows_o, cols_o, variants=disagree_any | sampled,
+            exact_region=exact_region, generator=torch.Generator().manual_seed(cfg.seed),
+        )  # fmt: skip
         in_sample[rows_o, cols_o] = sampled
+        checked = []
+        for effects in {id(e): e for e in effects_of.values()}.values():  # criteria sharing a mask: once
+            if effects.first_order:
+                at = effects.region_exact.isfinite()
+                checked += [[float(a), float(b)] for a, b in zip(effects.region[at], effects.region_exact[at], strict=True)]
         for name, effects in effects_of.items():
-            own, reg = (torch.full(outside.shape, math.nan, dtype=torch.float64) for _ in range(2))
+            own, reg, own_held = (torch.full(outside.shape, math.nan, dtype=torch.float64) for _ in range(3))
             own[rows_o, cols_o], reg[rows_o, cols_o] = effects.own, effects.region
-            delta["counterfactual", name], region[name] = own, reg
+            own_held[rows_o, cols_o] = effects.own_clip_held
+            delta["counterfactual", name], region[name], held[name] = own, reg, own_held
         restore(learner, start)
     seed_parts = _decompose_seed(
         learner, cfg, batch, advantages, pre, outside, criteria, parts, delta, reference=reference
@@ -328,7 +350,10 @@ def _analyse_seed(
                 disagreements=int(disagree.sum()),
             )
     if extras is not None and region:
-        extras.counterfactual = _counterfactual_counts(delta, region, outside, in_sample, ratio_keep, advantages, pre)
+        extras.counterfactual = _counterfactual_counts(
+            delta, region, held, outside, in_sample, ratio_keep, advantages, pre
+        )
+        extras.region_check = checked
     if extras is not None:
         extras.tokens_per_position = response.sum(0).tolist()
         extras.out_of_region_per_position = outside.sum(0).tolist()

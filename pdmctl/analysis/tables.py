@@ -59,12 +59,19 @@ def _table(title: str, columns: tuple[str, ...], text_columns: int, rows: list[t
     return table
 
 
+def _update_words(protocol: str) -> str:
+    if protocol == "counterfactual":  # the decision in one real update, not the decision in general
+        return ("one Adam update on the whole batch after the step's first mini-batch updates, with the clip "
+                "factor of each member's own gradient norm: keep minus mask (counterfactual)")
+    return f"a {protocol} update"
+
+
 def render_analysis_table(result: AnalysisResult) -> Table:
     n = max(len(result.seeds), 1)
     title = (
         f"Direction analysis: {len(result.seeds)} seeds, {result.divergence} δ={result.delta} K={result.k} "
         f"{result.precision}{', mismatch only (fresh rollout)' if result.setting == 'mismatch-only' else ''}, "
-        f"ΔD after a {result.protocol} update; {sum(result.out_of_region_per_seed) / n:.0f} of "
+        f"ΔD after {_update_words(result.protocol)}; {sum(result.out_of_region_per_seed) / n:.0f} of "
         f"{sum(result.tokens_per_seed) / n:.0f} tokens per seed outside the region"
     )
     return _table(title, ANALYSIS_COLUMNS, 2, analysis_rows(result))
