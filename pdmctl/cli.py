@@ -428,8 +428,8 @@ def server(
     with _guard():
         if action not in ("start", "stop", "status"):
             fail(f"pdmctl server: {action!r}: the action is start, stop or status")
-        settings = srv.ServerSettings(dir=(directory or srv.default_dir()).expanduser().absolute(), host=host,
-                                      port=port, workers=workers, artifacts=artifacts, allowed_hosts=allowed_hosts)
+        settings = srv.make_settings(directory, host=host, port=port, workers=workers, artifacts=artifacts,
+                                     allowed_hosts=allowed_hosts)  # fmt: skip
         if action == "start":
             lines = srv.start(settings)
         elif action == "stop":

@@ -24,8 +24,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.conftest import pdmctl
+from tests.test_bad_input import snapshot
+from tests.test_cli_contract import _main
 
 REPO = Path(__file__).resolve().parents[1]
 USER = "pdmsrv"
@@ -196,3 +200,255 @@ def test_dry_run_goes_on_without_a_server_and_says_it_did_not_read_the_ledger(tm
     assert result.returncode == 0, result.stderr
     assert "did not read the ledger: tracking URI http://127.0.0.1:9: not reachable" in result.stdout
     assert not list(tmp_path.iterdir())  # wrote nothing
+
+
+# ---------------------------------------------------------------------------
+# hostile input: the server's directory, its pid file, the login, the environment
+# ---------------------------------------------------------------------------
+
+SHORT = {"MLFLOW_TRACKING_USERNAME": "alice", "MLFLOW_TRACKING_PASSWORD": "pw-7Hq2-never-in-a-file"}
+
+
+def _one_line(result, *, code: int = 2) -> str:
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == code, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def _user_dir() -> tuple[list[str], dict[str, str], str, Path]:
+    """(command prefix, extra environment, home, a fresh directory the user owns), the user being `pdmsrv`
+    when the tests run as root."""
+    prefix, extra, home = _as_user()
+    base = Path(tempfile.mkdtemp(prefix="pdmsrv-", dir="/tmp"))
+    if os.geteuid() == 0:
+        shutil.chown(base, USER, USER)
+    return prefix, extra, home, base
+
+
+def _as(prefix: list[str], extra: dict[str, str], home: str, *args: str, cwd: Path,
+        env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:  # fmt: skip
+    full = {"HOME": home, "PATH": os.environ["PATH"], "COLUMNS": "200", **extra, **(env or {})}
+    return subprocess.run([*prefix, "-m", "pdmctl.entry", *args], cwd=cwd, env=full, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def _sleeper(*, same_user: bool) -> subprocess.Popen:
+    """A process that leads a process group of its own, as a server would: the user's (pdmsrv's when the
+    tests run as root), or another user's (root's) when `same_user` is false."""
+    kwargs: dict = {"start_new_session": True, "stdin": subprocess.DEVNULL}
+    if same_user and os.geteuid() == 0:
+        kwargs["user"] = USER
+    return subprocess.Popen(["sleep", "600"], **kwargs)
+
+
+def _boot_id() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+@pytest.mark.nonroot
+@pytest.mark.parametrize("case", ["same user", "same user, another start time", "another user", "pid 1", "pid 0",
+                                  "negative", "not a number"])  # fmt: skip
+def test_server_stop_signals_no_process_its_directory_did_not_start(case: str) -> None:
+    """A pid file that names a process this directory's server is not (a stale file after a reboot, a pid
+    reused, another user's process, pid 1 or 0, garbage): `stop` signals nothing, says so in one line, and
+    removes the file."""
+    prefix, extra, home, base = _user_dir()
+    state = base / "s"
+    state.mkdir()
+    if os.geteuid() == 0:
+        shutil.chown(state, USER, USER)
+    sleeper = None
+    try:
+        if case.startswith("same user") or case == "another user":
+            if case == "another user" and os.geteuid() != 0:
+                text = "1\n"  # init: not this user's
+            else:
+                sleeper = _sleeper(same_user=case != "another user")
+                text = f"{sleeper.pid}\n"
+                if case == "same user, another start time":
+                    text = f"{sleeper.pid} 1 {_boot_id()}\n"
+        else:
+            text = {"pid 1": "1\n", "pid 0": "0\n", "negative": "-1\n", "not a number": "$(reboot)\n"}[case]
+        (state / "server.pid").write_text(text)
+        result = _as(prefix, extra, home, "server", "stop", "--dir", str(state), cwd=base)
+        assert result.returncode == 0 and "Traceback" not in result.stderr, result.stdout + result.stderr
+        assert "mlflow server stopped" not in result.stdout
+        assert "which is not a server this directory started" in result.stdout, result.stdout
+        assert "nothing signalled" in result.stdout and len(result.stdout.strip().splitlines()) == 1
+        assert not (state / "server.pid").exists()
+        if sleeper is not None:
+            assert sleeper.poll() is None, "stop signalled a process its directory did not start"
+    finally:
+        if sleeper is not None:
+            sleeper.kill()
+            sleeper.wait()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_server_stop_on_a_file_says_so_in_one_line(tmp_path: Path) -> None:
+    afile = tmp_path / "f"
+    afile.write_text("x")
+    for action in ("stop", "start"):
+        line = _one_line(pdmctl("server", action, "--dir", str(afile), env=SHORT))
+        assert f"--dir {afile}: not a directory" in line
+    assert afile.read_text() == "x"
+
+
+SHELL_READS = ["$(touch MARK)", "`touch MARK`", 'a"b', "a'b", "a;b", "a b", "a\nb", "a,b", "a\\b", "a|b", "a&b"]
+
+
+@pytest.mark.parametrize("name", SHELL_READS)
+def test_server_directory_with_a_character_a_shell_reads_is_refused(tmp_path: Path, name: str) -> None:
+    from pdmctl.ledger import LedgerError
+    from pdmctl.ledger import server as srv
+
+    with pytest.raises(LedgerError, match="not allowed in the server's directory") as refused:
+        srv.check_settings(srv.make_settings(tmp_path / name))
+    assert "\n" not in str(refused.value)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("via", ["--dir", "PDMCTL_SERVER_DIR", "XDG_DATA_HOME", "HOME"])
+def test_server_start_refuses_a_directory_a_shell_would_read(tmp_path: Path, via: str) -> None:
+    """pg_ctl starts postgres through /bin/sh with the directory in it: a directory with a character a
+    shell reads is refused in one line, from wherever it comes, and nothing runs or is written."""
+    odd = tmp_path / f"$(touch {tmp_path / 'ran'})"
+    env = {**SHORT, "PDMCTL_SERVER_DIR": "", "XDG_DATA_HOME": ""}
+    args = ["server", "start"]
+    if via == "--dir":
+        args += ["--dir", str(odd)]
+    else:
+        env[via] = str(odd)
+    line = _one_line(pdmctl(*args, env=env, cwd=tmp_path))
+    assert "'$' '(' ')' not allowed in the server's directory (PostgreSQL's pg_ctl passes it through a shell)" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("user", "password", "says"), [
+    ("alice", "short-pw", "MLFLOW_TRACKING_PASSWORD has 8 characters: MLflow asks for at least 12"),
+    ("ali:ce", "pw-7Hq2-never-in-a-file", "MLFLOW_TRACKING_USERNAME contains ':'"),
+    ("alice", "pässwörd-long-enough", "MLFLOW_TRACKING_PASSWORD contains '\\xe4'"),
+    ("al\tice", "pw-7Hq2-never-in-a-file", "MLFLOW_TRACKING_USERNAME contains '\\t'"),
+    ("alice", "password1234", "MLflow's old default password"),
+])  # fmt: skip
+def test_server_start_checks_the_login_before_creating_anything(tmp_path: Path, user: str, password: str,
+                                                                 says: str) -> None:  # fmt: skip
+    """A login MLflow would refuse (or could never check) is refused in one line before the directory,
+    PostgreSQL or MLflow exist; the password is not printed."""
+    state = tmp_path / "s"
+    env = {"MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": password}
+    result = pdmctl("server", "start", "--dir", str(state), env=env)
+    line = _one_line(result)
+    assert says in line and password not in result.stdout + result.stderr
+    assert not state.exists()
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", "-5", "0", "1e9", "\u00e9", "600x"])
+def test_server_start_timeout_from_the_environment_must_be_a_number_of_seconds(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    from pdmctl.ledger import LedgerError
+    from pdmctl.ledger import server as srv
+
+    monkeypatch.setenv("PDMCTL_SERVER_START_S", value)
+    with pytest.raises(LedgerError, match=r"^PDMCTL_SERVER_START_S=.*: not a number of seconds"):
+        srv.start_timeout_s()
+    monkeypatch.setenv("PDMCTL_SERVER_START_S", "90")
+    assert srv.start_timeout_s() == 90
+
+
+def test_server_start_timeout_garbage_is_one_line_at_start_and_status_still_works(tmp_path: Path) -> None:
+    """PDMCTL_SERVER_START_S set to garbage: `start` says so in one line before anything is created, and
+    `status` and `stop`, which do not use it, work."""
+    state = tmp_path / "s"
+    env = {**SHORT, "PDMCTL_SERVER_START_S": "abc"}
+    line = _one_line(pdmctl("server", "start", "--dir", str(state), env=env))
+    assert line.startswith("error: PDMCTL_SERVER_START_S=abc: not a number of seconds")
+    assert "not a number of seconds" in line and not state.exists()
+    status = pdmctl("server", "status", "--dir", str(state), env=env)
+    assert status.returncode == 1 and "PostgreSQL: not running" in status.stdout, status.stderr
+    stop = pdmctl("server", "stop", "--dir", str(state), env=env)
+    assert stop.returncode == 0 and "nothing running" in stop.stdout, stop.stderr
+
+
+@pytest.mark.nonroot
+@pytest.mark.postgres
+@pytest.mark.slow  # PostgreSQL's initdb, then MLflow migrates its tables before it binds: about a minute
+def test_a_failed_server_start_stops_what_it_started_quotes_its_own_error_and_spares_a_stale_pid() -> None:
+    """The port is taken (by a socket that answers no HTTP): MLflow exits while starting. The error quoted
+    is this start's (the log holds an earlier start's), PostgreSQL, which this start started, is stopped
+    again, and the process a stale pid file named lives on."""
+    pytest.importorskip("pgserver")
+    prefix, extra, home, base = _user_dir()
+    state = base / "s"
+    state.mkdir(mode=0o700)
+    if os.geteuid() == 0:
+        shutil.chown(state, USER, USER)
+    (state / "server.log").write_text("Traceback (most recent call last):\nOldError: from an earlier start\n")
+    sleeper = _sleeper(same_user=True)
+    (state / "server.pid").write_text(f"{sleeper.pid}\n")
+    if os.geteuid() == 0:
+        for name in ("server.log", "server.pid"):
+            shutil.chown(state / name, USER, USER)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = str(holder.getsockname()[1])
+    try:
+        result = _as(prefix, extra, home, "server", "start", "--dir", str(state), "--port", port, "--workers", "1",
+                     cwd=base, env=SHORT)  # fmt: skip
+        line = _one_line(result)
+        assert "mlflow server exited" in line and "address already in use" in line.lower(), line
+        assert "OldError" not in line
+        assert line.endswith("(stopped again what this start had started: PostgreSQL)"), line
+        assert sleeper.poll() is None, "start signalled the process a stale pid file named"
+        status = _as(prefix, extra, home, "server", "status", "--dir", str(state), "--port", port, cwd=base)
+        assert status.returncode == 1 and "PostgreSQL: not running" in status.stdout, status.stdout + status.stderr
+    finally:
+        holder.close()
+        sleeper.kill()
+        sleeper.wait()
+        _as(prefix, extra, home, "server", "stop", "--dir", str(state), cwd=base)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+DIR_TEXT = st.one_of(
+    st.sampled_from(["", ".", "..", "s", "a b", "$(id)", "`id`", "a;b", "a\nb", "x" * 300, "/etc/passwd",
+                     "/proc/self", "/nonexistent/s", "~", "~nosuchuser/s", "\udcff", "é/s", "f/s", "f"]),  # fmt: skip
+    st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12),
+)
+LOGIN_TEXT = st.one_of(st.sampled_from(["", " ", "a:b", "short", "password1234", "ünïcode-password", "tab\there-pw-long",
+                                        "pw-7Hq2-never-in-a-file"]),
+                       st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+                               max_size=16))  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+@given(action=st.sampled_from(["start", "stop", "status"]), where=DIR_TEXT, user=LOGIN_TEXT, password=LOGIN_TEXT,
+       timeout=st.sampled_from([None, "", "abc", "nan", "-1", "30"]))  # fmt: skip
+def test_server_command_contract(tmp_path_factory: pytest.TempPathFactory, action: str, where: str, user: str,
+                                 password: str, timeout: str | None) -> None:  # fmt: skip
+    """Whatever the directory, the login and PDMCTL_SERVER_START_S: no traceback; `start` (run here only where
+    it is refused anyway, as root) exits 2 in one line, the password printed nowhere, nothing written;
+    `stop` and `status` answer or exit 2 in one line, and write nothing but their own pid file's removal."""
+    if action == "start" and os.geteuid() != 0:
+        action = "status"  # as a user, a start that passes every check would start PostgreSQL here
+    work = tmp_path_factory.mktemp("srv")
+    (work / "f").write_text("a file")
+    before = snapshot(work)
+    env = {"MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": password}
+    if timeout is not None:
+        env["PDMCTL_SERVER_START_S"] = timeout
+    code, stderr = _main(["server", action, "--dir", where, "--port", str(_free_port())], work, env)
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code in ((2,) if action == "start" else (0, 1, 2)), stderr
+    if code == 2:
+        assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    if len(password) >= 6:
+        assert password not in stderr
+    assert snapshot(work) == before
+    shutil.rmtree(work, ignore_errors=True)

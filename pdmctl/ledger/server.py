@@ -27,7 +27,9 @@ from __future__ import annotations
 import configparser
 import contextlib
 import importlib.util
+import math
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -45,16 +47,54 @@ USER_ENV, PASSWORD_ENV = "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"
 PG_USER = "pdmctl"
 PG_PORT = 5432  # only names the socket file: PostgreSQL listens on no TCP port
 DATABASES = ("mlflow", "mlflow_auth")
-START_TIMEOUT_S = float(os.environ.get("PDMCTL_SERVER_START_S", "600"))  # a first start migrates MLflow's tables
+START_ENV = "PDMCTL_SERVER_START_S"
+START_TIMEOUT_S = 600.0  # a first start migrates MLflow's tables
 SOCKET_MAX = 107  # sun_path
+PASSWORD_MIN = 12  # MLflow's minimum (mlflow.utils.validation._validate_password)
+# pg_ctl starts postgres through /bin/sh with the data directory in double quotes: only these characters
+# reach it as themselves (letters and digits of any script, and a few punctuation marks)
+SAFE_DIR = re.compile(r"[\w./+@%=:~-]+")
+
+
+def start_timeout_s() -> float:
+    """How long `start` waits for MLflow to answer: $PDMCTL_SERVER_START_S, read when a start needs it."""
+    raw = os.environ.get(START_ENV, "")
+    if not raw.strip():
+        return START_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= 7 * 86400):
+        raise LedgerError(f"{START_ENV}={shown(raw)}: not a number of seconds in (0, 604800] (how long "
+                          f"`pdmctl server start` waits for MLflow to answer; unset, it is {START_TIMEOUT_S:.0f})")  # fmt: skip
+    return value
+
+
+def shown(text: object) -> str:
+    """Text as printed in a one-line message: as it is if printable, else escaped (no newline, no raw byte)."""
+    text = str(text)
+    return text if text.isprintable() else ascii(text)
 
 
 def default_dir() -> Path:
     env = os.environ.get("PDMCTL_SERVER_DIR")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    try:
+        if env:
+            return Path(env).expanduser()
+        base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    except RuntimeError as exc:  # ~user of no user, or no home
+        raise LedgerError(f"pdmctl server: no server directory ({exc}); pass --dir") from None
     return Path(base) / "pdmctl" / "server"
+
+
+def make_settings(directory: Path | None, **options: object) -> ServerSettings:
+    """The settings of one `pdmctl server` call: --dir (or the default) as an absolute path."""
+    try:
+        path = (directory or default_dir()).expanduser().absolute()
+    except (RuntimeError, OSError) as exc:  # ~nosuchuser; a working directory that was removed
+        raise LedgerError(f"pdmctl server: --dir {shown(directory)}: {exc}") from None
+    return ServerSettings(dir=path, **options)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -107,7 +147,54 @@ def credentials() -> tuple[str, str]:
         raise LedgerError(f"pdmctl server: {' and '.join(missing)} not set: the server's login comes from the "
                           "environment (export both, e.g. from a file only you can read), never from a file "
                           "pdmctl writes")  # fmt: skip
+    check_login_text(user, password)
     return user, password
+
+
+def check_login_text(user: str, password: str) -> None:
+    """A login MLflow can create and its client can send, checked before anything is created: MLflow's
+    client sends it as Latin-1 and its server reads UTF-8 (only ASCII means the same to both), HTTP basic
+    auth splits it at the first ':', and MLflow refuses a password under 12 characters, but only once
+    PostgreSQL and MLflow have started."""
+    for name, value in ((USER_ENV, user), (PASSWORD_ENV, password)):
+        odd = next((ch for ch in value if not (ch.isascii() and ch.isprintable())), None)
+        if odd is not None:
+            raise LedgerError(f"pdmctl server: {name} contains {odd!a}: only printable ASCII reaches the "
+                              "server as typed (MLflow's client sends the login as Latin-1, its server reads "
+                              "UTF-8)")  # fmt: skip
+    if ":" in user:
+        raise LedgerError(f"pdmctl server: {USER_ENV} contains ':': HTTP basic auth splits the login at the first "
+                          "':', so this user could never log in; choose a name without it")  # fmt: skip
+    if len(password) < PASSWORD_MIN:
+        raise LedgerError(f"pdmctl server: {PASSWORD_ENV} has {len(password)} characters: MLflow asks for at least "
+                          f"{PASSWORD_MIN}")  # fmt: skip
+    if password == "password1234":
+        raise LedgerError(f"pdmctl server: {PASSWORD_ENV} is MLflow's old default password, which it refuses; "
+                          "choose another")  # fmt: skip
+
+
+def check_dir(settings: ServerSettings, action: str) -> None:
+    """--dir, before anything is written, signalled or read: a directory (or nothing yet), this user's unless
+    only its status is asked; for a start, a path no shell reads differently (pg_ctl runs postgres through
+    /bin/sh with it)."""
+    where = f"pdmctl server: --dir {shown(settings.dir)}"
+    if action == "start":
+        odd = sorted({ch for ch in str(settings.dir) if not SAFE_DIR.fullmatch(ch)})
+        if odd:
+            raise LedgerError(f"{where}: {' '.join(ascii(ch) for ch in odd)} not allowed in the server's "
+                              "directory (PostgreSQL's pg_ctl passes it through a shell); choose one of letters, "
+                              "digits and . _ - / + @ % = : ~")  # fmt: skip
+    try:
+        info = settings.dir.stat()
+    except FileNotFoundError:
+        return
+    except OSError as exc:  # a path through a file (ENOTDIR), a loop of links, no permission
+        raise LedgerError(f"{where}: {exc.strerror or exc}") from None
+    if not settings.dir.is_dir():
+        raise LedgerError(f"{where}: not a directory")
+    if info.st_uid != os.geteuid() and action != "status":
+        raise LedgerError(f"{where}: owned by another user (uid {info.st_uid})"
+                          + (": pdmctl stops only a server you started" if action == "stop" else ""))
 
 
 def pg_bin() -> Path:
@@ -122,6 +209,7 @@ def pg_bin() -> Path:
 
 
 def check_settings(settings: ServerSettings) -> None:
+    check_dir(settings, "start")
     if os.geteuid() == 0:
         raise LedgerError("pdmctl server: PostgreSQL does not run as root; start the server as the user who "
                           "runs the sweeps (e.g. runuser -u USER -- pdmctl server start)")  # fmt: skip
@@ -130,14 +218,22 @@ def check_settings(settings: ServerSettings) -> None:
     if settings.workers < 1:
         raise LedgerError(f"pdmctl server: --workers {settings.workers}: must be >= 1")
     sock = settings.socket_dir / f".s.PGSQL.{PG_PORT}"
-    if len(str(sock.resolve() if sock.parent.exists() else sock)) > SOCKET_MAX:
-        raise LedgerError(f"pdmctl server: --dir {settings.dir}: too long for a Unix socket path ({sock}, more "
+    try:
+        sock = sock.resolve() if sock.parent.exists() else sock
+    except (RuntimeError, OSError) as exc:  # a loop of links
+        raise LedgerError(f"pdmctl server: --dir {shown(settings.dir)}: {exc}") from None
+    if len(str(sock)) > SOCKET_MAX:
+        raise LedgerError(f"pdmctl server: --dir {shown(settings.dir)}: too long for a Unix socket path ({shown(sock)}, more "
                           f"than {SOCKET_MAX} bytes); choose a shorter directory")  # fmt: skip
     existing = next((p for p in (settings.dir, *settings.dir.parents) if p.exists()), None)
     if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise LedgerError(f"pdmctl server: --dir {settings.dir}: {existing} is not a writable directory")
-    if settings.dir.exists() and settings.dir.stat().st_uid != os.geteuid():
-        raise LedgerError(f"pdmctl server: --dir {settings.dir}: owned by another user")
+        raise LedgerError(f"pdmctl server: --dir {shown(settings.dir)}: {shown(existing)} is not a writable "
+                          "directory")  # fmt: skip
+    if settings.artifacts is not None:
+        found = next((p for p in (settings.artifacts, *settings.artifacts.parents) if p.exists()), None)
+        if found is None or not found.is_dir() or not os.access(found, os.W_OK | os.X_OK):
+            raise LedgerError(f"pdmctl server: --artifacts {shown(settings.artifacts)}: {shown(found)} is not a "
+                              "writable directory")  # fmt: skip
     import mlflow.environment_variables as mev
 
     if not hasattr(mev, "MLFLOW_AUTH_ADMIN_PASSWORD"):
@@ -208,18 +304,54 @@ def stop_postgres(settings: ServerSettings) -> bool:
 # ---------------------------------------------------------------------------
 
 
-def _pid(settings: ServerSettings) -> int | None:
+def _identity(pid: int) -> str | None:
+    """What tells this process from any other that ever had its pid: the boot and the start time (clock
+    ticks since boot, /proc/PID/stat's 22nd field); None if no such process, or not this user's."""
     try:
-        pid = int(settings.pidfile.read_text().strip())
-    except (OSError, ValueError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        owner = os.stat(f"/proc/{pid}").st_uid
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
         return None
+    if owner != os.geteuid():
+        return None
+    return f"{stat[stat.rindex(')') + 2:].split()[19]} {boot}"
+
+
+def _write_pidfile(settings: ServerSettings, pid: int) -> None:
+    identity = _identity(pid)
+    settings.pidfile.write_text(f"{pid} {identity}\n" if identity else f"{pid}\n")
+
+
+def _pid(settings: ServerSettings) -> tuple[int | None, str | None]:
+    """(pid of the MLflow server this directory started, if it runs; a line on a pid file that names no such
+    process). A pid is this server's only if the process has the start time and boot the file recorded, or,
+    for a file of the pid alone, runs `mlflow server` on this directory's socket; never pid 0 or 1."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass
-    return pid
+        text = settings.pidfile.read_text(errors="replace")
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"{shown(settings.pidfile)}: {exc.strerror or exc}; nothing signalled"
+    fields = text.split()
+    numeric = bool(fields) and fields[0].isascii() and fields[0].isdigit() and len(fields[0]) <= 12
+    pid = int(fields[0]) if numeric else 0
+    if pid > 1 and len(fields) > 1:
+        ours = _identity(pid) == " ".join(fields[1:])
+    elif pid > 1:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            argv = []
+        ours = (_identity(pid) is not None and b"mlflow" in argv and b"server" in argv
+                and any(str(settings.socket_dir).encode() in a for a in argv))  # fmt: skip
+    else:
+        ours = False
+    if ours:
+        return pid, None
+    named = f"pid {pid}" if numeric else (shown(text.strip()[:40]) or "nothing")
+    return None, (f"{shown(settings.pidfile)} names {named}, which is not a server this directory started (a stale "
+                  "file): nothing signalled")  # fmt: skip
 
 
 def healthy(url: str, timeout: float = 3.0) -> bool:
@@ -275,10 +407,38 @@ def _write_auth_ini(settings: ServerSettings) -> None:
 
 def start(settings: ServerSettings) -> list[str]:
     user, password = credentials()
+    timeout_s = start_timeout_s()
     check_settings(settings)
     pg_bin()
+    pg_was_running = pg_running(settings)
+    started: list[int] = []  # the MLflow server this start started, to stop if the start fails
+    try:
+        return _start(settings, user, password, timeout_s, started)
+    except BaseException as exc:  # a Ctrl-C while MLflow starts too
+        undone = []
+        for pid in started:
+            with contextlib.suppress(LedgerError, OSError):
+                _stop_group(pid)
+                settings.pidfile.unlink(missing_ok=True)
+                undone.append("mlflow server")
+        if not pg_was_running:
+            with contextlib.suppress(LedgerError, OSError):
+                if stop_postgres(settings):
+                    undone.append("PostgreSQL")
+        if not isinstance(exc, (LedgerError, OSError)):
+            raise
+        error = exc if isinstance(exc, LedgerError) else LedgerError(f"pdmctl server: {shown(exc)}")
+        if undone:
+            error = LedgerError(f"{error} (stopped again what this start had started: {' and '.join(undone)})")
+        raise error from None
+
+
+def _start(settings: ServerSettings, user: str, password: str, timeout_s: float, started: list[int]) -> list[str]:
     said = start_postgres(settings)
-    pid = _pid(settings)
+    pid, note = _pid(settings)
+    if note:
+        said.append(note)
+        settings.pidfile.unlink(missing_ok=True)
     if pid is not None and healthy(settings.url):
         check_login(settings.url, user, password)
         return [*said, f"mlflow server already running at {settings.url} (pid {pid}); login {user} accepted"]
@@ -307,49 +467,68 @@ def start(settings: ServerSettings) -> list[str]:
            "--host", settings.host, "--port", str(settings.port), "--workers", str(settings.workers),
            "--allowed-hosts", allowed]  # fmt: skip
     with open(settings.log, "ab") as log:
+        offset = log.tell()  # this start's output begins here: the log keeps earlier starts' too
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, cwd=settings.dir)  # fmt: skip
-    settings.pidfile.write_text(f"{proc.pid}\n")
+    started.append(proc.pid)
+    _write_pidfile(settings, proc.pid)
     t0 = time.monotonic()
     while not healthy(settings.url):
         if proc.poll() is not None:
+            started.remove(proc.pid)
             settings.pidfile.unlink(missing_ok=True)
             raise LedgerError(f"pdmctl server: mlflow server exited ({proc.returncode}) while starting: "
-                              f"{_last_error(settings.log)} (log: {settings.log})")  # fmt: skip
-        if time.monotonic() - t0 > START_TIMEOUT_S:
-            _stop_group(proc.pid)
-            settings.pidfile.unlink(missing_ok=True)
+                              f"{_last_error(settings.log, offset)} (log: {shown(settings.log)})")  # fmt: skip
+        if time.monotonic() - t0 > timeout_s:
             raise LedgerError(f"pdmctl server: mlflow server did not answer {settings.url}/health within "
-                              f"{START_TIMEOUT_S:.0f} s (log: {settings.log})")  # fmt: skip
+                              f"{timeout_s:.0f} s ({START_ENV}; log: {shown(settings.log)})")  # fmt: skip
         time.sleep(0.5)
     check_login(settings.url, user, password)
     return [*said, f"mlflow server at {settings.url} (pid {proc.pid}, started in {time.monotonic() - t0:.0f} s; "
-            f"store: PostgreSQL in {settings.pg_data}, socket only; login {user} accepted)"]  # fmt: skip
+            f"store: PostgreSQL in {shown(settings.pg_data)}, socket only; login {user} accepted)"]  # fmt: skip
 
 
-def _last_error(log: Path) -> str:
+def _last_error(log: Path, offset: int = 0) -> str:
+    """The error of the output that begins at `offset` (this start's): its last line naming an error or an
+    exception, in any case, other than the traceback's own lines; else its last line."""
     try:
-        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        with open(log, "rb") as fh:
+            fh.seek(offset)
+            text = fh.read().decode(errors="replace")
     except OSError:
         return "no log"
-    for ln in reversed(lines):
-        if "Error" in ln or "Exception" in ln:
-            return ln[:300]
-    return lines[-1][:300] if lines else "no output"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    quoted = [ln for ln in lines if re.search(r"error|exception|fatal", ln, re.IGNORECASE)
+              and not ln.startswith(("Traceback", "File ", "raise ", "^")) and "CalledProcessError" not in ln]  # fmt: skip
+    chosen = quoted[-1] if quoted else (lines[-1] if lines else "no output")
+    return shown(chosen[:300])
 
 
 def _stop_group(pid: int, wait_s: float = 30.0) -> None:
+    """Stop the MLflow server `pid` (checked by `_pid`) and its workers: its process group, which it leads
+    (started in a session of its own); the process alone if it leads none."""
+    if pid <= 1:
+        raise LedgerError(f"pdmctl server: refusing to signal pid {pid}")
+    try:
+        group = os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return
+    send = os.killpg if group else os.kill
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
-            os.killpg(pid, sig)
+            send(pid, sig)
         except ProcessLookupError:
             return
+        except PermissionError as exc:
+            raise LedgerError(f"pdmctl server: cannot signal the mlflow server (pid {pid}): {exc.strerror}") from None
         t0 = time.monotonic()
         while time.monotonic() - t0 < wait_s:
             try:
-                os.killpg(pid, 0)
+                send(pid, 0)
             except ProcessLookupError:
                 return
+            except PermissionError:
+                return  # the group's members are gone and the pid is someone else's
             # a child of ours (this process started it): reap it, else it stays a zombie in the group
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
@@ -357,24 +536,32 @@ def _stop_group(pid: int, wait_s: float = 30.0) -> None:
 
 
 def stop(settings: ServerSettings) -> list[str]:
+    check_dir(settings, "stop")
+    if not settings.dir.exists():
+        return [f"nothing running in {shown(settings.dir)}"]
     said = []
-    pid = _pid(settings)
+    pid, note = _pid(settings)
+    if note:
+        said.append(note)
     if pid is not None:
         _stop_group(pid)
         said.append(f"mlflow server stopped (pid {pid})")
-    settings.pidfile.unlink(missing_ok=True)
-    if settings.dir.exists() and stop_postgres(settings):
+    with contextlib.suppress(OSError):
+        settings.pidfile.unlink(missing_ok=True)
+    if stop_postgres(settings):
         said.append("PostgreSQL stopped")
-    return said or [f"nothing running in {settings.dir}"]
+    return said or [f"nothing running in {shown(settings.dir)}"]
 
 
 def status(settings: ServerSettings) -> tuple[bool, list[str]]:
-    pid = _pid(settings)
-    pg = settings.dir.exists() and pg_running(settings)
+    check_dir(settings, "status")
+    pid, note = _pid(settings)
+    pg = settings.dir.is_dir() and pg_running(settings)
     up = pid is not None and healthy(settings.url)
     lines = [
         f"mlflow server: {'answering at ' + settings.url if up else 'not answering at ' + settings.url}"
         + (f" (pid {pid})" if pid is not None else ""),
-        f"PostgreSQL: {'running' if pg else 'not running'} ({settings.pg_data})",
+        f"PostgreSQL: {'running' if pg else 'not running'} ({shown(settings.pg_data)})",
+        *([note] if note else []),
     ]
     return up and pg, lines

@@ -1,5 +1,5 @@
 """Tracking URIs: which store a URI names, whether it can be used (checked before anything is
-written), the default ./mlflow.db."""
+written), the default ./mlflow.db, and how a URI is printed (`redact`: never a password)."""
 
 from __future__ import annotations
 
@@ -26,24 +26,37 @@ def resolve_tracking_uri(cli_uri: str | None, profile_uri: str | None) -> str:
         try:
             uri = f"sqlite:///{Path(uri.removeprefix('sqlite:///')).resolve()}"
         except (RuntimeError, OSError) as exc:  # a loop of symbolic links
-            raise LedgerError(f"tracking URI {uri}: cannot be resolved ({exc})") from exc
+            raise LedgerError(f"tracking URI {redact(uri)}: cannot be resolved ({exc})") from exc
     return uri
+
+
+LOGIN_HINT = ("the login of a tracking server goes in MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
+              "(in the environment pdmctl runs in, which jobs inherit), never in the URI")  # fmt: skip
 
 
 def check_uri(uri: str) -> None:
     """Raise LedgerError (one line) for a URI no store answers to; looks at the text only."""
-    parsed = urlparse(uri)
-    scheme = parsed.scheme.split("+")[0]
+    try:
+        parsed = urlparse(uri)
+        scheme = parsed.scheme.split("+")[0]
+        if scheme in ("http", "https"):
+            parsed.port  # noqa: B018  (raises for a port that is no number)
+    except ValueError as exc:
+        raise LedgerError(f"tracking URI {redact(uri)}: not a URI ({exc})") from None
+    if scheme in ("http", "https") and "@" in parsed.netloc:
+        # MLflow's client sends no login from the URI: it would take `user:password@host` for the host name
+        raise LedgerError(f"tracking URI {redact(uri)}: holds a login; {LOGIN_HINT}: give "
+                          f"{scheme}://{parsed.netloc.rpartition('@')[2]}{parsed.path}")  # fmt: skip
     if scheme == "sqlite":
         if not uri.startswith("sqlite:///") or not uri.removeprefix("sqlite:///").strip("/"):
-            raise LedgerError(f"tracking URI {uri}: a SQLite store is sqlite:///PATH (three slashes, "
+            raise LedgerError(f"tracking URI {redact(uri)}: a SQLite store is sqlite:///PATH (three slashes, "
                               "then the file; four for an absolute path)")  # fmt: skip
     elif scheme in ("http", "https"):
         if not parsed.hostname:
-            raise LedgerError(f"tracking URI {uri}: no host")
+            raise LedgerError(f"tracking URI {redact(uri)}: no host")
     elif not is_database_uri(uri):
         raise LedgerError(
-            f"tracking URI {_redact(uri)}: unsupported scheme {parsed.scheme!r} "
+            f"tracking URI {redact(uri)}: unsupported scheme {parsed.scheme!r} "
             "(use sqlite:///, postgresql://, http://)"
         )
 
@@ -62,9 +75,9 @@ def check_reachable(uri: str, *, timeout: float = 5.0) -> None:
     path = sqlite_path(uri)
     if path is not None:
         if not path.parent.is_dir():
-            raise LedgerError(f"tracking URI {uri}: directory {path.parent} does not exist")
+            raise LedgerError(f"tracking URI {redact(uri)}: directory {path.parent} does not exist")
         if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-            raise LedgerError(f"tracking URI {uri}: {path} is not writable")
+            raise LedgerError(f"tracking URI {redact(uri)}: {path} is not writable")
         return
     if is_database_uri(uri):
         import sqlalchemy
@@ -90,11 +103,11 @@ def check_reachable(uri: str, *, timeout: float = 5.0) -> None:
         try:
             with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as resp:
                 if resp.status != 200:
-                    raise LedgerError(f"tracking URI {uri}: /health answered {resp.status}")
+                    raise LedgerError(f"tracking URI {redact(uri)}: /health answered {resp.status}")
         except LedgerError:
             raise
         except Exception as exc:
-            raise LedgerError(f"tracking URI {uri}: not reachable ({_first_line(exc)})") from exc
+            raise LedgerError(f"tracking URI {redact(uri)}: not reachable ({_first_line(exc)})") from exc
         return
     check_uri(uri)
 
@@ -106,7 +119,7 @@ def ledger_exists(uri: str) -> bool:
     """
     path = sqlite_path(uri)
     if path is not None and not path.parent.is_dir():
-        raise LedgerError(f"tracking URI {uri}: directory {path.parent} does not exist")
+        raise LedgerError(f"tracking URI {redact(uri)}: directory {path.parent} does not exist")
     return path is None or path.exists()
 
 
@@ -124,8 +137,25 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _redact(uri: str) -> str:
-    parsed = urlparse(uri)
-    if parsed.password:
-        return uri.replace(f":{parsed.password}@", ":***@")
-    return uri
+def redact(uri: str) -> str:
+    """A URI as printed: the login of an http(s) URI (`http://USER:PASSWORD@host`) as ***, the password of a
+    database URI (`postgresql://user:PASSWORD@host`) as ***; control characters escaped (one line)."""
+    try:
+        parsed = urlparse(uri)
+    except ValueError:
+        parsed = None
+    shown = uri
+    if parsed is not None and "@" in parsed.netloc:
+        userinfo, _, host = parsed.netloc.rpartition("@")
+        if parsed.scheme.split("+")[0] in ("http", "https"):
+            hidden = "***"
+        else:
+            user, colon, _password = userinfo.partition(":")
+            hidden = f"{user}:***" if colon else user
+        shown = uri.replace(parsed.netloc, f"{hidden}@{host}", 1)
+    elif "@" in uri and parsed is None:  # unparseable: keep nothing before the last @
+        shown = "***@" + uri.rpartition("@")[2]
+    return shown if shown.isprintable() else ascii(shown)
+
+
+_redact = redact  # the name the ledger's modules import
