@@ -4,7 +4,8 @@ On the login node it checks what the login node can see (the profile filled in, 
 the tracking server, the shared paths, the disk for the checkpoints); with `--job` it then runs the node's
 checks in a one-node job of the profile (`srun`, the profile's setup lines and environment first), and
 `--on-node` is that half, run inside the job: the driver against the CUDA build of torch, the GPU count
-against the profile's gres, the engine's imports (vLLM, VeRL, the Megatron half, Transformer Engine), the
+against the profile's gres, the engine's imports (vLLM, the presets' attention, VeRL, the Megatron half,
+Transformer Engine), the
 model and data paths, the tracking server (and the login) from the node, the disk. One line per check; the
 first that fails ends it with exit code 2.
 """
@@ -33,6 +34,9 @@ MIN_DRIVER = {11: (450, 80, 2), 12: (525, 60, 13), 13: (580, 65, 6)}
 # the engine's imports: (check name, modules tried in order: the first that imports is taken)
 IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vllm", ("vllm",)),
+    # the presets' attention (presets.HF_ATTENTION, MEGATRON_ATTENTION): transformers' SDPA here, Transformer
+    # Engine's cuDNN attention with transformer_engine below; never flash_attn, which the engine lock lacks
+    ("attention", ("transformers.integrations.sdpa_attention",)),
     ("verl", ("verl",)),
     ("megatron", ("megatron.core",)),
     ("megatron-bridge", ("megatron.bridge", "mbridge")),  # VeRL 0.9.1's default, else its legacy path

@@ -434,16 +434,17 @@ def policy_loss(
     eps_low: float = 0.2,
     eps_high: float = 0.28,
     loss_agg_mode: str = "token-mean",
-    ratio_cap: float = 10.0,
+    ratio_cap: float | None = 10.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """L = −A · sg(min(r, C)) · M · log π_k, aggregated; gradient through log π_k only.
+    `ratio_cap` None: no cap, L = −A · sg(r) · M · log π_k (the paper's loss, arXiv 2607.10848, §2).
 
     Token tensors are [B, T] (sequence modes aggregate over T) or [N] (one
     sequence); `logits` has one more trailing dimension, the vocabulary.
     """
     if loss_agg_mode not in AGGREGATIONS:
         raise ValueError(f"loss_agg_mode: unknown {loss_agg_mode!r}; choose from {sorted(AGGREGATIONS)}")
-    if not ratio_cap > 0:
+    if ratio_cap is not None and not ratio_cap > 0:
         raise ValueError(f"ratio_cap: must be > 0, got {ratio_cap}")
     shape = sampled_ids.shape
     if response_mask.shape != shape:
@@ -461,12 +462,17 @@ def policy_loss(
     log_probs = torch.log_softmax(logits.reshape(-1, vocab), dim=-1, dtype=_work_dtype(logits))
     log_pi_k = log_probs.gather(-1, flat_ids.unsqueeze(-1)).squeeze(-1)
     weight = (
-        advantages.reshape(-1).float() * d.ratio.clamp(max=ratio_cap) * d.keep.float()
+        advantages.reshape(-1).float() * capped(d.ratio, ratio_cap) * d.keep.float()
     )  # A·sg(min(r,C))·M
     per_seq = shape if len(shape) > 1 else (1, -1)  # a flat batch aggregates as one sequence
     token_loss = (-weight * log_pi_k).reshape(per_seq)
     loss = AGGREGATIONS[loss_agg_mode](token_loss, response_mask.reshape(per_seq).to(token_loss.dtype))
     return loss, update_metrics(d, response_mask.reshape(-1).bool())
+
+
+def capped(ratio: torch.Tensor, ratio_cap: float | None) -> torch.Tensor:
+    """min(r, C); r itself where there is no cap (C = None)."""
+    return ratio if ratio_cap is None else ratio.clamp(max=ratio_cap)
 
 
 def update_metrics(d: Diagnostics, response_mask: torch.Tensor) -> dict[str, float]:

@@ -122,7 +122,7 @@ def validate(config: Mapping[str, Any]) -> None:
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise SpecError(f"seed: must be an integer >= 0, got {seed!r}")
     for field in ("eps_low", "eps_high", "ratio_cap"):
-        if field in mask:
+        if field in mask and not (field == "ratio_cap" and mask[field] is None):  # ratio_cap null: no cap
             _positive(mask, field, prefix="mask.")
     model_backend = (config.get("model") or {}).get("backend")
     backend = (config.get("backend") or {}).get("name")

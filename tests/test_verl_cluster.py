@@ -318,13 +318,21 @@ def test_the_paper_sweeps_dry_run_shows_every_command_every_run_and_the_cost(tmp
     days = float(sweep.split("; upper bound ")[1].split(" days")[0])
     assert sum(run_seconds) / 4 <= days * 86400 * 1.001 and days * 86400 <= 1.1 * (sum(run_seconds) / 4 + max(run_seconds))
     assert "at max_concurrent 4 (4 x 4 node(s) at a time)" in sweep
-    # 12 runs x 3 kept per setting; FSDP 12 bytes a parameter (4B, 8B), both 30B settings on Megatron: 14
-    kept = sum(12 * 3 * launch.MODEL_PRESETS[m].parameters * b for m, b in
-               (("qwen3-4b-base", 12), ("qwen3-8b-base", 12), ("qwen3-30b-a3b-base", 14), ("qwen3-30b-a3b-base", 14)))  # fmt: skip
+    # 12 runs x 3 kept per setting; every setting on Megatron: 14 bytes a parameter
+    kept = sum(12 * 3 * launch.MODEL_PRESETS[m].parameters * 14 for m in
+               ("qwen3-4b-base", "qwen3-8b-base", "qwen3-30b-a3b-base", "qwen3-30b-a3b-base"))  # fmt: skip
     assert f"checkpoints: {kept / 1e12:.2f} TB at most" in sweep
     megatron_sizes = next(line for line in text[text.index("setting 3/4"):].splitlines() if line.startswith("  checkpoints: "))
     assert "30.53 B parameters x 14 bytes, Megatron distributed: bf16 weights 2" in megatron_sizes, megatron_sizes
-    assert "x 12 bytes, FSDP: fp32 weights 4" in text
+    assert "x 12 bytes, FSDP" not in text
+    # each command says its training engine, its attention and its ratio cap: Megatron everywhere, no
+    # flash-attn, PDM and DPPO uncapped (the paper's loss), GRPO clip-higher at DAPO's 10
+    said = [line for line in lines if line.startswith("    settings: ")]
+    assert len(said) == 16
+    assert all(line.startswith("    settings: training engine megatron (Megatron-LM); attention fused (Transformer "
+                               "Engine, Megatron), sdpa (the model's HF config), vLLM's own in the rollout; ratio cap ")
+               for line in said), said  # fmt: skip
+    assert sorted(line.rsplit("ratio cap ", 1)[1] for line in said) == ["10.0"] * 4 + ["none"] * 12
 
 
 def test_a_sweep_of_one_setting_keeps_its_grid_order() -> None:

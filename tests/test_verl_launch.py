@@ -152,8 +152,8 @@ def test_metric_mapping() -> None:
     assert metrics.map_metrics({"actor/pdmctl/mask_frac": 0.1, "timing/gen": 3.0}) == {"train/mask_frac": 0.1}
 
 
-def _config(precision: str = "bf16", **changes: object):
-    run = {**BASE, "model": "qwen3-4b-base", "precision": precision}
+def _config(precision: str = "bf16", strategy: str | None = None, **changes: object):
+    run = {**BASE, "model": "qwen3-4b-base", "precision": precision, "strategy": strategy}
     config = launch.compose(launch.verl_overrides(run))
     for key, value in changes.items():
         OmegaConf.update(config, key, value, force_add=True)
@@ -183,7 +183,7 @@ def test_fail_fast_accepts_a_generated_config(monkeypatch: pytest.MonkeyPatch) -
 def test_fail_fast_rejects(monkeypatch: pytest.MonkeyPatch, changes: dict, message: str) -> None:
     monkeypatch.setenv(topk.TOPK_ENV, "20")
     with pytest.raises((plugin.PluginCheckError, ValueError), match=message):
-        plugin.check_run_config(_config(**changes))
+        plugin.check_run_config(_config(strategy="fsdp2", **changes))
 
 
 def test_fail_fast_takes_the_v1_trainer_only_where_transferqueue_imports(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -427,8 +427,8 @@ def test_a_verl_key_from_the_grid_reaches_the_command_and_the_run_key(tmp_path: 
      ("verl.trainer.val_before_train=false", r"pdmctl sets it from backend\.val_before_train"),
      ("verl.actor_rollout_ref.actor.policy_loss.loss_mode=vanilla", r"from mask, delta, delta_low and k"),
      ("verl.trainer={total_epochs:2}", r"^verl\.trainer: pdmctl sets trainer\.use_v1 from "),
-     ("verl.actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", r"a key of VeRL's megatron engine, "
-      r"and this run trains on dp \(backend\.strategy=megatron changes it\)"),
+     ("verl.actor_rollout_ref.actor.fsdp_config.param_offload=true", r"a key of VeRL's dp engine, "
+      r"and this run trains on megatron \(backend\.strategy=fsdp2 changes it\)"),
      ("+backend.verl.trainer.balance_batch=false", r"set verl's own keys one by one, as verl\.<key>=<value>"),
      ("verl=5", r"^verl: give the key, as verl\.<key>=<value>$")],
 )  # fmt: skip
@@ -468,7 +468,7 @@ def test_every_verl_key_pdmctl_sets_from_a_setting_of_its_own_is_refused_as_verl
                "val_before_train": False, "total_epochs": 2, "total_training_steps": 9, "max_ckpt_to_keep": 1,
                "max_prompt_length": 1024, "k": 50, "delta": 0.3, "delta_low": 0.1, "method": "dppo",
                "divergence": "topk_tv", "estimator": "uni", "eps_low": 0.1, "eps_high": 0.2, "ratio_cap": 3.0,
-               "loss_agg_mode": "seq-mean-token-mean", "precision": "fp8_e2e", "strategy": "megatron",
+               "loss_agg_mode": "seq-mean-token-mean", "precision": "fp8_e2e", "strategy": "fsdp2",
                "checkpoint_dir": "/elsewhere", "data_dir": "/d2", "model_path": "/m", "experiment": "e2",
                "run_name": "r2", "nnodes": 1}  # fmt: skip
 

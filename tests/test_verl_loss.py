@@ -43,10 +43,11 @@ CASES = [
 
 
 @functools.cache  # Hydra composes in ~2 s; the config is read, never changed
-def actor_config(method: str, divergence: str, estimator: str, loss_agg_mode: str = "token-mean"):
+def actor_config(method: str, divergence: str, estimator: str, loss_agg_mode: str = "token-mean",
+                 ratio_cap: float | None = 5.0):
     run = {
-        "model": "qwen3-4b-base", "method": method, "divergence": divergence, "estimator": estimator,
-        "k": K, "delta": 0.05, "ratio_cap": 5.0, "loss_agg_mode": loss_agg_mode,
+        "model": "qwen3-4b-base", "strategy": "fsdp2", "method": method, "divergence": divergence, "estimator": estimator,
+        "k": K, "delta": 0.05, "ratio_cap": ratio_cap, "loss_agg_mode": loss_agg_mode,
         "checkpoint_dir": "/ck", "data_dir": "/data",
     }  # fmt: skip
     config = launch.compose(launch.verl_overrides(run))
@@ -240,3 +241,33 @@ def test_the_mask_profile_has_one_line_per_logits_processor_call(tmp_path, monke
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert [line["rows"] for line in lines] == [int(valid.sum())] * 2
     assert all(0 < line["s"] < 60 for line in lines)
+
+
+@pytest.mark.parametrize("method", ["pdm", "dppo"])
+def test_a_run_without_a_ratio_cap_trains_on_the_uncapped_loss_through_verl(method: str) -> None:
+    """`mask.ratio_cap: null` (the paper's loss for PDM and DPPO) reaches VeRL as clip_ratio_c=inf, and the
+    loss and gradient through VeRL's loss path are `policy_loss` with no cap, L = −A · sg(r) · M · log π_k;
+    with a cap below some kept token's ratio the same batch gives another loss (the cap is not a no-op)."""
+    config = actor_config(method, "topk_kl", "agg", ratio_cap=None)
+    assert config.clip_ratio_c == math.inf
+    data, logits, rows, valid = micro_batch(0)
+    leaf = logits.clone().requires_grad_(True)
+    loss, _ = verl_actor_step(config, data, leaf)
+    loss.backward()
+    padded = micro_batch(0, layout="padded")[0]
+
+    def reference(cap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        ref_leaf = logits.clone().requires_grad_(True)
+        ref, _ = masks.policy_loss(
+            ref_leaf[rows], data["responses"], padded[topk.TOPK_IDS_KEY], padded[topk.TOPK_LOGPROBS_KEY],
+            data["rollout_log_probs"], data["advantages"], valid.float(), method=method, divergence="topk_kl",
+            estimator="agg", delta=0.05, ratio_cap=cap,
+        )  # fmt: skip
+        ref.backward()
+        return ref, ref_leaf.grad
+
+    uncapped, uncapped_grad = reference(None)
+    torch.testing.assert_close(loss.double(), uncapped.double(), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(leaf.grad, uncapped_grad, rtol=1e-5, atol=1e-9)
+    capped, _ = reference(1.0)
+    assert not torch.isclose(capped.double(), uncapped.double(), rtol=1e-6, atol=1e-9)

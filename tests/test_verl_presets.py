@@ -114,3 +114,117 @@ def test_fsdp_stays_selectable_for_the_fp8_rollout_setting() -> None:
     assert launch.setting({**run, "strategy": None}) == "qwen3-30b-a3b-base fp8_rollout on megatron"
     with pytest.raises(launch.LaunchConfigError, match="fp8_e2e needs strategy=megatron"):
         launch.verl_overrides({**run, "precision": "fp8_e2e"}, environ={})
+
+
+LOCK = Path(__file__).resolve().parent.parent / "scripts" / "engine-cuda.lock"
+GPU_PRESETS = sorted(name for name, preset in launch.MODEL_PRESETS.items() if preset.device == "cuda")
+PATHS = [(model, precision, strategy) for model in GPU_PRESETS for precision in launch.PRECISIONS
+         for strategy in launch.STRATEGIES if precision != "fp8_e2e" or strategy == "megatron"]  # fmt: skip
+
+
+def locked_packages() -> set[str]:
+    return {line.split("==", 1)[0].strip().lower() for line in LOCK.read_text().splitlines() if "==" in line
+            and not line.lstrip().startswith("#")}  # fmt: skip
+
+
+@pytest.mark.parametrize(("model", "precision", "strategy"), PATHS)
+def test_every_gpu_command_names_an_attention_whose_packages_the_engine_lock_has(model, precision, strategy) -> None:
+    """Each GPU preset, precision and training engine states its attention (the HF config's, and Megatron's
+    backend on Megatron), and every package that implementation runs from is pinned in the engine lock;
+    flash-attn, VeRL's default for both engines, is not."""
+    from pdmctl.backends.verl import presets
+
+    run = {"checkpoint_dir": "/ckpt/run", "data_dir": "/data/verl", "seed": SEED, "model": model,
+           "precision": precision, "strategy": strategy, "method": "pdm"}  # fmt: skip
+    values = dict(o.lstrip("+").split("=", 1) for o in launch.verl_overrides(run, environ={}))
+    used = [values["actor_rollout_ref.model.override_config.attn_implementation"], "vllm"]
+    backend = values.get("actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend")
+    assert (backend is not None) == (strategy == "megatron"), values
+    used += [backend] if backend else []
+    locked = locked_packages()
+    assert "flash-attn" not in locked and "flash_attn" not in locked
+    for implementation in used:
+        missing = set(presets.ATTENTION_PACKAGES[implementation]) - locked
+        assert not missing, f"{model} {precision} {strategy}: {implementation} needs {missing}, not in the lock"
+
+
+@pytest.mark.parametrize("arch", ["dense", "moe"])
+def test_the_hf_attention_the_presets_name_builds_qwen3_without_flash_attn(arch: str) -> None:
+    """transformers builds a (few-layer) Qwen3 and Qwen3-MoE with the presets' `sdpa` here, where flash-attn
+    is not installed, and refuses VeRL's default `flash_attention_2`: what every GPU run hit before."""
+    import importlib.util
+
+    import transformers
+
+    from pdmctl.backends.verl import presets
+
+    assert importlib.util.find_spec("flash_attn") is None
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8)  # fmt: skip
+    config = (transformers.Qwen3Config(**shape) if arch == "dense" else
+              transformers.Qwen3MoeConfig(**shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16))  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=presets.HF_ATTENTION)
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(ImportError, match=r"FlashAttention2 .* cannot be used"):
+        transformers.AutoModelForCausalLM.from_config(config, attn_implementation="flash_attention_2")
+
+
+def test_megatron_reads_the_presets_attention_backend_as_transformer_engines_fused_attention() -> None:
+    """VeRL turns `attention_backend` into megatron-core's AttnBackend by name: `fused` is its cuDNN attention
+    through Transformer Engine (megatron-core sets NVTE_FUSED_ATTN=1, NVTE_FLASH_ATTN=0 for it)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from pdmctl.backends.verl import presets
+
+    assert AttnBackend[presets.MEGATRON_ATTENTION] is AttnBackend.fused
+
+
+@pytest.mark.parametrize("model", ["qwen3-4b-base", "qwen3-8b-base", "qwen3-30b-a3b-base"])
+def test_every_qwen3_preset_trains_on_megatron_unless_the_run_names_fsdp2(model: str) -> None:
+    """The paper trains every model with Megatron-LM: that is each Qwen3 preset's engine for bf16 and FP8
+    rollout; `strategy: fsdp2` is the named alternative, with the HF attention and no Megatron keys."""
+    run = {"checkpoint_dir": "/ckpt/run", "data_dir": "/data/verl", "seed": SEED, "model": model,
+           "precision": "bf16"}  # fmt: skip
+    assert launch.setting(run) == f"{model} bf16 on megatron"
+    assert "model_engine=megatron" in launch.verl_overrides(run, environ={})
+    fsdp = launch.verl_overrides({**run, "strategy": "fsdp2"}, environ={})
+    assert launch.setting({**run, "strategy": "fsdp2"}) == f"{model} bf16 on fsdp2"
+    assert "model_engine=dp" in fsdp and "actor_rollout_ref.actor.strategy=fsdp2" in fsdp
+    assert "+actor_rollout_ref.model.override_config.attn_implementation=sdpa" in fsdp
+    assert not any(".megatron." in o for o in fsdp)
+
+
+def test_the_paper_sweeps_train_pdm_and_dppo_without_a_ratio_cap_and_grpo_with_dapos() -> None:
+    """paper-main and paper-tight: every PDM and DPPO run has no ratio cap (the paper's loss; VeRL's
+    clip_ratio_c=inf), every GRPO clip-higher run DAPO's 10; the cap is in the run key (an uncapped run and
+    a capped one of the same mask are two runs)."""
+    from pdmctl.backends.registry import _verl_job_config, flat_config
+    from pdmctl.grid import expand, load_sweep_file
+    from pdmctl.spec import run_key
+
+    for name in ("paper-main", "paper-tight"):
+        specs = expand([], load_sweep_file(name))
+        assert len(specs) == 48
+        for spec in specs:
+            method, cap = spec.config["mask"]["method"], spec.config["mask"]["ratio_cap"]
+            assert cap == (10.0 if method == "grpo" else None), (name, spec.summary)
+            job = _verl_job_config(flat_config(spec.config), Path("/runs") / spec.key)
+            want = "10.0" if method == "grpo" else "inf"
+            assert f"actor_rollout_ref.actor.clip_ratio_c={want}" in launch.verl_overrides(job, environ={})
+        pdm = next(spec for spec in specs if spec.config["mask"]["method"] == "pdm")
+        capped = {**pdm.config, "mask": {**pdm.config["mask"], "ratio_cap": 10.0}}
+        assert run_key(capped) != pdm.key
+
+
+def test_the_doctor_imports_the_presets_attention_and_never_flash_attn() -> None:
+    """`pdmctl doctor --job` imports, on the node, what the presets' attention imports: transformers' SDPA
+    integration (its own check, passing in this environment) and Transformer Engine's PyTorch package
+    (Megatron's cuDNN attention); no check imports flash_attn."""
+    from pdmctl import doctor
+    from pdmctl.executors import ClusterProfile
+
+    checks = dict(doctor.IMPORTS)
+    assert "attention" in doctor.NODE_CHECKS and checks["transformer-engine"] == ("transformer_engine.pytorch",)
+    assert not any("flash" in module for modules in checks.values() for module in modules)
+    node = doctor.Doctor(ClusterProfile(name="here", executor="local", workdir="/tmp"), "sqlite:///unused.db")
+    assert node.imports(checks["attention"]).startswith("transformers.integrations.sdpa_attention ")

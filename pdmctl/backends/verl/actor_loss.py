@@ -86,7 +86,7 @@ class MaskSettings:
     delta_low: float | None
     eps_low: float
     eps_high: float
-    ratio_cap: float
+    ratio_cap: float | None  # None: no cap
 
     @classmethod
     def from_actor_config(cls, config: Any) -> MaskSettings:
@@ -99,7 +99,7 @@ class MaskSettings:
             delta_low=policy_loss.get("delta_low", None),
             eps_low=float(config.clip_ratio_low),
             eps_high=float(config.clip_ratio_high),
-            ratio_cap=float(config.clip_ratio_c),
+            ratio_cap=None if config.clip_ratio_c is None else float(config.clip_ratio_c),
         )
 
 

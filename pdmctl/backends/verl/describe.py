@@ -110,6 +110,7 @@ def describe_jobs(jobs: Sequence[Job], nodes: int, environ: Mapping[str, str], c
             else:
                 lines.append(f"  command {label} differs from {s}.1 in: {_difference(first, command)}")
             lines.append("    runs: " + ", ".join(f"{job.key} (seed {job.config['seed']})" for job in command.jobs))
+            lines.append(f"    settings: {settings_line(command.overrides)}")
             cost, why_not = _cost(command, throughputs, cluster)
             said = _cost_line(cost) if cost is not None else f"not estimated: {why_not}"
             lines.append(f"    cost: {'as the command before' if said == previous else said}")
@@ -167,6 +168,24 @@ def _command(job: Job, nodes: int, environ: Mapping[str, str]) -> _Command:
     zero, one = overrides(0), overrides(1)  # what follows the seed differs between the two
     template = [f"{k}={'SEED' if one.get(k) != v else v}" for k, v in zero.items()]
     return _Command(template, {**launch.job_env(config), **environ}, [])
+
+
+def settings_line(overrides: Sequence[str]) -> str:
+    """What a command trains with, read off its overrides: the training engine, the attention of each
+    path, the ratio cap."""
+    values = {k.lstrip("+"): v for k, v in (o.split("=", 1) for o in overrides)}
+    actor = "actor_rollout_ref.actor"
+    megatron = values.get("model_engine") == "megatron"
+    engine = "megatron (Megatron-LM)" if megatron else f"{values.get(f'{actor}.strategy', 'fsdp2')} (FSDP)"
+    hf = values.get("actor_rollout_ref.model.override_config.attn_implementation", "flash_attention_2 (VeRL's default)")
+    if megatron:
+        backend = values.get(f"{actor}.megatron.override_transformer_config.attention_backend", "flash (VeRL's default)")
+        attention = f"{backend} (Transformer Engine, Megatron), {hf} (the model's HF config)"
+    else:
+        attention = f"{hf} (transformers, actor and reference)"
+    cap = values.get(f"{actor}.clip_ratio_c", "3.0 (VeRL's default)")
+    return (f"training engine {engine}; attention {attention}, vLLM's own in the rollout; "
+            f"ratio cap {'none' if cap == 'inf' else cap}")
 
 
 def _difference(first: _Command, other: _Command) -> str:

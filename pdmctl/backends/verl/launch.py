@@ -22,6 +22,8 @@ from pdmctl.backends.verl.presets import (  # noqa: F401  (re-exported: launch.M
     DEFAULTS,
     GPUS_ENV,
     GPUS_PER_NODE,
+    HF_ATTENTION,
+    MEGATRON_ATTENTION,
     MODEL_PRESETS,
     PAPER_EPOCHS,
     PAPER_STEPS,
@@ -198,7 +200,7 @@ def verl_overrides(
         f"{actor}.loss_agg_mode={cfg['loss_agg_mode']}",
         f"{actor}.clip_ratio_low={cfg['eps_low']}",
         f"{actor}.clip_ratio_high={cfg['eps_high']}",
-        f"{actor}.clip_ratio_c={cfg['ratio_cap']}",
+        f"{actor}.clip_ratio_c={'inf' if cfg['ratio_cap'] is None else cfg['ratio_cap']}",  # inf: no cap (VeRL's is a float)
         f"{actor}.policy_loss._target_={PDM_CONFIG_TARGET}",
         f"{actor}.policy_loss.loss_mode=pdmctl_{cfg['method']}",
         f"+{actor}.policy_loss.topk={cfg['k']}",
@@ -239,6 +241,8 @@ def verl_overrides(
     if timeout is not None:
         out.append(f"actor_rollout_ref.nccl_timeout={timeout}")
     out += _precision_overrides(cfg["precision"], megatron)
+    if preset.device == "cuda":  # cpu.overrides says it for CPU runs (VeRL's default needs flash-attn)
+        out.append(f"+actor_rollout_ref.model.override_config.attn_implementation={HF_ATTENTION}")
     if preset.device == "cpu":
         from pdmctl.backends.verl import cpu
 
@@ -265,6 +269,8 @@ def _megatron_overrides(preset: ModelPreset, seed: int) -> list[str]:
         # of it on the index resolves with vLLM 0.24.0 (docs/CLUSTER.md, "The engine environment"): the
         # legacy mbridge path, which scripts/engine-env.sh installs (the ref inherits it)
         f"{mc}.vanilla_mbridge=true",
+        # VeRL's default `flash` needs flash-attn, which the engine lock does not have (the ref inherits it)
+        f"{tf}.attention_backend={MEGATRON_ATTENTION}",
     ]
     if preset.expert_tensor_parallel is not None:
         out.append(f"{mc}.expert_tensor_parallel_size={preset.expert_tensor_parallel}")
@@ -297,7 +303,11 @@ PDMCTL_KEYS: dict[str, str] = {
     "actor_rollout_ref.actor.loss_agg_mode": "from mask.loss_agg_mode; set that instead",
     "actor_rollout_ref.actor.clip_ratio_low": "from mask.eps_low; set that instead",
     "actor_rollout_ref.actor.clip_ratio_high": "from mask.eps_high; set that instead",
-    "actor_rollout_ref.actor.clip_ratio_c": "from mask.ratio_cap; set that instead",
+    "actor_rollout_ref.actor.clip_ratio_c": "from mask.ratio_cap (null: no cap, inf here); set that instead",
+    "actor_rollout_ref.model.override_config.attn_implementation":
+        f"to {HF_ATTENTION}: the engine lock has no flash-attn (docs/CLUSTER.md, \"Attention\")",
+    "actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend":
+        f"to {MEGATRON_ATTENTION}: the engine lock has no flash-attn (docs/CLUSTER.md, \"Attention\")",
     "actor_rollout_ref.actor.policy_loss": "from mask, delta, delta_low and k; set those instead",
     "actor_rollout_ref.rollout.name": "to vllm (the top-K log-probs come from vLLM)",
     "actor_rollout_ref.rollout.temperature": "from backend.temperature (the masks divide by it); set that instead",

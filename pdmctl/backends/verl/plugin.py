@@ -46,7 +46,8 @@ class PdmPolicyLossConfig(PolicyLossConfig):
     """VeRL's PolicyLossConfig plus the mask's hyperparameters (VeRL rejects unknown `+` keys).
 
     ε_low/ε_high (GRPO) and the ratio cap C come from VeRL's own actor fields
-    `clip_ratio_low`, `clip_ratio_high` and `clip_ratio_c`, which mean the same there.
+    `clip_ratio_low`, `clip_ratio_high` and `clip_ratio_c`, which mean the same there (`clip_ratio_c`
+    inf: no cap).
     """
 
     topk: int = 20  # K: vLLM's default max_logprobs, DPPO's choice
@@ -79,7 +80,8 @@ def _make_loss(method: str) -> Callable[..., tuple[torch.Tensor, dict[str, Any]]
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         d = actor_loss.current_diagnostics()
         # MATH.md: L = −A · sg(min(r, C)) · M · log π_k; the gradient flows through log π_k only
-        weight = (advantages * d.ratio.clamp(max=config.clip_ratio_c) * d.keep.to(advantages.dtype)).detach()
+        # C = clip_ratio_c; inf (or null): no cap, the paper's loss
+        weight = (advantages * masks.capped(d.ratio, config.clip_ratio_c) * d.keep.to(advantages.dtype)).detach()
         token_loss = -weight * log_prob
         if rollout_is_weights is not None:
             token_loss = token_loss * rollout_is_weights

@@ -17,11 +17,14 @@ DAPO = VeRL's DAPO recipe (verl-recipe `dapo/test_dapo_qwen3_30b_math.sh`); FP8 
     total_training_steps 300, total_epochs 10   DAPO (its 30B recipe)
     gpu_memory_utilization 0.8 ......... DAPO, DPPO (VeRL's default 0.5)
     rollout.seed, megatron.seed ........ the run's seed (VeRL's default 42 for every run)
+    Megatron for every model (paper), param and optimizer offload (DPPO, FP8; pdmctl for 4B and 8B)
+    attention: sdpa (HF), Transformer Engine's cuDNN fused (Megatron): pdmctl (the engine lock has no flash-attn)
     30B-A3B: Megatron for both FP8 settings (paper), TP 4, EP 8, ETP 1 (DPPO, FP8), fp32 router (DPPO),
              param and optimizer offload, full uniform recompute of 1 layer (DPPO, FP8)
     fp8_e2e: fp8 hybrid, blockwise (FP8: "hybrid ... trains more stably" than e4m3)
     K = 20 ............................. paper, DPPO (vLLM's default max_logprobs)
-    clip_ratio_c (ratio cap C) 10 ...... DAPO; DPPO uses a large C (truncation off)
+    ratio cap C: none for PDM and DPPO (the paper's loss, its §2: no cap), 10 for GRPO clip-higher (DAPO);
+                 the run's mask.ratio_cap, null = none (DPPO's own example: a large C, truncation off)
     ε_low 0.2 / ε_high 0.28 (GRPO) ..... paper (DAPO clip-higher)
     validation: AIME24 + AIME25, n=16, temperature 1.0, top_p 1.0   paper (avg@16)
 """
@@ -55,6 +58,7 @@ class ModelPreset:
     total_training_steps: int | None = None  # None: total_epochs over the train set
     total_epochs: int = 1  # epochs VeRL may run (it stops at total_training_steps or at the last epoch)
     strategy: str = "fsdp2"  # the training engine unless the run or its precision says (fp8_e2e: megatron)
+    # (the Qwen3 presets: megatron, as the paper; qwen3-tiny: fsdp2, the engine VeRL runs on CPU)
     gpu_memory_utilization: float | None = None  # vLLM's share of a GPU (None: VeRL's default, 0.5)
     # Megatron only: expert tensor parallel (None: VeRL's, = TP), param + optimizer offload, full recompute,
     # the MoE router in fp32
@@ -79,10 +83,13 @@ _GPU = dict(total_training_steps=PAPER_STEPS, total_epochs=PAPER_EPOCHS, gpu_mem
 
 MODEL_PRESETS: dict[str, ModelPreset] = {
     # stall_s: a step forwards 8.4 M response tokens (4B, 8B: 128 x 8 x 8k) or 67 M (30B: 256 x 16 x 16k) on 32 GPUs
+    # Megatron as the paper trains every model (arXiv 2607.10848, §E.1; `backend.strategy=fsdp2`: FSDP2), param
+    # and optimizer offload: Megatron keeps bf16 weights and fp32 gradient buffers unsharded across data
+    # parallel ranks (24 GB a GPU at 4B TP 1 and 8B TP 2), which would not fit beside vLLM's 0.8 of the GPU
     "qwen3-4b-base": ModelPreset("Qwen/Qwen3-4B-Base", False, 8, 128, 32, 8192, 4, 1, 1, parameters=4_022_468_096,
-                                 stall_s=1200.0, **_GPU),
+                                 strategy="megatron", megatron_offload=True, stall_s=1200.0, **_GPU),
     "qwen3-8b-base": ModelPreset("Qwen/Qwen3-8B-Base", False, 8, 128, 32, 8192, 4, 2, 1, parameters=8_190_735_360,
-                                 stall_s=1200.0, **_GPU),
+                                 strategy="megatron", megatron_offload=True, stall_s=1200.0, **_GPU),
     # both 30B settings on one engine, Megatron as the paper, laid out as VeRL's DPPO example and FP8 recipe
     "qwen3-30b-a3b-base": ModelPreset("Qwen/Qwen3-30B-A3B-Base", True, 16, 256, 32, 16384, 4, 4, 8,
                                       parameters=30_532_122_624, strategy="megatron", expert_tensor_parallel=1,
@@ -117,6 +124,18 @@ MODEL_PRESETS["qwen3-tiny-gpu"] = dataclasses.replace(MODEL_PRESETS["qwen3-tiny"
 GPUS_ENV = "PDMCTL_GPUS_PER_NODE"  # GPUs per node where it is not an 8-GPU H20 node (also the job body's)
 TINY_DIR_ENV = "PDMCTL_TINY_DIR"  # where `model=qwen3-tiny` is built and cached
 PRECISIONS = ("bf16", "fp8_rollout", "fp8_e2e")
+# Attention on every path, each from a package of the engine lock (scripts/engine-cuda.lock has no flash-attn,
+# the default of both of VeRL 0.9.1's training engines): HF models (FSDP's actor and reference; every engine
+# reads the model's HF config with it) use transformers' `sdpa` (torch's scaled_dot_product_attention);
+# Megatron, Transformer Engine's cuDNN `fused` attention (megatron-core's AttnBackend.fused); the rollout,
+# vLLM's own kernels (its wheel carries its FlashAttention build and FlashInfer). docs/CLUSTER.md, "Attention".
+HF_ATTENTION = "sdpa"
+MEGATRON_ATTENTION = "fused"
+ATTENTION_PACKAGES: dict[str, tuple[str, ...]] = {  # the lock's packages each implementation runs from
+    "sdpa": ("torch", "transformers"),
+    "fused": ("transformer-engine-torch", "nvidia-cudnn-cu13", "megatron-core"),
+    "vllm": ("vllm",),
+}
 STRATEGIES = ("fsdp2", "megatron")
 GPUS_PER_NODE = 8  # H20 nodes
 
@@ -132,7 +151,7 @@ DEFAULTS: dict[str, Any] = {
     "k": 20,
     "eps_low": 0.2,
     "eps_high": 0.28,
-    "ratio_cap": 10.0,
+    "ratio_cap": None,  # None: no cap (the paper's loss); a mask config sets its own (grpo_clip_higher: 10)
     "loss_agg_mode": "token-mean",
     "seed": 0,
     "lr": None,  # None: the model preset's (1e-6 for the Qwen3 presets)
