@@ -6,6 +6,7 @@ process and checks the store and run directories byte for byte.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -1131,3 +1132,142 @@ def test_a_study_storage_that_cannot_hold_the_study_is_one_line(workdir: Path, s
     line = refused(workdir, args, needle)
     assert "secret" not in line
     assert not list(workdir.iterdir())  # no ledger, no lock file, no run directory
+
+
+# -- round four: analyze's outputs checked first; a failed final write keeps the result ---------------------
+
+
+@pytest.mark.parametrize(("where", "needle"), [("/proc/x", "--figures /proc/x: cannot be created in /proc"),
+                                               ("a file", "a file is there, not a directory")])  # fmt: skip
+def test_analyze_checks_its_figures_directory_before_the_analysis(workdir: Path, where: str, needle: str) -> None:
+    if where == "a file":
+        (workdir / "figs").write_text("")
+        where = str(workdir / "figs")
+    refused(workdir, ["analyze", "--seeds", "1", "--figures", where], needle)
+
+
+def test_a_failed_final_write_of_analyze_is_one_line_and_keeps_the_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import json
+    import tempfile
+
+    import typer
+
+    from pdmctl.analysis.cli import _kept_on_failure
+    from pdmctl.analysis.results import AnalysisResult
+
+    shipped = Path(__file__).resolve().parents[1] / "docs" / "results" / "analysis" / "toy-llm" / "analysis.json"
+    result = AnalysisResult.from_dict(json.loads(shipped.read_text()))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(typer.Exit) as ended, _kept_on_failure(result) as writing:
+        writing[0] = "--json /dev/full"
+        Path("/dev/full").write_text(result.to_json())  # a full disk
+    (kept,) = tmp_path.glob("pdmctl-analysis-*.json")
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert ended.value.exit_code == 2
+    assert lines == [f"error: --json /dev/full: cannot be written (No space left on device); the result is kept in "
+                     f"{kept} (report --analysis reads it)"]  # fmt: skip
+    assert AnalysisResult.from_dict(json.loads(kept.read_text())).to_json() == result.to_json()
+
+
+@pytest.mark.parametrize(("family", "needle"),
+                         [("/dev/zero", "--family: /dev/zero: not an analyze --json result (not a regular file)"),
+                          ("a fifo", "(not a regular file)"),
+                          ("too big", "(larger than 64 MiB)"),
+                          ("nested", "not an analyze --json result (maximum recursion depth"),
+                          ("not utf-8", "not an analyze --json result ('utf-8' codec can't decode")])  # fmt: skip
+def test_analyze_family_reads_only_a_bounded_regular_file(workdir: Path, family: str, needle: str,
+                                                          tmp_path_factory: pytest.TempPathFactory) -> None:  # fmt: skip
+    import os
+
+    path = workdir / "f.json"
+    if family == "a fifo":
+        path = tmp_path_factory.mktemp("fifo") / "f.json"  # not in workdir: its snapshot would read it
+        os.mkfifo(path)  # a reader would block for ever
+    elif family == "too big":
+        with open(path, "wb") as fh:
+            fh.truncate(65 * 2**20)  # sparse: nothing on disk
+    elif family == "nested":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    elif family == "not utf-8":
+        path.write_bytes(b'{"k": "\xff"}')
+    else:
+        path = Path(family)
+    refused(workdir, ["analyze", "--seeds", "1", "--family", str(path)], needle)
+
+
+# -- round four: data prepare on damaged local files; a manifest nested or naming a file elsewhere ---------
+
+
+@pytest.mark.parametrize(
+    ("which", "content", "needle"),
+    [("train", b"PAR1 not really parquet PAR1", "dapo.parquet: not a readable parquet file ("),
+     ("aime24", b'{"problem": "a", "answer": 1}\n{"problem": "b", answer: 2}\n', "aime24.jsonl, line 2: not JSON "
+                                                                              "(Expecting property name"),
+     ("aime24", b'{"problem": "a", "answer": 1}\n{"problem": "\xff", "answer": 2}\n', "aime24.jsonl, line 2: not "
+                                                                                    "UTF-8 (byte 0xff at column 14)"),
+     ("aime24", b"[" * 100_000 + b"]" * 100_000 + b"\n", "aime24.jsonl, line 1: nested too deeply"),
+     ("aime24", b"7\n", "aime24.jsonl, line 1: a record must be a JSON object, got int '7'"),
+     ("aime25", b"42", "aime25.json: must be a list of records or {\"data\": [...]}, got int '42'"),
+     ("aime25", b"[1, 2]", "aime25.json, record 0: a record must be a JSON object, got int '1'"),
+     ("aime25", b'{"data": 5}', "aime25.json: must be a list of records"),
+     ("aime25", b"[\n" + b"{" * 3 + b"\n", "aime25.json, line 2: not JSON (Expecting property name"),
+     ("aime25", b'[{"question": "\xc3\x28"}]', "aime25.json, line 1: not UTF-8 (byte 0xc3)"),
+     ("aime25", b"[" * 100_000 + b"]" * 100_000, "aime25.json: nested too deeply"),
+     ("aime25", b'[{"prompt": [], "reward_model": {}}]', "record 0: needs a problem")],
+)  # fmt: skip
+def test_data_prepare_on_a_damaged_file_names_the_file_and_line(workdir: Path, which: str, content: bytes,
+                                                                 needle: str) -> None:  # fmt: skip
+    from tests.test_verl_data import write_fixtures
+
+    sources = dict(zip(("train", "aime24", "aime25"), write_fixtures(workdir), strict=True))
+    sources[which].write_bytes(content)
+    out = workdir / "prepared"
+    args = ["data", "prepare", str(out), *(a for k, p in sources.items() for a in (f"--{k}", str(p)))]
+    line = refused(workdir, args, needle)
+    assert str(sources[which]) in line and not out.exists()
+
+
+def test_data_prepare_takes_a_mistyped_local_path_for_no_hub_id(workdir: Path) -> None:
+    (workdir / "data").mkdir()
+    refused(workdir, ["data", "prepare", str(workdir / "out"), "--train", "data/train.jsonl"],
+            "data/train.jsonl: no such file, and not a datasets-hub id")  # fmt: skip
+    refused(workdir, ["data", "prepare", str(workdir / "out"), "--train", "data/train"],
+            "data/train: no such file, and not a datasets-hub id")  # fmt: skip
+
+
+def _prepared(workdir: Path) -> Path:
+    from pdmctl.backends.verl.data import prepare_data
+    from tests.test_verl_data import write_fixtures
+
+    out = workdir / "prepared"
+    prepare_data(out, *map(str, write_fixtures(workdir)))
+    return out
+
+
+@pytest.mark.parametrize("damage", ["nested", "outside"])
+def test_a_nested_or_escaping_manifest_is_one_line(workdir: Path, damage: str) -> None:
+    import json
+
+    from pdmctl.backends.verl.data import MANIFEST, ManifestError, manifest_digest, read_manifest
+
+    out = _prepared(workdir)
+    if damage == "nested":
+        (out / MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
+        needle = "corrupt manifest (nested too deeply)"
+    else:
+        manifest = json.loads((out / MANIFEST).read_text())
+        manifest["files"]["../../../../etc/hostname"] = {**manifest["files"].pop("aime24.parquet"),
+                                                         "sha256": _sha256_of(Path("/etc/hostname"))}  # fmt: skip
+        manifest["digest"] = manifest_digest(manifest)  # recomputed, as a hand edit would
+        (out / MANIFEST).write_text(json.dumps(manifest))
+        needle = "names '../../../../etc/hostname', not a file of"
+    with pytest.raises(ManifestError, match=re.escape(needle)):
+        read_manifest(out)
+
+
+def _sha256_of(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()

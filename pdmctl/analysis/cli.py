@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated
 
@@ -32,8 +33,8 @@ def analyze(
         str,
         typer.Option(
             help="How the update that ΔD measures is taken, comma-separated; the first is the main table's, "
-            "the others are printed beside it: counterfactual (per token, one carried Adam update on the whole batch "
-            "with it kept against one with it masked: ΔD = D(keep) − D(mask)), carried (the Adam state the stale mini-batches left), "
+            "the others are printed beside it: counterfactual (per token, a carried update with it kept against "
+            "one with it masked: ΔD = D(keep) − D(mask)), carried (the Adam state the stale mini-batches left), "
             "fresh-adam, sgd, own-adam and own-grad (a token's own effect, first order; see docs/MATH.md)."
         ),
     ] = "counterfactual,carried,fresh-adam,sgd,own-adam,own-grad",
@@ -63,15 +64,6 @@ def analyze(
             "float sums), not on --jobs: the default is the same on every machine."
         ),
     ] = None,
-    exact_region: Annotated[
-        bool,
-        typer.Option(
-            "--exact-region",
-            help="The counterfactual's region effect (a secondary measure) of every variant by a forward of the "
-            "whole region at its weights, about ten times the CPU; by default it is first order, checked against "
-            "the exact value on a few variants per seed.",
-        ),
-    ] = False,
     mismatch_only: Annotated[
         bool,
         typer.Option(
@@ -94,8 +86,8 @@ def analyze(
             check_output(json_out, "--json", directory=False)
         if csv_out is not None:
             check_output(csv_out, "--csv", directory=False)
-        if figures is not None and figures.exists() and not figures.is_dir():
-            fail(f"--figures: {figures} exists and is not a directory")
+        if figures is not None:
+            check_output(figures, "--figures", directory=True)
         earlier = []
         for path in family or []:
             import json as _json
@@ -103,9 +95,9 @@ def analyze(
             from pdmctl.analysis.results import AnalysisResult
 
             try:
-                earlier.append(AnalysisResult.from_dict(_json.loads(path.read_text())))
-            except (OSError, ValueError, TypeError, KeyError) as exc:
-                fail(f"--family: {path}: not an analyze --json result ({str(exc).splitlines()[0][:120]})")
+                earlier.append(AnalysisResult.from_dict(_json.loads(_read_family(path))))
+            except (OSError, ValueError, TypeError, KeyError, RecursionError) as exc:
+                fail(f"--family: {path}: not an analyze --json result ({(str(exc) or type(exc).__name__).splitlines()[0][:120]})")
         for name, value in (("--jobs", jobs), ("--threads", threads)):
             if value is not None and value < 1:
                 fail(f"{name}: must be >= 1, got {value}")
@@ -149,7 +141,6 @@ def analyze(
             jobs=n_jobs,
             threads=threads or 1,  # not the cores over the jobs: then --seeds 1 and --seeds 61 differ
             mismatch_only=mismatch_only,
-            exact_region=exact_region,
         )
     console.print(render_analysis_table(result))
     console.print(render_difference_table(result))
@@ -162,28 +153,69 @@ def analyze(
 
         console.print(render_band_table(result.bands, result.k))
     from pdmctl.analysis.inference import (
-        channel_lines,
         primary_lines,
         primary_metric,
-        region_check_line,
         render_secondary_table,
         secondary_family,
     )
 
     console.print(render_secondary_table(secondary_family([*earlier, result])))
     for r in [*earlier, result]:
-        for line in primary_lines(primary_metric(r)) + channel_lines(r):
+        for line in primary_lines(primary_metric(r)):
             console.print(line, highlight=False, markup=False)
-    if region_check_line(result):
-        console.print(region_check_line(result), highlight=False, markup=False)
-    if json_out is not None:
-        json_out.write_text(result.to_json())
-        console.print(f"wrote {json_out}", highlight=False)
-    if csv_out is not None:
-        csv_out.write_text(seed_csv(result))
-        console.print(f"wrote {csv_out}", highlight=False)
-    if figures is not None:
-        from pdmctl.analysis.figures import write_figures
+    with _kept_on_failure(result) as writing:
+        if json_out is not None:
+            writing[0] = f"--json {json_out}"
+            json_out.write_text(result.to_json())
+            console.print(f"wrote {json_out}", highlight=False)
+        if csv_out is not None:
+            writing[0] = f"--csv {csv_out}"
+            csv_out.write_text(seed_csv(result))
+            console.print(f"wrote {csv_out}", highlight=False)
+        if figures is not None:
+            from pdmctl.analysis.figures import write_figures
 
-        for path in write_figures(result, figures):
-            console.print(f"wrote {path}", highlight=False)
+            writing[0] = f"--figures {figures}"
+
+            for path in write_figures(result, figures):
+                console.print(f"wrote {path}", highlight=False)
+
+
+MAX_FAMILY_BYTES = 64 * 2**20  # an analyze --json is a few MB; a bigger --family is the wrong file
+
+
+def _read_family(path: Path) -> str:
+    """An earlier analyze --json's text: a regular file (not a FIFO or a device that never ends), bounded."""
+    import os
+    import stat
+
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise ValueError("not a regular file")
+    with open(path, "rb") as fh:
+        data = fh.read(MAX_FAMILY_BYTES + 1)
+    if len(data) > MAX_FAMILY_BYTES:
+        raise ValueError(f"larger than {MAX_FAMILY_BYTES // 2**20} MiB")
+    return data.decode()
+
+
+@contextlib.contextmanager
+def _kept_on_failure(result):
+    """A write after the analysis that fails (a full disk, a directory gone) is one line, and what was
+    computed is kept: the whole result as JSON in the temporary directory, named in that line."""
+    writing = ["analyze"]  # what is being written, set by the caller
+    try:
+        yield writing
+    except OSError as exc:
+        import tempfile
+
+        where = f"{writing[0]}: " + (f"{exc.filename}: " if exc.filename and str(exc.filename) not in writing[0] else "")
+        try:
+            fd, kept = tempfile.mkstemp(prefix="pdmctl-analysis-", suffix=".json")
+            with open(fd, "w") as fh:
+                fh.write(result.to_json())
+        except OSError as again:
+            fail(f"{where}cannot be written ({exc.strerror or exc}); the result could not be kept either "
+                 f"({again.strerror or again}): the tables above are all there is")  # fmt: skip
+        fail(f"{where}cannot be written ({exc.strerror or exc}); the result is kept in {kept} "
+             "(report --analysis reads it)")  # fmt: skip

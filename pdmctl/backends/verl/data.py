@@ -161,7 +161,10 @@ def prepare_data(
     prepared = []
     for filename, source, data_source, split, step in plan:
         origin, records = _source(source)
-        rows = to_verl_rows(records, data_source, split)
+        try:
+            rows = to_verl_rows(records, data_source, split)
+        except DataSourceError as exc:
+            raise DataSourceError(f"{source}: {exc}") from None
         kept, removed = apply_filter(rows, step)
         if not kept:
             raise DataSourceError(f"{filename}: the filter keeps no row of {source} ({len(rows)} in; removed {removed})")
@@ -274,12 +277,17 @@ def read_manifest(data_dir: Path | str, verify: bool = True) -> dict[str, Any]:
         raise ManifestError(f"{path}: no manifest (prepare the data with `pdmctl data prepare {data_dir}`)")
     try:
         manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise ManifestError(f"{path}: corrupt manifest (nested too deeply); prepare the data again") from None
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise ManifestError(f"{path}: corrupt manifest ({exc}); prepare the data again") from None
     if (not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT
             or not isinstance(manifest.get("files"), dict) or not isinstance(manifest.get("filter"), dict)
             or not all(isinstance(e, dict) and isinstance(e.get("sha256"), str) for e in manifest["files"].values())):
         raise ManifestError(f"{path}: corrupt manifest (not a {MANIFEST_FORMAT} manifest); prepare the data again")
+    outside = next((name for name in manifest["files"] if name != Path(name).name or name in ("", ".", "..")), None)
+    if outside is not None:  # a hand-edited manifest (its digest recomputed) naming a file elsewhere
+        raise ManifestError(f"{path}: names {outside[:80]!r}, not a file of {Path(data_dir)}; prepare the data again")
     if manifest.get("digest") != manifest_digest(manifest):
         raise ManifestError(f"{path}: corrupt manifest (its digest does not match its content); prepare the data again")
     if verify:
@@ -304,26 +312,88 @@ def _sha256(path: Path) -> str:
 def read_records(source: str) -> Iterator[Mapping[str, Any]]:
     """Records from a local .jsonl/.json/.parquet file, or from the datasets hub."""
     path = Path(source).expanduser()
+    suffix = path.suffix.lower()
     if path.exists():
-        suffix = path.suffix.lower()
+        if not path.is_file():
+            raise DataSourceError(f"{source}: not a regular file")
         if suffix == ".jsonl":
-            with path.open() as f:
-                yield from (json.loads(line) for line in f if line.strip())
+            yield from _jsonl_records(path, source)
         elif suffix == ".json":
-            data = json.loads(path.read_text())
-            yield from (data if isinstance(data, list) else data.get("data", []))
+            yield from _json_records(path, source)
         elif suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            yield from pq.read_table(path).to_pylist()
+            yield from _parquet_records(path, source)
         else:
             raise DataSourceError(
                 f"{source}: unsupported file type {suffix!r} (use .jsonl, .json or .parquet)"
             )
         return
-    if source.count("/") != 1 or source.startswith((".", "/")):
+    if source.count("/") != 1 or source.startswith((".", "/", "~")) or suffix in LOCAL_SUFFIXES \
+            or Path(source.split("/")[0]).is_dir():  # fmt: skip
         raise DataSourceError(f"{source}: no such file, and not a datasets-hub id (owner/name)")
     yield from _hub_records(source)
+
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def _record(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise DataSourceError(f"{where}: a record must be a JSON object, got {type(value).__name__} {str(value)[:40]!r}")
+    return value
+
+
+def _jsonl_records(path: Path, source: str) -> Iterator[Mapping[str, Any]]:
+    """One JSON object a line; a damaged line is DataSourceError naming the file and the line."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            where = f"{source}, line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataSourceError(f"{where}: not UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1})") from None
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataSourceError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
+            except RecursionError:
+                raise DataSourceError(f"{where}: nested too deeply to be a record") from None
+            yield _record(value, where)
+
+
+def _json_records(path: Path, source: str) -> Iterator[Mapping[str, Any]]:
+    """A list of records, or {"data": [...]}; damage is DataSourceError naming the file and the line."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise DataSourceError(f"{source}, line {line}: not UTF-8 (byte {data[exc.start]:#04x})") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataSourceError(f"{source}, line {exc.lineno}: not JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise DataSourceError(f"{source}: nested too deeply to be a list of records") from None
+    records = value.get("data") if isinstance(value, dict) else value
+    if not isinstance(records, list):
+        raise DataSourceError(f"{source}: must be a list of records or {{\"data\": [...]}}, got "
+                              f"{type(value).__name__} {str(value)[:40]!r}")  # fmt: skip
+    for index, record in enumerate(records):
+        yield _record(record, f"{source}, record {index}")
+
+
+def _parquet_records(path: Path, source: str) -> Iterator[Mapping[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataSourceError(f"{source}: not a readable parquet file ({str(exc).strip().splitlines()[0][:160]})") from None
+    for index, record in enumerate(table.to_pylist()):
+        yield _record(record, f"{source}, row {index}")
 
 
 def _hub_records(repo_id: str) -> Iterator[Mapping[str, Any]]:
@@ -370,7 +440,9 @@ def _source_id(record: Mapping[str, Any], index: int) -> str:
 
 
 def _problem_and_answer(record: Mapping[str, Any], index: int) -> tuple[str, str]:
-    if isinstance(record.get("prompt"), list) and isinstance(record.get("reward_model"), Mapping):
+    prompt = record.get("prompt")
+    if (isinstance(prompt, list) and prompt and isinstance(prompt[-1], Mapping)
+            and isinstance(record.get("reward_model"), Mapping)):  # fmt: skip
         # Already VeRL-shaped (DAPO-Math-17k): recover the bare problem to re-apply one template.
         content = str(record["prompt"][-1]["content"])
         problem = (record.get("extra_info") or {}).get("problem") or _strip_template(content)
