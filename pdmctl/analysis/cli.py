@@ -33,8 +33,8 @@ def analyze(
         str,
         typer.Option(
             help="How the update that ΔD measures is taken, comma-separated; the first is the main table's, "
-            "the others are printed beside it: counterfactual (per token, a carried update with it kept against "
-            "one with it masked: ΔD = D(keep) − D(mask)), carried (the Adam state the stale mini-batches left), "
+            "the others are printed beside it: counterfactual (per token, one carried Adam update on the whole batch "
+            "with it kept against one with it masked: ΔD = D(keep) − D(mask)), carried (the Adam state the stale mini-batches left), "
             "fresh-adam, sgd, own-adam and own-grad (a token's own effect, first order; see docs/MATH.md)."
         ),
     ] = "counterfactual,carried,fresh-adam,sgd,own-adam,own-grad",
@@ -64,6 +64,15 @@ def analyze(
             "float sums), not on --jobs: the default is the same on every machine."
         ),
     ] = None,
+    exact_region: Annotated[
+        bool,
+        typer.Option(
+            "--exact-region",
+            help="The counterfactual's region effect (a secondary measure) of every variant by a forward of the "
+            "whole region at its weights, about ten times the CPU; by default it is first order, checked against "
+            "the exact value on a few variants per seed.",
+        ),
+    ] = False,
     mismatch_only: Annotated[
         bool,
         typer.Option(
@@ -141,6 +150,7 @@ def analyze(
             jobs=n_jobs,
             threads=threads or 1,  # not the cores over the jobs: then --seeds 1 and --seeds 61 differ
             mismatch_only=mismatch_only,
+            exact_region=exact_region,
         )
     console.print(render_analysis_table(result))
     console.print(render_difference_table(result))
@@ -153,16 +163,20 @@ def analyze(
 
         console.print(render_band_table(result.bands, result.k))
     from pdmctl.analysis.inference import (
+        channel_lines,
         primary_lines,
         primary_metric,
+        region_check_line,
         render_secondary_table,
         secondary_family,
     )
 
     console.print(render_secondary_table(secondary_family([*earlier, result])))
     for r in [*earlier, result]:
-        for line in primary_lines(primary_metric(r)):
+        for line in primary_lines(primary_metric(r)) + channel_lines(r):
             console.print(line, highlight=False, markup=False)
+    if region_check_line(result):
+        console.print(region_check_line(result), highlight=False, markup=False)
     with _kept_on_failure(result) as writing:
         if json_out is not None:
             writing[0] = f"--json {json_out}"
