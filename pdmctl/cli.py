@@ -82,6 +82,10 @@ def sweep(
                            "expected cost with its range and upper bound; per setting and for the sweep; "
                            "docs/PLAN_JSON.md), nothing else on stdout.")
     ] = False,
+    calibrated_on: Annotated[
+        str | None, typer.Option("--calibrated-on", metavar="SWEEP", help="With --dry-run: estimate the testbed's "
+                                 "runs at the rate SWEEP's finished runs of the same setting measured.")
+    ] = None,
 ) -> None:
     """Expand a grid into runs, register them in MLflow and submit the ones not yet served."""
     from pdmctl import grid, orchestrate
@@ -89,6 +93,8 @@ def sweep(
     with _guard():
         if as_json and not dry_run:
             fail("--json: prints the plan of a dry run; give --dry-run too")
+        if calibrated_on is not None and not dry_run:
+            fail("--calibrated-on: calibrates the estimates of a dry run; give --dry-run too")
         sweep_file = grid.load_sweep_file(file) if file else None
         chosen = grid.check_order(order, "--order") if order is not None else (sweep_file and sweep_file.order) or "seed"
         ctx = orchestrate.make_context(cluster, tracking_uri)
@@ -103,18 +109,25 @@ def sweep(
             orchestrate.check_runs(specs, ctx, executor)
             unread = orchestrate.ledger_unreachable(ctx)
             plan = orchestrate.plan(specs, ctx, read_only=True, read_ledger=unread is None, order=chosen)
+            calibration = _calibration(ctx, calibrated_on) if calibrated_on is not None else None
             if as_json:
                 import json
 
                 from pdmctl.cost import plan_json
 
-                sys.stdout.write(json.dumps(plan_json(plan, ctx, executor, chosen, unread), indent=1) + "\n")
+                sys.stdout.write(json.dumps(plan_json(plan, ctx, executor, chosen, unread, calibration), indent=1)
+                                 + "\n")
                 return
             _print_plan(plan, ctx, executor, unread)
             console.print(orchestrate.describe_order(plan.specs, chosen), highlight=False, markup=False,
                           soft_wrap=True)
             for line in orchestrate.describe_runs(plan.to_submit, ctx, executor):
                 console.print(line, highlight=False, markup=False, soft_wrap=True)
+            from pdmctl.cost import testbed_line
+
+            testbed = testbed_line(plan.to_submit, ctx, executor, calibration)
+            if testbed is not None:
+                console.print(testbed, highlight=False, markup=False, soft_wrap=True)
             return
         plan, job_ids = orchestrate.sweep(specs, ctx, order=chosen)
     counts = plan.counts()
@@ -134,6 +147,21 @@ def sweep(
             _wait(ctx, sweep_name)
     else:
         console.print(f"follow with [bold]pdmctl status {sweep_name}[/] (or --watch)", highlight=False)
+
+
+def _calibration(ctx, sweep_name: str):
+    """The testbed's rates measured by `sweep_name`'s finished runs (pdmctl.cost.calibrate); one line and exit 2
+    where there are none."""
+    from pdmctl.cost import calibrate
+    from pdmctl.ledger import ledger_exists, open_ledger
+
+    records = open_ledger(ctx.tracking_uri).runs(sweep_name) if ledger_exists(ctx.tracking_uri) else []
+    if not records:
+        fail(f"--calibrated-on: no sweep {sweep_name!r} in {_redacted(ctx.tracking_uri)}")
+    found = calibrate(records, sweep_name)
+    if not found:
+        fail(f"--calibrated-on: sweep {sweep_name!r} has no finished testbed run to measure")
+    return found
 
 
 def _redacted(uri: str) -> str:

@@ -176,29 +176,34 @@ def toy_estimate(flat: Mapping[str, Any], cluster: Mapping[str, Any]) -> Estimat
     rollouts = toy_rollouts(flat)
     cpus = int(cluster.get("cpus_per_task") or 1)
     measured = (cluster.get("calibration") or {}).get(f"toy: {flat['model']} {flat['precision']}")
-    rate, rests_on, assumptions = TOY_ROLLOUT_S, RESTS_ON, TOY_ASSUMPTIONS
+    rate, startup, rests_on, assumptions = TOY_ROLLOUT_S, TOY_STARTUP_S, RESTS_ON, TOY_ASSUMPTIONS
     if measured is not None:
-        rate, rests_on = measured.per_rollout_s, measured.rests_on
+        rate, startup, rests_on = measured.per_rollout_s, measured.startup_s, measured.rests_on
         assumptions = (f"measured {rate.expected * 1e3:.3g} ms of one core a rollout ({rate.low * 1e3:.3g}-"
-                       f"{rate.high * 1e3:.3g}) once the stated start-up of {TOY_STARTUP_S.expected:g} s is taken off")
+                       f"{rate.high * 1e3:.3g}) and a start-up of {startup.expected:.3g} s ({measured.startup_basis})")
     work = rate.scaled(rollouts)
-    seconds = Span(work.expected + TOY_STARTUP_S.expected, work.low + TOY_STARTUP_S.low, work.high + TOY_STARTUP_S.high)
+    seconds = Span(work.expected + startup.expected, work.low + startup.low, work.high + startup.high)
     return Estimate("CPU", cpus, seconds, seconds.high, 1, rests_on, assumptions,
-                    {"training": work.expected, "startup": TOY_STARTUP_S.expected})  # fmt: skip
+                    {"training": work.expected, "startup": startup.expected})  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """A setting's rate measured on finished runs: seconds of one core per rollout (mean, lowest, highest)."""
+    """A setting's rate measured on finished runs: seconds of one core per rollout (fitted, lowest, highest)
+    and the start-up (fitted where the runs differ in length, else the stated one)."""
 
     per_rollout_s: Span
+    startup_s: Span
+    startup_basis: str
     rests_on: str
 
 
 def calibrate(records: Sequence[Any], sweep: str) -> dict[str, Calibration]:
-    """Per testbed setting (`toy: MODEL PRECISION`), the rate its finished runs of `sweep` measured: each run's
-    wall time (`spent_seconds`) less the stated start-up, over its rollouts. VeRL runs are not calibrated here:
-    their estimates keep resting on the stated assumptions."""
+    """Per testbed setting (`toy: MODEL PRECISION`), what its finished runs of `sweep` measured: each run's wall
+    time (`spent_seconds`) against its rollouts, fitted as start-up + rate x rollouts by least squares where
+    the runs have two lengths or more, else the stated start-up taken off; the rate's range is the runs'
+    own rates about that start-up. VeRL runs are not calibrated here: their estimates keep resting on the
+    stated assumptions."""
     from pdmctl.backends.registry import flat_config
 
     rates: dict[str, list[tuple[float, str]]] = {}
@@ -210,13 +215,24 @@ def calibrate(records: Sequence[Any], sweep: str) -> dict[str, Calibration]:
         if seconds is None:
             continue
         flat = flat_config(spec.config)
-        rate = max(0.0, seconds - TOY_STARTUP_S.expected) / toy_rollouts(flat)
-        rates.setdefault(f"toy: {flat['model']} {flat['precision']}", []).append((rate, record.key))
+        rates.setdefault(f"toy: {flat['model']} {flat['precision']}", []).append(
+            (toy_rollouts(flat), seconds, record.key))
     out = {}
     for setting, found in rates.items():
-        values = [r for r, _ in found]
-        keys = ", ".join(k for _, k in found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
-        out[setting] = Calibration(Span(sum(values) / len(values), min(values), max(values)),
+        sizes = [float(n) for n, _, _ in found]
+        walls = [w for _, w, _ in found]
+        if len(set(sizes)) >= 2:
+            import numpy as np
+
+            fitted = max(0.0, float(np.polyfit(sizes, walls, 1)[1]))  # the intercept: seconds before the first rollout
+            startup = Span(fitted, fitted, fitted)
+            basis = f"fitted on runs of {len(set(sizes))} lengths"
+        else:
+            startup, basis = TOY_STARTUP_S, "the stated one: the runs are of one length"
+        values = [max(0.0, w - startup.expected) / n for n, w in zip(sizes, walls, strict=True)]
+        mean = sum(values) / len(values)
+        keys = ", ".join(k for _, _, k in found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        out[setting] = Calibration(Span(mean, min(values), max(values)), startup, basis,
                                    f"calibrated on {len(found)} finished run(s) of sweep {sweep} ({keys})")  # fmt: skip
     return out
 

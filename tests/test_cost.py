@@ -208,3 +208,37 @@ def test_status_shows_the_cpu_hours_a_finished_sweep_spent_beside_its_prediction
     assert wall is not None and 0 < wall <= (record.end_time - record.start_time) / 1000 + 1
     assert spent == pytest.approx(wall / 3600, rel=0.05, abs=1e-4)
     assert ", predicted " in line and "CPU-hours expected (" in line and "not measurements" in line
+
+
+def test_a_dry_run_calibrated_on_finished_testbed_runs_uses_their_measured_rate_and_says_so(workdir: Path) -> None:
+    """Two finished runs of two lengths (3 and 6 steps) fit start-up + rate x rollouts; the calibrated plan of
+    the same two runs predicts each one's measured wall time within its range, and says what it rests on."""
+    from tests.conftest import FAST
+
+    fast = [o for o in FAST if not o.startswith("backend.steps=")]
+    for steps in (3, 6):
+        result = pdmctl("sweep", "--name", "calib", "seed=0", f"backend.steps={steps}", *fast, "--wait", cwd=workdir)
+        assert result.returncode == 0, result.stdout + result.stderr
+    from pdmctl.ledger import open_ledger
+    from tests.conftest import sqlite_uri
+
+    records = open_ledger(sqlite_uri(workdir)).runs("calib")
+    measured = {r.key: cost.spent_seconds(r, now=0) for r in records}
+    planned = pdmctl("sweep", "--name", "calib", "seed=0", "backend.steps=3,6", *fast, "--dry-run", "--json",
+                     "--calibrated-on", "calib", cwd=workdir)  # fmt: skip
+    assert planned.returncode == 0, planned.stderr
+    runs = json.loads(planned.stdout)["runs"]
+    assert sorted(r["key"] for r in runs) == sorted(measured)
+    for run in runs:
+        c = run["cost"]
+        assert c["rests_on"].startswith("calibrated on 2 finished run(s) of sweep calib (")
+        assert "fitted on runs of 2 lengths" in c["assumptions"]
+        assert c["wall_s"]["low"] * 0.999 <= measured[run["key"]] <= c["wall_s"]["high"] * 1.001, (c, measured)
+    text = pdmctl("sweep", "seed=0,1", *FAST, "--dry-run", "--calibrated-on", "calib", cwd=workdir)
+    assert "testbed cost: 2 run(s), " in text.stdout and "rests on calibrated on 2 finished run(s) of sweep calib" in text.stdout
+    stated = pdmctl("sweep", "seed=0,1", *FAST, "--dry-run", cwd=workdir)
+    assert "testbed cost: 2 run(s), " in stated.stdout and "rests on the stated assumptions" in stated.stdout
+    for args, message in ((["--dry-run", "--calibrated-on", "nosuch"], "--calibrated-on: no sweep 'nosuch' in "),
+                          (["--calibrated-on", "calib"], "--calibrated-on: calibrates the estimates of a dry run")):  # fmt: skip
+        bad = pdmctl("sweep", "seed=0", *args, cwd=workdir)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and message in bad.stderr, bad.stderr
