@@ -43,7 +43,7 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("transformer-engine", ("transformer_engine.pytorch",)),
 )
 LOGIN_CHECKS = ("placeholders", "slurm", "tracking", "paths", "disk")
-NODE_CHECKS = ("placeholders", "nvidia-smi", "driver", "gpus", *(name for name, _ in IMPORTS), "paths",
+NODE_CHECKS = ("placeholders", "nvidia-smi", "driver", "gpus", "network-interface", *(name for name, _ in IMPORTS), "paths",
                "tracking", "disk")  # fmt: skip
 
 
@@ -284,6 +284,20 @@ class Doctor:
         opts = self.opts
         wanted = opts.gpus_per_node if opts else 0
         return check_gpus(self._gpus, wanted, opts.gpu_type if opts else None)
+
+    def network_interface(self) -> str:
+        """The profile's network_interface looked up as the job body looks it up (jobbody.interface_address):
+        there, up, with an IPv4 address; else the first job fails at once, after the queue wait."""
+        opts = self.opts
+        name = opts.network_interface if opts else None
+        if not name:
+            return "none set in the profile (Ray binds the address it picks)"
+        from pdmctl.backends.verl.jobbody import InterfaceError, interface_address
+
+        try:
+            return f"{name} has {interface_address(name)} on this node (Ray binds it)"
+        except InterfaceError as exc:
+            raise CheckFailed(str(exc)) from None
 
     def imports(self, modules: tuple[str, ...]) -> str:
         tried = []

@@ -1271,3 +1271,24 @@ def _sha256_of(path: Path) -> str:
     import hashlib
 
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# -- round four: doctor's node check looks for the interface the job body will ------------------------------
+
+
+@pytest.mark.parametrize(("interface", "needle"), [("nosuch0", "has no network interface 'nosuch0' (the profile's "
+                                                               "network_interface; its interfaces: "),
+                                                   ("lo", "lo has 127.0.0.1 on this node")])  # fmt: skip
+def test_doctor_on_the_node_looks_for_the_profiles_network_interface(tmp_path: Path, interface: str,
+                                                                     needle: str) -> None:  # fmt: skip
+    from pdmctl import doctor, orchestrate
+    from tests.test_doctor import _filled_h20
+
+    ctx = orchestrate.make_context(str(_filled_h20(tmp_path, network_interface=interface)))
+    assert "network-interface" in doctor.NODE_CHECKS
+    check = dict(doctor.Doctor(ctx.profile, ctx.tracking_uri).checks(on_node=True))["network-interface"]
+    if interface == "lo":
+        assert needle in check()
+    else:
+        with pytest.raises(doctor.CheckFailed, match=re.escape(needle)):
+            check()
