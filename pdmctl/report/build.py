@@ -19,7 +19,7 @@ import numpy as np
 
 from pdmctl.ledger import Ledger, RunRecord, load_per_problem, load_samples
 from pdmctl.provenance import PACKAGES, POOLING_FIELDS
-from pdmctl.report import intervals, passk, power, resample
+from pdmctl.report import intervals, passk, power, resample, sequential
 from pdmctl.report.collect import Collected, Exclusion, RowKey, RunPoint, collect
 from pdmctl.report.definition import Definition, ReportError
 from pdmctl.report.stats import (
@@ -119,6 +119,7 @@ class Report:
     names: dict[str, str] = field(default_factory=dict)  # column label -> the held-out set(s) shown for it
     clipped: int = 0  # intervals of the tables that reached past their quantity's range, drawn to its edge
     constant_panels: dict[str, float] = field(default_factory=dict)  # panel left out -> its one value
+    sequential: dict[RowKey, int] = field(default_factory=dict)  # row -> its stages, where seeds were added after looking
 
     def name(self, label: str) -> str:
         """What a table or figure calls a column: the held-out set its runs logged (`toy24` where the
@@ -139,7 +140,8 @@ def build_report(ledger: Ledger, sweeps: Sequence[str], definition: Definition, 
     if two_level:
         rows = [with_two_level(row, data.by_row[row.row], ledger.uri, definition) for row in rows]
     rows, clipped_rows = clip_rows(rows)
-    compared, clipped_differences = clip_comparisons(comparisons(data, definition, labels), rows)
+    compared, staged = sequential.apply(comparisons(data, definition, labels), data, definition, labels)
+    compared, clipped_differences = clip_comparisons(compared, rows)
     passes, clipped_passes = clip_pass_k(pass_k_rows(data, definition, labels, ledger))
     drawn, constant = informative(curves(ledger, data, definition, rows))
     return Report(
@@ -161,6 +163,7 @@ def build_report(ledger: Ledger, sweeps: Sequence[str], definition: Definition, 
         names=held_out_names(data, definition),
         clipped=clipped_rows + clipped_differences + clipped_passes,
         constant_panels=constant,
+        sequential=staged,
     )
 
 

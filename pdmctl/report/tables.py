@@ -133,6 +133,8 @@ def comparison_table(report: Report) -> TextTable:
     headers = ("setting", "mask", *report.dims, "baseline", "set", "Δ (pp)", "low", "high", "P", "p", "Holm",
                "seeds")  # fmt: skip
     title = f"vs {report.definition.baseline}, {short_name(report.definition.confidence)} intervals"
+    if report.sequential:  # seeds added after looking: the stages' intersection (Methods)
+        title = f"vs {report.definition.baseline}, {100 * report.definition.confidence.level:g}% group-sequential t intervals (seeds added sequentially)"
     return TextTable("comparison", title, headers, rows, comparison_note(report), 4 + len(report.dims))
 
 
@@ -186,6 +188,16 @@ def methods(report: Report) -> list[str]:
                    "which the two-sided t-test at 5% detects the observed difference with 80% power, taking the "
                    "seeds' observed standard deviation for the true one (exact power under a noncentral t, "
                    "scipy.stats.nct); resolves: the smallest |difference| the present seeds detect so.")  # fmt: skip
+    if report.sequential:
+        counts = sorted(set(report.sequential.values()))
+        out.append(f"Seeds added sequentially: seeds were added after looking at the results (pdmctl seeds; each "
+                   f"added run records the look as its provenance field look), so the paired differences are "
+                   f"read under that design ({', '.join(map(str, counts))} stage(s) per comparison): stage j, the "
+                   f"seeds up to its addition, gets the t interval at level 1 − α/2^j, the interval shown is the "
+                   f"intersection of the stages' and p is min_j 2^j · p_j, which keeps coverage {100 * report.definition.confidence.level:g}% "
+                   "whatever rule chose the seeds (group-sequential Bonferroni: Jennison & Turnbull, Group "
+                   "Sequential Methods with Applications to Clinical Trials, 2000, §2; Lan & DeMets, Biometrika "
+                   "70, 1983). Seeds for 80% power are the fixed-design figures.")  # fmt: skip
     if report.two_level:
         out.append(f"{TWO_LEVEL_MARK}: two-level percentile bootstrap — seeds with replacement, then problems with "
                    f"replacement within each drawn seed ({c.resamples} resamples, seed {c.seed}).")  # fmt: skip
