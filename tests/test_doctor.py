@@ -68,7 +68,7 @@ def _filled_h20(tmp_path: Path, **changes) -> Path:
     (tmp_path / "data").mkdir(exist_ok=True)
     data.update(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", workdir=str(tmp_path / "runs"), partition="debug",
                 account=None, qos=None, setup=["true"], models_dir=str(tmp_path / "models"),
-                data_dir=str(tmp_path / "data"), env={"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"},
+                data_dir=str(tmp_path / "data"), network={"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"},
                 network_interface="lo", python=sys.executable)  # fmt: skip
     data.update(changes)
     path = tmp_path / "h20-filled.yaml"

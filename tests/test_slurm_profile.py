@@ -212,14 +212,14 @@ def test_a_placeholder_left_in_the_profile_is_refused_in_one_line(tmp_path: Path
     assert message.startswith("cluster h20: tracking_uri still holds the placeholder 'CHANGE-ME' "
                               "('http://CHANGE-ME-mlflow-host:5000'); also in workdir, ")  # fmt: skip
     for field in ("partition", "account", "qos", "setup[0]", "setup[1]", "models_dir", "data_dir",
-                  "env.NCCL_SOCKET_IFNAME", "env.GLOO_SOCKET_IFNAME", "network_interface"):  # fmt: skip
+                  "network.NCCL_SOCKET_IFNAME", "network.GLOO_SOCKET_IFNAME", "network_interface"):  # fmt: skip
         assert field in message, field
     assert "\n" not in message
     filled = {"tracking_uri": "http://mlflow:5000", "workdir": "/shared/runs", "partition": "gpu", "account": "a",
               "qos": "q", "setup": ["source /shared/env/bin/activate"], "models_dir": "/shared/models",
-              "data_dir": "/shared/data", "env": {"NCCL_SOCKET_IFNAME": "ib0"}, "network_interface": "ib0"}  # fmt: skip
+              "data_dir": "/shared/data", "network": {"NCCL_SOCKET_IFNAME": "ib0"}, "network_interface": "ib0"}  # fmt: skip
     for where, value, left in (("setup", ["module load <your-cuda-module>"], "setup[0]"),
-                               ("env", {"NCCL_SOCKET_IFNAME": "change_me"}, "env.NCCL_SOCKET_IFNAME"),
+                               ("network", {"NCCL_SOCKET_IFNAME": "change_me"}, "network.NCCL_SOCKET_IFNAME"),
                                ("qos", "TODO", "qos")):  # fmt: skip
         path = tmp_path / f"{where}.yaml"
         path.write_text(yaml.safe_dump({**yaml.safe_load(Path(CLUSTER_DIR / "h20.yaml").read_text()), **filled,

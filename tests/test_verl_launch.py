@@ -483,3 +483,74 @@ def test_every_verl_key_pdmctl_sets_from_a_setting_of_its_own_is_refused_as_verl
         owned = {k for k in changed if any(k == o or k.startswith(f"{o}.") for o in launch.PDMCTL_KEYS)}
         preset = {k for k in changed - owned if field in ("precision", "strategy") and "megatron" in k}
         assert changed - owned - preset == set(), field  # megatron's parallel sizes come from the preset
+
+
+# --- the cluster profile's network settings ---------------------------------------------------
+
+NETWORK = {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "ib0", "NCCL_IB_HCA": "mlx5_0,mlx5_1",
+           "NCCL_DEBUG": "INFO"}  # fmt: skip
+
+
+def _network_profile(tmp_path: Path, **fields) -> Path:
+    import yaml
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump({"name": "t", "executor": "slurm", "workdir": str(tmp_path / "runs"),
+                                    "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "nodes": 2,
+                                    "offline": False, "data_dir": "/shared/data", **fields}))  # fmt: skip
+    return path
+
+
+def test_the_profiles_network_settings_are_in_the_jobs_environment_and_its_dry_run(tmp_path: Path) -> None:
+    """`network:` is exported after the profile's setup lines (so it wins over a module's), in the batch
+    shell whose environment every srun step, each node's Ray and the trainer inherit; the dry run's
+    command shows each variable."""
+    import os
+
+    from pdmctl.executors import load_profile, make_executor
+    from pdmctl.grid import expand
+    from pdmctl.orchestrate import Context, describe_runs
+
+    profile = load_profile(str(_network_profile(tmp_path, network=NETWORK, setup=["export NCCL_DEBUG=WARN"])))
+    executor = make_executor(profile)
+    script = "\n".join([*executor.sbatch_parameters(1)["setup"], "env"])
+    env = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True,
+                         env={"PATH": os.environ["PATH"]}).stdout.splitlines()  # fmt: skip
+    for key, value in NETWORK.items():
+        assert f"{key}={value}" in env, key
+    specs = expand(["backend=verl", "model=qwen3-4b-base", "seed=0"], None, "s")
+    text = "\n".join(describe_runs(specs, Context(profile, profile.tracking_uri), executor))
+    command = text[text.index("  command 1.1"):text.index("    runs: ")]
+    assert all(f"{key}={value}" in command for key, value in NETWORK.items()), command
+
+
+@pytest.mark.parametrize(
+    ("network", "message"),
+    [({"LD_PRELOAD": "/x.so"}, r"network: 'LD_PRELOAD' is not one of GLOO_SOCKET_IFNAME, "),
+     ({"NCCL_SOCKET_IFNAME": " ib0"}, r"network: NCCL_SOCKET_IFNAME: must be a plain value .* got ' ib0'"),
+     ({"NCCL_SOCKET_IFNAME": ""}, r"network: NCCL_SOCKET_IFNAME: must be a plain value"),
+     ({"NCCL_IB_HCA": ["mlx5_0"]}, r"network: NCCL_IB_HCA: must be a string or a whole number"),
+     (["NCCL_DEBUG=INFO"], r"network: must be a mapping of NCCL/gloo variables to values")],
+)  # fmt: skip
+def test_a_bad_network_field_is_refused_in_one_line(tmp_path: Path, network, message: str) -> None:
+    from pdmctl.executors import ExecutorError, load_profile, make_executor
+
+    with pytest.raises(ExecutorError, match=message) as info:
+        make_executor(load_profile(str(_network_profile(tmp_path, network=network))))
+    assert "\n" not in str(info.value)
+
+
+def test_a_network_variable_also_in_env_and_a_bad_one_at_the_cli_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    both = _network_profile(tmp_path, network={"NCCL_DEBUG": "INFO"}, env={"NCCL_DEBUG": "WARN"})
+    result = pdmctl("sweep", "backend=verl", "model=qwen3-4b-base", "seed=0", "--cluster", str(both), "--dry-run",
+                    cwd=tmp_path)  # fmt: skip
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "NCCL_DEBUG: set in both env: and network: (keep it in network:)" in lines[0]
+    bad = _network_profile(tmp_path, network={"NCCL_SOCKETIFNAME": "ib0"})
+    result = pdmctl("sweep", "backend=verl", "model=qwen3-4b-base", "seed=0", "--cluster", str(bad), "--dry-run",
+                    cwd=tmp_path)  # fmt: skip
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "network: 'NCCL_SOCKETIFNAME' is not one of " in lines[0]
+    assert not (tmp_path / "runs").exists()

@@ -235,6 +235,7 @@ class SlurmExecutor(Executor):
             *self.job_exports(),
             *_fatal(opts.setup),
             *(f"export {key}={shlex.quote(value)}" for key, value in opts.env),  # after setup: the profile wins
+            *(f"export {key}={shlex.quote(value)}" for key, value in opts.network),  # every node's srun steps inherit it
         ]
         params: dict[str, Any] = {
             "job_name": opts.job_name, "time": opts.time, "nodes": opts.nodes, "ntasks_per_node": 1,
@@ -264,7 +265,7 @@ class SlurmExecutor(Executor):
         opts = self.options
         return {"offline": opts.offline, "models_dir": opts.models_dir, "data_dir": opts.data_dir,
                 "nccl_timeout": opts.nccl_timeout, "network_interface": opts.network_interface,
-                "env": dict(opts.env), "time": opts.time,
+                "env": dict(opts.env), "network": dict(opts.network), "time": opts.time,
                 "max_timeouts": opts.max_timeouts,
                 "throughput": {model: {"rollout": r, "train": t} for model, r, t in opts.throughput}}  # fmt: skip
 

@@ -20,6 +20,10 @@ Profile options (clusters/<name>.yaml, beside `executor: slurm`; all optional):
                                  last part, e.g. Qwen3-4B-Base) and VeRL's parquet files
     env                          a mapping exported in every job, so every node's steps and Ray
                                  workers see it (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_HCA, ...)
+    network                      the fabric's settings for NCCL and gloo, exported on every node before Ray
+                                 and the trainer start and shown by --dry-run: a mapping of names from
+                                 NETWORK_VARIABLES (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_HCA,
+                                 NCCL_DEBUG, ...) to plain values
     nccl_timeout                 seconds for VeRL's process-group operations (default: 1800 when a job
                                  has more than one node, VeRL's 600 otherwise)
     network_interface            the interface Ray binds on every node (e.g. ib0): each node's IPv4
@@ -66,6 +70,7 @@ class SlurmOptions:
     models_dir: str | None = None
     data_dir: str | None = None
     env: tuple[tuple[str, str], ...] = ()
+    network: tuple[tuple[str, str], ...] = ()
     nccl_timeout: int | None = None
     network_interface: str | None = None
     engine_stall_s: int | None = None
@@ -106,6 +111,8 @@ class SlurmOptions:
                 values[name] = value
             elif name == "env":
                 values[name] = _env_block(value, where)
+            elif name == "network":
+                values[name] = _network_block(value, where)
             elif name == "throughput":
                 values[name] = _throughput_block(value, where)
             elif name == "network_interface":
@@ -122,6 +129,9 @@ class SlurmOptions:
                 if not isinstance(value, str | int) or isinstance(value, bool) or not str(value).strip():
                     raise ExecutorError(f"{where}: {name}: must be a non-empty string, got {value!r}")
                 values[name] = str(value)
+        both = sorted({key for key, _ in values.get("env", ())} & {key for key, _ in values.get("network", ())})
+        if both:
+            raise ExecutorError(f"{where}: {both[0]}: set in both env: and network: (keep it in network:)")
         options = cls(**values)
         options.extra_sbatch(where)  # refuse malformed lines now, not at submission
         return options
@@ -150,6 +160,35 @@ def _interface_name(value: Any, where: str) -> str:
         raise ExecutorError(f"{where}: network_interface: must be the name of a network interface on the nodes "
                             f"(as `ip -br addr` lists it, e.g. ib0), got {value!r}")  # fmt: skip
     return value
+
+
+# What `network:` may set: the interfaces and fabric of NCCL and gloo (torch.distributed's CPU backend), and
+# NCCL's log level (NCCL's environment variables, docs.nvidia.com/deeplearning/nccl, "Environment Variables")
+NETWORK_VARIABLES = frozenset({
+    "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "NCCL_IB_TC", "NCCL_IB_SL",
+    "NCCL_IB_DISABLE", "NCCL_IB_TIMEOUT", "NCCL_IB_RETRY_CNT", "NCCL_NET_GDR_LEVEL", "NCCL_CROSS_NIC",
+    "NCCL_SOCKET_FAMILY", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS",
+})  # fmt: skip
+
+
+def _network_block(value: Any, where: str) -> tuple[tuple[str, str], ...]:
+    """`network:`: names from NETWORK_VARIABLES, each a plain value (printable, no blank at either end)."""
+    if not isinstance(value, dict) or not value:
+        raise ExecutorError(f"{where}: network: must be a mapping of NCCL/gloo variables to values "
+                            f"(e.g. NCCL_SOCKET_IFNAME: ib0), got {value!r}")  # fmt: skip
+    out = []
+    for key, item in value.items():
+        if key not in NETWORK_VARIABLES:
+            raise ExecutorError(f"{where}: network: {key!r} is not one of {', '.join(sorted(NETWORK_VARIABLES))} "
+                                "(anything else goes in env:)")  # fmt: skip
+        if isinstance(item, bool) or not isinstance(item, str | int):
+            raise ExecutorError(f"{where}: network: {key}: must be a string or a whole number, got {item!r}")
+        text = str(item)
+        if not text or not text.isprintable() or text != text.strip():
+            raise ExecutorError(f"{where}: network: {key}: must be a plain value (printable, no control characters, "
+                                f"no blank at either end), got {text!r}")  # fmt: skip
+        out.append((key, text))
+    return tuple(out)
 
 
 def _env_block(value: Any, where: str) -> tuple[tuple[str, str], ...]:
