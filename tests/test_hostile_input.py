@@ -1292,3 +1292,22 @@ def test_doctor_on_the_node_looks_for_the_profiles_network_interface(tmp_path: P
     else:
         with pytest.raises(doctor.CheckFailed, match=re.escape(needle)):
             check()
+
+
+# -- round four: environment variables of the submitting shell ----------------------------------------------
+
+
+def test_a_submitting_shells_slurm_restart_count_never_numbers_a_local_jobs_attempts(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdmctl import orchestrate
+    from tests.conftest import sqlite_uri
+    from tests.test_identity import finished, wait_for
+
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")  # a shell inside a requeued allocation
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
+    ctx = orchestrate.make_context("local", sqlite_uri(workdir))
+    orchestrate.sweep(expand(["seed=0", *SYN], sweep="env"), ctx)
+    (view,) = wait_for(ctx, "env", finished)
+    assert view.record.attempt == 1 and not view.record.job_id.startswith("77")
+    assert "attempt 1 in" in (Path(view.record.run_dir) / "logs" / "attempt-1.log").read_text()

@@ -331,6 +331,9 @@ def _start(job_id: str, req: dict, threads: int, done: Path) -> subprocess.Popen
     log_file.parent.mkdir(parents=True, exist_ok=True)
     # the submitter's environment; a queue entry written before it was recorded: the worker's
     base = req["env"] if isinstance(req.get("env"), dict) else os.environ
+    # less what describes a SLURM job the submitting shell was in: a local job is no requeue of it (its
+    # SLURM_RESTART_COUNT would number the attempts), nor a task of its array
+    base = {k: v for k, v in base.items() if k not in _SLURM_JOB_VARS}
     env = dict(base, PDMCTL_JOB_ID=job_id, PDMCTL_EXECUTOR="local", OMP_NUM_THREADS=str(threads),
                PDMCTL_NUM_THREADS=str(threads), PDMCTL_EXIT_FILE=str(_exit_file(done, job_id)))  # fmt: skip
     with open(log_file, "ab") as log:
@@ -338,6 +341,9 @@ def _start(job_id: str, req: dict, threads: int, done: Path) -> subprocess.Popen
             [sys.executable, "-m", "pdmctl.job", req["job_file"]],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
         )  # fmt: skip
+
+
+_SLURM_JOB_VARS = ("SLURM_RESTART_COUNT", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID")
 
 
 def _exit_file(done: Path, job_id: str) -> Path:
