@@ -98,3 +98,32 @@ def test_engine_env_refuses_bad_arguments_before_anything_is_written(tmp_path: P
                           cwd=tmp_path, timeout=60)  # fmt: skip
     assert (proc.returncode, proc.stderr.strip().splitlines()) == (2, [line])
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("glibc", "line"),
+    [("glibc 2.28", "engine-env.sh: glibc 2.28 here, and --cuda needs glibc >= 2.31 (llguidance 1.7.6's wheels)"),
+     ("glibc 2.31", "engine-env.sh: no C++ compiler (g++) on the PATH: Transformer Engine's PyTorch binding is "
+                    "compiled at install")],
+)  # fmt: skip
+def test_the_cuda_environment_says_what_a_node_needs_before_it_installs_anything(tmp_path: Path, glibc, line) -> None:
+    """`engine-env.sh --cuda` prints the node's needs first (glibc >= 2.31, driver >= 580, a C++ compiler for
+    Transformer Engine, no CUDA toolkit), then refuses in one line, before writing DIR, a glibc below
+    llguidance's wheels or a machine without g++."""
+    import shutil
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "cat", "awk", "sort", "head", "dirname"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    (bin_dir / "getconf").write_text(f"#!{shutil.which('bash')}\necho '{glibc}'\n")
+    (bin_dir / "getconf").chmod(0o755)
+    target = tmp_path / "env"
+    proc = subprocess.run([str(bin_dir / "bash"), str(REPO / "scripts" / "engine-env.sh"), "--cuda", str(target)],
+                          capture_output=True, text=True, timeout=60, env={"PATH": str(bin_dir)})  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.strip() == line, proc
+    needs = proc.stdout.splitlines()
+    assert needs[0].startswith("engine-env.sh --cuda needs")
+    assert "glibc >= 2.31" in needs[1] and "NVIDIA driver >= 580" in needs[2] and "C++ compiler" in needs[3]
+    assert "no CUDA toolkit or nvcc" in needs[4]
+    assert not target.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["bin"]
