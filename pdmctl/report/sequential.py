@@ -117,8 +117,7 @@ def apply(rows: list, data, definition, labels: Sequence[str]) -> tuple[list, di
     row -> its number of stages for those. Unchanged where no run records a look."""
     import dataclasses
 
-    from pdmctl.report.build import _run_values, with_holm
-    from pdmctl.report.stats import Estimate
+    from pdmctl.report.stats import Estimate, holm
 
     if not any(run_look(r) for r in data.records.values()):
         return rows, {}
@@ -133,12 +132,23 @@ def apply(rows: list, data, definition, labels: Sequence[str]) -> tuple[list, di
                  for s in row.seeds]  # fmt: skip
         cells = {}
         for label in labels:
-            d = [_run_values(mine[s], labels, definition.average)[label]
-                 - _run_values(theirs[s], labels, definition.average)[label] for s in row.seeds]  # fmt: skip
+            d = [_value(mine[s], labels, definition.average, label) - _value(theirs[s], labels, definition.average, label)
+                 for s in row.seeds]  # fmt: skip
             interval, p, count = sequential_interval(d, looks, definition.confidence.level)
             old = row.cells[label]
             cells[label] = dataclasses.replace(old, difference=Estimate(old.difference.mean, old.difference.n, interval),
                                                p_value=p)  # fmt: skip
             staged[row.row] = count
         out.append(dataclasses.replace(row, cells=cells))
-    return with_holm(out, labels), staged
+    adjusted = {label: holm([r.cells[label].p_value for r in out]) for label in labels}  # as build.with_holm
+    out = [dataclasses.replace(r, cells={label: dataclasses.replace(c, p_holm=adjusted[label][i])
+                                         for label, c in r.cells.items()}) for i, r in enumerate(out)]  # fmt: skip
+    return out, staged
+
+
+def _value(point, labels: Sequence[str], average: str | None, label: str) -> float:
+    """A run's value in one column, the average column being the mean of the others (as the report's)."""
+    if label == average:
+        others = [point.values[name] for name in labels if name != average]
+        return sum(others) / len(others)
+    return point.values[label]
