@@ -1,4 +1,4 @@
-"""`pdmctl report`: AIME avg@16 tables with seed confidence intervals, comparisons and learning curves.
+"""`pdmctl report`: held-out avg@16 tables with seed confidence intervals, comparisons and learning curves.
 
 Laid out as rliable is: `stats` (small pure functions), `resample` (the bootstraps) and `plots`
 (figures) stay apart; `collect` reads the ledger, `build` assembles the report as data, `tables` and

@@ -240,20 +240,22 @@ def clip_pass_k(rows: list[PassKRow]) -> tuple[list[PassKRow], int]:
     return out, count
 
 
+FLAT = 0.01  # a panel whose every line and band stays within 1% of one value is drawn as a sentence
+
+
 def informative(drawn: list[SettingCurves]) -> tuple[list[SettingCurves], dict[str, float]]:
-    """The curves without the training-dynamics and mismatch panels whose every line holds one and the
-    same value at every step (the testbed's fixed response length): such a panel says nothing a sentence
-    does not. Returns the curves and each panel left out with its value."""
+    """The curves without the training-dynamics and mismatch panels whose every line and band stays within
+    1% of one value at every step (the testbed's response length, fixed by its task): such a panel says
+    nothing a sentence does not. Returns the curves and each panel left out with its mean value."""
     constant: dict[str, float] = {}
 
     def keep(panels: dict[str, list[Line]]) -> dict[str, list[Line]]:
         kept = {}
         for label, lines in panels.items():
-            values = np.concatenate([ln.centre for ln in lines]) if lines else np.array([])
-            if values.size and np.all(values == values[0]) and all(
-                np.all(~np.isfinite(ln.low) | (ln.low == ln.high)) for ln in lines
-            ):
-                constant[label] = float(values[0])
+            values = np.concatenate([a for ln in lines for a in (ln.centre, ln.low, ln.high)]) if lines else np.array([])
+            values = values[np.isfinite(values)]
+            if values.size and np.ptp(values) <= FLAT * np.abs(values).max():
+                constant[label] = float(np.mean(np.concatenate([ln.centre for ln in lines])))
             else:
                 kept[label] = lines
         return kept

@@ -217,8 +217,9 @@ def methods(report: Report) -> list[str]:
         out.append(f"Held-out sets: each column is named by the set its runs evaluated on, as they logged it "
                    f"(eval/NAME): {sets}.")  # fmt: skip
     if report.constant_panels:
-        flat = ", ".join(f"{label} ({value:g} throughout)" for label, value in report.constant_panels.items())
-        out.append(f"Panels left out: {flat}; every run held the same value at every step.")
+        flat = ", ".join(f"{label} ({value:.3g} throughout)" for label, value in report.constant_panels.items())
+        out.append(f"Panels left out: {flat}; every run stayed within 1% of that value at every step, bands "
+                   "included.")  # fmt: skip
     return out
 
 
