@@ -276,3 +276,4 @@ def test_the_channels_are_the_primary_statistic_from_each_measurement() -> None:
     text = "\n".join(channel_lines(result, resamples=200))
     assert all(question in text for _, _, question in CHANNELS) and "effective seeds" in text
     assert all(len(c.below_floor) == 2 for c in result.counterfactual)
+    assert "below the float32 sign floor" in text and "ratio/exact" in text and "predictive/exact" in text

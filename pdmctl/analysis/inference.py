@@ -350,7 +350,27 @@ def channel_lines(result: AnalysisResult, *, resamples: int = RESAMPLES) -> list
         lines.append(f"  {c.name + ':':23s}{_pts(c.pooled)} points, 95% seed-cluster bootstrap {_interval(c.low, c.high)}, "
                      f"sign-flip p {_p(c.p)}, {c.effective_seeds:.1f} effective seeds")  # fmt: skip
         lines.append(f"  {'':23s}({c.question})")
-    return lines
+    floor = floor_line(result)
+    return lines + ([floor] if floor else [])
+
+
+def floor_line(result: AnalysisResult) -> str | None:
+    """How many disagreement tokens' own effects are below the float32 sign floor, per criterion and estimator
+    (their signs, and so their unsafe or corrective label, are rounding); None where not counted."""
+    from pdmctl.analysis.counterfactual import SIGN_FLOOR
+
+    parts = []
+    for estimator in ("agg", "uni", "exact"):
+        for criterion in ("ratio", "predictive"):
+            rows = [c for c in result.counterfactual if (c.estimator, c.criterion, c.tokens) ==
+                    (estimator, criterion, "disagreement") and c.below_floor]  # fmt: skip
+            if rows:
+                below, n = sum(sum(c.below_floor) for c in rows), sum(sum(c.n) for c in rows)
+                parts.append(f"{criterion}/{estimator} {below:,} of {n:,}")
+    if not parts:
+        return None
+    return (f"own effects below the float32 sign floor (|own| < {SIGN_FLOOR:g}, their signs are rounding), "
+            f"disagreement tokens: {', '.join(parts)}")
 
 
 def region_check_line(result: AnalysisResult) -> str | None:
