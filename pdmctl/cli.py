@@ -16,17 +16,38 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from pdmctl import usage
 from pdmctl.grid import MAX_RUNS
 from pdmctl.terminal import console, fail
 from pdmctl.terminal import guard as _guard
+from pdmctl.usage import OverridesCommand
 
 app = typer.Typer(
     name="pdmctl",
     help="Sweeps, jobs, tracking and reports for trust-region-mask RL experiments (PDM vs DPPO vs GRPO).",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from pdmctl.usage import version_line
+
+        print(version_line())
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                           help="Print pdmctl's version (and commit, in a checkout) and exit."),
+    ] = False,
+) -> None:
+    pass
+
 
 ClusterOpt = Annotated[
     str, typer.Option("--cluster", "-c", help="Cluster profile under clusters/ (or a path).")
@@ -50,7 +71,7 @@ STATE_STYLE = {
 # ---------------------------------------------------------------------------
 
 
-@app.command(context_settings={"ignore_unknown_options": True})
+@app.command(cls=OverridesCommand, context_settings={"ignore_unknown_options": True})
 def sweep(
     overrides: Annotated[
         list[str] | None, typer.Argument(help="Grid overrides: delta=0.05,0.15 k=10,20 seeds=3")
@@ -302,7 +323,7 @@ def status(
         ctx = orchestrate.make_context(cluster, tracking_uri)
         views = orchestrate.status(ctx, sweep_name)
         if sweep_name and not views:
-            fail(f"sweep {sweep_name!r}: no runs in {_redacted(ctx.tracking_uri)}")
+            usage.check_sweep(ctx, sweep_name)
         title = f"pdmctl status — {sweep_name or 'all sweeps'}"
         if not watch:
             console.print(_status_table(views, title))
@@ -339,6 +360,7 @@ def resume(
         if max_attempts is not None and max_attempts < 1:
             fail(f"--max-attempts: must be >= 1, got {max_attempts}")
         ctx = orchestrate.make_context(cluster, tracking_uri)
+        usage.check_sweep(ctx, sweep_name)
         # metrics runs kept on their disks during a tracking-server outage go first, after the checks
         chosen, job_ids = orchestrate.resume(ctx, sweep_name, max_attempts=max_attempts, dry_run=dry_run,
                                              say=lambda line: console.print(line, highlight=False))  # fmt: skip
@@ -363,6 +385,7 @@ def cancel(
 
     with _guard():
         ctx = orchestrate.make_context(cluster, tracking_uri)
+        usage.check_target(ctx, target)
         cancelled = orchestrate.cancel(ctx, target)
     for v in cancelled:
         console.print(f"cancelled {v.key} ({v.summary})", highlight=False)
@@ -372,7 +395,7 @@ def cancel(
 @app.command()
 def logs(
     run: Annotated[str, typer.Argument(metavar="RUN", help="Run key (or a prefix) or MLflow run id.")],
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing as the log grows.")] = False,
+    follow: Annotated[bool, typer.Option("--follow", "-F", help="Keep printing as the log grows.")] = False,
     attempt: Annotated[int | None, typer.Option(help="Which attempt (default: the latest).")] = None,
     cluster: ClusterOpt = "local",
     tracking_uri: TrackingOpt = None,
@@ -449,7 +472,7 @@ def server(
     ] = None,
 ) -> None:
     """An MLflow tracking server with a login (MLflow's basic-auth app) on a PostgreSQL that runs as you, no
-    root (the pgserver wheel: pip install 'pdmctl[server]'). The login is MLFLOW_TRACKING_USERNAME /
+    root (the pgserver wheel: pip install 'pdmctl\\[server]'). The login is MLFLOW_TRACKING_USERNAME /
     MLFLOW_TRACKING_PASSWORD from the environment, never written to a file."""
     from pdmctl.ledger import server as srv
 
@@ -474,7 +497,7 @@ def server(
         raise typer.Exit(1)
 
 
-@app.command(context_settings={"ignore_unknown_options": True})
+@app.command(cls=OverridesCommand, context_settings={"ignore_unknown_options": True})
 def doctor(
     overrides: Annotated[
         list[str] | None, typer.Argument(help="Grid overrides of the sweep whose paths and checkpoints to check.")
@@ -527,9 +550,9 @@ def doctor(
         return
     import subprocess
 
-    from pdmctl.executors.base import CLUSTER_DIR
+    from pdmctl.resources import find
 
-    path = Path(cluster) if Path(cluster).suffix in (".yaml", ".yml") else CLUSTER_DIR / f"{cluster}.yaml"
+    path = Path(cluster) if Path(cluster).suffix in (".yaml", ".yml") else find("clusters", cluster) or Path(cluster)
     args = [*(["--file", file] if file else []), *(overrides or [])]
     command = doc.job_command(ctx.profile, str(path.resolve()), checker.opts.python or sys.executable,
                               tracking_uri, skip, args)  # fmt: skip
@@ -554,7 +577,6 @@ def _mount_optional() -> None:
         ("pdmctl.analysis.cli", None),
         ("pdmctl.backends.verl.cli", "data"),
         ("pdmctl.tune.cli", None),
-        ("pdmctl.seeds", None),
     ):
         try:
             mod = importlib.import_module(module)
@@ -569,6 +591,7 @@ def _mount_optional() -> None:
 
 
 _mount_optional()
+usage.register(app)  # init; the flag check and the examples on every command
 
 
 def main() -> None:
