@@ -602,6 +602,12 @@ def main() -> None:
     except ImportError:  # pragma: no cover (older typer: click itself)
         from click import exceptions as click_exceptions
 
+    problem = _resource_dirs_problem()
+    if problem:
+        try:
+            fail(problem)
+        except typer.Exit as ended:
+            sys.exit(ended.exit_code)
     try:
         code = app(standalone_mode=False)
     except click_exceptions.NoArgsIsHelpError as exc:
@@ -624,6 +630,25 @@ def main() -> None:
     if code == 130:
         interrupted()
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _resource_dirs_problem() -> str | None:
+    """PDMCTL_CONFIG_DIR and its kin (pdmctl.resources), where set: an absolute path to a directory; a
+    relative one would name another folder in each directory pdmctl runs from (and Hydra takes none)."""
+    from pdmctl.resources import ENV
+
+    for name in ENV.values():
+        value = os.environ.get(name)
+        if value is None:
+            continue
+        if not value.strip():
+            return f"{name} is set but empty (unset it, or name a directory)"
+        path = Path(value).expanduser()
+        if not path.is_absolute():
+            return f"{name}={value!r}: must be an absolute path"
+        if not path.is_dir():
+            return f"{name}={value}: {'not a directory' if path.exists() else 'no such directory'}"
+    return None
 
 
 def interrupted() -> None:

@@ -20,6 +20,23 @@ def main() -> None:
         run()
     except KeyboardInterrupt:  # between the command's end and the exit
         interrupted()
+    except SystemExit:
+        raise
+    except BaseException as exc:  # raised while a Ctrl-C was on its way out (a module it left half-imported)
+        if _during_interrupt(exc):
+            interrupted()
+        raise
+
+
+def _during_interrupt(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        if isinstance(link, KeyboardInterrupt):
+            return True
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return False
 
 
 if __name__ == "__main__":

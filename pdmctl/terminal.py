@@ -80,6 +80,8 @@ def guard() -> Iterator[None]:
     """Turn a user's mistake into one line and exit code 2, never a traceback."""
     try:
         yield
+    except KeyboardInterrupt:  # on its way out as it is: the user errors' modules are not imported for it
+        raise
     except _user_errors() as exc:
         text = str(exc).strip()
         fail(text.splitlines()[0] if text else type(exc).__name__)

@@ -1311,3 +1311,42 @@ def test_a_submitting_shells_slurm_restart_count_never_numbers_a_local_jobs_atte
     (view,) = wait_for(ctx, "env", finished)
     assert view.record.attempt == 1 and not view.record.job_id.startswith("77")
     assert "attempt 1 in" in (Path(view.record.run_dir) / "logs" / "attempt-1.log").read_text()
+
+
+@pytest.mark.parametrize(("value", "needle"), [("abc", "error: PDMCTL_CONFIG_DIR='abc': must be an absolute path"),
+                                               ("", "error: PDMCTL_CONFIG_DIR is set but empty"),
+                                               ("/etc/hostname", "error: PDMCTL_CONFIG_DIR=/etc/hostname: not a "
+                                                                 "directory"),
+                                               ("/nonexistent/x", "error: PDMCTL_CONFIG_DIR=/nonexistent/x: no such "
+                                                                  "directory")])  # fmt: skip
+def test_a_config_dir_variable_set_to_garbage_is_one_line(workdir: Path, value: str, needle: str) -> None:
+    from tests.conftest import pdmctl
+
+    result = pdmctl("sweep", "seed=0", *SYN, "--dry-run", cwd=workdir, env={"PDMCTL_CONFIG_DIR": value})
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(needle), result.stderr[-2000:]
+    assert not list(workdir.iterdir())
+
+
+CTRL_C_THEN_AN_ERROR = """
+import sys
+import pdmctl.cli
+def run():  # a Ctrl-C that leaves a module half-imported: the next import of it fails while it unwinds
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        raise ImportError("cannot import name 'x' from partially initialized module 'pdmctl.orchestrate'")
+pdmctl.cli.main = run
+from pdmctl.entry import main
+main()
+"""
+
+
+def test_an_error_raised_while_a_ctrl_c_unwinds_is_still_one_line(workdir: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", CTRL_C_THEN_AN_ERROR], cwd=workdir, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 130 and lines == ["pdmctl: interrupted"], proc.stderr[-3000:]
