@@ -228,3 +228,40 @@ def test_the_doctor_imports_the_presets_attention_and_never_flash_attn() -> None
     assert not any("flash" in module for modules in checks.values() for module in modules)
     node = doctor.Doctor(ClusterProfile(name="here", executor="local", workdir="/tmp"), "sqlite:///unused.db")
     assert node.imports(checks["attention"]).startswith("transformers.integrations.sdpa_attention ")
+
+
+def _distinct_commands(sweep: str) -> dict[tuple[str, str], list[str]]:
+    """(setting, mask) -> the overrides its seed-0 run's job passes to `main_ppo` (as the dry run prints them)."""
+    from pdmctl.backends.registry import _verl_job_config, flat_config
+    from pdmctl.grid import expand, load_sweep_file
+
+    out = {}
+    for spec in expand([], load_sweep_file(sweep)):
+        if spec.seed != 0:
+            continue
+        job = _verl_job_config(flat_config(spec.config), Path("/runs") / "KEY")
+        key = (launch.setting(job), spec.config["mask"]["name"])
+        out[key] = launch.verl_overrides(job, environ={}) + launch.ray_env_overrides(launch.job_env(job))
+    return out
+
+
+def test_every_distinct_command_of_the_paper_sweeps_composes_and_builds_verls_configs() -> None:
+    """Each of paper-main's 16 distinct commands (4 settings x 4 masks) goes through VeRL's own Hydra
+    composition and builds the actor (with its Megatron engine config) and rollout configs as VeRL's
+    dataclasses (a key VeRL rejects or a value of the wrong type fails here), the reference inheriting the
+    actor's attention; paper-tight's differ from them in δ alone.
+    What this does not reach on CPU: loading the weights and the engines (Megatron, vLLM) on a GPU."""
+    main, tight = _distinct_commands("paper-main"), _distinct_commands("paper-tight")
+    assert len(main) == 16 and main.keys() == tight.keys()
+    for key, overrides in main.items():
+        config = launch.compose(overrides)
+        actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+        omega_conf_to_dataclass(config.actor_rollout_ref.rollout)
+        assert config.actor_rollout_ref.ref.megatron.override_transformer_config.attention_backend == "fused", key
+        assert config.model_engine == "megatron" and type(actor).__name__ == "McoreActorConfig", key
+        assert actor.megatron.override_transformer_config["attention_backend"] == "fused", key
+        assert config.actor_rollout_ref.model.override_config.attn_implementation == "sdpa", key
+        assert actor.clip_ratio_c == (10.0 if key[1] == "grpo_clip_higher" else math.inf), key
+        differ = sorted(set(tight[key]) ^ set(overrides))
+        assert differ == ["+actor_rollout_ref.actor.policy_loss.delta=0.05",
+                          "+actor_rollout_ref.actor.policy_loss.delta=0.15"], (key, differ)  # fmt: skip
