@@ -134,7 +134,7 @@ def sweep(
             if as_json:
                 import json
 
-                from pdmctl.cost import plan_json
+                from pdmctl.costing import plan_json
 
                 sys.stdout.write(json.dumps(plan_json(plan, ctx, executor, chosen, unread, calibration), indent=1)
                                  + "\n")
@@ -144,7 +144,7 @@ def sweep(
                           soft_wrap=True)
             for line in orchestrate.describe_runs(plan.to_submit, ctx, executor):
                 console.print(line, highlight=False, markup=False, soft_wrap=True)
-            from pdmctl.cost import testbed_line
+            from pdmctl.costing import testbed_line
 
             testbed = testbed_line(plan.to_submit, ctx, executor, calibration)
             if testbed is not None:
@@ -171,9 +171,9 @@ def sweep(
 
 
 def _calibration(ctx, sweep_name: str):
-    """The testbed's rates measured by `sweep_name`'s finished runs (pdmctl.cost.calibrate); one line and exit 2
+    """The testbed's rates measured by `sweep_name`'s finished runs (pdmctl.costing.calibrate); one line and exit 2
     where there are none."""
-    from pdmctl.cost import calibrate
+    from pdmctl.costing import calibrate
     from pdmctl.ledger import ledger_exists, open_ledger
 
     records = open_ledger(ctx.tracking_uri).runs(sweep_name) if ledger_exists(ctx.tracking_uri) else []
@@ -327,7 +327,7 @@ def status(
         title = f"pdmctl status — {sweep_name or 'all sweeps'}"
         if not watch:
             console.print(_status_table(views, title))
-            from pdmctl.cost import spent_lines
+            from pdmctl.costing import spent_lines
 
             for line in spent_lines(views, ctx):  # the hours spent beside the prediction, per sweep
                 console.print(line, highlight=False, markup=False, soft_wrap=True)

@@ -25,7 +25,8 @@ default toy-small run: 40 steps of 1,024 rollouts in about 9 s of one core on a 
 load; docs/TESTBED.md), evaluations included, plus a start-up per attempt; one CPU a job.
 
 The sweep's wall time places the runs, in array order, on `max_concurrent` slots (each run starts when a
-slot frees), for the expected, low, high and upper-bound run times alike.
+slot frees), for the expected, low, high and upper-bound run times alike. `pdmctl.costing` applies the model
+to a sweep (through the backends), calibrates it on finished runs and sets it against the hours spent.
 """
 
 from __future__ import annotations
@@ -198,45 +199,6 @@ class Calibration:
     rests_on: str
 
 
-def calibrate(records: Sequence[Any], sweep: str) -> dict[str, Calibration]:
-    """Per testbed setting (`toy: MODEL PRECISION`), what its finished runs of `sweep` measured: each run's wall
-    time (`spent_seconds`) against its rollouts, fitted as start-up + rate x rollouts by least squares where
-    the runs have two lengths or more, else the stated start-up taken off; the rate's range is the runs'
-    own rates about that start-up. VeRL runs are not calibrated here: their estimates keep resting on the
-    stated assumptions."""
-    from pdmctl.backends.registry import flat_config
-
-    rates: dict[str, list[tuple[float, str]]] = {}
-    for record in records:
-        spec = record.spec
-        if record.status != "FINISHED" or spec is None or spec.backend != "toy":
-            continue
-        seconds = spent_seconds(record, now=0.0)
-        if seconds is None:
-            continue
-        flat = flat_config(spec.config)
-        rates.setdefault(f"toy: {flat['model']} {flat['precision']}", []).append(
-            (toy_rollouts(flat), seconds, record.key))
-    out = {}
-    for setting, found in rates.items():
-        sizes = [float(n) for n, _, _ in found]
-        walls = [w for _, w, _ in found]
-        if len(set(sizes)) >= 2:
-            import numpy as np
-
-            fitted = max(0.0, float(np.polyfit(sizes, walls, 1)[1]))  # the intercept: seconds before the first rollout
-            startup = Span(fitted, fitted, fitted)
-            basis = f"fitted on runs of {len(set(sizes))} lengths"
-        else:
-            startup, basis = TOY_STARTUP_S, "the stated one: the runs are of one length"
-        values = [max(0.0, w - startup.expected) / n for n, w in zip(sizes, walls, strict=True)]
-        mean = sum(values) / len(values)
-        keys = ", ".join(k for _, _, k in found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
-        out[setting] = Calibration(Span(mean, min(values), max(values)), startup, basis,
-                                   f"calibrated on {len(found)} finished run(s) of sweep {sweep} ({keys})")  # fmt: skip
-    return out
-
-
 def wall_seconds(run_seconds: Sequence[float], slots: int | None) -> float:
     """The runs, in array order, on `slots` slots (each starts when one frees): when the last one ends."""
     if not run_seconds:
@@ -301,100 +263,6 @@ def duration(seconds: float) -> str:
 
 
 # ---------------------------------------------------------------------------
-# The plan as JSON (--dry-run --json; docs/PLAN_JSON.md)
-# ---------------------------------------------------------------------------
-
-PLAN_FORMAT = "pdmctl-plan/1"
-
-
-def slots(ctx: Any, executor: Any) -> int | None:
-    """Runs at once: the profile's max_concurrent, else the local executor's cap (one per core)."""
-    return ctx.profile.max_concurrent or getattr(executor, "cap", None)
-
-
-def cluster_settings(ctx: Any, executor: Any) -> dict[str, Any]:
-    """What the backends' estimates read of the cluster (describe_runs' settings, and the CPUs of a job)."""
-    options = getattr(executor, "options", None)
-    return {**executor.job_settings(), "nodes": executor.nodes_per_job(), "tracking_uri": ctx.tracking_uri,
-            "max_concurrent": slots(ctx, executor), "cpus_per_task": getattr(options, "cpus_per_task", None)}  # fmt: skip
-
-
-def estimate_specs(specs: Sequence[Any], ctx: Any, executor: Any,
-                   calibration: Mapping[str, Calibration] | None = None) -> dict[str, Estimate | str]:
-    """run key -> its Estimate, or why it has none, for runs of any backend (calibrated where `calibration`
-    measured the run's setting)."""
-    from collections import defaultdict
-
-    from pdmctl.backends.registry import DescribedRun, flat_config, get_backend
-
-    cluster = {**cluster_settings(ctx, executor), "calibration": dict(calibration or {})}
-    by_backend: dict[str, list[DescribedRun]] = defaultdict(list)
-    for spec in specs:
-        by_backend[spec.backend].append(DescribedRun(spec.key, spec.summary, flat_config(spec.config),
-                                                     ctx.run_dir_parent(spec) / "RUN_ID"))  # fmt: skip
-    out: dict[str, Estimate | str] = {}
-    for name, runs in by_backend.items():
-        out.update(get_backend(name).estimate(runs, cluster))
-    return out
-
-
-def plan_json(plan: Any, ctx: Any, executor: Any, order: str, ledger_unread: str | None = None,
-              calibration: Mapping[str, Calibration] | None = None) -> dict[str, Any]:
-    """The dry run's plan as JSON data (PLAN_FORMAT): every run in array order with its cost, per setting and for
-    the runs the sweep would submit."""
-    from pdmctl.backends.registry import flat_config, get_backend
-    from pdmctl.orchestrate import replicates
-
-    specs = plan.specs
-    estimates = estimate_specs(specs, ctx, executor, calibration)
-    replicate_of = replicates(specs)
-    submit = {s.key for s in plan.to_submit}
-    given = executor.nodes_per_job()
-    runs, by_setting = [], {}
-    for position, spec in enumerate(specs, 1):
-        backend, flat = get_backend(spec.backend), flat_config(spec.config)
-        setting = f"{spec.backend}: {backend.setting(flat)}"
-        estimate = estimates.get(spec.key)
-        runs.append({"order": position, "key": spec.key, "summary": spec.summary, "setting": setting,
-                     "seed": spec.seed, "replicate": replicate_of[spec.key], "state": str(plan.states[spec.key]),
-                     "action": "submit" if spec.key in submit else "skip", "nodes": backend.nodes(flat) or given,
-                     "config": spec.config,
-                     "cost": estimate.as_json() if isinstance(estimate, Estimate) else None,
-                     "cost_missing": estimate if isinstance(estimate, str) else None})  # fmt: skip
-        if spec.key in submit:
-            by_setting.setdefault(setting, []).append(estimate)
-    at_once = slots(ctx, executor)
-
-    def summed(found: Sequence[Any]) -> dict[str, Any] | None:
-        if not found or not all(isinstance(e, Estimate) for e in found):
-            return None
-        t = total_json(total(found, at_once))
-        t["rests_on"] = sorted({e.rests_on for e in found})
-        return t
-
-    settings = [{"setting": name, "runs": len(found), "cost": summed(found)} for name, found in by_setting.items()]
-    to_submit = [estimates.get(s.key) for s in plan.to_submit]
-    return {"format": PLAN_FORMAT, "sweep": specs[0].sweep if specs else None, "cluster": ctx.profile.name,
-            "executor": ctx.profile.executor, "order": order, "nodes_per_job": given, "max_concurrent": at_once,
-            "ledger_read": ledger_unread is None, "runs": runs, "settings": settings,
-            "sweep_cost": summed(to_submit)}  # fmt: skip
-
-
-def testbed_line(specs: Sequence[Any], ctx: Any, executor: Any,
-                 calibration: Mapping[str, Calibration] | None = None) -> str | None:
-    """The text dry run's cost line for the testbed's runs to submit (VeRL's are describe.py's), or None."""
-    toy = [s for s in specs if s.backend == "toy"]
-    if not toy:
-        return None
-    found = [e for e in estimate_specs(toy, ctx, executor, calibration).values() if isinstance(e, Estimate)]
-    t = total(found, slots(ctx, executor))
-    basis = sorted({e.rests_on for e in found})
-    return (f"testbed cost: {len(found)} run(s), {hours_text(t.hours, t.upper_hours, 'CPU')}; {duration(t.wall_s.expected)} "
-            f"of wall time expected ({duration(t.wall_s.low)}-{duration(t.wall_s.high)}) at {slots(ctx, executor)} at a "
-            f"time; rests on {'; '.join(basis)}")  # fmt: skip
-
-
-# ---------------------------------------------------------------------------
 # Spent against predicted (pdmctl status)
 # ---------------------------------------------------------------------------
 
@@ -416,54 +284,3 @@ def spent_seconds(record: Any, now: float) -> float | None:
     end = record.end_time / 1000 if record.end_time and record.status != "RUNNING" else now
     ends = [*starts[1:], max(end, starts[-1])]
     return sum(max(0.0, b - a) for a, b in zip(starts, ends, strict=True))
-
-
-def spent_lines(views: Sequence[Any], ctx: Any) -> list[str]:
-    """Per sweep: the hours its runs have spent (wall x the GPUs or CPUs each holds) beside the prediction for the
-    same runs, and for the whole sweep."""
-    import time as _time
-
-    from pdmctl.executors import make_executor
-
-    by_sweep: dict[str, list[Any]] = {}
-    for view in views:
-        if view.record is not None and view.record.spec is not None:
-            by_sweep.setdefault(view.sweep, []).append(view)
-    if not by_sweep:
-        return []
-    try:
-        executor = make_executor(ctx.profile)
-    except Exception:  # a profile this status cannot build an executor from: no prediction, nothing to say
-        return []
-    now = _time.time()
-    lines = []
-    for sweep, found in by_sweep.items():
-        try:
-            estimates = estimate_specs([v.record.spec for v in found], ctx, executor)
-        except (ValueError, OSError) as exc:  # a recorded config this pdmctl cannot estimate: say so, go on
-            lines.append(f"cost of {sweep}: no prediction ({str(exc).splitlines()[0] if str(exc) else exc!r})")
-            continue
-        spent, predicted, unit, started = 0.0, [], "", 0
-        for view in found:
-            estimate = estimates.get(view.record.spec.key)
-            seconds = spent_seconds(view.record, now)
-            if not isinstance(estimate, Estimate) or seconds is None:
-                continue
-            started += 1
-            unit = estimate.unit
-            spent += seconds * estimate.devices / 3600
-            predicted.append(estimate)
-        every = [e for e in estimates.values() if isinstance(e, Estimate)]
-        if not every:
-            lines.append(f"cost of {sweep}: no estimate for its runs, so no prediction to set the hours spent against")
-            continue
-        unit = unit or every[0].unit
-        whole = total(every, slots(ctx, executor))
-        line = (f"cost of {sweep}: {number(spent)} {unit}-hours spent by the {started} run(s) that started (each "
-                f"attempt's start to the next attempt's or the run's end, x the {unit}s it holds)")
-        if predicted:
-            mine = total(predicted, slots(ctx, executor))
-            line += f", predicted {hours_text(mine.hours, mine.upper_hours, unit)}"
-        lines.append(f"{line}; the sweep's {len(every)} run(s): {hours_text(whole.hours, whole.upper_hours, unit)}; "
-                     f"the prediction rests on {RESTS_ON}")  # fmt: skip
-    return lines

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdmctl import cost
+from pdmctl import cost, costing
 from pdmctl.executors import load_profile, make_executor
 from pdmctl.grid import expand, load_sweep_file
 from pdmctl.orchestrate import Context, describe_runs, plan
@@ -104,7 +104,7 @@ def test_paper_main_on_four_nodes_has_an_expected_cost_per_run_under_its_upper_b
     expected cost with its range below its upper bound, all arms of seed 0 before any run of seed 1, the settings'
     and the sweep's sums, and the text dry run's sweep line with the same figures."""
     ctx, executor, sweep_plan = _paper_main(tmp_path, max_concurrent=1)
-    data = cost.plan_json(sweep_plan, ctx, executor, "seed")
+    data = costing.plan_json(sweep_plan, ctx, executor, "seed")
     assert data["format"] == "pdmctl-plan/1" and data["order"] == "seed" and data["max_concurrent"] == 1
     runs = data["runs"]
     assert len(runs) == 48 and [r["order"] for r in runs] == list(range(1, 49))
