@@ -664,7 +664,8 @@ def test_verl_fields_are_checked_against_verls_own_schema(store: Path, override:
 @pytest.mark.parametrize("hook", ["PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_TOY_FAIL_AT_STEP", "PDMCTL_VERL_HOLD_AT_STEP",
                                   "PDMCTL_VERL_FAIL"])  # fmt: skip
 @pytest.mark.parametrize("command", [["sweep", "seed=0", *SYN], ["sweep", "seed=0", *SYN, "--dry-run"], ["resume"],
-                                     ["tune", "delta=interval(0.05,0.3)", *SYN, "--trials", "1"]])  # fmt: skip
+                                     ["tune", "delta=interval(0.05,0.3)", *SYN, "--trials", "1"],
+                                     ["tune", "delta=interval(0.05,0.3)", *SYN, "--trials", "1", "--dry-run"]])  # fmt: skip
 def test_a_tests_hook_is_refused_outside_a_test(workdir: Path, monkeypatch: pytest.MonkeyPatch, hook: str,
                                                 command: list[str]) -> None:  # fmt: skip
     monkeypatch.setenv(hook, "2")
@@ -1350,3 +1351,17 @@ def test_an_error_raised_while_a_ctrl_c_unwinds_is_still_one_line(workdir: Path)
                           timeout=120)  # fmt: skip
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 130 and lines == ["pdmctl: interrupted"], proc.stderr[-3000:]
+
+
+# -- round four, also seen: --at beyond any run's evaluations; a SQLite ledger in memory -------------------
+
+
+def test_report_at_last_n_is_bounded(store: Path) -> None:  # noqa: F811
+    refused(store, ["report", "kept", "--at", "last-99999999999999999999"],
+            "--at: 'last-99999999999999999999' is not final, best or last-N (1 <= N <= 1,000,000)")  # fmt: skip
+
+
+@pytest.mark.parametrize("command", [["status"], ["report"], ["sweep", "seed=0", *SYN, "--dry-run"]])
+def test_a_sqlite_ledger_in_memory_is_refused(workdir: Path, command: list[str]) -> None:
+    refused(workdir, [*command, "--tracking-uri", "sqlite:///:memory:"],
+            "tracking URI sqlite:///:memory:: a SQLite store in memory holds no runs")  # fmt: skip

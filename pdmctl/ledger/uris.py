@@ -51,6 +51,9 @@ def check_uri(uri: str) -> None:
         if not uri.startswith("sqlite:///") or not uri.removeprefix("sqlite:///").strip("/"):
             raise LedgerError(f"tracking URI {redact(uri)}: a SQLite store is sqlite:///PATH (three slashes, "
                               "then the file; four for an absolute path)")  # fmt: skip
+        if uri.removeprefix("sqlite:///").split("?")[0] in (":memory:", "file::memory:") or "mode=memory" in uri:
+            raise LedgerError(f"tracking URI {redact(uri)}: a SQLite store in memory holds no runs (each process "
+                              "gets its own, empty); name a file, sqlite:///PATH")  # fmt: skip
     elif scheme in ("http", "https"):
         if not parsed.hostname:
             raise LedgerError(f"tracking URI {redact(uri)}: no host")

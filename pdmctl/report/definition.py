@@ -12,6 +12,7 @@ from pdmctl.yamlfiles import load_named
 T_METHOD = "t"  # Student's t (Welch's for unpaired differences); the others are scipy.stats.bootstrap's
 CI_METHODS = (T_METHOD, "percentile", "bca")
 _LAST_N = re.compile(r"^last-([1-9][0-9]*)$")
+MAX_LAST_N = 1_000_000  # evaluations averaged: more than any run logs
 PANEL_KINDS = ("eval", "dynamics", "mismatch")  # the figures `--panels` chooses among
 
 
@@ -69,8 +70,8 @@ class At:
         if text in ("final", "best"):
             return cls(text)
         match = _LAST_N.match(text)
-        if match is None:
-            raise ReportError(f"--at: {text!r} is not final, best or last-N (N >= 1)")
+        if match is None or len(match.group(1)) > len(str(MAX_LAST_N)) or int(match.group(1)) > MAX_LAST_N:
+            raise ReportError(f"--at: {text[:40]!r} is not final, best or last-N (1 <= N <= {MAX_LAST_N:,})")
         return cls("last", int(match.group(1)))
 
     def __str__(self) -> str:

@@ -109,6 +109,9 @@ def tune(
             ctx = orchestrate.make_context(cluster, tracking_uri)
             plan = tune_study.check(study_name, request, options, ctx, storage)
             if dry_run:
+                from pdmctl.testhooks import check_environment
+
+                check_environment()  # what the real tune would refuse
                 orchestrate.check_profile(ctx)
                 _print_plan(plan, options, ctx)
                 return
