@@ -55,6 +55,7 @@ class Look:
     seeds_of: dict[Any, list[int]]  # row key -> the seeds it has (finished or not)
     look: int  # the number of this look (1 + the looks already recorded on the sweep's runs)
     unfinished: int  # runs of the sweep that have not ended
+    unpaired: list[str]  # comparisons without a seed in common (nothing to add to)
 
 
 def propose(data, definition, max_seeds: int) -> Look:
@@ -66,11 +67,12 @@ def propose(data, definition, max_seeds: int) -> Look:
 
     labels = tuple(c.label for c in definition.columns) + ((definition.average,) if definition.average else ())
     alpha = 1 - definition.confidence.level
-    proposals, additions = [], defaultdict(int)
+    proposals, additions, unpaired = [], defaultdict(int), []
     names = held_out_names(data, definition)
     for comparison in comparisons(data, definition, labels):
-        if not comparison.seeds:
-            continue  # unpaired: no seed in common, nothing to add to
+        if not comparison.seeds:  # no seed in common: nothing to add to
+            unpaired.append(f"{comparison.row.setting} {comparison.row.label} vs {comparison.baseline.label}")
+            continue
         mine = {p.seed: p for p in data.by_row[comparison.row]}
         theirs = {p.seed: p for p in data.by_row[comparison.baseline]}
         looks = [max(run_look(data.records[mine[s].run_id]), run_look(data.records[theirs[s].run_id]))
@@ -104,7 +106,7 @@ def propose(data, definition, max_seeds: int) -> Look:
     looks = [run_look(r) for r in data.records.values()]
     unfinished = sum(1 for r in data.records.values() if r.status not in TERMINAL)
     return Look(proposals, {r: n for r, n in additions.items() if n}, {r: sorted(s) for r, s in seeds_of.items()},
-                max(looks, default=0) + 1, unfinished)  # fmt: skip
+                max(looks, default=0) + 1, unfinished, unpaired)  # fmt: skip
 
 
 def _sd(values: Sequence[float]) -> float:
@@ -224,6 +226,8 @@ def seeds(
             console.print(f"{where}: {_fmt(p.difference)} pp (sd {p.spread:.1f}) over {p.n} seeds, stage {p.stages}, "
                           f"interval [{_fmt(p.low)}, {_fmt(p.high)}]: {state}", highlight=False, markup=False,
                           soft_wrap=True)  # fmt: skip
+        for where in look.unpaired:
+            console.print(f"{where}: unpaired (no seed in common), left as it is", highlight=False, markup=False)
         if not look.proposals:
             console.print("no paired comparison with the baseline among the finished runs", highlight=False)
         if not look.additions:
