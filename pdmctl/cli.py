@@ -577,6 +577,7 @@ def _mount_optional() -> None:
         ("pdmctl.analysis.cli", None),
         ("pdmctl.backends.verl.cli", "data"),
         ("pdmctl.tune.cli", None),
+        ("pdmctl.seeds", None),
     ):
         try:
             mod = importlib.import_module(module)
