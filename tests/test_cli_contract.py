@@ -74,7 +74,8 @@ PROFILES = st.one_of(
 )
 ENV = st.dictionaries(  # environment variables pdmctl reads, set to nasty values
     st.sampled_from(["PDMCTL_CACHE", "PDMCTL_TOY_BASE", "PDMCTL_TUNE_STORAGE", "PDMCTL_TOY_HOLD_AT_STEP",
-                     "PDMCTL_VERL_HOLD_AT_STEP", "PDMCTL_VERL_FAIL"]),  # fmt: skip
+                     "PDMCTL_VERL_HOLD_AT_STEP", "PDMCTL_VERL_FAIL", "PDMCTL_CONFIG_DIR", "PDMCTL_SWEEP_DIR",
+                     "PDMCTL_CLUSTER_DIR", "PDMCTL_REPORT_DIR", "PDMCTL_VERL_PROBE", "SLURM_RESTART_COUNT"]),  # fmt: skip
     st.sampled_from(["", " ", "2", "warmup", "bogus", "relative/dir", "/proc/pdmctl", "/etc/passwd", "sqlite://",
                      "\u00e9"]),  # fmt: skip
     max_size=2,
@@ -84,6 +85,11 @@ TUNE_FILES = st.sampled_from([b"tune: {space: [delta], trials: 2}\n", b"tune: {s
                               b"tune: {space: {delta: 'interval(0.1,0.2)'}, trials: many}\n",
                               b"tune: {space: {delta: 'interval(0.1,0.2)'}, trials: 2.5}\n",
                               b"tune: {space: {mask: 'glob(pdm_*)'}, trials: 2}\n", b"tune: 3\n"])  # fmt: skip
+VERL_KEYS = ["verl.actor_rollout_ref.rollout.n", "verl.data.train_batch_size", "verl.actor_rollout_ref.rollout."
+             "gpu_memory_utilization", "verl.actor_rollout_ref.rollout.top_p", "verl.actor_rollout_ref.actor."
+             "ppo_mini_batch_size", "backend.total_training_steps", "backend.total_epochs"]  # fmt: skip
+VERL_VALUES = st.one_of(st.sampled_from(["0", "-3", "1e23", "1" * 25, "nan", "inf", "-5", "1.5", "0.5", "8", "abc"]),
+                        st.integers(-(2**70), 2**70).map(str), st.floats(allow_nan=True).map(repr))  # fmt: skip
 URIS = st.one_of(
     st.sampled_from(["", " ", "foo://bar", "sqlite://", "sqlite:///", "sqlite:///nonexistent/dir/x.db",
                      "http://", "file:///tmp/x", "mysql://u@127.0.0.1:9/x", "sqlite:///" + "d" * 300 + ".db",
@@ -97,12 +103,16 @@ def calls(draw) -> tuple[list[str], dict[str, bytes], dict[str, str]]:
     """A command line, the files (name -> bytes) it refers to, and the environment it runs in."""
     files: dict[str, bytes] = {}
     kind = draw(st.sampled_from(["sweep", "sweep-file", "cluster", "uri", "status", "report", "resume",
-                                 "cancel", "logs", "analyze", "tune"]))  # fmt: skip
+                                 "cancel", "logs", "analyze", "tune", "verl"]))  # fmt: skip
     base = ["backend=synthetic", "model=synthetic"]
     if kind == "sweep":
         args = ["sweep", *draw(overrides()), *base, "--dry-run"]
         if draw(st.booleans()):
             args += [draw(st.sampled_from(["--max-runs", "--name"])), draw(NASTY_TEXT)]
+    elif kind == "verl":  # the engine's own sizes, counts and fractions, bounded
+        key = draw(st.sampled_from(VERL_KEYS))
+        args = ["sweep", "backend=verl", "model=qwen3-4b-base", "backend.nnodes=1", f"{key}={draw(VERL_VALUES)}",
+                "--dry-run"]  # fmt: skip
     elif kind == "sweep-file":
         files["s.yaml"] = draw(SWEEP_FILES)
         args = ["sweep", "--file", "s.yaml", *base, "--dry-run"]
