@@ -9,7 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pdmctl.ledger.base import Ledger
 from pdmctl.ledger.records import (
+    EXPERIMENT_TAGS,
     HTTP_TIMEOUT_S,
+    READ_TAGS,
     SCHEDULED,
     STATUS_METRICS,
     TAG,
@@ -30,6 +32,8 @@ from pdmctl.ledger.records import (
     flatten,
     metric_value,
     run_dir_of,
+    run_name,
+    submitting_commit,
 )
 from pdmctl.ledger.store import _chunks, _mlflow_client
 from pdmctl.ledger.uris import _first_line, _redact, check_reachable
@@ -122,7 +126,7 @@ class ClientLedger(Ledger):
     def runs(self, sweep=None):
         out = []
         for run in self._search(sweep):
-            tags = {k: v for k, v in run.data.tags.items() if k.startswith(TAG)}
+            tags = {k: v for k, v in run.data.tags.items() if k.startswith(TAG) or k in READ_TAGS}
             latest = {}
             for key in STATUS_METRICS:
                 if key in run.data.metrics:
@@ -144,10 +148,11 @@ class ClientLedger(Ledger):
         from mlflow.entities import Param, RunTag
 
         exp_id = self._ensure_experiment(sweep)
+        commit = submitting_commit()
 
         def create(spec: RunSpec) -> tuple[str, str]:
-            tags = {k: v for k, v in _tags_for(spec, "").items() if k != TAG_RUN_DIR}  # named by the run id
-            run = self.client.create_run(exp_id, run_name=spec.run_name, tags=tags)
+            tags = {k: v for k, v in _tags_for(spec, "", commit).items() if k != TAG_RUN_DIR}  # named by the run id
+            run = self.client.create_run(exp_id, run_name=run_name(spec), tags=tags)
             run_tags = [
                 RunTag(TAG_KEY, spec.key),
                 RunTag(TAG_RUN_DIR, run_dir_of(run_dir[spec.key], run.info.run_id)),
@@ -170,7 +175,7 @@ class ClientLedger(Ledger):
                 )
             return exp.experiment_id
         try:
-            return self.client.create_experiment(sweep, tags={"pdmctl": "sweep"})
+            return self.client.create_experiment(sweep, tags=EXPERIMENT_TAGS)
         except Exception:
             exp = self.client.get_experiment_by_name(sweep)
             if exp is None:
@@ -182,9 +187,14 @@ class ClientLedger(Ledger):
         from mlflow.entities import RunTag
 
         def mark(s: Submission) -> None:
-            self.client.log_batch(s.run_id, tags=[RunTag(TAG_JOB, s.job_id), RunTag(TAG_EXECUTOR, s.executor),
-                                                  RunTag(TAG_ATTEMPT, str(s.attempt)), RunTag(TAG_REASON, ""),
-                                                  RunTag(TAG_SUBMITTED, s.submission)])  # fmt: skip
+            tags = [RunTag(TAG_JOB, s.job_id), RunTag(TAG_EXECUTOR, s.executor), RunTag(TAG_ATTEMPT, str(s.attempt))]
+            if s.submission:
+                tags.append(RunTag(TAG_SUBMITTED, s.submission))
+            self.client.log_batch(s.run_id, tags=tags)
+            present = self.client.get_run(s.run_id).data.tags
+            for key in (TAG_REASON,) + (() if s.submission else (TAG_SUBMITTED,)):
+                if key in present:  # a tag no longer true is removed, never left empty
+                    self.client.delete_tag(s.run_id, key)
             self.client.update_run(s.run_id, status=SCHEDULED)
 
         with ThreadPoolExecutor(16) as pool:

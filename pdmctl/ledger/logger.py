@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,8 @@ from urllib.parse import urlparse
 
 from pdmctl.ledger.records import (
     _TAG_VALUE_MAX,
+    AVG16_METRIC,
+    COMMIT_TAG,
     RUNNING,
     TAG_ATTEMPT,
     TAG_EXECUTOR,
@@ -42,9 +45,15 @@ class RunLogger:
         from mlflow.entities import RunTag
 
         # the job confirms its own submission: the ledger knows its id even if the submitter was interrupted
-        tags = [RunTag(TAG_ATTEMPT, str(attempt)), RunTag(TAG_JOB, job_id), RunTag(TAG_EXECUTOR, executor),
-                RunTag(TAG_REASON, ""), RunTag(TAG_SUBMITTED, submission), RunTag(TAG_NOTICE, "")]  # fmt: skip
+        tags = [RunTag(TAG_ATTEMPT, str(attempt)), RunTag(TAG_JOB, job_id), RunTag(TAG_EXECUTOR, executor)]
+        if submission:
+            tags.append(RunTag(TAG_SUBMITTED, submission))
         _retry(lambda: self.client.log_batch(self.run_id, tags=tags))
+        # the previous attempt's reason and notice no longer hold: removed, never left as empty tags
+        present = _retry(lambda: self.client.get_run(self.run_id)).data.tags
+        for key in (TAG_REASON, TAG_NOTICE):
+            if key in present:
+                _retry(lambda k=key: self.client.delete_tag(self.run_id, k))
         _retry(lambda: self.client.update_run(self.run_id, status=RUNNING))
 
     def record_provenance(self, attempt: int, job_id: str, fields: Mapping[str, str], **about: Any) -> None:
@@ -54,11 +63,21 @@ class RunLogger:
 
         record = {"job_id": job_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                   **{k: fields[k] for k in ("commit", "dirty") if k in fields}, **about}  # fmt: skip
-        tags = [RunTag(f"{TAG_PROVENANCE}{k}", str(v)[:_TAG_VALUE_MAX]) for k, v in fields.items()]
+        tags = [RunTag(f"{TAG_PROVENANCE}{k}", str(v)[:_TAG_VALUE_MAX]) for k, v in fields.items() if str(v)]
         tags.append(RunTag(f"{TAG_PROVENANCE}attempt.{attempt}", json.dumps(record)[:_TAG_VALUE_MAX]))
+        if fields.get("commit") and fields["commit"] != "unknown":  # MLflow's Source: the commit the job ran
+            tags.append(RunTag(COMMIT_TAG, str(fields["commit"])))
         _retry(lambda: self.client.log_batch(self.run_id, tags=tags))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """The metrics at `step`; where they hold held-out sets (`eval/NAME`, a backend logs an evaluation's
+        sets together), also `avg16`: their mean in % (avg@16 in the report's unit), the column to sort by in MLflow."""
+        held_out = [float(v) for k, v in metrics.items() if k.startswith("eval/")]
+        if held_out and AVG16_METRIC not in metrics:
+            metrics = {**metrics, AVG16_METRIC: 100 * sum(held_out) / len(held_out)}
+        self._log(metrics, step)
+
+    def _log(self, metrics: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
         for name in metrics:
@@ -97,9 +116,21 @@ class RunLogger:
             for m in sorted(
                 _retry(lambda n=name: self.client.get_metric_history(self.run_id, n)), key=lambda m: m.step
             ):
-                self.log_metrics({new: m.value}, m.step)
+                self._log({new: m.value}, m.step)
                 final[new] = m.value
+        self._log_averages()
         return final
+
+    def _log_averages(self) -> None:
+        """`avg16` at each step where the run holds every one of its held-out sets (copied one by one)."""
+        names = [n for n in _retry(lambda: self.client.get_run(self.run_id)).data.metrics if n.startswith("eval/")]
+        by_step: dict[int, list[float]] = defaultdict(list)
+        for name in names:
+            for m in _retry(lambda n=name: self.client.get_metric_history(self.run_id, n)):
+                by_step[m.step].append(m.value)
+        for step in sorted(by_step):
+            if len(by_step[step]) == len(names):
+                self._log({AVG16_METRIC: 100 * sum(by_step[step]) / len(names)}, step)
 
     def notice(self, message: str) -> None:
         print(f"pdmctl job: {message}", flush=True)  # the job's stdout is the run's log

@@ -32,6 +32,16 @@ TAG_NOTICE = "pdmctl.notice"  # what the current attempt wants the user to know 
 TAG_PROVENANCE = "pdmctl.prov."
 RUN_NAME_TAG = "mlflow.runName"
 USER_TAG = "mlflow.user"
+# MLflow's own tags, which its UI shows: the run's Source (a pdmctl sweep), the commit it was submitted
+# from (a job replaces it with the commit it ran), and its Description (the run's one-line summary)
+SOURCE_NAME_TAG, SOURCE_TYPE_TAG = "mlflow.source.name", "mlflow.source.type"
+COMMIT_TAG, NOTE_TAG = "mlflow.source.git.commit", "mlflow.note.content"
+# the experiment's kind in MLflow 3: a sweep opens in the training (custom model) view, not the GenAI one
+EXPERIMENT_KIND_TAG, TRAINING_KIND = "mlflow.experimentKind", "custom_model_development"
+EXPERIMENT_TAGS = {"pdmctl": "sweep", EXPERIMENT_KIND_TAG: TRAINING_KIND}
+# MLflow tags the ledger reads back beside its own pdmctl.* ones
+READ_TAGS = (NOTE_TAG,)
+AVG16_METRIC = "avg16"  # avg@16 (MLflow allows no "@"): the mean of the held-out sets at an evaluation, in %
 
 # MLflow run statuses
 SCHEDULED, RUNNING, FINISHED, FAILED, KILLED = "SCHEDULED", "RUNNING", "FINISHED", "FAILED", "KILLED"
@@ -123,18 +133,40 @@ def run_dir_of(parent: str, run_id: str) -> str:
     return str(Path(parent) / run_id)
 
 
-def _tags_for(spec: RunSpec, run_dir: str) -> dict[str, str]:
-    return {
-        RUN_NAME_TAG: spec.run_name,
+def run_name(spec: RunSpec) -> str:
+    """What MLflow's run table shows, the part that varies within a sweep first (the table cuts long
+    names): `pdm_agg δ0.05 K10 s0 · bf16 toy-small`."""
+    c = spec.config
+    delta = "" if c["mask"].get("method") == "grpo" else f" δ{c['delta']:g}"
+    return f"{c['mask']['name']}{delta} K{c['k']} s{c['seed']} · {c['precision']['name']} {c['model']['name']}"
+
+
+def _tags_for(spec: RunSpec, run_dir: str, commit: str | None = None) -> dict[str, str]:
+    """A new run's tags: MLflow's (name, user, source, commit, description) and pdmctl's, none empty."""
+    tags = {
+        RUN_NAME_TAG: run_name(spec),
         USER_TAG: getpass.getuser(),
+        SOURCE_NAME_TAG: f"pdmctl sweep {spec.sweep}",
+        SOURCE_TYPE_TAG: "JOB",
+        NOTE_TAG: spec.summary[:_TAG_VALUE_MAX],
         TAG_SWEEP: spec.sweep,
         TAG_KEY: spec.key,
         TAG_BACKEND: spec.backend,
         TAG_ATTEMPT: "0",
         **spec_tags(spec.to_json()),
-        TAG_SUMMARY: spec.summary[:_TAG_VALUE_MAX],
         TAG_RUN_DIR: run_dir,
     }
+    if commit and commit != "unknown":
+        tags[COMMIT_TAG] = commit
+    return {k: v for k, v in tags.items() if v}
+
+
+def submitting_commit() -> str | None:
+    """The commit of the pdmctl checkout that registers the runs (None outside a git checkout)."""
+    from pdmctl.provenance import git_state
+
+    commit = git_state()["commit"]
+    return None if commit == "unknown" else commit
 
 
 def spec_tags(spec_json: str) -> dict[str, str]:
@@ -187,7 +219,7 @@ def _record(run_id: str, status: str, start: int | None, end: int | None, tags: 
         job_id=tags.get(TAG_JOB) or None,
         executor=tags.get(TAG_EXECUTOR) or None,
         spec_json=_spec_json(tags),
-        summary=tags.get(TAG_SUMMARY, ""),
+        summary=tags.get(TAG_SUMMARY) or tags.get(NOTE_TAG, ""),  # pdmctl.summary: ledgers before the note
         run_dir=tags.get(TAG_RUN_DIR),
         reason=tags.get(TAG_REASON) or None,
         start_time=start,

@@ -15,7 +15,9 @@ from pathlib import Path
 
 from pdmctl.ledger.base import Ledger
 from pdmctl.ledger.records import (
+    EXPERIMENT_TAGS,
     HTTP_TIMEOUT_S,
+    READ_TAGS,
     SCHEDULED,
     STATUS_METRICS,
     TAG,
@@ -34,6 +36,8 @@ from pdmctl.ledger.records import (
     flatten,
     metric_value,
     run_dir_of,
+    run_name,
+    submitting_commit,
 )
 from pdmctl.ledger.store import (
     _ENGINES,
@@ -153,7 +157,7 @@ class SqlLedger(Ledger):
             ).all()
             tag_rows = conn.execute(
                 sa.select(tags.c.run_uuid, tags.c.key, tags.c.value).where(
-                    tags.c.run_uuid.in_(ids), tags.c.key.like(f"{TAG}%")
+                    tags.c.run_uuid.in_(ids), tags.c.key.like(f"{TAG}%") | tags.c.key.in_(READ_TAGS)
                 )
             ).all()
             metric_rows = conn.execute(
@@ -208,19 +212,21 @@ class SqlLedger(Ledger):
         exp_id, artifact_root = self._experiment(sweep)
         now = _now_ms()
         user = getpass.getuser()
+        commit = submitting_commit()
         run_rows, tag_rows, param_rows, created = [], [], [], {}
         for spec in specs:
             run_id = uuid.uuid4().hex
             created[spec.key] = run_id
             run_rows.append(dict(
-                run_uuid=run_id, name=spec.run_name, source_type="UNKNOWN", source_name="", entry_point_name="",
-                user_id=user, status=SCHEDULED, start_time=now, end_time=None, source_version="",
+                run_uuid=run_id, name=run_name(spec), source_type="JOB", source_name=f"pdmctl sweep {spec.sweep}",
+                entry_point_name="", user_id=user, status=SCHEDULED, start_time=now, end_time=None,
+                source_version=commit or "",
                 lifecycle_stage="active", artifact_uri=f"{artifact_root.rstrip('/')}/{run_id}/artifacts",
                 experiment_id=exp_id, deleted_time=None,
             ))  # fmt: skip
             tag_rows += [
                 dict(key=k, value=v, run_uuid=run_id)
-                for k, v in _tags_for(spec, run_dir_of(run_dir[spec.key], run_id)).items()
+                for k, v in _tags_for(spec, run_dir_of(run_dir[spec.key], run_id), commit).items()
             ]
             param_rows += [dict(key=k, value=v, run_uuid=run_id) for k, v in flatten(spec.config).items()]
         run_cols = set(self.t["runs"].c.keys())
@@ -240,12 +246,12 @@ class SqlLedger(Ledger):
         for s in submissions:
             rows += [dict(key=TAG_JOB, value=s.job_id, run_uuid=s.run_id),
                      dict(key=TAG_EXECUTOR, value=s.executor, run_uuid=s.run_id),
-                     dict(key=TAG_ATTEMPT, value=str(s.attempt), run_uuid=s.run_id),
-                     dict(key=TAG_REASON, value="", run_uuid=s.run_id),
-                     dict(key=TAG_SUBMITTED, value=s.submission, run_uuid=s.run_id)]  # fmt: skip
+                     dict(key=TAG_ATTEMPT, value=str(s.attempt), run_uuid=s.run_id)]  # fmt: skip
+            if s.submission:
+                rows.append(dict(key=TAG_SUBMITTED, value=s.submission, run_uuid=s.run_id))
         ids = [s.run_id for s in submissions]
         with self._usable(), self.engine.begin() as conn:
-            self._replace_tags(conn, ids, rows)
+            self._replace_tags(conn, ids, rows, cleared=(TAG_REASON, TAG_SUBMITTED))
             self._update_status(conn, ids, SCHEDULED, end_time=None)
 
     def mark_intent(self, submissions, executor):
@@ -256,9 +262,11 @@ class SqlLedger(Ledger):
         with self._usable(), self.engine.begin() as conn:
             self._replace_tags(conn, list(submissions), rows)
 
-    def _replace_tags(self, conn, run_ids: list[str], rows: list[dict[str, str]]) -> None:
+    def _replace_tags(self, conn, run_ids: list[str], rows: list[dict[str, str]], cleared: tuple[str, ...] = ()
+                      ) -> None:  # fmt: skip
+        """Each run's tags named in `rows` (and `cleared`: a tag no longer true is removed, never left empty)."""
         tags = self.t["tags"]
-        keys = sorted({r["key"] for r in rows})
+        keys = sorted({r["key"] for r in rows} | set(cleared))
         for chunk in _chunks(run_ids, 500):
             conn.execute(tags.delete().where(tags.c.run_uuid.in_(chunk), tags.c.key.in_(keys)))
         if rows:
@@ -307,8 +315,8 @@ class SqlLedger(Ledger):
                 conn.execute(exps.update().where(exps.c.experiment_id == exp_id)
                              .values(artifact_location=f"{root}/{exp_id}"))  # fmt: skip
                 if "experiment_tags" in self.t:
-                    conn.execute(self.t["experiment_tags"].insert().values(key="pdmctl", value="sweep",
-                                                                           experiment_id=exp_id))  # fmt: skip
+                    conn.execute(self.t["experiment_tags"].insert(),
+                                 [dict(key=k, value=v, experiment_id=exp_id) for k, v in EXPERIMENT_TAGS.items()])  # fmt: skip
         except sa.exc.IntegrityError:
             pass  # another process created it first
 
