@@ -470,6 +470,10 @@ def server(
     allowed_hosts: Annotated[
         str | None, typer.Option(help="Host headers MLflow accepts (default: HOST, localhost, with and without the port).")
     ] = None,
+    tls: Annotated[bool, typer.Option("--tls", help="Serve HTTPS, with a certificate made in DIR/tls on the first "
+                                      "start; the clients trust it with MLFLOW_TRACKING_SERVER_CERT_PATH.")] = False,
+    tls_cert: Annotated[Path | None, typer.Option(help="Serve HTTPS with this certificate (PEM).")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="The key of --tls-cert (PEM).")] = None,
 ) -> None:
     """An MLflow tracking server with a login (MLflow's basic-auth app) on a PostgreSQL that runs as you, no
     root (the pgserver wheel: pip install 'pdmctl\\[server]'). The login is MLFLOW_TRACKING_USERNAME /
@@ -480,7 +484,7 @@ def server(
         if action not in ("start", "stop", "status"):
             fail(f"pdmctl server: {action!r}: the action is start, stop or status")
         settings = srv.make_settings(directory, host=host, port=port, workers=workers, artifacts=artifacts,
-                                     allowed_hosts=allowed_hosts)  # fmt: skip
+                                     allowed_hosts=allowed_hosts, tls=tls, tls_cert=tls_cert, tls_key=tls_key)  # fmt: skip
         if action == "start":
             lines = srv.start(settings)
         elif action == "stop":
@@ -493,6 +497,9 @@ def server(
         console.print(f"profile: tracking_uri: {settings.url} (or a name the nodes resolve); the jobs log in with "
                       f"{srv.USER_ENV} / {srv.PASSWORD_ENV} from the environment you submit from", highlight=False,
                       markup=False, soft_wrap=True)
+        if settings.cert is not None:
+            console.print(f"the clients trust its certificate with {srv.CERT_ENV}={settings.cert} (a copy where the "
+                          "nodes read it)", highlight=False, markup=False, soft_wrap=True)  # fmt: skip
     if action == "status" and not up:
         raise typer.Exit(1)
 

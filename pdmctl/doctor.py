@@ -200,7 +200,10 @@ class Doctor:
             import urllib.request
 
             try:
-                urllib.request.urlopen(uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1", timeout=30)
+                from pdmctl.ledger.uris import tls_context
+
+                urllib.request.urlopen(uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1", timeout=30,
+                                       context=tls_context())  # fmt: skip
             except urllib.error.HTTPError as exc:
                 if exc.code in (401, 403):
                     raise CheckFailed(f"tracking server {uri}: asks for a login, and none reached "

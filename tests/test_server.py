@@ -452,3 +452,58 @@ def test_server_command_contract(tmp_path_factory: pytest.TempPathFactory, actio
         assert password not in stderr
     assert snapshot(work) == before
     shutil.rmtree(work, ignore_errors=True)
+
+
+def test_server_tls_certificate_and_key_are_checked_before_anything_is_created(tmp_path: Path) -> None:
+    state = tmp_path / "s"
+    (tmp_path / "cert.pem").write_text("-----BEGIN CERTIFICATE-----\nnot one\n-----END CERTIFICATE-----\n")
+    alone = _one_line(pdmctl("server", "start", "--dir", str(state), "--tls-cert", str(tmp_path / "cert.pem"),
+                             env=SHORT))  # fmt: skip
+    assert "--tls-cert and --tls-key go together" in alone
+    line = _one_line(pdmctl("server", "start", "--dir", str(state), "--tls-cert", str(tmp_path / "cert.pem"),
+                            "--tls-key", str(tmp_path / "cert.pem"), env=SHORT))  # fmt: skip
+    assert "not a certificate and its key" in line
+    assert not state.exists()
+
+
+@pytest.mark.nonroot
+@pytest.mark.postgres
+@pytest.mark.slow  # a first start: PostgreSQL's initdb and MLflow's tables, about a minute here
+def test_server_speaks_tls_with_a_certificate_it_makes_and_clients_trust_it_by_mlflows_variable() -> None:
+    """`server start --tls` makes a certificate in DIR/tls and serves HTTPS only; a client that trusts it
+    (MLFLOW_TRACKING_SERVER_CERT_PATH, MLflow's own variable) reads the ledger, one that does not is
+    refused in one line that names the variable."""
+    import ssl
+
+    pytest.importorskip("pgserver")
+    prefix, extra, home, base = _user_dir()
+    state = base / "s"
+    port = str(_free_port())
+    url = f"https://127.0.0.1:{port}"
+    server = ["server", "start", "--dir", str(state), "--port", port, "--workers", "1", "--tls"]
+    try:
+        first = _as(prefix, extra, home, *server, cwd=base, env=SHORT)
+        assert first.returncode == 0, first.stdout + first.stderr
+        cert = state / "tls" / "cert.pem"
+        assert f"certificate made: {cert}" in first.stdout and f"mlflow server at {url}" in first.stdout
+        assert stat.S_IMODE((state / "tls" / "key.pem").stat().st_mode) == 0o600
+        again = _as(prefix, extra, home, *server, cwd=base, env=SHORT)
+        assert again.returncode == 0 and "already running" in again.stdout, again.stdout + again.stderr
+        assert "certificate made" not in again.stdout
+        context = ssl.create_default_context(cafile=str(cert))
+        with urllib.request.urlopen(f"{url}/health", timeout=60, context=context) as resp:
+            assert resp.status == 200
+        with pytest.raises(OSError):  # no plain HTTP on the port: refused, or closed without an answer
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=60)
+        trusted = _as(prefix, extra, home, "status", "--tracking-uri", url, cwd=base,
+                      env={**SHORT, "MLFLOW_TRACKING_SERVER_CERT_PATH": str(cert)})  # fmt: skip
+        assert trusted.returncode == 0 and "no runs" in trusted.stdout, trusted.stdout + trusted.stderr
+        untrusted = _as(prefix, extra, home, "status", "--tracking-uri", url, cwd=base, env=SHORT)
+        line = _one_line(untrusted)
+        assert "CERTIFICATE_VERIFY_FAILED" in line and "MLFLOW_TRACKING_SERVER_CERT_PATH" in line
+        status = _as(prefix, extra, home, "server", "status", "--dir", str(state), "--port", port, "--tls", cwd=base)
+        assert status.returncode == 0 and f"answering at {url}" in status.stdout, status.stdout + status.stderr
+    finally:
+        stopped = _as(prefix, extra, home, "server", "stop", "--dir", str(state), cwd=base)
+        assert stopped.returncode == 0 and "PostgreSQL stopped" in stopped.stdout, stopped.stdout + stopped.stderr
+        shutil.rmtree(base, ignore_errors=True)

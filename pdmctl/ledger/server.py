@@ -31,7 +31,9 @@ import math
 import os
 import re
 import secrets
+import shlex
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdmctl.ledger.records import LedgerError
+from pdmctl.ledger.uris import CERT_ENV, tls_context
 
 USER_ENV, PASSWORD_ENV = "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"
 PG_USER = "pdmctl"
@@ -105,10 +108,25 @@ class ServerSettings:
     workers: int = 4
     artifacts: Path | None = None
     allowed_hosts: str | None = None
+    tls: bool = False  # HTTPS with DIR/tls/cert.pem and key.pem (made on the first start unless given)
+    tls_cert: Path | None = None  # a certificate (PEM) and its key the user gives instead
+    tls_key: Path | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.serves_tls else 'http'}://{self.host}:{self.port}"
+
+    @property
+    def serves_tls(self) -> bool:
+        return self.tls or self.tls_cert is not None
+
+    @property
+    def cert(self) -> Path | None:
+        return (self.tls_cert or self.dir / "tls" / "cert.pem") if self.serves_tls else None
+
+    @property
+    def key(self) -> Path | None:
+        return (self.tls_key or self.dir / "tls" / "key.pem") if self.serves_tls else None
 
     @property
     def pg_data(self) -> Path:
@@ -173,6 +191,66 @@ def check_login_text(user: str, password: str) -> None:
                           "choose another")  # fmt: skip
 
 
+def check_tls_pair(settings: ServerSettings) -> None:
+    """--tls-cert and --tls-key: both, and a certificate its key matches (PEM)."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        raise LedgerError("pdmctl server: --tls-cert and --tls-key go together (a certificate and its key, PEM)")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(settings.tls_cert, settings.tls_key)
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        raise LedgerError(f"pdmctl server: --tls-cert {shown(settings.tls_cert)} --tls-key {shown(settings.tls_key)}: "
+                          f"not a certificate and its key ({shown(exc)})") from None  # fmt: skip
+
+
+def make_certificate(settings: ServerSettings) -> bool:
+    """DIR/tls/cert.pem (self-signed, for the bind address, localhost and this host's names) and key.pem
+    (mode 0600), unless both exist: True when made. The clients trust it with
+    MLFLOW_TRACKING_SERVER_CERT_PATH=DIR/tls/cert.pem (copied where the nodes read it)."""
+    import datetime
+    import ipaddress
+    import socket
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    cert, key_path = settings.cert, settings.key
+    assert cert is not None and key_path is not None
+    if cert.exists() and key_path.exists():
+        return False
+    cert.parent.mkdir(mode=0o700, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    names: list[x509.GeneralName] = []
+    for name in dict.fromkeys([settings.host, "localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()]):
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(name)))
+        except ValueError:
+            if name and name not in ("0.0.0.0", "::"):
+                names.append(x509.DNSName(name))
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"pdmctl tracking server {socket.gethostname()}")])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=825))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, content_commitment=False,
+                                     key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                     crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                   serialization.NoEncryption()))  # fmt: skip
+    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    return True
+
+
 def check_dir(settings: ServerSettings, action: str) -> None:
     """--dir, before anything is written, signalled or read: a directory (or nothing yet), this user's unless
     only its status is asked; for a start, a path no shell reads differently (pg_ctl runs postgres through
@@ -210,6 +288,8 @@ def pg_bin() -> Path:
 
 def check_settings(settings: ServerSettings) -> None:
     check_dir(settings, "start")
+    if settings.tls_cert is not None or settings.tls_key is not None:
+        check_tls_pair(settings)
     if os.geteuid() == 0:
         raise LedgerError("pdmctl server: PostgreSQL does not run as root; start the server as the user who "
                           "runs the sweeps (e.g. runuser -u USER -- pdmctl server start)")  # fmt: skip
@@ -354,19 +434,20 @@ def _pid(settings: ServerSettings) -> tuple[int | None, str | None]:
                   "file): nothing signalled")  # fmt: skip
 
 
-def healthy(url: str, timeout: float = 3.0) -> bool:
+def healthy(url: str, timeout: float = 3.0, cafile: Path | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url + "/health", timeout=timeout) as resp:
+        with urllib.request.urlopen(url + "/health", timeout=timeout, context=tls_context(cafile)) as resp:
             return resp.status == 200
     except Exception:
         return False
 
 
-def check_login(url: str, user: str, password: str, timeout: float = 60.0) -> None:
+def check_login(url: str, user: str, password: str, timeout: float = 60.0, cafile: Path | None = None) -> None:
     """The server knows the login (an authenticated call answers 200), and refuses a call without one."""
     api = f"{url}/api/2.0/mlflow/users/get?username={urllib.request.quote(user)}"
+    context = tls_context(cafile)
     try:
-        urllib.request.urlopen(api, timeout=timeout)
+        urllib.request.urlopen(api, timeout=timeout, context=context)
         raise LedgerError(f"pdmctl server: {url} answered a call without a login: it is not the basic-auth app "
                           "(another server on this port?)")  # fmt: skip
     except urllib.error.HTTPError as exc:
@@ -377,7 +458,7 @@ def check_login(url: str, user: str, password: str, timeout: float = 60.0) -> No
     token = b64encode(f"{user}:{password}".encode()).decode()
     request = urllib.request.Request(api, headers={"Authorization": f"Basic {token}"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout):
+        with urllib.request.urlopen(request, timeout=timeout, context=context):
             return
     except urllib.error.HTTPError as exc:
         if exc.code in (401, 403):
@@ -439,12 +520,14 @@ def _start(settings: ServerSettings, user: str, password: str, timeout_s: float,
     if note:
         said.append(note)
         settings.pidfile.unlink(missing_ok=True)
-    if pid is not None and healthy(settings.url):
-        check_login(settings.url, user, password)
+    if settings.tls and settings.tls_cert is None and make_certificate(settings):
+        said.append(f"certificate made: {shown(settings.cert)} (the clients trust it with {CERT_ENV})")
+    if pid is not None and healthy(settings.url, cafile=settings.cert):
+        check_login(settings.url, user, password, cafile=settings.cert)
         return [*said, f"mlflow server already running at {settings.url} (pid {pid}); login {user} accepted"]
     if pid is not None:  # alive but not answering: a server that hung, or one on another address
         _stop_group(pid)
-    if healthy(settings.url):
+    if healthy(settings.url, cafile=settings.cert) or healthy(settings.url.replace("https://", "http://")):
         raise LedgerError(f"pdmctl server: {settings.url} is answered by a server this directory did not start "
                           "(choose another --port)")  # fmt: skip
     _write_auth_ini(settings)
@@ -466,6 +549,8 @@ def _start(settings: ServerSettings, user: str, password: str, timeout_s: float,
            "--backend-store-uri", settings.store_uri("mlflow"), "--artifacts-destination", str(artifacts),
            "--host", settings.host, "--port", str(settings.port), "--workers", str(settings.workers),
            "--allowed-hosts", allowed]  # fmt: skip
+    if settings.serves_tls:
+        cmd += ["--uvicorn-opts", shlex.join(["--ssl-certfile", str(settings.cert), "--ssl-keyfile", str(settings.key)])]
     with open(settings.log, "ab") as log:
         offset = log.tell()  # this start's output begins here: the log keeps earlier starts' too
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -473,7 +558,7 @@ def _start(settings: ServerSettings, user: str, password: str, timeout_s: float,
     started.append(proc.pid)
     _write_pidfile(settings, proc.pid)
     t0 = time.monotonic()
-    while not healthy(settings.url):
+    while not healthy(settings.url, cafile=settings.cert):
         if proc.poll() is not None:
             started.remove(proc.pid)
             settings.pidfile.unlink(missing_ok=True)
@@ -483,7 +568,7 @@ def _start(settings: ServerSettings, user: str, password: str, timeout_s: float,
             raise LedgerError(f"pdmctl server: mlflow server did not answer {settings.url}/health within "
                               f"{timeout_s:.0f} s ({START_ENV}; log: {shown(settings.log)})")  # fmt: skip
         time.sleep(0.5)
-    check_login(settings.url, user, password)
+    check_login(settings.url, user, password, cafile=settings.cert)
     return [*said, f"mlflow server at {settings.url} (pid {proc.pid}, started in {time.monotonic() - t0:.0f} s; "
             f"store: PostgreSQL in {shown(settings.pg_data)}, socket only; login {user} accepted)"]  # fmt: skip
 
@@ -557,7 +642,7 @@ def status(settings: ServerSettings) -> tuple[bool, list[str]]:
     check_dir(settings, "status")
     pid, note = _pid(settings)
     pg = settings.dir.is_dir() and pg_running(settings)
-    up = pid is not None and healthy(settings.url)
+    up = pid is not None and healthy(settings.url, cafile=settings.cert)
     lines = [
         f"mlflow server: {'answering at ' + settings.url if up else 'not answering at ' + settings.url}"
         + (f" (pid {pid})" if pid is not None else ""),

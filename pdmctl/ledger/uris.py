@@ -4,6 +4,7 @@ written), the default ./mlflow.db, and how a URI is printed (`redact`: never a p
 from __future__ import annotations
 
 import os
+import ssl
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -104,13 +105,14 @@ def check_reachable(uri: str, *, timeout: float = 5.0) -> None:
         import urllib.request
 
         try:
-            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as resp:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout, context=tls_context()) as resp:
                 if resp.status != 200:
                     raise LedgerError(f"tracking URI {redact(uri)}: /health answered {resp.status}")
         except LedgerError:
             raise
         except Exception as exc:
-            raise LedgerError(f"tracking URI {redact(uri)}: not reachable ({_first_line(exc)})") from exc
+            hint = (f"; trust its certificate with {CERT_ENV}=FILE" if "CERTIFICATE_VERIFY_FAILED" in str(exc) else "")
+            raise LedgerError(f"tracking URI {redact(uri)}: not reachable ({_first_line(exc)}){hint}") from exc
         return
     check_uri(uri)
 
@@ -138,6 +140,19 @@ def _connect_args(uri: str, timeout: float) -> dict[str, Any]:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+CERT_ENV = "MLFLOW_TRACKING_SERVER_CERT_PATH"  # MLflow's client trusts this certificate (file or bundle)
+
+
+def tls_context(cafile: str | os.PathLike | None = None) -> ssl.SSLContext:
+    """How pdmctl's own calls to a tracking server check its certificate: as MLflow's client does, against
+    `cafile`, else $MLFLOW_TRACKING_SERVER_CERT_PATH, else the system's authorities."""
+    cafile = cafile or os.environ.get(CERT_ENV) or None
+    try:
+        return ssl.create_default_context(cafile=cafile)
+    except (OSError, ssl.SSLError) as exc:
+        raise LedgerError(f"{CERT_ENV}={cafile}: not a certificate file ({exc})") from None
 
 
 def redact(uri: str) -> str:
