@@ -90,6 +90,13 @@ VERL_KEYS = ["verl.actor_rollout_ref.rollout.n", "verl.data.train_batch_size", "
              "ppo_mini_batch_size", "backend.total_training_steps", "backend.total_epochs"]  # fmt: skip
 VERL_VALUES = st.one_of(st.sampled_from(["0", "-3", "1e23", "1" * 25, "nan", "inf", "-5", "1.5", "0.5", "8", "abc"]),
                         st.integers(-(2**70), 2**70).map(str), st.floats(allow_nan=True).map(repr))  # fmt: skip
+DATA_FILES = st.one_of(
+    st.sampled_from([b"", b"7", b"[1, 2]", b"\xff\xfe{}", b"[" * 50_000, b"[" * 50_000 + b"]" * 50_000,
+                     b'{"problem": "a", "answer": 1}\n{"problem": ', b'{"data": 5}', b"PAR1\x00\x00PAR1",
+                     b'{"problem": "\xc3\x28", "answer": 1}\n', b'[{"prompt": [], "reward_model": {}}]',
+                     b'{"problem": "What is 1+1?", "answer": 2}\n']),  # fmt: skip
+    st.binary(max_size=40),
+)
 URIS = st.one_of(
     st.sampled_from(["", " ", "foo://bar", "sqlite://", "sqlite:///", "sqlite:///nonexistent/dir/x.db",
                      "http://", "file:///tmp/x", "mysql://u@127.0.0.1:9/x", "sqlite:///" + "d" * 300 + ".db",
@@ -103,7 +110,7 @@ def calls(draw) -> tuple[list[str], dict[str, bytes], dict[str, str]]:
     """A command line, the files (name -> bytes) it refers to, and the environment it runs in."""
     files: dict[str, bytes] = {}
     kind = draw(st.sampled_from(["sweep", "sweep-file", "cluster", "uri", "status", "report", "resume",
-                                 "cancel", "logs", "analyze", "tune", "verl"]))  # fmt: skip
+                                 "cancel", "logs", "analyze", "tune", "verl", "data"]))  # fmt: skip
     base = ["backend=synthetic", "model=synthetic"]
     if kind == "sweep":
         args = ["sweep", *draw(overrides()), *base, "--dry-run"]
@@ -113,6 +120,10 @@ def calls(draw) -> tuple[list[str], dict[str, bytes], dict[str, str]]:
         key = draw(st.sampled_from(VERL_KEYS))
         args = ["sweep", "backend=verl", "model=qwen3-4b-base", "backend.nnodes=1", f"{key}={draw(VERL_VALUES)}",
                 "--dry-run"]  # fmt: skip
+    elif kind == "data":  # damaged local sources of data prepare: truncated, not UTF-8, nested, of the wrong shape
+        name = draw(st.sampled_from(["d.jsonl", "d.json", "d.parquet"]))
+        files[name] = draw(DATA_FILES)
+        args = ["data", "prepare", "prepared", "--train", name, "--aime24", name, "--aime25", name]
     elif kind == "sweep-file":
         files["s.yaml"] = draw(SWEEP_FILES)
         args = ["sweep", "--file", "s.yaml", *base, "--dry-run"]
