@@ -210,6 +210,9 @@ def _print_plan(plan, ctx, executor, unread: str | None = None) -> None:
         highlight=False,
     )
     console.print(f"tracking: {_redacted(ctx.tracking_uri)}  (dry run: nothing written)", highlight=False)
+    if os.environ.get("PDMCTL_VERL_PROBE") == "1" and any(s.backend == "verl" for s in plan.specs):
+        console.print("PDMCTL_VERL_PROBE=1 is set: each VeRL job would run the probe, not the trainer (unset "
+                      "PDMCTL_VERL_PROBE for a real run)", highlight=False, markup=False, soft_wrap=True)  # fmt: skip
     if unread is not None:  # a dry run needs no server: it shows the grid as new, and says so
         console.print(f"did not read the ledger: {unread}; every run is shown as new (a sweep refuses to "
                       "submit until the server answers)", highlight=False, markup=False, soft_wrap=True)

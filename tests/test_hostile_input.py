@@ -1365,3 +1365,11 @@ def test_report_at_last_n_is_bounded(store: Path) -> None:  # noqa: F811
 def test_a_sqlite_ledger_in_memory_is_refused(workdir: Path, command: list[str]) -> None:
     refused(workdir, [*command, "--tracking-uri", "sqlite:///:memory:"],
             "tracking URI sqlite:///:memory:: a SQLite store in memory holds no runs")  # fmt: skip
+
+
+def test_a_dry_run_says_when_the_verl_probe_would_replace_the_trainer(workdir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("PDMCTL_VERL_PROBE", "1")  # left in a shell
+    result = CliRunner().invoke(app, ["sweep", *VERL, "backend.nnodes=1", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "PDMCTL_VERL_PROBE=1 is set: each VeRL job would run the probe, not the trainer" in result.stdout
