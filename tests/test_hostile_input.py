@@ -706,6 +706,7 @@ SLURM_LOCAL = (Path(__file__).resolve().parents[1] / "clusters" / "slurm-local.y
      ('setup: ["module load x\\nexit 1"]', "setup: 'module load x\\nexit 1' holds a control character"),
      ('env: {NCCL_SOCKET_IFNAME: "eth0\\u0085"}', "env.NCCL_SOCKET_IFNAME: 'eth0\\x85' holds a control character"),
      ('workdir: "/tmp/runs\\nx"', "workdir: '/tmp/runs\\nx' holds a control character"),
+     ('workdir: "/tmp/runs-%j"', "workdir: '/tmp/runs-%j' holds '%', which SLURM expands in a job's log path"),
      ("mem_gb: .nan", "mem_gb: must be a positive number, got nan"),
      ("mem_gb: .inf", "mem_gb: must be a positive number, got inf")],
 )  # fmt: skip

@@ -114,6 +114,10 @@ def load_profile(name_or_path: str) -> ClusterProfile:
             Path(profile.workdir).expanduser()
         except RuntimeError as exc:  # `~nosuchuser/x`
             raise ExecutorError(f"cluster {profile.name}: workdir: {profile.workdir!r}: {exc}") from exc
+        if profile.executor == "slurm" and "%" in profile.workdir:  # the job's --output/--error paths
+            raise ExecutorError(f"cluster {profile.name}: workdir: {profile.workdir[:80]!r} holds '%', which SLURM "
+                                "expands in a job's log path (%j: the job id, %u: the user); name a directory "
+                                "without it")  # fmt: skip
     executor_class(profile).check_options(profile)  # its own keys: unknown ones and wrong types, now
     return profile
 
