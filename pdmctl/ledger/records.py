@@ -134,11 +134,11 @@ def run_dir_of(parent: str, run_id: str) -> str:
 
 
 def run_name(spec: RunSpec) -> str:
-    """What MLflow's run table shows, the part that varies within a sweep first (the table cuts long
-    names): `pdm_agg δ0.05 K10 s0 · bf16 toy-small`."""
+    """What MLflow's run table shows, the part that varies within a sweep first (its column shows about 19
+    characters): `s0 pdm_agg δ0.05 K10 · bf16 toy-small`, the seed first as the shortest."""
     c = spec.config
     delta = "" if c["mask"].get("method") == "grpo" else f" δ{c['delta']:g}"
-    return f"{c['mask']['name']}{delta} K{c['k']} s{c['seed']} · {c['precision']['name']} {c['model']['name']}"
+    return f"s{c['seed']} {c['mask']['name']}{delta} K{c['k']} · {c['precision']['name']} {c['model']['name']}"
 
 
 def _tags_for(spec: RunSpec, run_dir: str, commit: str | None = None) -> dict[str, str]:
