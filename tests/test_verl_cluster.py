@@ -254,8 +254,8 @@ def test_dry_run_prints_every_distinct_command_its_runs_a_verl_key_and_the_check
     assert len(runs) == len(keys) == 2 and all(sum(key in line for line in runs) == 1 for key in keys)
     assert "cost: not estimated: the cluster profile states no throughput for qwen3-4b-base" in out  # local
     sizes = next(line for line in out.splitlines() if line.startswith("  checkpoints: "))
-    assert "48.3 GB each" in sizes and "2 kept" in sizes and "96.5 GB a run" in sizes
-    assert "193.1 GB for the setting" in sizes
+    assert "56.3 GB each" in sizes and "2 kept" in sizes and "112.6 GB a run" in sizes  # Megatron: 14 bytes
+    assert "225.3 GB for the setting" in sizes
     assert sorted(p.name for p in workdir.iterdir()) == []  # a dry run writes nothing
 
 
