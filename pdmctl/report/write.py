@@ -155,7 +155,7 @@ def markdown_page(report: Report, grids: list[TextTable], figs: list[FigureFile]
 
 def latex_tables(report: Report, grids: list[TextTable]) -> str:
     """Every table (booktabs), after a Methods paragraph that their notes refer to."""
-    head = [f"% {tex(_provenance_line(report))}", r"\paragraph{Methods}", *(tex(p) for p in methods(report)), ""]
+    head = [f"% {tex(_provenance_line(report))}", r"\paragraph{Methods}", *(tex(p) + "\n" for p in methods(report))]
     return "\n".join([*head, *(to_latex(t) for t in grids)])
 
 
