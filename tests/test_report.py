@@ -542,7 +542,7 @@ def test_a_job_records_its_provenance_and_each_attempt(store: str, tmp_path: Pat
 
 def test_a_tiny_engine_runs_data_is_where_its_job_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """qwen3-tiny's job reads the data built beside its model ($PDMCTL_TINY_DIR/data), not the run's data_dir:
-    the provenance digests those files (an engine sweep's report said `missing: train.parquet`, 2026-12-03)."""
+    the provenance digests those files (an engine sweep's report said `missing: train.parquet`)."""
     from pdmctl.backends.registry import flat_config, get_backend
     from pdmctl.backends.verl import launch
     from pdmctl.provenance import file_digest
