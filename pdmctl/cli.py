@@ -247,7 +247,7 @@ def _wait(ctx, sweep_name: str | None, poll: float = 2.0) -> None:
 
 
 STATUS_COLUMNS = (("sweep", "left"), ("key", "left"), ("config", "left"), ("state", "left"), ("step", "right"),
-                  ("avg@16", "right"), ("attempts", "right"), ("job", "left"))  # fmt: skip
+                  ("avg@16 %", "right"), ("attempts", "right"), ("job", "left"))  # fmt: skip
 RICH_TABLE_MAX_ROWS = 200  # rich lays out every cell; beyond this, aligned plain rows render 10x faster
 
 
@@ -265,7 +265,7 @@ def _status_rows(views) -> list[tuple[list[str], str]]:
             state += f" ({note[:80]})"
         step, avg = (r.step, r.avg16) if r else (None, None)
         cells = [v.sweep, v.key, v.summary, state, "" if step is None else str(step),
-                 "" if avg is None else f"{avg:.3f}", str(r.attempt if r else 0), (r.job_id or "") if r else ""]  # fmt: skip
+                 "" if avg is None else f"{100 * avg:.1f}", str(r.attempt if r else 0), (r.job_id or "") if r else ""]  # fmt: skip
         rows.append((cells, STATE_STYLE.get(str(v.state), "")))
     return rows
 
