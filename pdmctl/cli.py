@@ -18,7 +18,7 @@ from rich.text import Text
 
 from pdmctl import usage
 from pdmctl.grid import MAX_RUNS
-from pdmctl.terminal import console, fail
+from pdmctl.terminal import console, fail, tail
 from pdmctl.terminal import guard as _guard
 from pdmctl.usage import OverridesCommand
 
@@ -413,47 +413,10 @@ def logs(
         path = orchestrate.log_file(view.record, ctx, attempt)
         if not path.exists() and not follow:
             fail(f"run {view.key}: no log yet at {path} (state: {view.state})")
-        ended = _tail(path, follow, lambda: orchestrate.find_run(orchestrate.status(ctx, None), run).state
+        ended = tail(path, follow, lambda: orchestrate.find_run(orchestrate.status(ctx, None), run).state
                       in orchestrate.ACTIVE)  # fmt: skip
         if ended:
             fail(f"run {view.key}: {ended}", code=1)
-
-
-TAIL_BLOCK = 1 << 20  # the log goes to stdout a block at a time, never whole into memory
-
-
-def _tail(path: Path, follow: bool, still_running, poll: float = 1.0) -> str | None:
-    """Print the log at `path`; with `follow`, what it gains until the run ends. Returns why following
-    stopped early (the log was removed or replaced: it will never grow again), else None."""
-    import codecs
-
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character cut by a block's end
-    fh, seen = None, None
-    try:
-        while True:
-            if fh is None and path.exists():
-                fh = open(path, "rb")  # noqa: SIM115 (closed below; kept open across polls, as tail -f)
-                seen = os.fstat(fh.fileno()).st_ino
-            if fh is not None:
-                while block := fh.read(TAIL_BLOCK):
-                    sys.stdout.write(decoder.decode(block))
-                sys.stdout.write(decoder.decode(b"", final=not follow))
-                sys.stdout.flush()
-            if not follow:
-                return None
-            if fh is not None:
-                try:
-                    now = path.stat().st_ino
-                except OSError:
-                    now = None
-                if now != seen:
-                    return f"its log {path} was {'removed' if now is None else 'replaced'} while following"
-            if not still_running():
-                return None
-            time.sleep(poll)
-    finally:
-        if fh is not None:
-            fh.close()
 
 
 @app.command()

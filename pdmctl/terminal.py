@@ -88,3 +88,42 @@ def guard() -> Iterator[None]:
     finally:
         if "pdmctl.ledger" in sys.modules:  # a refusal after reading leaves no -wal/-shm beside the store
             sys.modules["pdmctl.ledger"].close_stores()
+
+
+TAIL_BLOCK = 1 << 20  # the log goes to stdout a block at a time, never whole into memory
+
+
+def tail(path: Path, follow: bool, still_running, poll: float = 1.0) -> str | None:
+    """Print the log at `path`; with `follow`, what it gains until the run ends. Returns why following
+    stopped early (the log was removed or replaced: it will never grow again), else None."""
+    import codecs
+    import os
+    import time
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character cut by a block's end
+    fh, seen = None, None
+    try:
+        while True:
+            if fh is None and path.exists():
+                fh = open(path, "rb")  # noqa: SIM115 (closed below; kept open across polls, as tail -f)
+                seen = os.fstat(fh.fileno()).st_ino
+            if fh is not None:
+                while block := fh.read(TAIL_BLOCK):
+                    sys.stdout.write(decoder.decode(block))
+                sys.stdout.write(decoder.decode(b"", final=not follow))
+                sys.stdout.flush()
+            if not follow:
+                return None
+            if fh is not None:
+                try:
+                    now = path.stat().st_ino
+                except OSError:
+                    now = None
+                if now != seen:
+                    return f"its log {path} was {'removed' if now is None else 'replaced'} while following"
+            if not still_running():
+                return None
+            time.sleep(poll)
+    finally:
+        if fh is not None:
+            fh.close()

@@ -13,8 +13,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from pdmctl.report.build import Line, SettingCurves
 from pdmctl.report.collect import RowKey
+from pdmctl.report.model import Line, SettingCurves
 
 PANEL_SIZE = (4.0, 3.0)
 DPI = 90

@@ -9,9 +9,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdmctl.report.build import PROVENANCE_FIELDS, ProvenanceRow, Report, family_sizes, pooling_notes
+from pdmctl.report.build import PROVENANCE_FIELDS, family_sizes, pooling_notes
 from pdmctl.report.collect import RowKey
 from pdmctl.report.intervals import describe, describe_unpaired, short_name
+from pdmctl.report.model import ProvenanceRow, Report
 from pdmctl.report.stats import Comparison, Estimate, format_p, pct, signed_pct
 
 TWO_LEVEL_MARK = "‡"

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdmctl.report import plots
-from pdmctl.report.build import Report, SettingCurves
 from pdmctl.report.intervals import short_name
+from pdmctl.report.model import Report, SettingCurves
 from pdmctl.report.page import header, render
 from pdmctl.report.tables import (
     TextTable,
