@@ -22,4 +22,11 @@ pdmctl sweep --file smoke --cluster local --dry-run >/dev/null
 pdmctl init "$WORK/empty/copy"
 test -f "$WORK/empty/copy/configs/run.yaml"
 test ! -e "$WORK/empty/mlflow.db"  # a dry run writes nothing
+# a real sweep from the installed package: two masks x two seeds of the testbed at a few steps, then its
+# status and report (the comparison needs the package's report definition and templates)
+pdmctl sweep mask=pdm_agg,dppo_topk_kl seeds=2 backend.steps=4 backend.eval_every=2 backend.checkpoint_every=2 \
+  backend.prompts_per_step=16 --wait
+pdmctl status | grep "4 finished" >/dev/null
+pdmctl report | grep "vs dppo_topk_kl" >/dev/null
+test -f reports/default/index.html
 echo "ci-wheel: the wheel installs and runs from an empty folder"

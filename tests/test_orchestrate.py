@@ -51,7 +51,8 @@ def histories(cwd: Path, sweep: str) -> dict[str, dict[str, list[tuple[int, floa
 
 @pytest.mark.slow
 def test_readme_quickstart_sweep(workdir: Path):
-    """The README's quickstart sweep command, as written, finishes; status shows every run finished."""
+    """The README's quickstart, as written: its sweep finishes (status shows every run finished), and the
+    report it then runs shows the paired comparison with its matched seeds."""
     readme = (ROOT / "README.md").read_text()
     quickstart = readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
     command = next(line for line in quickstart.splitlines() if "pdmctl sweep" in line)
@@ -64,6 +65,11 @@ def test_readme_quickstart_sweep(workdir: Path):
     found = states(workdir)
     assert found and set(found.values()) == {RunState.FINISHED}
     assert f"{len(found)} finished" in res.stdout
+    report_cmd = command[command.index("pdmctl report") :].split("&&")[0].strip()
+    res = pdmctl(*report_cmd.split()[1:], cwd=workdir, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "vs dppo_topk_kl" in res.stdout and "paired" in res.stdout, res.stdout
+    assert (workdir / "reports" / "default" / "index.html").is_file()
 
 
 def test_six_run_sweep_tracks_everything(workdir: Path):
