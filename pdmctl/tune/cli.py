@@ -188,7 +188,9 @@ def _print_plan(plan, options, ctx) -> None:
     console.print(f"study {plan.name}: {done} trial(s) so far; would run up to {max(options.trials - done, 0)} "
                   f"more, {options.parallel} at a time, {options.sampler} sampler, {plan.request.pruner} pruner",
                   highlight=False)  # fmt: skip
-    console.print(f"storage: {plan.storage}  tracking: {ctx.tracking_uri}  (dry run: nothing written)",
+    from pdmctl.ledger.uris import redact
+
+    console.print(f"storage: {redact(plan.storage)}  tracking: {redact(ctx.tracking_uri)}  (dry run: nothing written)",
                   highlight=False)  # fmt: skip
 
 
@@ -280,7 +282,9 @@ def report_study(name: str, out: Path | None, cluster: str, tracking_uri: str | 
         try:
             ctx = make_context(cluster, tracking_uri)
             if not storage_exists(storage_url(ctx.tracking_uri, None)):
-                fail(f"study {name!r}: no study storage beside {ctx.tracking_uri}")
+                from pdmctl.ledger.uris import redact
+
+                fail(f"study {name!r}: no study storage beside {redact(ctx.tracking_uri)}")
             page = write_study_report(name, ctx, out or Path("reports") / f"tune-{name}")
         except TuneError as exc:
             fail(str(exc))
