@@ -832,12 +832,12 @@ def test_a_worker_ends_with_its_killed_parent(tmp_path: Path) -> None:
 
 
 def test_logs_streams_a_log_and_follow_ends_when_the_log_is_removed(tmp_path: Path, capsys) -> None:
-    from pdmctl import cli
+    from pdmctl import terminal
 
     log = tmp_path / "attempt-1.log"
-    text = "é" * (cli.TAIL_BLOCK // 2 + 3) + "end\n"  # a two-byte character across the blocks' boundary
+    text = "é" * (terminal.TAIL_BLOCK // 2 + 3) + "end\n"  # a two-byte character across the blocks' boundary
     log.write_text(text)
-    assert cli._tail(log, follow=False, still_running=lambda: True) is None
+    assert terminal.tail(log, follow=False, still_running=lambda: True) is None
     assert capsys.readouterr().out == text
     polls = []
 
@@ -847,7 +847,7 @@ def test_logs_streams_a_log_and_follow_ends_when_the_log_is_removed(tmp_path: Pa
             log.unlink()
         return len(polls) < 50
 
-    why = cli._tail(log, follow=True, still_running=still_running, poll=0.01)
+    why = terminal.tail(log, follow=True, still_running=still_running, poll=0.01)
     assert why == f"its log {log} was removed while following" and len(polls) == 1
     assert capsys.readouterr().out == text
 
