@@ -22,11 +22,26 @@ pdmctl sweep --file smoke --cluster local --dry-run >/dev/null
 pdmctl init "$WORK/empty/copy"
 test -f "$WORK/empty/copy/configs/run.yaml"
 test ! -e "$WORK/empty/mlflow.db"  # a dry run writes nothing
-# a real sweep from the installed package: two masks x two seeds of the testbed at a few steps, then its
-# status and report (the comparison needs the package's report definition and templates)
-pdmctl sweep mask=pdm_agg,dppo_topk_kl seeds=2 backend.steps=4 backend.eval_every=2 backend.checkpoint_every=2 \
-  backend.prompts_per_step=16 --wait
-pdmctl status | grep "4 finished" >/dev/null
-pdmctl report | grep "vs dppo_topk_kl" >/dev/null
+# the README's quickstart as written (its sweep, then its report), from the installed package: the
+# comparison needs the package's report definition and templates
+read -r -a SWEEP_CMD <<<"$(python3 - "$WORK/clone/README.md" sweep <<'PY'
+import sys
+text = open(sys.argv[1]).read().split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+line = next(line for line in text.splitlines() if "pdmctl sweep" in line)
+print(next(part.strip() for part in line.split("&&") if part.strip().startswith(f"pdmctl {sys.argv[2]}")))
+PY
+)"
+read -r -a REPORT_CMD <<<"$(python3 - "$WORK/clone/README.md" report <<'PY'
+import sys
+text = open(sys.argv[1]).read().split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+line = next(line for line in text.splitlines() if "pdmctl sweep" in line)
+print(next(part.strip() for part in line.split("&&") if part.strip().startswith(f"pdmctl {sys.argv[2]}")))
+PY
+)"
+echo "the README's quickstart: ${SWEEP_CMD[*]} && ${REPORT_CMD[*]}"
+"${SWEEP_CMD[@]}"
+pdmctl status | tee status.txt | grep "6 finished" >/dev/null || { cat status.txt; exit 1; }
+"${REPORT_CMD[@]}" | tee report.txt | grep "vs dppo_topk_kl" >/dev/null || { cat report.txt; exit 1; }
+grep "paired" report.txt >/dev/null
 test -f reports/default/index.html
 echo "ci-wheel: the wheel installs and runs from an empty folder"
