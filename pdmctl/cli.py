@@ -419,57 +419,6 @@ def logs(
             fail(f"run {view.key}: {ended}", code=1)
 
 
-@app.command()
-def server(
-    action: Annotated[str, typer.Argument(metavar="start|stop|status", help="What to do (each is idempotent).")],
-    directory: Annotated[
-        Path | None,
-        typer.Option("--dir", help="The server's state, on a local disk (default: $PDMCTL_SERVER_DIR, "
-                     "~/.local/share/pdmctl/server)."),
-    ] = None,
-    host: Annotated[str, typer.Option(help="Address to bind: one the compute nodes reach, never a public one.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port of the tracking server.")] = 5000,
-    workers: Annotated[int, typer.Option(help="MLflow's server workers.")] = 4,
-    artifacts: Annotated[
-        Path | None, typer.Option(help="Artifact store directory (default: DIR/artifacts).")
-    ] = None,
-    allowed_hosts: Annotated[
-        str | None, typer.Option(help="Host headers MLflow accepts (default: HOST, localhost, with and without the port).")
-    ] = None,
-    tls: Annotated[bool, typer.Option("--tls", help="Serve HTTPS, with a certificate made in DIR/tls on the first "
-                                      "start; the clients trust it with MLFLOW_TRACKING_SERVER_CERT_PATH.")] = False,
-    tls_cert: Annotated[Path | None, typer.Option(help="Serve HTTPS with this certificate (PEM).")] = None,
-    tls_key: Annotated[Path | None, typer.Option(help="The key of --tls-cert (PEM).")] = None,
-) -> None:
-    """An MLflow tracking server with a login (MLflow's basic-auth app) on a PostgreSQL that runs as you, no
-    root (the pgserver wheel: pip install 'pdmctl\\[server]'). The login is MLFLOW_TRACKING_USERNAME /
-    MLFLOW_TRACKING_PASSWORD from the environment, never written to a file."""
-    from pdmctl.ledger import server as srv
-
-    with _guard():
-        if action not in ("start", "stop", "status"):
-            fail(f"pdmctl server: {action!r}: the action is start, stop or status")
-        settings = srv.make_settings(directory, host=host, port=port, workers=workers, artifacts=artifacts,
-                                     allowed_hosts=allowed_hosts, tls=tls, tls_cert=tls_cert, tls_key=tls_key)  # fmt: skip
-        if action == "start":
-            lines = srv.start(settings)
-        elif action == "stop":
-            lines = srv.stop(settings)
-        else:
-            up, lines = srv.status(settings)
-    for line in lines:
-        console.print(line, highlight=False, markup=False, soft_wrap=True)
-    if action == "start":
-        console.print(f"profile: tracking_uri: {settings.url} (or a name the nodes resolve); the jobs log in with "
-                      f"{srv.USER_ENV} / {srv.PASSWORD_ENV} from the environment you submit from", highlight=False,
-                      markup=False, soft_wrap=True)
-        if settings.cert is not None:
-            console.print(f"the clients trust its certificate with {srv.CERT_ENV}={settings.cert} (a copy where the "
-                          "nodes read it)", highlight=False, markup=False, soft_wrap=True)  # fmt: skip
-    if action == "status" and not up:
-        raise typer.Exit(1)
-
-
 @app.command(cls=OverridesCommand, context_settings={"ignore_unknown_options": True})
 def doctor(
     overrides: Annotated[
@@ -551,6 +500,7 @@ def _mount_optional() -> None:
         ("pdmctl.backends.verl.cli", "data"),
         ("pdmctl.tune.cli", None),
         ("pdmctl.seeds", None),
+        ("pdmctl.ledger.server_cli", None),
     ):
         try:
             mod = importlib.import_module(module)

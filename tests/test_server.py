@@ -98,7 +98,7 @@ def _api(url: str, path: str, login: dict[str, str] | None = None) -> tuple[int,
 @pytest.mark.nonroot
 @pytest.mark.postgres
 @pytest.mark.slow  # MLflow's first start migrates its tables in PostgreSQL: 40-112 s measured here (load 15-18)
-def test_server_runs_as_a_user_with_a_login_and_a_job_logs_to_it_and_the_password_is_nowhere() -> None:
+def test_server_runs_as_a_user_with_a_login_per_user_and_a_job_logs_to_it_and_no_password_is_anywhere() -> None:
     pytest.importorskip("pgserver")
     prefix, extra, home = _as_user()
     base = Path(tempfile.mkdtemp(prefix="pdmsrv-", dir="/tmp"))
@@ -109,12 +109,13 @@ def test_server_runs_as_a_user_with_a_login_and_a_job_logs_to_it_and_the_passwor
     url = f"http://127.0.0.1:{port}"
     env = {"HOME": home, "PATH": os.environ["PATH"], "COLUMNS": "200", **extra, **LOGIN}
 
-    def run(*args: str, login: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    def run(*args: str, login: dict[str, str] | None = None, timeout: float = 600,
+            stdin: str | None = None) -> subprocess.CompletedProcess:  # fmt: skip
         cmd = [*prefix, "-m", "pdmctl.entry", *args]
         full = {**env, **(login if login is not None else {})}
         if login == {}:
             full = {k: v for k, v in full.items() if k not in LOGIN}
-        return subprocess.run(cmd, cwd=base, env=full, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, cwd=base, env=full, capture_output=True, text=True, timeout=timeout, input=stdin)
 
     server = ["server", "start", "--dir", str(state), "--port", str(port), "--workers", "1"]
     try:
@@ -163,18 +164,37 @@ def test_server_runs_as_a_user_with_a_login_and_a_job_logs_to_it_and_the_passwor
         assert len(runs) == 1 and runs[0]["info"]["status"] == "FINISHED", runs
         assert runs[0]["data"].get("metrics"), "the job logged no metric"
 
+        # a login per user: the admin adds bob (his password on standard input, never an argument); bob's login
+        # reads the ledger, a wrong password of his is refused; added twice it is unchanged; removed, refused
+        bob = {"MLFLOW_TRACKING_USERNAME": "bob", "MLFLOW_TRACKING_PASSWORD": "bobs-own-password-17"}
+        added = run("server", "user", "add", "bob", "--dir", str(state), "--password-stdin",
+                    stdin=bob["MLFLOW_TRACKING_PASSWORD"] + "\n")  # fmt: skip
+        assert added.returncode == 0 and "login bob added" in added.stdout, added.stdout + added.stderr
+        again = run("server", "user", "add", "bob", "--dir", str(state), "--password-stdin", stdin="another-one-123\n")
+        assert again.returncode == 0 and "already exists" in again.stdout, again.stdout + again.stderr
+        as_bob = run("status", "srv", "--tracking-uri", url, login=bob)
+        assert as_bob.returncode == 0 and "1 finished" in as_bob.stdout, as_bob.stdout + as_bob.stderr
+        wrong_bob = run("status", "--tracking-uri", url, login={**bob, "MLFLOW_TRACKING_PASSWORD": "not-bobs-password"})
+        assert wrong_bob.returncode == 2 and len(wrong_bob.stderr.strip().splitlines()) == 1, wrong_bob.stderr
+        short = run("server", "user", "add", "carol", "--dir", str(state), "--password-stdin", stdin="short\n")
+        assert short.returncode == 2 and "at least 12" in short.stderr, short.stderr
+        removed = run("server", "user", "remove", "bob", "--dir", str(state))
+        assert removed.returncode == 0 and "login bob removed" in removed.stdout, removed.stdout + removed.stderr
+        assert run("status", "--tracking-uri", url, login=bob).returncode == 2
+
         # what the sbatch script of a SLURM profile would be: printed by the dry run, no login in it
         dry = run("sweep", *TOY, "--name", "srv", "--cluster", str(REPO / "clusters" / "slurm-local.yaml"),
                   "--tracking-uri", url, "--dry-run")  # fmt: skip
         secret = LOGIN["MLFLOW_TRACKING_PASSWORD"]
         assert secret not in dry.stdout + dry.stderr
         assert secret not in json.dumps(runs)  # the ledger: params, tags
-        leaks = [str(p) for p in (base.rglob("*")) if p.is_file() and secret.encode() in p.read_bytes()]
-        assert not leaks, f"the password is written in {leaks}"  # job.json, logs, server log, ini, the databases
+        for password in (secret, bob["MLFLOW_TRACKING_PASSWORD"]):
+            leaks = [str(p) for p in (base.rglob("*")) if p.is_file() and password.encode() in p.read_bytes()]
+            assert not leaks, f"a password is written in {leaks}"  # job.json, logs, server log, ini, the databases
     finally:
         stopped = run("server", "stop", "--dir", str(state), "--port", str(port))
         assert stopped.returncode == 0 and "PostgreSQL stopped" in stopped.stdout, stopped.stderr
-        down = run("server", "status", "--dir", str(state), "--port", str(port))
+        down = run("server", "status", "--dir", str(state))  # the port its last start recorded
         assert down.returncode == 1 and "not running" in down.stdout
         assert "nothing running" in run("server", "stop", "--dir", str(state), "--port", str(port)).stdout
         shutil.rmtree(base, ignore_errors=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import configparser
 import contextlib
 import importlib.util
+import json
 import math
 import os
 import re
@@ -170,25 +171,25 @@ def credentials() -> tuple[str, str]:
     return user, password
 
 
-def check_login_text(user: str, password: str) -> None:
+def check_login_text(user: str, password: str, user_env: str = USER_ENV, password_env: str = PASSWORD_ENV) -> None:
     """A login MLflow can create and its client can send, checked before anything is created: MLflow's
     client sends it as Latin-1 and its server reads UTF-8 (only ASCII means the same to both), HTTP basic
     auth splits it at the first ':', and MLflow refuses a password under 12 characters, but only once
     PostgreSQL and MLflow have started."""
-    for name, value in ((USER_ENV, user), (PASSWORD_ENV, password)):
+    for name, value in ((user_env, user), (password_env, password)):
         odd = next((ch for ch in value if not (ch.isascii() and ch.isprintable())), None)
         if odd is not None:
             raise LedgerError(f"pdmctl server: {name} contains {odd!a}: only printable ASCII reaches the "
                               "server as typed (MLflow's client sends the login as Latin-1, its server reads "
                               "UTF-8)")  # fmt: skip
     if ":" in user:
-        raise LedgerError(f"pdmctl server: {USER_ENV} contains ':': HTTP basic auth splits the login at the first "
+        raise LedgerError(f"pdmctl server: {user_env} contains ':': HTTP basic auth splits the login at the first "
                           "':', so this user could never log in; choose a name without it")  # fmt: skip
     if len(password) < PASSWORD_MIN:
-        raise LedgerError(f"pdmctl server: {PASSWORD_ENV} has {len(password)} characters: MLflow asks for at least "
+        raise LedgerError(f"pdmctl server: {password_env} has {len(password)} characters: MLflow asks for at least "
                           f"{PASSWORD_MIN}")  # fmt: skip
     if password == "password1234":
-        raise LedgerError(f"pdmctl server: {PASSWORD_ENV} is MLflow's old default password, which it refuses; "
+        raise LedgerError(f"pdmctl server: {password_env} is MLflow's old default password, which it refuses; "
                           "choose another")  # fmt: skip
 
 
@@ -430,6 +431,27 @@ def check_login(url: str, user: str, password: str, timeout: float = 60.0, cafil
         raise LedgerError(f"pdmctl server: {url}: {exc}") from exc
 
 
+def _record_start(settings: ServerSettings) -> None:
+    """Where this start serves (DIR/server.json, no secret): `status`, `stop` and `user` find it there."""
+    record = {"host": settings.host, "port": settings.port, "tls": settings.tls,
+              "tls_cert": str(settings.tls_cert or ""), "tls_key": str(settings.tls_key or "")}  # fmt: skip
+    tmp = settings.dir / "server.json.tmp"
+    tmp.write_text(json.dumps(record))
+    tmp.replace(settings.dir / "server.json")
+
+
+def last_start(settings: ServerSettings) -> dict:
+    """What the directory's last start recorded (empty when none, or unreadable: the defaults then apply)."""
+    try:
+        record = json.loads((settings.dir / "server.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    ok = {"host": str, "port": int, "tls": bool, "tls_cert": str, "tls_key": str}
+    return {k: v for k, v in record.items() if k in ok and type(v) is ok[k]}
+
+
 def _write_auth_ini(settings: ServerSettings) -> None:
     config = configparser.ConfigParser()
     config["mlflow"] = {
@@ -529,6 +551,7 @@ def _start(settings: ServerSettings, user: str, password: str, timeout_s: float,
                               f"{timeout_s:.0f} s ({START_ENV}; log: {shown(settings.log)})")  # fmt: skip
         time.sleep(0.5)
     check_login(settings.url, user, password, cafile=settings.cert)
+    _record_start(settings)
     return [*said, f"mlflow server at {settings.url} (pid {proc.pid}, started in {time.monotonic() - t0:.0f} s; "
             f"store: PostgreSQL in {shown(settings.pg_data)}, socket only; login {user} accepted)"]  # fmt: skip
 
