@@ -328,6 +328,18 @@ def check_runs(specs: Sequence[RunSpec], ctx: Context, executor: Executor) -> No
             )
 
 
+def check_installed(specs: Sequence[RunSpec], ctx: Context) -> None:
+    """Where the jobs run on this interpreter (the local executor; a cluster's may run in another environment),
+    refuse runs whose backend trains with a module it cannot import, before anything is written."""
+    from pdmctl.backends.registry import check_installed as check
+
+    if ctx.profile.executor == "local":
+        try:
+            check({spec.backend for spec in specs})
+        except ValueError as exc:
+            raise ExecutorError(str(exc)) from None
+
+
 def pin_data(specs: Sequence[RunSpec], ctx: Context) -> list[RunSpec]:
     """Each run with the digest of the data it will read in its config (`backend.data_manifest`, part of its
     key): the data directory's manifest, checked against its files (`Backend.data_digest`). A run that names a
@@ -462,6 +474,7 @@ def sweep(specs: list[RunSpec], ctx: Context, order: str = "seed") -> tuple[Swee
     Returns the plan and the job ids."""
     executor = check_before_submit(ctx)
     check_runs(specs, ctx, executor)
+    check_installed(specs, ctx)
     ledger = open_ledger(ctx.tracking_uri)
     with ledger.lock():
         ledger.register(specs, {s.key: str(ctx.run_dir_parent(s)) for s in specs})
@@ -526,6 +539,7 @@ def resume(ctx: Context, sweep_name: str | None = None, *, max_attempts: int | N
         check_runs([spec for v in chosen if v.record and (spec := v.record.spec)], ctx, executor)
         if dry_run:
             return chosen, []
+        check_installed([spec for v in chosen if v.record and (spec := v.record.spec)], ctx)
         job_ids = _submit([v.record for v in chosen if v.record], ledger, executor, ctx)
     return chosen, job_ids
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from pdmctl import mask_names
+
 KEY_LENGTH = 12
 MASK_FIELDS = ("method", "divergence", "estimator", "eps_low", "eps_high", "ratio_cap", "loss_agg_mode")
 
@@ -78,8 +80,6 @@ class RunSpec:
 
 def result_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The part of a run config that changes the result."""
-    from pdmctl.masks import METHODS  # torch is imported only where a key is computed
-
     cfg = json.loads(json.dumps(config))  # a plain copy (faster than deepcopy on JSON data)
     mask = dict(cfg["mask"])
     mask.pop("name", None)  # two presets with the same fields train the same thing
@@ -91,7 +91,7 @@ def result_config(config: Mapping[str, Any]) -> dict[str, Any]:
     else:
         mask.pop("eps_low", None)
         mask.pop("eps_high", None)
-    if not METHODS[method].uses_ddot:
+    if not mask_names.uses_ddot(method):
         mask.pop("estimator", None)
     cfg["mask"] = mask
     return cfg
@@ -104,14 +104,13 @@ def run_key(config: Mapping[str, Any]) -> str:
 
 def validate(config: Mapping[str, Any]) -> None:
     """Values every backend needs; backends check their own fields on top (see backends.registry)."""
-    from pdmctl.masks import DIVERGENCES, ESTIMATORS, METHODS
-
     _finite(config)
     mask = config.get("mask") or {}
-    for field, registry in (("method", METHODS), ("divergence", DIVERGENCES), ("estimator", ESTIMATORS)):
-        value = mask.get(field)
-        if value not in registry:
-            raise SpecError(f"mask.{field}: unknown {value!r}; choose from {', '.join(sorted(registry))}")
+    for field in ("method", "divergence", "estimator"):
+        value, registry = mask.get(field), f"{field.upper()}S"  # masks.METHODS, DIVERGENCES, ESTIMATORS
+        if not mask_names.is_known(registry, value):
+            choices = ", ".join(mask_names.known(registry))
+            raise SpecError(f"mask.{field}: unknown {value!r}; choose from {choices}")
     _positive(config, "delta")
     if config.get("delta_low") is not None:
         _positive(config, "delta_low")

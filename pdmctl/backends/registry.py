@@ -14,7 +14,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,9 @@ class Backend:
     # line saying why there is none (--dry-run --json)
     estimate: Callable[[list[DescribedRun], Mapping[str, Any]], dict[str, Any]] = (
         lambda runs, cluster: dict.fromkeys((run.key for run in runs), "no cost model for this backend"))
+    # the modules a job imports to train: a submission whose jobs would run on this interpreter (the local
+    # executor) is refused where one is not installed (orchestrate.check_installed); a dry run needs none
+    requires: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,12 +108,17 @@ def _toy_defaults() -> dict[str, Any]:
 
 
 def _toy_validate(flat: Mapping[str, Any]) -> None:
-    from pdmctl.backends.toy import ToyConfig, basemodel
+    from pdmctl.backends.toy import ToyConfig, shipped
 
     cfg = ToyConfig.from_mapping(flat)
     try:  # the base model every job would start from: a bad source, a damaged file or an unusable cache
-        basemodel.check_base_model(cfg.model)  # fails here, not in 8 jobs
-    except basemodel.BaseModelError as exc:
+        if shipped.base_source() == "shipped":  # fails here, not in 8 jobs
+            shipped.check_shipped(cfg.model)  # its digest: no torch
+        else:  # the warm-up's cache, whose key names the torch version
+            from pdmctl.backends.toy import basemodel
+
+            basemodel.check_base_model(cfg.model)
+    except shipped.BaseModelError as exc:
         raise ValueError(str(exc)) from None
 
 
@@ -433,7 +441,8 @@ def _synthetic() -> Backend:
 
 
 BACKENDS: dict[str, Backend] = {
-    "toy": Backend("toy", _toy_defaults, _toy_validate, _toy_run, provenance=_toy_provenance, estimate=_toy_estimate),
+    "toy": Backend("toy", _toy_defaults, _toy_validate, _toy_run, provenance=_toy_provenance, estimate=_toy_estimate,
+                   requires=("torch",)),  # fmt: skip
     "verl": Backend("verl", _verl_defaults, _verl_validate, _verl_run, lambda flat: _verl_module().final_step(flat),
                     lambda flat: _verl_module().run_nodes(_verl_job_config(flat, Path("/pdmctl-validate"))),
                     _verl_check_cluster, _verl_describe, provenance=_verl_provenance, engine_keys="verl",
@@ -442,6 +451,34 @@ BACKENDS: dict[str, Backend] = {
                     estimate=lambda runs, cluster: _verl_describe(runs, cluster, estimate=True)),  # fmt: skip
     "synthetic": _synthetic(),  # a known objective for pdmctl tune's tests and benchmark
 }
+
+
+def check_installed(names: Iterable[str]) -> None:
+    """ValueError in one line where a backend's run needs a module (`Backend.requires`) this interpreter
+    cannot import; looked up, not imported (a dry run and a submission stay free of torch)."""
+    import importlib.util
+
+    for name in sorted(set(names)):
+        for module in get_backend(name).requires:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):  # a parent that does not import, a module set to None
+                found = False
+            if not found:
+                raise ValueError(f"{module} is not installed in {sys.executable}, and the {name} backend's runs "
+                                 f"train with it: pip install {_requirement(module)!r} (pdmctl's requirement)")
+
+
+def _requirement(module: str) -> str:
+    """pdmctl's requirement of a distribution (`torch<=2.13.0,>=2.4`), or its bare name."""
+    from importlib import metadata
+
+    try:
+        wanted = metadata.requires("pdmctl") or []
+    except metadata.PackageNotFoundError:
+        wanted = []
+    found = (r for r in wanted if re.match(rf"{re.escape(module)}\s*([<>=!~\[]|$)", r) and "extra ==" not in r)
+    return next(found, module).split(";")[0].strip()
 
 
 def get_backend(name: str) -> Backend:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pdmctl.backends.toy.config import ToyConfig
-from pdmctl.backends.toy.model import MODEL_PRESETS
+from pdmctl.backends.toy.presets import MODEL_PRESETS
 
 if TYPE_CHECKING:
     from pdmctl.backends.toy.trainer import train

@@ -2,8 +2,8 @@
 
 Every run starts from the same base on every machine: the weights of each preset
 are a small file in the package (`weights/<preset>.pt`, about 1.2 MB), checked
-against the SHA-256 digest recorded here before use. The warm-up that wrote them
-is the documented way to rebuild them (`python -m
+against the SHA-256 digest recorded in `shipped` before use (that check needs no
+torch). The warm-up that wrote them is the documented way to rebuild them (`python -m
 pdmctl.backends.toy.rebuild_base`), and `PDMCTL_TOY_BASE=warmup` makes every run use a base rebuilt on this
 machine instead (CI runs the testbed's tests that way under other CPU kernels).
 
@@ -20,8 +20,8 @@ A rebuilt base is cached on disk (`PDMCTL_CACHE`), shared by every run on the
 machine: eight jobs may ask for it at once, so one builds it under an exclusive
 file lock while the others wait, and the file appears by an atomic rename. Its
 cache key is everything that decides the weights: the preset, the source of the
-modules that build and train the model (this one, `model`, `task`) and the torch
-version; an entry that does not load, or whose recorded key is not the one asked
+modules that build and train the model (this one, `model`, `task`, `presets`) and the
+torch version; an entry that does not load, or whose recorded key is not the one asked
 for, is rebuilt. The warm-up runs on one thread so the weights do not depend on
 the machine's core count.
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
-import functools
 import hashlib
 import json
 import os
@@ -44,6 +43,7 @@ import torch.nn.functional as F
 
 from pdmctl.backends.toy import fork_task, llm_task
 from pdmctl.backends.toy import model as model_module
+from pdmctl.backends.toy import presets as presets_module
 from pdmctl.backends.toy import task as task_module
 from pdmctl.backends.toy.model import (
     MODEL_PRESETS,
@@ -52,6 +52,18 @@ from pdmctl.backends.toy.model import (
     ModelPreset,
     TinyTransformer,
     build_model,
+)
+from pdmctl.backends.toy.shipped import (  # noqa: F401  (re-exported: basemodel.check_shipped, ...)
+    SHIPPED_FORMAT,
+    SHIPPED_SHA256,
+    SOURCES,
+    WEIGHTS_DIR,
+    BaseModelError,
+    base_source,
+    check_shipped,
+    recipe_of,
+    sha256_of,
+    shipped_path,
 )
 from pdmctl.backends.toy.task import (
     FREE_LEN,
@@ -63,29 +75,9 @@ from pdmctl.backends.toy.task import (
     sample_words,
 )
 
-_CODE = (Path(__file__), Path(model_module.__file__), Path(task_module.__file__))  # what the warm-up runs
-WEIGHTS_DIR = Path(__file__).parent / "weights"
-SHIPPED_FORMAT = 1
-# The digest of each shipped file: a file that does not match (damaged, or replaced without updating
-# this line) is refused, never trained from.
-SHIPPED_SHA256 = {
-    "toy-small": "4872ae51c589ab9e0d35b260eb74c151fbfe64129f7695bf7bf5a6201bb9d71f",
-    "toy-llm": "d7b22b93d728f2c274d6080a44ee254761ba998c0a5c3724cd9b982e092e9015",
-    "toy-fork": "aee862551f7a34f12baf61cd1a9fb717c989d232916baa67f483d156d2d6cada",
-}
-SOURCES = ("shipped", "warmup")  # PDMCTL_TOY_BASE
+# what the warm-up runs, and the presets' defaults
+_CODE = (Path(__file__), Path(model_module.__file__), Path(task_module.__file__), Path(presets_module.__file__))
 PROBE_SIZE = 1024
-
-
-class BaseModelError(RuntimeError):
-    """The base model cannot be had: a damaged shipped file, an unknown source, a warm-up that failed."""
-
-
-def base_source() -> str:
-    source = os.environ.get("PDMCTL_TOY_BASE", "").strip() or "shipped"
-    if source not in SOURCES:
-        raise BaseModelError(f"PDMCTL_TOY_BASE: unknown {source!r}; choose from {', '.join(SOURCES)}")
-    return source
 
 
 def load_base_model(preset_name: str) -> TinyTransformer:
@@ -98,45 +90,6 @@ def load_base_model(preset_name: str) -> TinyTransformer:
 # ---------------------------------------------------------------------------
 # The shipped weights
 # ---------------------------------------------------------------------------
-
-
-def shipped_path(preset_name: str) -> Path:
-    return WEIGHTS_DIR / f"{preset_name}.pt"
-
-
-def sha256_of(path: Path) -> str:
-    stat = path.stat()
-    return _sha256_of(str(path), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=16)
-def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
-    """A file's digest, once per version of it (size and mtime are the key): a grid of 1,000 runs checks
-    the shipped base model once, not 1,000 times."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def recipe_of(preset_name: str) -> dict:
-    """What decides a base model's weights, as the shipped file records it."""
-    return {"preset": preset_name, **dataclasses.asdict(MODEL_PRESETS[preset_name])}
-
-
-def check_shipped(preset_name: str, path: Path | None = None) -> Path:
-    """The shipped file of a preset, its digest checked; BaseModelError in one line if it is not the one."""
-    path = path or shipped_path(preset_name)
-    expected = SHIPPED_SHA256.get(preset_name)
-    if not path.is_file():
-        raise BaseModelError(
-            f"{path}: the shipped base model of {preset_name!r} is missing; reinstall pdmctl"
-        )
-    digest = sha256_of(path)
-    if digest != expected:
-        raise BaseModelError(
-            f"{path}: SHA-256 {digest[:12]}… is not the recorded {str(expected)[:12]}…: the shipped base "
-            "model is damaged or was replaced; reinstall pdmctl, or rebuild it with "
-            "`python -m pdmctl.backends.toy.rebuild_base`"
-        )
-    return path
 
 
 def load_shipped(preset_name: str, path: Path | None = None) -> TinyTransformer:

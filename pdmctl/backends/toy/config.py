@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdmctl import masks
-from pdmctl.backends.toy.model import MODEL_PRESETS, PRECISIONS
+from pdmctl import mask_names
+from pdmctl.backends.toy.presets import MODEL_PRESETS, PRECISION_NAMES
 
 
 @dataclass(frozen=True)
@@ -81,15 +81,22 @@ def _choice(name: str, value: str, choices: Mapping[str, object] | tuple[str, ..
     )
 
 
+def _mask_choice(name: str, value: str, registry: str) -> list[str]:
+    """`_choice` among the names of `masks.<registry>` (the built-in ones need no torch)."""
+    if mask_names.is_known(registry, value):
+        return []
+    return [f"{name}: unknown {value!r}; choose from {', '.join(mask_names.known(registry))}"]
+
+
 def _problems(cfg: ToyConfig) -> list[str]:
     """Every invalid value, each as one line that names the field (the first is raised)."""
     found = [
         *_choice("model", cfg.model, MODEL_PRESETS),
-        *_choice("precision", cfg.precision, PRECISIONS),
-        *_choice("method", cfg.method, masks.METHODS),
-        *_choice("divergence", cfg.divergence, masks.DIVERGENCES),
-        *_choice("estimator", cfg.estimator, masks.ESTIMATORS),
-        *_choice("loss_agg_mode", cfg.loss_agg_mode, masks.AGGREGATIONS),
+        *_choice("precision", cfg.precision, PRECISION_NAMES),
+        *_mask_choice("method", cfg.method, "METHODS"),
+        *_mask_choice("divergence", cfg.divergence, "DIVERGENCES"),
+        *_mask_choice("estimator", cfg.estimator, "ESTIMATORS"),
+        *_mask_choice("loss_agg_mode", cfg.loss_agg_mode, "AGGREGATIONS"),
     ]
     vocab = MODEL_PRESETS[cfg.model].vocab_size if cfg.model in MODEL_PRESETS else None
     if cfg.k < 1 or (vocab is not None and cfg.k > vocab):

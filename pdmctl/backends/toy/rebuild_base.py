@@ -2,7 +2,7 @@
 
     python -m pdmctl.backends.toy.rebuild_base [--preset toy-small]
 
-then record the digest it prints in `basemodel.SHIPPED_SHA256` (a test holds the two equal).
+then record the digest it prints in `shipped.SHIPPED_SHA256` (a test holds the two equal).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     path, digest, report = write_shipped(args.preset)
     print(f"{path}: sha256 {digest}")
     print(f"  {report}; kernels {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}")
-    print(f'  record it in basemodel.SHIPPED_SHA256["{args.preset}"]')
+    print(f'  record it in shipped.SHIPPED_SHA256["{args.preset}"]')
 
 
 if __name__ == "__main__":

@@ -1,0 +1,43 @@
+"""The names `pdmctl.masks` registers, without torch: what validating a run's config needs.
+
+A grid's configs are checked and keyed before any run starts, in a process that may never train; these
+tuples let that name the built-in methods, divergences, estimators and loss aggregations without loading
+the masks themselves. A test holds them equal to the registries. A name registered at run time
+(`masks.register_method`, ...) is not here: for a name it does not hold, each function asks the registry.
+"""
+
+from __future__ import annotations
+
+import sys
+
+METHODS = ("grpo", "dppo", "pdm")
+DIVERGENCES = ("topk_kl", "topk_tv", "binary_kl", "binary_tv")
+ESTIMATORS = ("agg", "uni", "exact")
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+USES_DDOT = ("pdm",)  # the methods whose mask reads Ḋ, and so the estimator (masks.MethodSpec.uses_ddot)
+
+
+def is_known(registry: str, value: object) -> bool:
+    """Whether `value` names an entry of `masks.<registry>` ("METHODS", "DIVERGENCES", "ESTIMATORS",
+    "AGGREGATIONS")."""
+    if value in getattr(sys.modules[__name__], registry):
+        return True
+    from pdmctl import masks
+
+    return value in getattr(masks, registry)
+
+
+def known(registry: str) -> list[str]:
+    """Every name of `masks.<registry>`, sorted (for the error that names an unknown one; loads the masks)."""
+    from pdmctl import masks
+
+    return sorted(getattr(masks, registry))
+
+
+def uses_ddot(method: str) -> bool:
+    """Whether a method's mask reads Ḋ (a KeyError for a method no registry holds)."""
+    if method in METHODS:
+        return method in USES_DDOT
+    from pdmctl import masks
+
+    return masks.METHODS[method].uses_ddot
