@@ -224,8 +224,28 @@ def _wait(ctx, sweep_name: str | None, poll: float = 2.0) -> None:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:  # fmt: skip
         task = progress.add_task("runs", total=None)
+        away_since: float | None = None
         while True:
-            views = orchestrate.status(ctx, sweep_name)
+            try:
+                views = orchestrate.status(ctx, sweep_name)
+            except Exception:
+                # the tracking server went away a while (the jobs keep what it does not confirm and train on):
+                # wait for it, as the jobs do; anything else is raised where the server answers
+                why = orchestrate.ledger_unreachable(ctx)
+                if why is None:
+                    raise
+                if away_since is None:
+                    away_since = time.monotonic()
+                    progress.console.print(f"{why}; waiting for it (Ctrl-C stops waiting, the runs go on)",
+                                           highlight=False, markup=False, soft_wrap=True)  # fmt: skip
+                progress.update(task, description=f"tracking server not answering for "
+                                f"{time.monotonic() - away_since:.0f} s")  # fmt: skip
+                time.sleep(max(poll, 5.0))
+                continue
+            if away_since is not None:
+                progress.console.print(f"the tracking server answers again after {time.monotonic() - away_since:.0f} s",
+                                       highlight=False, markup=False)  # fmt: skip
+                away_since = None
             counts = Counter(v.state for v in views)
             done = sum(n for s, n in counts.items() if s not in orchestrate.ACTIVE)
             desc = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))

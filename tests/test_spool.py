@@ -262,3 +262,42 @@ def test_pdmctl_resume_sends_what_a_run_kept_on_its_disk(tmp_path: Path) -> None
     assert record.latest == {"train/reward": (7, 0.5), "eval/toy24": (7, 0.25)}  # status shows them
     assert orchestrate.send_spools(ctx, "kept") == []  # sent once
     assert not spool_of(second.run_dir).exists()
+
+
+@pytest.mark.postgres
+def test_sweep_wait_rides_out_a_tracking_server_outage(mlflow_server: str, tmp_path: Path) -> None:
+    """`pdmctl sweep --wait` while the tracking server goes away for 15 s mid-run: it says the server is not
+    answering and keeps waiting, as the job keeps what the server does not confirm; once the server answers
+    again the sweep ends with exit 0, its run finished, every step logged once."""
+    from mlflow.tracking import MlflowClient
+
+    server = MlflowClient(mlflow_server)
+    relay = Relay(int(mlflow_server.rsplit(":", 1)[1]))
+    name = f"wait-{uuid.uuid4().hex[:12]}"
+    cmd = [sys.executable, "-m", "pdmctl.cli", "sweep", "backend=synthetic", "model=synthetic", "backend.steps=8",
+           "backend.eval_every=4", "backend.step_s=2", "--name", name, "--wait",
+           "--tracking-uri", f"http://127.0.0.1:{relay.port}"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env={**env, "COLUMNS": "200"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        run_id = None
+        while run_id is None or len(_history(server, run_id, "train/reward")) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            exp = server.get_experiment_by_name(name)
+            runs = server.search_runs([exp.experiment_id]) if exp else []
+            run_id = runs[0].info.run_id if runs else None
+            time.sleep(0.5)
+        relay.down()
+        time.sleep(15)
+        relay.up()
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        relay.down()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stdout + stderr
+    assert "waiting for it" in stdout and "the tracking server answers again after" in stdout, stdout
+    assert server.get_run(run_id).info.status == "FINISHED"
+    assert [step for step, _ in _history(server, run_id, "train/reward")] == list(range(1, 9))
