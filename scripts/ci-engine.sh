@@ -26,6 +26,9 @@ step "tiny Qwen3 and its data at $PDMCTL_TINY_DIR"
 
 MARK="engine and not engine_long"
 [ "${1:-}" = "--all" ] && MARK="engine"
+# PDMCTL_ENGINE_MARK: a part of them (CI runs those off the one-node SLURM first, `and not cluster`, and the
+# SLURM one once the suite's SLURM lane has ended, `and cluster`)
+MARK="${PDMCTL_ENGINE_MARK:-$MARK}"
 step "engine tests (-m '$MARK')"
 # -m replaces pyproject's `-m "not engine"`; a skip fails (everything is installed above)
 PDMCTL_NO_SKIPS=1 "$ENV_DIR/bin/python" -m pytest -q -m "$MARK" --durations=0 tests/test_verl_engine.py
