@@ -350,10 +350,13 @@ def status(
         title = f"pdmctl status — {sweep_name or 'all sweeps'}"
         if not watch:
             console.print(_status_table(views, title))
-            from pdmctl.costing import spent_lines
+            from pdmctl.spent import status_output
 
-            for line in spent_lines(views, ctx):  # the hours spent beside the prediction, per sweep
-                console.print(line, highlight=False, markup=False, soft_wrap=True)
+            for part in status_output(views, ctx):  # per sweep: hours spent beside the prediction, by setting
+                if isinstance(part, str):
+                    console.print(part, highlight=False, markup=False, soft_wrap=True)
+                else:
+                    console.print(part)
             return
         with Live(_status_table(views, title), console=console, refresh_per_second=2) as live:
             while any(v.state in orchestrate.ACTIVE for v in views):

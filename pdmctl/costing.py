@@ -1,6 +1,6 @@
 """The cost model (pdmctl.cost) applied to a sweep: each run's estimate through its backend, calibrated on
 finished runs of the testbed, the plan as JSON (--dry-run --json; docs/PLAN_JSON.md), the testbed's text cost
-line, and the hours a sweep's runs spent beside the prediction (pdmctl status)."""
+line. The hours a sweep's runs spent beside the prediction: pdmctl.spent."""
 
 from __future__ import annotations
 
@@ -8,14 +8,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pdmctl.cost import (
-    RESTS_ON,
     TOY_STARTUP_S,
     Calibration,
     Estimate,
     Span,
     duration,
     hours_text,
-    number,
     spent_seconds,
     total,
     total_json,
@@ -155,54 +153,3 @@ def testbed_line(specs: Sequence[Any], ctx: Any, executor: Any,
     return (f"testbed cost: {len(found)} run(s), {hours_text(t.hours, t.upper_hours, 'CPU')}; {duration(t.wall_s.expected)} "
             f"of wall time expected ({duration(t.wall_s.low)}-{duration(t.wall_s.high)}) at {slots(ctx, executor)} at a "
             f"time; rests on {'; '.join(basis)}")  # fmt: skip
-
-
-def spent_lines(views: Sequence[Any], ctx: Any) -> list[str]:
-    """Per sweep: the hours its runs have spent (wall x the GPUs or CPUs each holds) beside the prediction for the
-    same runs, and for the whole sweep."""
-    import time as _time
-
-    from pdmctl.executors import make_executor
-
-    by_sweep: dict[str, list[Any]] = {}
-    for view in views:
-        if view.record is not None and view.record.spec is not None:
-            by_sweep.setdefault(view.sweep, []).append(view)
-    if not by_sweep:
-        return []
-    try:
-        executor = make_executor(ctx.profile)
-    except Exception:  # a profile this status cannot build an executor from: no prediction, nothing to say
-        return []
-    now = _time.time()
-    lines = []
-    for sweep, found in by_sweep.items():
-        try:
-            estimates = estimate_specs([v.record.spec for v in found], ctx, executor)
-        except (ValueError, OSError) as exc:  # a recorded config this pdmctl cannot estimate: say so, go on
-            lines.append(f"cost of {sweep}: no prediction ({str(exc).splitlines()[0] if str(exc) else exc!r})")
-            continue
-        spent, predicted, unit, started = 0.0, [], "", 0
-        for view in found:
-            estimate = estimates.get(view.record.spec.key)
-            seconds = spent_seconds(view.record, now)
-            if not isinstance(estimate, Estimate) or seconds is None:
-                continue
-            started += 1
-            unit = estimate.unit
-            spent += seconds * estimate.devices / 3600
-            predicted.append(estimate)
-        every = [e for e in estimates.values() if isinstance(e, Estimate)]
-        if not every:
-            lines.append(f"cost of {sweep}: no estimate for its runs, so no prediction to set the hours spent against")
-            continue
-        unit = unit or every[0].unit
-        whole = total(every, slots(ctx, executor))
-        line = (f"cost of {sweep}: {number(spent)} {unit}-hours spent by the {started} run(s) that started (each "
-                f"attempt's start to the next attempt's or the run's end, x the {unit}s it holds)")
-        if predicted:
-            mine = total(predicted, slots(ctx, executor))
-            line += f", predicted {hours_text(mine.hours, mine.upper_hours, unit)}"
-        lines.append(f"{line}; the sweep's {len(every)} run(s): {hours_text(whole.hours, whole.upper_hours, unit)}; "
-                     f"the prediction rests on {RESTS_ON}")  # fmt: skip
-    return lines

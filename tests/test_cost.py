@@ -208,6 +208,19 @@ def test_status_shows_the_cpu_hours_a_finished_sweep_spent_beside_its_prediction
     assert wall is not None and 0 < wall <= (record.end_time - record.start_time) / 1000 + 1
     assert spent == pytest.approx(wall / 3600, rel=0.05, abs=1e-4)
     assert ", predicted " in line and "CPU-hours expected (" in line and "not measurements" in line
+    assert "started (from the ledger's attempt times: " in line and " left" not in line  # local runs; it ended
+    table = out.stdout[out.stdout.index("spent: CPU-hours spent and predicted, per setting"):].splitlines()
+    row = next(r.split() for r in table if r.startswith("toy: toy-small"))
+    assert row[3:6] == ["1", "1", line.split("cost of spent: ")[1].split(" ")[0]], table
+    # the same run, as status would see it still running: the rest of its predicted time, on the slots
+    from pdmctl import orchestrate
+    from pdmctl import spent as spent_module
+
+    ctx = orchestrate.make_context("local", sqlite_uri(workdir))
+    (running,) = spent_module.sweep_costs([record], ctx, now=0, states={record.key: "running"})
+    assert not isinstance(running, str) and running.left is not None and running.sweep_row.started == 1
+    predicted = running.sweep_row.whole.wall_s
+    assert running.left == cost.Span(*(max(0.0, getattr(predicted, k) - wall) for k in ("expected", "low", "high")))
 
 
 def test_a_dry_run_calibrated_on_finished_testbed_runs_uses_their_measured_rate_and_says_so(workdir: Path) -> None:

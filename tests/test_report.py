@@ -482,10 +482,19 @@ def test_provenance_and_the_mismatch_panel_in_the_report_and_the_command(store: 
     assert ("provenance: row toy-small · bf16 pdm_agg pools runs of 2 commit values (aaaaaaaaaaaa, bbbbbbbbbbbb)"
             in " ".join(result.output.split()))
     assert "Seeds for 80% power" in result.output
+    # the cost block: the 4 runs' recorded attempts (to each run's end) beside the testbed's prediction
+    text = " ".join(result.output.split())
+    assert "Cost: hours spent and predicted" in text and "prov: from the ledger's attempt times" in text
     out = tmp_path / "out"
     assert sorted(p.name for p in (out / "figures").iterdir()) == ["mismatch_toy-small_bf16.png"]
     page = (out / "index.html").read_text()
     assert 'id="provenance"' in page and "aaaaaaaaaa, bbbbbbbbbb (!)" in page
+    cost = html.unescape(page.split('<table id="cost">')[1].split("</table>")[0])
+    assert page.index('id="methods"') < page.index('<table id="cost">') < page.index("<h2>Provenance</h2>")
+    (row,) = [r for r in cost.split("<tr>") if "toy: toy-small bf16" in r]
+    cells = [c.split(">", 1)[1] for c in row.split("</td>")[:-1]]
+    assert cells[:5] == ["prov", "toy: toy-small bf16", "CPU", "4", "4"], cells
+    assert float(cells[5]) >= 0 and cells[6].startswith(cells[7].split(" (")[0]) and ", upper " in cells[7]
     assert "train/rollout_probs_diff_mean, training/rollout_probs_diff_mean" in html.unescape(page)  # the caption
     rows = {r["mask"]: r for r in csv.DictReader(io.StringIO((out / "results.csv").read_text()))}
     assert rows["pdm_agg"]["commit"] == f"{'a' * 40} {'b' * 40}" and rows["pdm_agg"]["pools"] == "commit"

@@ -79,6 +79,7 @@ def report(
     from pdmctl.report.definition import ReportError, load_definition
     from pdmctl.report.tables import (
         comparison_table,
+        cost_table,
         excluded_table,
         methods,
         power_table,
@@ -117,6 +118,7 @@ def report(
             result = build_report(ledger, chosen, spec, two_level=two_level, analysis=analysis)
         except ReportError as exc:
             fail(str(exc))
+        result = with_cost(result, ledger, ctx)
     if baseline is not None and not result.baseline_present:
         fail(f"--baseline: mask {baseline!r} has no runs in {', '.join(chosen)}")
     written = write_report(result, out_dir)
@@ -127,9 +129,22 @@ def report(
     for line in pooling_notes(result):
         console.print(f"provenance: {line}", highlight=False)
     console.print(Text("Methods: " + " ".join(methods(result))))
+    if any(not isinstance(c, str) for c in result.cost):
+        console.print(to_rich(cost_table(result)))
     if result.excluded:
         console.print(to_rich(excluded_table(result)))
     console.print(f"wrote {len(written)} files to {out_dir}/ — open {written[-1]}", highlight=False)
+
+
+def with_cost(result, ledger, ctx):
+    """The report with each sweep's hours spent beside the prediction (pdmctl.spent), per setting."""
+    import dataclasses
+    import time
+
+    from pdmctl.spent import sweep_costs
+
+    records = [r for sweep in result.sweeps for r in ledger.runs(sweep)]
+    return dataclasses.replace(result, cost=sweep_costs(records, ctx, time.time()))
 
 
 def _choose_sweeps(asked: list[str], known: list[str], uri: str) -> list[str] | str:

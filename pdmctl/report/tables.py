@@ -288,6 +288,21 @@ def provenance_table(report: Report) -> TextTable:
     return TextTable("provenance", "Provenance", headers, rows, note, len(headers))
 
 
+def cost_table(report: Report) -> TextTable:
+    """Per sweep and setting, the hours its started runs spent beside the prediction (pdmctl.spent)."""
+    from pdmctl.cost import RESTS_ON
+    from pdmctl.spent import COLUMNS, table_rows
+
+    costs = [c for c in report.cost if not isinstance(c, str)]
+    rows = [(c.sweep, *cells[:1], c.unit, *cells[1:]) for c in costs for cells in table_rows(c)]
+    sources = "; ".join(f"{c.sweep}: {c.source}" for c in costs)
+    note = ("Hours spent by each setting's runs that started (" + sources + ") beside pdmctl.cost's prediction "
+            "for the same runs and for all of them: expected (low-high), upper bound. The prediction rests on "
+            + RESTS_ON + "." + "".join(f" {c}." for c in report.cost if isinstance(c, str)))  # fmt: skip
+    headers = ("sweep", COLUMNS[0], "unit", *COLUMNS[1:])
+    return TextTable("cost", "Cost: hours spent and predicted", headers, rows, note, 3)
+
+
 def excluded_table(report: Report) -> TextTable:
     rows = []
     for e in sorted(

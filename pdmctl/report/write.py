@@ -16,6 +16,7 @@ from pdmctl.report.tables import (
     TextTable,
     comparison_csv,
     comparison_table,
+    cost_table,
     direction_table,
     excluded_table,
     methods,
@@ -54,6 +55,8 @@ def tables(report: Report) -> list[TextTable]:
         out.append(direction_table(report.analysis))
     if report.provenance:
         out.append(provenance_table(report))
+    if any(not isinstance(c, str) for c in report.cost):
+        out.append(cost_table(report))
     return [*out, excluded_table(report)]
 
 
@@ -181,6 +184,7 @@ def html_page(report: Report, grids: list[TextTable], figs: list[FigureFile]) ->
         figures=[{"data": base64.b64encode(f.png).decode("ascii"), "caption": f.caption} for f in figs],
         methods=methods(report),
         provenance=to_html(by_key["provenance"]) if "provenance" in by_key else None,
+        cost=to_html(by_key["cost"]) if "cost" in by_key else None,
         excluded=to_html(excluded) if excluded.rows else None,
         excluded_note=excluded.note,
     )
