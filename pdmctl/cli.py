@@ -220,20 +220,27 @@ def _print_plan(plan, ctx, executor, unread: str | None = None) -> None:
 
 def _wait(ctx, sweep_name: str | None, poll: float = 2.0) -> None:
     from pdmctl import orchestrate
+    from pdmctl.ledger import sqlite_path
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:  # fmt: skip
         task = progress.add_task("runs", total=None)
         away_since: float | None = None
+        failed = 0  # reads that failed in a row while the server answered /health: a dropped connection, a hiccup
         while True:
             try:
                 views = orchestrate.status(ctx, sweep_name)
             except Exception:
                 # the tracking server went away a while (the jobs keep what it does not confirm and train on):
-                # wait for it, as the jobs do; anything else is raised where the server answers
+                # wait for it, as the jobs do; a read that fails where the server answers is tried again a few
+                # times, then raised
                 why = orchestrate.ledger_unreachable(ctx)
-                if why is None:
+                failed = 0 if why is not None else failed + 1
+                if why is None and (failed > 3 or sqlite_path(ctx.tracking_uri) is not None):
                     raise
+                if why is None:
+                    time.sleep(poll)
+                    continue
                 if away_since is None:
                     away_since = time.monotonic()
                     progress.console.print(f"{why}; waiting for it (Ctrl-C stops waiting, the runs go on)",
@@ -242,6 +249,7 @@ def _wait(ctx, sweep_name: str | None, poll: float = 2.0) -> None:
                                 f"{time.monotonic() - away_since:.0f} s")  # fmt: skip
                 time.sleep(max(poll, 5.0))
                 continue
+            failed = 0
             if away_since is not None:
                 progress.console.print(f"the tracking server answers again after {time.monotonic() - away_since:.0f} s",
                                        highlight=False, markup=False)  # fmt: skip
