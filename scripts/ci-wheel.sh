@@ -12,13 +12,23 @@ git clone -q "$ROOT" "$WORK/clone"
 python3 -m venv "$WORK/venv"
 "$WORK/venv/bin/pip" install -q --upgrade pip
 "$WORK/venv/bin/pip" wheel -q --no-deps -w "$WORK/dist" "$WORK/clone"
-"$WORK/venv/bin/pip" install -q torch==2.13.0 "$WORK"/dist/pdmctl-*.whl
+# first without PyTorch, as a login node that only plans and submits has it: the dry runs work, a testbed
+# run is refused in one line naming the extra
+"$WORK/venv/bin/pip" install -q "$WORK"/dist/pdmctl-*.whl
 mkdir "$WORK/empty"
 cd "$WORK/empty"
 export PATH="$WORK/venv/bin:$PATH"
 pdmctl --version
+! python -c "import torch" 2>/dev/null
 pdmctl sweep delta=0.05 --dry-run
 pdmctl sweep --file smoke --cluster local --dry-run >/dev/null
+set +e
+pdmctl sweep backend.steps=1 >refused.txt 2>&1
+REFUSED=$?
+set -e
+[ "$REFUSED" = 2 ] && grep -q "pip install 'pdmctl\[testbed\]'" refused.txt || { cat refused.txt; exit 1; }
+test ! -e mlflow.db
+pip install -q torch==2.13.0 "$(ls "$WORK"/dist/pdmctl-*.whl)[testbed]"
 pdmctl init "$WORK/empty/copy"
 test -f "$WORK/empty/copy/configs/run.yaml"
 test ! -e "$WORK/empty/mlflow.db"  # a dry run writes nothing

@@ -19,14 +19,18 @@ from pdmctl import mask_names, masks
 from pdmctl.backends.toy import basemodel, llm_task, model, presets, shipped, task
 from pdmctl.backends.toy.config import ToyConfig
 
-# the CLI with torch not importable: every `import torch` raises as it does where torch is not installed
+# the CLI with torch not importable: every `import torch` raises as it does where torch is not installed, and
+# the attempt is told on stderr at exit
 WITHOUT_TORCH = """
-import runpy, sys
+import atexit, runpy, sys
+tried = []
 class NoTorch:
     def find_spec(self, name, path=None, target=None):
         if name == "torch" or name.startswith("torch."):
+            tried.append(name)
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, NoTorch())
+atexit.register(lambda: tried and print(f"torch looked up: {tried[0]}", file=sys.stderr))
 sys.argv = ["pdmctl", *sys.argv[1:]]
 runpy.run_module("pdmctl.cli", run_name="__main__")
 """
@@ -109,7 +113,8 @@ def test_an_unknown_mask_name_lists_every_registered_one(registered_method: str)
         ToyConfig(loss_agg_mode="bogus")
 
 
-def test_dry_runs_and_status_need_no_torch(workdir: Path) -> None:
+def test_dry_runs_status_report_and_resume_never_look_for_torch(workdir: Path) -> None:
+    """Where VeRL is installed too: its config's fields are read from its files, not imported (torch)."""
     testbed = without_torch("sweep", "delta=0.05", "--dry-run", cwd=workdir)
     assert testbed.returncode == 0, testbed.stderr
     assert "would submit 1" in testbed.stdout
@@ -119,7 +124,15 @@ def test_dry_runs_and_status_need_no_torch(workdir: Path) -> None:
     status = without_torch("status", cwd=workdir)
     assert status.returncode == 0, status.stderr
     assert "no runs" in status.stdout
-    assert list(workdir.iterdir()) == []  # dry runs and a status write nothing
+    resume = without_torch("resume", cwd=workdir)
+    assert resume.returncode == 0, resume.stderr
+    report = without_torch("report", cwd=workdir)
+    assert report.returncode == 2 and "no ledger" in report.stderr, report.stderr
+    helped = without_torch("--help", cwd=workdir)
+    assert helped.returncode == 0, helped.stderr
+    for result in (testbed, verl, status, resume, report, helped):
+        assert "torch looked up" not in result.stderr, result.stderr
+    assert list(workdir.iterdir()) == []  # none of them writes anything
 
 
 def test_a_testbed_sweep_without_torch_is_refused_in_one_line_before_anything_is_written(
@@ -127,7 +140,46 @@ def test_a_testbed_sweep_without_torch_is_refused_in_one_line_before_anything_is
 ) -> None:
     result = without_torch("sweep", "backend.steps=1", cwd=workdir)
     assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("torch looked up")]
     assert len(lines) == 1 and "torch is not installed" in lines[0], result.stderr
-    assert "the toy backend's runs train with it: pip install 'torch" in lines[0]
+    # the extra that brings it, as pdmctl's installed metadata names it (pyproject's [testbed])
+    assert "the toy backend's runs train with it: pip install 'pdmctl[testbed]' (or 'torch" in lines[0], lines[0]
     assert list(workdir.iterdir()) == []
+
+
+@pytest.mark.verl
+def test_verls_config_fields_read_from_its_files_are_the_imported_ones() -> None:
+    """Every dataclass VeRL's trainer config instantiates: the same fields in the same order, the same types
+    except the classes VeRL defines (checked as their defaults' kinds)."""
+    pytest.importorskip("verl")
+    import importlib
+    import typing
+
+    from pdmctl.backends.verl import dataclass_source, schema
+
+    targets: set[str] = set()
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            targets.update([str(node["_target_"])] if "_target_" in node else [])
+            for value in node.values():
+                walk(value)
+
+    for engine in schema.GENERATED_CONFIGS:
+        walk(schema._config(engine))
+    compared = 0
+    for target in sorted(targets):
+        module, _, name = target.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        read = dataclass_source.fields(target)
+        if not dataclasses.is_dataclass(cls):
+            assert read is None, target
+            continue
+        hints = typing.get_type_hints(cls)
+        imported = {f.name: hints.get(f.name, typing.Any) for f in dataclasses.fields(cls)}
+        assert read is not None and list(read) == list(imported), target
+        for field, hint in imported.items():
+            if "verl." not in repr(hint):
+                assert read[field] == hint, (target, field)
+                compared += 1
+    assert len(targets) > 20 and compared > 200

@@ -466,19 +466,28 @@ def check_installed(names: Iterable[str]) -> None:
                 found = False
             if not found:
                 raise ValueError(f"{module} is not installed in {sys.executable}, and the {name} backend's runs "
-                                 f"train with it: pip install {_requirement(module)!r} (pdmctl's requirement)")
+                                 f"train with it: {_install_hint(module)}")
 
 
-def _requirement(module: str) -> str:
-    """pdmctl's requirement of a distribution (`torch<=2.13.0,>=2.4`), or its bare name."""
+def _install_hint(module: str) -> str:
+    """How to install a module pdmctl's runs need: the extra that brings it (`pip install 'pdmctl[testbed]'`,
+    its requirement beside it), else its bare name."""
     from importlib import metadata
 
     try:
         wanted = metadata.requires("pdmctl") or []
     except metadata.PackageNotFoundError:
         wanted = []
-    found = (r for r in wanted if re.match(rf"{re.escape(module)}\s*([<>=!~\[]|$)", r) and "extra ==" not in r)
-    return next(found, module).split(";")[0].strip()
+    for requirement in wanted:
+        spec, _, marker = requirement.partition(";")
+        if not re.match(rf"{re.escape(module)}\s*([<>=!~\[]|$)", spec.strip()):
+            continue
+        extra = re.search(r"extra\s*==\s*['\"]([\w-]+)['\"]", marker)
+        if extra is None:
+            return f"pip install {spec.strip()!r} (pdmctl's requirement)"
+        if extra.group(1) != "dev":
+            return f"pip install 'pdmctl[{extra.group(1)}]' (or {spec.strip()!r})"
+    return f"pip install {module!r}"
 
 
 def get_backend(name: str) -> Backend:
