@@ -13,7 +13,8 @@ anything is submitted, `check` holds each one against what VeRL ships:
 * the value, against the type that dataclass gives the field (`RolloutConfig.gpu_memory_utilization:
   float`, through OmegaConf as VeRL converts it), else against the type of VeRL's default.
 
-Nothing here imports VeRL at module level; `check` needs it installed (the `[verl]` extra).
+Nothing here imports VeRL: the yaml and the dataclasses are read from its files (`dataclass_source`; its
+import takes torch and seconds); `check` needs it installed (the `[verl]` extra).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import importlib
 import math
 import typing
 from collections.abc import Mapping
@@ -137,19 +137,12 @@ def _config(engine: str) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=128)
 def _fields(target: str) -> dict[str, Any] | None:
-    """A VeRL config dataclass's fields and their type hints (None: not a dataclass, or not importable)."""
-    module, _, name = target.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
-    if not dataclasses.is_dataclass(cls):
-        return None
-    try:
-        hints = typing.get_type_hints(cls)
-    except Exception:  # a hint VeRL writes as a string that does not resolve here: names only
-        hints = {}
-    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+    """A VeRL config dataclass's fields and their type hints, read from VeRL's source without importing it
+    (its import takes torch; `dataclass_source`). None: not a dataclass, or not found."""
+    from pdmctl.backends.verl.dataclass_source import fields
+
+    found = fields(target)
+    return None if found is None else {name: hint for name, hint in found.items() if not name.startswith("_")}
 
 
 def _open(target: str, field: str) -> bool:
