@@ -113,6 +113,16 @@ def _job_ids(record: Any) -> list[str]:
     return list(dict.fromkeys(found or ([record.job_id] if record.job_id else [])))
 
 
+def _on_slurm(record: Any) -> bool:
+    """Whether the run's jobs went to SLURM: its executor tag (JSON: executor, profile, run root) says so."""
+    import json
+
+    try:
+        return json.loads(record.executor or "{}").get("executor") == "slurm"
+    except (ValueError, AttributeError):
+        return False
+
+
 def run_spent(record: Any, estimate: Estimate, usage: Mapping[str, list[Usage]] | None,
               now: float) -> tuple[float, str] | None:  # fmt: skip
     """Device-seconds a run spent and where they come from (FROM_SACCT or FROM_LEDGER); None where no attempt
@@ -228,7 +238,7 @@ def sweep_costs(records: Sequence[Any], ctx: Any, now: float, states: Mapping[st
                 f"cost of {sweep}: no estimate for its runs, so no prediction to set the hours spent against"
             )
             continue
-        slurm = [j for r, _ in known if r.executor == "slurm" for j in _job_ids(r)]
+        slurm = [j for r, _ in known if _on_slurm(r) for j in _job_ids(r)]
         usage = sacct_usage(slurm) if use_sacct and slurm else None
         spent = {r.key: s for r, e in known if (s := run_spent(r, e, usage, now)) is not None}
         sources = [source for _, source in spent.values()]

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from pdmctl import grid, orchestrate
+from pdmctl.cost import spent_seconds
 from pdmctl.executors import JobRequest, JobState, make_executor
 from pdmctl.ledger import LedgerError, SqlLedger, open_ledger
 from pdmctl.orchestrate import RunState, RunView
@@ -184,6 +185,21 @@ def test_sweep_goes_out_as_one_array_and_finishes(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["logs", views[0].key, "--follow", "--cluster", profile,
                                       "--tracking-uri", ctx.tracking_uri])  # fmt: skip
     assert result.exit_code == 0 and "pdmctl job: finished" in result.output, result.output
+    # `pdmctl status` of the finished sweep: the CPU-hours spent by its 6 jobs, from sacct (each job's Elapsed
+    # x its allocated CPUs: the allocation holds each attempt the ledger recorded), beside the prediction
+    shown = CliRunner().invoke(app, ["status", sweep, "--cluster", profile, "--tracking-uri", ctx.tracking_uri],
+                               env={"COLUMNS": "300"}).stdout  # fmt: skip
+    line = next(ln for ln in shown.splitlines() if ln.startswith(f"cost of {sweep}: "))
+    assert " CPU-hours spent by the 6 run(s) that started (from sacct: " in line and ", predicted " in line, line
+    assert " left" not in line and "CPU-hours expected (" in line, line
+    hours = float(line.split(": ")[1].split(" ")[0])
+    ledger = sum(spent_seconds(v.record, now=0) or 0 for v in views)
+    assert hours * 3600 + 6 >= ledger > 0, (hours, ledger)
+    elapsed = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-j", job_ids[0].split("_")[0], "-o", "Elapsed"],
+                             capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    seconds = sum(int(h) * 3600 + int(m) * 60 + int(s) for h, m, s in (e.split(":") for e in elapsed))
+    assert len(elapsed) == 6 and hours == pytest.approx(seconds / 3600, rel=0.06), (hours, elapsed)
+    assert any(ln.split()[3:5] == ["6", "6"] for ln in shown.splitlines() if ln.startswith("toy: toy-small")), shown
 
 
 def test_scancel_mid_run_then_resume_finishes_from_the_checkpoint(tmp_path: Path) -> None:
