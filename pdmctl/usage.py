@@ -172,6 +172,30 @@ def register(app: typer.Typer) -> None:
         if (info.context_settings or {}).get("ignore_unknown_options") and info.cls in (None, typer.core.TyperCommand):
             info.cls = OverridesCommand
     _add_examples(app)
+    _classic_type_names()
+
+
+# typer >= 0.2x shows each parameter's Python annotation in help (`<bool>` beside every flag, `<list[str]>`):
+# click's names instead, none beside a flag (it takes no value)
+CLASSIC_TYPES = {"<str>": "TEXT", "<int>": "INTEGER", "<float>": "FLOAT", "<path>": "PATH", "<list[str]>": "TEXT ...",
+                 "<list[path]>": "PATH ...", "<list[int]>": "INTEGER ...", "<list[float]>": "FLOAT ..."}  # fmt: skip
+
+
+def _classic_type_names() -> None:
+    core = typer.core
+    for cls in (getattr(core, "TyperOption", None), getattr(core, "TyperArgument", None)):
+        shown = getattr(cls, "display_type_rich", None)
+        if shown is None or getattr(shown, "_pdmctl_classic", False):
+            continue
+
+        def display_type_rich(self, ctx, _shown=shown):  # type: ignore[no-untyped-def]
+            if getattr(self, "is_flag", False) and not getattr(self, "count", False):
+                return None
+            label = _shown(self, ctx)
+            return CLASSIC_TYPES.get(label, label) if isinstance(label, str) else label
+
+        display_type_rich._pdmctl_classic = True  # type: ignore[attr-defined]
+        cls.display_type_rich = display_type_rich  # type: ignore[method-assign]
 
 
 def _add_examples(typer_app: typer.Typer) -> None:

@@ -167,3 +167,16 @@ def test_a_known_sweep_still_resumes_and_cancels(store: Path) -> None:
     assert "1 run(s) to resume" in resumed.stdout
     cancelled = pdmctl("cancel", "paper-main", cwd=store)
     assert cancelled.returncode == 0 and "run(s) cancelled" in cancelled.stdout, cancelled.stderr
+
+
+def test_every_commands_help_names_value_types_as_click_does_and_none_beside_a_flag() -> None:
+    """No Python annotation in any help (`<bool>` beside each flag, `<list[str]>`): a flag shows no type, a
+    value TEXT, INTEGER, FLOAT or PATH, a repeatable one with `...`."""
+    runner = CliRunner()
+    for words in (("sweep",), ("status",), ("report",), ("server", "user", "add"), ("tune",), ("seeds",)):
+        result = runner.invoke(app, [*words, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, (words, result.output)
+        assert not re.search(r"<(str|int|float|bool|path|list\[\w+\])>", result.output), (words, result.output)
+        for line in result.output.splitlines():
+            if "--help " in line:
+                assert "TEXT" not in line and "BOOL" not in line.upper().replace("BOOLEAN", ""), (words, line)
