@@ -36,20 +36,25 @@ done
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PDMCTL_ENGINE_PYTHON:-python3.11}"
 VLLM_VERSION=0.24.0
+# The lowest glibc the lock's wheels install on, and the packages whose wheels set it: scripts/lock_glibc.py
+# computes both from scripts/engine-cuda.lock in CI (engine-lock.sh --check) and fails when these, or the
+# floor docs/CLUSTER.md states, are not what it computes.
+GLIBC_FLOOR=2.31
+GLIBC_FLOOR_SET_BY="llguidance 1.7.6"
 
 if [ "$DEVICE" = cuda ]; then
   # What a node needs, said before anything is installed (docs/CLUSTER.md, "The engine environment").
   cat <<NEEDS
 engine-env.sh --cuda needs, where it builds and on every node that runs the environment:
-  Linux x86_64 with glibc >= 2.31: llguidance 1.7.6 (vLLM's) has no wheel for an older glibc (manylinux_2_31)
+  Linux x86_64 with glibc >= $GLIBC_FLOOR: $GLIBC_FLOOR_SET_BY has no wheel for an older glibc (manylinux_${GLIBC_FLOOR/./_})
   an NVIDIA driver >= 580: torch 2.11.0's CUDA 13.0 build (checked at the end, on a node with a GPU)
   Python 3.11 ($PYTHON) and a C++ compiler (g++): Transformer Engine's PyTorch binding is compiled here,
     against the CUDA 13 headers of the nvidia-* wheels torch brings (no CUDA toolkit or nvcc is used)
   pypi.org reachable, and DIR on a filesystem every node mounts
 NEEDS
   GLIBC="$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{print $2}')" || GLIBC=""
-  if [ -z "$GLIBC" ] || [ "$(printf '%s\n' 2.31 "$GLIBC" | sort -V | head -n 1)" != 2.31 ]; then
-    echo "engine-env.sh: glibc ${GLIBC:-unknown} here, and --cuda needs glibc >= 2.31 (llguidance 1.7.6's wheels)" >&2
+  if [ -z "$GLIBC" ] || [ "$(printf '%s\n' "$GLIBC_FLOOR" "$GLIBC" | sort -V | head -n 1)" != "$GLIBC_FLOOR" ]; then
+    echo "engine-env.sh: glibc ${GLIBC:-unknown} here, and --cuda needs glibc >= $GLIBC_FLOOR ($GLIBC_FLOOR_SET_BY's wheels)" >&2
     exit 2
   fi
   command -v "${CXX:-g++}" >/dev/null || {

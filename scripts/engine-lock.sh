@@ -9,9 +9,13 @@
 #                                          (exit 1, the resolver's reason) when they no longer resolve (a pin
 #                                          yanked or gone from the index, pyproject.toml asking for something the
 #                                          lock cannot give), or when the result is not the lock (a new
-#                                          dependency: run the script without --check and commit the lock)
+#                                          dependency: run the script without --check and commit the lock);
+#                                          then scripts/lock_glibc.py computes the lowest glibc the lock's
+#                                          wheels install on and fails (exit 1) when it is not the floor
+#                                          scripts/engine-env.sh (GLIBC_FLOOR) and docs/CLUSTER.md state
 #
-# Needs uv (pdmctl's dev venv has it) and network access to pypi.org; no GPU, no CUDA, nothing installed.
+# Needs uv (pdmctl's dev venv has it), a python3 with `packaging` (an activated venv's) and network access to pypi.org;
+# no GPU, no CUDA, nothing installed.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -57,3 +61,4 @@ if ! diff <(pins "$LOCK") <(pins "$OUT") >&2; then
   exit 1
 fi
 echo "engine-lock.sh: $LOCK resolves ($(pins "$LOCK" | wc -l) packages, Linux x86_64, Python 3.11) in $(( $(date +%s) - start )) s"
+python3 scripts/lock_glibc.py
