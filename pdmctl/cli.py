@@ -62,7 +62,7 @@ TrackingOpt = Annotated[
 STATE_STYLE = {
     "finished": "green", "running": "cyan", "queued": "blue", "not started": "dim", "new": "dim",
     "failed": "red", "lost": "red", "cancelled": "yellow", "timeout": "magenta", "preempted": "magenta",
-    "pruned": "yellow",
+    "pruned": "yellow", "stopped": "yellow",
 }  # fmt: skip
 
 
@@ -261,7 +261,8 @@ def _wait(ctx, sweep_name: str | None, poll: float = 2.0) -> None:
             if views and done == len(views):
                 break
             time.sleep(poll)
-    bad = [v for v in views if v.state != orchestrate.RunState.FINISHED]
+    final = (orchestrate.RunState.FINISHED, orchestrate.RunState.STOPPED)  # stopped: by its declared collapse rule
+    bad = [v for v in views if v.state not in final]
     if bad:
         console.print(
             f"{len(bad)} run(s) did not finish: see [bold]pdmctl status[/], then [bold]pdmctl resume[/]"
@@ -290,7 +291,7 @@ def _status_rows(views) -> list[tuple[list[str], str]]:
         if r is not None and r.status == "FAILED" and v.state in ACTIVE:  # its job lives on (orchestrate.run_state)
             note = f"its job lives on; attempt {r.attempt} failed: {r.reason or 'no reason given'}"
         if note:
-            state += f" ({note[:80]})"
+            state += f" ({note[:100]})"
         step, avg = (r.step, r.avg16) if r else (None, None)
         cells = [v.sweep, v.key, v.summary, state, "" if step is None else str(step),
                  "" if avg is None else f"{100 * avg:.1f}", str(r.attempt if r else 0), (r.job_id or "") if r else ""]  # fmt: skip

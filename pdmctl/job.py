@@ -7,7 +7,8 @@ the MLflow run, the tracking URI, the run directory and the attempt. The job
 attaches to that run, hands the backend a tracker that logs into it, and sets
 the run's final status. A SIGTERM (cancel, or the scheduler ending the job)
 marks the run KILLED; a crash marks it FAILED with the error as its reason; a
-SIGKILL leaves it RUNNING, and `pdmctl status` finds it lost.
+SIGKILL leaves it RUNNING, and `pdmctl status` finds it lost. A run its declared
+collapse rule ends (pdmctl.collapse) is KILLED with the rule's reason: stopped.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdmctl.backends.registry import flat_config, get_backend
+from pdmctl.collapse import Collapsed, rule_tracker
 from pdmctl.ledger import FAILED, FINISHED, KILLED, RunLogger
 from pdmctl.spec import RunSpec
 from pdmctl.tune.trial import Pruned, trial_tracker
@@ -87,9 +89,12 @@ def run(job_file: Path) -> int:
     try:
         backend = get_backend(spec.backend)
         record_provenance(logger, spec, backend, job, attempt)
-        final = backend.run(
-            flat_config(spec.config), Path(job.run_dir), trial_tracker(logger, Path(job.run_dir))
-        )
+        tracker = rule_tracker(trial_tracker(logger, Path(job.run_dir)), spec.config)
+        final = backend.run(flat_config(spec.config), Path(job.run_dir), tracker)
+    except Collapsed as exc:  # its declared collapse rule ended it: final, like a finished run
+        logger.finish(KILLED, reason=str(exc))
+        print(f"pdmctl job: {exc}", flush=True)
+        return 0
     except Pruned as exc:  # a tune trial's pruner stopped it: an ending, not a failure to resume
         logger.finish(KILLED, reason=f"pruned at {exc}")
         print(f"pdmctl job: pruned ({exc})", flush=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from pdmctl.collapse import REASON_PREFIX
 from pdmctl.executors import ClusterProfile, Executor, JobRequest, JobState, load_profile, make_executor
 from pdmctl.executors.base import ExecutorError, check_placeholders
 from pdmctl.job import JobFile
@@ -48,6 +49,7 @@ class RunState(StrEnum):
     PREEMPTED = "preempted"
     LOST = "lost"  # its process ended without telling the ledger
     PRUNED = "pruned"  # a tune trial its job stopped at an evaluation (pdmctl.tune)
+    STOPPED = "stopped"  # its declared collapse rule ended it (pdmctl.collapse): final, never resumed
 
 
 RESUMABLE = frozenset({RunState.UNSUBMITTED, RunState.FAILED, RunState.CANCELLED, RunState.TIMEOUT,
@@ -118,7 +120,7 @@ def run_state(record: RunRecord, job: JobState | None) -> RunState:
         reason = (record.reason or "").lower()
         for prefix, state in (("timeout", RunState.TIMEOUT), ("preempted", RunState.PREEMPTED),
                               ("lost", RunState.LOST), ("cancelled", RunState.CANCELLED),
-                              ("pruned", RunState.PRUNED)):  # fmt: skip
+                              ("pruned", RunState.PRUNED), (REASON_PREFIX, RunState.STOPPED)):  # fmt: skip
             if reason.startswith(prefix):
                 return state
         return RunState.CANCELLED if record.status == KILLED else RunState.FAILED

@@ -4,7 +4,8 @@ The key is a stable hash of what changes the result. Paths, the cluster, the
 attempt and output directories are not in the run config at all; fields that a
 method ignores (δ for GRPO, ε for the divergence masks, the estimator outside
 PDM) are dropped before hashing, so that a grid never trains the same thing
-twice under two names.
+twice under two names. A declared collapse rule (`stop.collapse`, pdmctl.collapse)
+is in the key; without one (all null) `stop` is dropped, and keys stay as they were.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from pdmctl import mask_names
+from pdmctl import collapse, mask_names
 
 KEY_LENGTH = 12
 MASK_FIELDS = ("method", "divergence", "estimator", "eps_low", "eps_high", "ratio_cap", "loss_agg_mode")
@@ -94,6 +95,8 @@ def result_config(config: Mapping[str, Any]) -> dict[str, Any]:
     if not mask_names.uses_ddot(method):
         mask.pop("estimator", None)
     cfg["mask"] = mask
+    if not collapse.declared(cfg):  # no collapse rule: the key of a config from before the field was there
+        cfg.pop("stop", None)
     return cfg
 
 
@@ -123,6 +126,10 @@ def validate(config: Mapping[str, Any]) -> None:
     for field in ("eps_low", "eps_high", "ratio_cap"):
         if field in mask and not (field == "ratio_cap" and mask[field] is None):  # ratio_cap null: no cap
             _positive(mask, field, prefix="mask.")
+    try:
+        collapse.collapse_rule(config)
+    except collapse.RuleError as exc:
+        raise SpecError(str(exc)) from None
     model_backend = (config.get("model") or {}).get("backend")
     backend = (config.get("backend") or {}).get("name")
     if model_backend and model_backend != backend:

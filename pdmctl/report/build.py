@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pdmctl.collapse import collapse_rule
 from pdmctl.ledger import Ledger, RunRecord, load_per_problem, load_samples
 from pdmctl.provenance import PACKAGES, POOLING_FIELDS
 from pdmctl.report import intervals, passk, power, resample, sequential
@@ -38,6 +39,7 @@ from pdmctl.report.stats import (
     holm,
     mean,
     paired_p_value,
+    pct,
     probability_of_improvement_paired,
     welch_p_value,
 )
@@ -80,7 +82,14 @@ def build_report(ledger: Ledger, sweeps: Sequence[str], definition: Definition, 
         clipped=clipped_rows + clipped_differences + clipped_passes,
         constant_panels=constant,
         sequential=staged,
+        collapse_rules=declared_rules(data),
     )
+
+
+def declared_rules(data: Collected) -> tuple[str, ...]:
+    """The collapse rules the report's runs declared (pdmctl.collapse), each described once."""
+    rules = {collapse_rule(r.spec.config) for r in data.records.values() if r.spec is not None}
+    return tuple(sorted(rule.describe() for rule in rules if rule is not None))
 
 
 # ---------------------------------------------------------------------------
@@ -350,8 +359,15 @@ def table_rows(data: Collected, definition: Definition, labels: Sequence[str]) -
     estimates = iter(intervals.seed_intervals(samples, definition.confidence))
     per_seed = iter(samples)
     return [TableRow(row, tuple(p.seed for p in data.by_row[row]), {label: next(estimates) for label in labels},
-                     per_seed={label: tuple(next(per_seed)) for label in labels})
+                     per_seed={label: tuple(next(per_seed)) for label in labels},
+                     stopped=tuple(f"seed {p.seed} {p.stopped} (avg@16 {pct(_run_mean(p, labels))}%)"
+                                   for p in data.by_row[row] if p.stopped))
             for row in data.rows]  # fmt: skip
+
+
+def _run_mean(point: RunPoint, labels: Sequence[str]) -> float:
+    """The mean of a run's values over the columns (for a run its rule stopped: at its last evaluation)."""
+    return mean([point.values[label] for label in labels if label in point.values])
 
 
 def with_two_level(row: TableRow, points: list[RunPoint], uri: str, definition: Definition) -> TableRow:
@@ -520,7 +536,11 @@ def curves(
     for r in rows:
         settings[r.row.setting].append(r)
     chosen = {s: plotted_rows(rs, definition) for s, rs in settings.items()}
-    drawn = [p for keys, _ in chosen.values() for key in keys for p in data.by_row[key]]
+    # a run its collapse rule stopped counts in the table at its last evaluation; the curves draw the runs that
+    # trained to their end (a band over steps where some seeds are missing would mix two populations)
+    trained = {key: [p for p in data.by_row[key] if p.stopped is None] for key in data.by_row}
+    chosen = {s: ([k for k in keys if trained[k]], by_best) for s, (keys, by_best) in chosen.items()}
+    drawn = [p for keys, _ in chosen.values() for key in keys for p in trained[key]]
     metrics = {m for p in drawn for m in p.metrics.values()} | {panel.metric for panel in definition.dynamics}
     mismatch = definition.mismatch if "mismatch" in definition.panels else ()
     metrics |= {m for panel in mismatch for m in panel.metrics}
@@ -531,9 +551,9 @@ def curves(
     ] = []  # setting, kind, panel, row, data
     for setting, (keys, _) in chosen.items():
         for key in keys:
-            runs = [histories.get(p.run_id, {}) for p in data.by_row[key]]
+            runs = [histories.get(p.run_id, {}) for p in trained[key]]
             evals = [{label: run.get(metric, []) for label, metric in p.metrics.items()}
-                     for p, run in zip(data.by_row[key], runs, strict=True)]  # fmt: skip
+                     for p, run in zip(trained[key], runs, strict=True)]  # fmt: skip
             for column in definition.columns:
                 pending.append(
                     (setting, "eval", column.label, key, *aligned([e[column.label] for e in evals]))

@@ -1,19 +1,23 @@
 """From the ledger to the report's data: which runs count, which row each belongs to, its value per column.
 
 A run counts when MLflow says it FINISHED, it logged every column's metric, its values at the selected
-evaluation are finite, and its last evaluation is as late as its row's latest. Every other run of the
-sweeps is listed with the reason it was left out, and so is every seed a row lacks.
+evaluation are finite, and its last evaluation is as late as its row's latest. A run its declared collapse
+rule stopped (pdmctl.collapse) counts too, at its last evaluation, marked as stopped: leaving it out would
+keep only the seeds that did not collapse. Every other run of the sweeps is listed with the reason it was
+left out, and so is every seed a row lacks.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdmctl.ledger import FINISHED, STATUS_METRICS, Ledger, RunRecord, flatten
+from pdmctl.collapse import REASON_PREFIX
+from pdmctl.ledger import FINISHED, KILLED, STATUS_METRICS, Ledger, RunRecord, flatten
 from pdmctl.report.definition import Definition
 from pdmctl.report.stats import Series, values_at
 
@@ -48,6 +52,7 @@ class RunPoint:
     values: dict[str, float]  # column label -> value at the selected evaluation(s)
     steps: tuple[int, ...]  # the evaluation steps those values were read at
     evaluations: dict[str, Series]  # column label -> the points read: the history, or only the final one
+    stopped: str | None = None  # "stopped: collapse at step N" where its declared collapse rule ended it
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,8 @@ class Collected:
 def _row_fields(record: RunRecord, config: Mapping[str, Any]) -> dict[str, str]:
     fields = flatten(config)
     fields["sweep"] = record.sweep
+    for name in [n for n, v in fields.items() if n.startswith("stop.") and v == "None"]:
+        del fields[name]  # no rule: the same row as a run from before the field was there
     if config.get("mask", {}).get("method") == "grpo":  # the ratio clip ignores δ (its run key drops it too)
         fields["delta"] = fields["delta_low"] = "—"
     return fields
@@ -164,9 +171,9 @@ def collect(ledger: Ledger, sweeps: Sequence[str], definition: Definition) -> Co
     keys, seeds, dims = row_keys(records)
     excluded = [Exclusion(None, None, r.run_id, r.status, "its run spec is unreadable")
                 for r in records if r.run_id not in keys]  # fmt: skip
-    finished = [r for r in records if r.run_id in keys and r.status == FINISHED]
+    finished = [r for r in records if r.run_id in keys and (r.status == FINISHED or stopped_by_rule(r))]
     for r in records:
-        if r.run_id in keys and r.status != FINISHED:
+        if r.run_id in keys and r.status != FINISHED and not stopped_by_rule(r):
             where = f" (last logged step {r.step})" if r.step is not None else " (nothing logged)"
             excluded.append(
                 Exclusion(keys[r.run_id], seeds[r.run_id], r.run_id, r.status, f"not finished{where}")
@@ -189,7 +196,8 @@ def collect(ledger: Ledger, sweeps: Sequence[str], definition: Definition) -> Co
             excluded.append(Exclusion(row, seed, r.run_id, r.status,
                                       f"{', '.join(bad)} not finite at step {', '.join(map(str, steps))}"))  # fmt: skip
         else:
-            candidates.append(RunPoint(r.run_id, row, seed, metrics, values, tuple(steps), series))
+            candidates.append(RunPoint(r.run_id, row, seed, metrics, values, tuple(steps), series,
+                                       stopped_mark(r) if stopped_by_rule(r) else None))  # fmt: skip
     points = _drop_partial(candidates, excluded)
     points = _drop_duplicates(points, excluded)
     rows = sorted(
@@ -200,6 +208,17 @@ def collect(ledger: Ledger, sweeps: Sequence[str], definition: Definition) -> Co
     for p in sorted(points, key=lambda p: p.seed):
         by_row[p.row].append(p)
     return Collected(by_row, excluded, rows, dims, {r.run_id: r for r in records})
+
+
+def stopped_by_rule(record: RunRecord) -> bool:
+    """Whether the run's declared collapse rule ended it (its job's reason, pdmctl.job)."""
+    return record.status == KILLED and (record.reason or "").startswith(REASON_PREFIX)
+
+
+def stopped_mark(record: RunRecord) -> str:
+    """`stopped: collapse at step N`, the step from the job's reason (else the last one logged)."""
+    found = re.search(r"at step (\d+)", record.reason or "")
+    return f"stopped: collapse at step {found.group(1) if found else record.step}"
 
 
 def _evaluations(
@@ -217,10 +236,11 @@ def _drop_partial(points: list[RunPoint], excluded: list[Exclusion]) -> list[Run
     """A finished run whose last evaluation comes before its row's latest stopped early (or was cut short)."""
     last: dict[RowKey, int] = defaultdict(int)
     for p in points:
-        last[p.row] = max(last[p.row], _last_step(p))
+        if p.stopped is None:
+            last[p.row] = max(last[p.row], _last_step(p))
     kept = []
     for p in points:
-        if _last_step(p) < last[p.row]:
+        if p.stopped is None and _last_step(p) < last[p.row]:
             excluded.append(Exclusion(p.row, p.seed, p.run_id, FINISHED,
                                       f"partial: last evaluation at step {_last_step(p)}, its row's at {last[p.row]}"))  # fmt: skip
         else:

@@ -21,6 +21,7 @@ class TableRow:
     cells: dict[str, Estimate]  # column label (and the average's) -> mean over seeds with its interval
     two_level: dict[str, bool] = field(default_factory=dict)  # column label -> seeds and problems resampled
     per_seed: dict[str, tuple[float, ...]] = field(default_factory=dict)  # column label -> the value of each seed
+    stopped: tuple[str, ...] = ()  # "seed 2 stopped: collapse at step 12, avg@16 0.0%": counted at its last evaluation
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class Report:
     constant_panels: dict[str, float] = field(default_factory=dict)  # panel left out -> its one value
     sequential: dict[RowKey, int] = field(default_factory=dict)  # row -> its stages, where seeds were added after looking
     cost: list = field(default_factory=list)  # per sweep, hours spent beside the prediction (pdmctl.spent.SweepCost)
+    collapse_rules: tuple[str, ...] = ()  # the collapse rules the runs declared (pdmctl.collapse), described
 
     def name(self, label: str) -> str:
         """What a table or figure calls a column: the held-out set its runs logged (`toy24` where the

@@ -16,6 +16,7 @@ from pdmctl.report.model import ProvenanceRow, Report
 from pdmctl.report.stats import Comparison, Estimate, format_p, pct, signed_pct
 
 TWO_LEVEL_MARK = "‡"
+STOPPED_MARK = "†"  # a row with a run its declared collapse rule stopped, counted at its last evaluation
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,10 @@ def results_note(report: Report) -> str:
     if report.two_level:
         parts.append(f"{TWO_LEVEL_MARK}: the two-level bootstrap over seeds and problems (Methods); cells without "
                      f"{TWO_LEVEL_MARK} lack per-problem scores.")  # fmt: skip
+    stopped = [f"{r.row.label} {mark}" for r in report.rows for mark in r.stopped]
+    if stopped:
+        parts.append(f"{STOPPED_MARK}: n counts runs the declared collapse rule stopped, each at its last "
+                     f"evaluation (Methods): {'; '.join(stopped)}.")  # fmt: skip
     return " ".join(parts)
 
 
@@ -80,7 +85,8 @@ def results_table(report: Report) -> TextTable:
         for label in report.labels:
             mean_, low, high = estimate_cells(r.cells[label])
             cells += [mean_ + (TWO_LEVEL_MARK if r.two_level.get(label) else ""), low, high]
-        rows.append((*_row_cells(r.row, report.dims, previous), *cells, str(len(r.seeds))))
+        n = str(len(r.seeds)) + (STOPPED_MARK if r.stopped else "")
+        rows.append((*_row_cells(r.row, report.dims, previous), *cells, n))
         previous = r.row
     keys = 2 + len(report.dims)
     headers = ("setting", "mask", *report.dims, *(("mean", "low", "high") * len(report.labels)), "n")
@@ -213,6 +219,12 @@ def methods(report: Report) -> list[str]:
                "bootstrap); no band with one seed." if c.method != "t" else
                "Curves: the line is the mean over seeds at each step and the band the same t interval at that "
                "step; no band with one seed.")  # fmt: skip
+    if report.collapse_rules:
+        stopped = sum(len(r.stopped) for r in report.rows)
+        out.append(f"Collapse rule: declared in the run config before the sweep ({'; '.join(report.collapse_rules)}, "
+                   f"stop.collapse), never a comparison between runs; it stopped {stopped} run(s), each counted "
+                   f"in its row at its last evaluation ({STOPPED_MARK}); the curves draw the runs that trained to "
+                   "their end.")  # fmt: skip
     if report.names:
         sets = ", ".join(report.name(label) for label in report.names)
         out.append(f"Held-out sets: each column is named by the set its runs evaluated on, as they logged it "

@@ -453,7 +453,7 @@ class Driver:
             else:
                 self.study.tell(trial.number, value, skip_if_finished=True)
             return _Outcome("done")
-        if RunState.PRUNED in states:
+        if {RunState.PRUNED, RunState.STOPPED} & set(states):  # a collapse rule's ending counts as pruned
             self.study.tell(trial.number, state=optuna.trial.TrialState.PRUNED, skip_if_finished=True)
             return _Outcome("done")
         ended = [v for v in found if v and v.state in orchestrate.RESUMABLE]

@@ -43,6 +43,18 @@ def evaluation_from_line(line: str) -> tuple[int, dict[str, float]] | None:
     return (int(step.group(1)), found) if found else None
 
 
+_REWARD = re.compile(r"\bcritic/score/mean:(?:np\.float\d*\()?([-+0-9.eE]+|nan)")
+
+
+def step_metrics_from_line(line: str) -> tuple[int, dict[str, float]] | None:
+    """(step, {train/reward: ..., eval/aime24: ..., ...}) from a metrics line VeRL's console logger prints
+    (every step's; a validation's also has the held-out sets); None where it names neither."""
+    found = dict(evaluation[1]) if (evaluation := evaluation_from_line(line)) is not None else {}
+    if (reward := _REWARD.search(line)) is not None:
+        found["train/reward"] = float(reward.group(1))
+    step = _STEP_LINE.search(line)
+    return (int(step.group(1)), found) if found and step else None
+
 
 def map_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     return {new: value for name, value in metrics.items() if (new := pdmctl_metric_name(name)) is not None}
