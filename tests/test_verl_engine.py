@@ -4,10 +4,10 @@ Run with the engine environment's Python (scripts/engine-env.sh; scripts/ci-engi
 
     DIR/bin/python -m pytest -m engine tests/test_verl_engine.py
 
-One sweep (a PDM and a DPPO run, the user's command with the debug dump on) serves the
-ledger, top-K and loss checks; the failure test runs one more, short, job; the SLURM test one
-through the job body on the CI's SLURM, which reaches its time limit mid-training and is requeued
-(two engine starts).
+One sweep (a PDM and a DPPO run, the user's command with the debug dump on, tracked on the CI's MLflow
+server through a 60 s outage) serves the ledger, top-K, loss and outage checks; the V1 trainer's test and
+the failure test run one more job each; the SLURM test one through the job body on the CI's SLURM, which
+reaches its time limit mid-training and is requeued (two engine starts).
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ class EngineSweep:
     root: Path
     result: Result
     dump_dir: Path
-    uri: str
+    uri: str  # the tracking server itself (the sweep and its jobs saw it through a relay that closed a while)
+    name: str
+    outage: str  # what happened to the relay
     live: list[tuple[float, list[list[str]]]] = field(default_factory=list)  # `status` rows while it ran
     status_cli: str = ""  # `pdmctl status` run while a run trained
 
@@ -63,58 +65,88 @@ def _training(row: list[str]) -> bool:
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineSweep]:
-    """The user's sweep; while it runs, `pdmctl status`'s rows (its own code, in this process) every
-    second, and the CLI itself once the first run shows a step and an avg@16."""
+    """The user's sweep, tracked on the CI's MLflow server through a TCP relay (the server is shared with the
+    tests beside this one, so it is not stopped itself) that closes for 60 s once the first run has logged
+    step 1 (`test_freq=1`: a validation every step, so some fall in the outage); while it runs,
+    `pdmctl status`'s rows (its own code, in this process) every second, and the CLI itself once the first
+    run shows a step and an avg@16."""
     import subprocess
     import sys
     import threading
 
     from pdmctl import cli, orchestrate
+    from tests.test_spool import Relay
 
     root = tmp_path_factory.mktemp("engine-sweep")
     dump_dir = root / "dump"
-    uri = sqlite_uri(root)
+    proc = subprocess.run([str(Path(__file__).resolve().parents[1] / ".ci" / "mlflow_server_up.sh")],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    server = f"http://127.0.0.1:{os.environ.get('MLFLOW_PORT', '5055')}"
+    relay = Relay(int(server.rsplit(":", 1)[1]))
+    uri = f"http://127.0.0.1:{relay.port}"
+    name = f"engine-{int(time.time())}"
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env.update({"COLUMNS": "200", "PDMCTL_VERL_DUMP_DIR": str(dump_dir), "PDMCTL_TINY_DIR": _tiny_dir(root)})
     started = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdmctl.cli", "sweep", "backend=verl", f"model={MODEL}", "mask=pdm_agg,dppo_topk_kl",
-         "k=5", "--wait", "--tracking-uri", uri], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
+         "k=5", "backend.test_freq=1", "--name", name, "--wait", "--tracking-uri", uri], cwd=root, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     live: list[tuple[float, list[list[str]]]] = []
     status_cli: list[subprocess.Popen] = []
+    outage: list[str] = []
     done = threading.Event()
 
     def poll() -> None:
-        ctx = orchestrate.make_context("local", uri)
+        ctx = orchestrate.make_context("local", server)
         while not done.wait(1.0):
-            with contextlib.suppress(Exception):  # the store may not exist yet, or be busy a moment
-                rows = [cells for cells, _ in cli._status_rows(orchestrate.status(ctx))]
+            with contextlib.suppress(Exception):  # the experiment may not exist yet, or the store be busy a moment
+                rows = [cells for cells, _ in cli._status_rows(orchestrate.status(ctx, name))]
                 live.append((time.monotonic() - started, rows))
                 if not status_cli and any(_training(row) for row in rows):
                     status_cli.append(subprocess.Popen(
-                        [sys.executable, "-m", "pdmctl.cli", "status", "--tracking-uri", uri], cwd=root, env=env,
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+                        [sys.executable, "-m", "pdmctl.cli", "status", name, "--tracking-uri", server], cwd=root,
+                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
 
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
+    def away() -> None:
+        """The relay closes for 60 s once a run's log shows step 1."""
+        while not done.wait(1.0):
+            logs = list((root / "pdmctl-runs" / name).glob("*/*/logs/attempt-1.log"))
+            if any("step:1 -" in log.read_text(errors="replace") for log in logs):
+                relay.down()
+                went = time.monotonic()
+                done.wait(60)
+                relay.up()
+                outage.append(f"away at step 1 of the first run for {time.monotonic() - went:.0f} s")
+                return
+
+    threads = [threading.Thread(target=poll, daemon=True), threading.Thread(target=away, daemon=True)]
+    for thread in threads:
+        thread.start()
     try:
         stdout, stderr = proc.communicate(timeout=SWEEP_TIMEOUT_S)
     finally:
         done.set()
-        poller.join(timeout=60)
+        for thread in threads:
+            thread.join(timeout=60)
+        relay.down()
         if proc.poll() is None:
             proc.kill()
     cli_out = status_cli[0].communicate(timeout=300)[0] if status_cli else ""
-    print(f"engine sweep: {time.monotonic() - started:.0f} s")
-    yield EngineSweep(root, Result(proc.returncode, stdout, stderr), dump_dir, uri, live, cli_out)
+    print(f"engine sweep: {time.monotonic() - started:.0f} s; tracking server {outage or ['never away']}")
+    yield EngineSweep(root, Result(proc.returncode, stdout, stderr), dump_dir, server, name, "; ".join(outage),
+                      live, cli_out)  # fmt: skip
 
 
-def _runs(uri: str) -> list:
+def _runs(uri: str, experiment: str | None = None) -> list:
+    """The runs in the store (of one experiment: a shared server holds other tests' too)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
+    if experiment is not None:
+        return client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     experiments = [e.experiment_id for e in client.search_experiments()]
     return client.search_runs(experiments)
 
@@ -131,7 +163,7 @@ def _job_logs(root: Path) -> str:
 
 def test_sweep_trains_both_masks_and_fills_the_ledger(sweep: EngineSweep) -> None:
     assert sweep.result.returncode == 0, sweep.result.stdout[-3000:] + sweep.result.stderr[-3000:]
-    runs = _runs(sweep.uri)
+    runs = _runs(sweep.uri, sweep.name)
     assert len(runs) == 2, [r.info.run_name for r in runs]
     for run in runs:
         assert run.info.status == "FINISHED", (run.data.tags, _job_logs(sweep.root))
@@ -146,7 +178,7 @@ def test_sweep_trains_both_masks_and_fills_the_ledger(sweep: EngineSweep) -> Non
             assert sorted(_history(sweep.uri, run.info.run_id, name)) == [1, 2, 3], name
         for dataset in ("eval/aime24", "eval/aime25"):
             evals = _history(sweep.uri, run.info.run_id, dataset)
-            assert {0, 3} <= set(evals), (dataset, evals)  # before training and at the end
+            assert sorted(evals) == [0, 1, 2, 3], (dataset, evals)  # before training and after each step
             assert all(0.0 <= v <= 1.0 for v in evals.values())
     # the stall watchdog's progress: the vLLM servers count the tokens they generate and
     # the actors the micro-batches they train, and Ray brings both reports to the job's reader
@@ -164,7 +196,7 @@ def test_status_shows_a_verl_runs_step_and_avg16_while_it_trains(sweep: EngineSw
     for t, row in training[:1] + training[-1:]:
         print(f"status at {t:.0f} s: {' | '.join(row[1:6])}")
     print(f"pdmctl status while a run trained:\n{sweep.status_cli}")
-    for run in _runs(sweep.uri):
+    for run in _runs(sweep.uri, sweep.name):
         _no_step_twice(sweep.uri, run.info.run_id)
         assert sorted(_history(sweep.uri, run.info.run_id, "train/reward")) == [1, 2, 3]
 
@@ -180,7 +212,7 @@ def test_verl_validations_give_per_problem_scores_and_the_two_level_interval(swe
     from pdmctl.report.definition import load_definition
     from pdmctl.report.tables import results_table
 
-    runs = _runs(sweep.uri)
+    runs = _runs(sweep.uri, sweep.name)
     for run in runs:
         for dataset in ("aime24", "aime25"):
             evals = _history(sweep.uri, run.info.run_id, f"eval/{dataset}")
@@ -192,13 +224,13 @@ def test_verl_validations_give_per_problem_scores_and_the_two_level_interval(swe
                 correct, answers = load_samples(sweep.uri, run.info.run_id, dataset, step)
                 assert np.shape(correct) == np.shape(answers) == (16, 16), "16 samples per problem"
     ledger = open_ledger(sweep.uri)
-    for record in ledger.runs("default"):  # where the engine's numbers come from
+    for record in ledger.runs(sweep.name):  # where the engine's numbers come from
         prov = record.provenance
         assert len(prov["data"]) == 16 and int(prov["data"], 16) >= 0, ("the data the job read, digested", prov)
         assert prov["version.verl"] == "0.9.1" and prov["version.vllm"].startswith("0.") and prov["version.torch"]
         assert prov["eval_sampling"].startswith("n=16 ") and len(prov["commit"]) == 40, prov
         assert json.loads(prov["attempt.1"])["job_id"].startswith("local-"), prov
-    report = build_report(ledger, ["default"], load_definition("default"), two_level=True)
+    report = build_report(ledger, [sweep.name], load_definition("default"), two_level=True)
     assert len(report.rows) == 2
     for row in report.rows:
         assert row.two_level == {"AIME24": True, "AIME25": True, "Average": True}, row
@@ -618,57 +650,26 @@ def test_the_v1_trainer_carries_topk_through_transferqueue(tmp_path: Path) -> No
     _check_mask_applied(pairs)
 
 
-def test_a_tracking_server_outage_during_training_loses_no_metric(tmp_path: Path) -> None:
-    """The CI's MLflow server goes away for 60 s while a VeRL run trains and validates
-    (`test_freq=1`: a validation every step), seen from the job through a TCP relay that closes (the server
-    is shared with the tests beside this one, so it is not stopped itself). The TaskRunner keeps what the
-    server does not confirm on the run's disk and trains on; when the server answers again every step of
-    every metric is there once, with each validation's per-problem record."""
-    import subprocess
-
-    from mlflow.tracking import MlflowClient
-
+def test_a_tracking_server_outage_during_training_loses_no_metric(sweep: EngineSweep) -> None:
+    """The tracking server went away for 60 s while the sweep's first run trained and validated: the
+    TaskRunner kept what the server did not confirm on the run's disk and trained on, `sweep --wait` waited
+    for the server; once it answered again every step of every metric of both runs is there once, with each
+    validation's per-problem record."""
     from pdmctl.ledger import load_per_problem
-    from tests.test_spool import Relay
 
-    proc = subprocess.run([str(Path(__file__).resolve().parents[1] / ".ci" / "mlflow_server_up.sh")],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    server = f"http://127.0.0.1:{os.environ.get('MLFLOW_PORT', '5055')}"
-    relay = Relay(int(server.rsplit(":", 1)[1]))
-    uri = f"http://127.0.0.1:{relay.port}"
-    sweep_name = f"outage-{int(time.time())}"
-    env = {"PDMCTL_TINY_DIR": _tiny_dir(tmp_path)}
-    args = ["backend=verl", f"model={MODEL}", "mask=pdm_agg", "k=5", "backend.test_freq=1", "--name", sweep_name,
-            "--tracking-uri", uri]  # fmt: skip
-    try:
-        result = pdmctl("sweep", *args, cwd=tmp_path, env=env, timeout=600)
-        assert result.returncode == 0, result.stdout + result.stderr
-        (run_dir,) = [p for p in (tmp_path / "pdmctl-runs").glob(f"{sweep_name}/*/*") if p.is_dir()]
-        log = run_dir / "logs" / "attempt-1.log"
-        _wait_for_text(log, "step:1 -", 1800, tmp_path, (server, run_dir.name))
-        relay.down()
-        went = time.monotonic()
-        print("tracking server away at step 1")
-        time.sleep(60)
-        relay.up()
-        print(f"tracking server back after {time.monotonic() - went:.0f} s")
-        client = MlflowClient(server)
-        deadline = time.monotonic() + 1200
-        while client.get_run(run_dir.name).info.status not in ("FINISHED", "FAILED", "KILLED"):
-            assert time.monotonic() < deadline, _job_logs(tmp_path)
-            time.sleep(5)
-        run = client.get_run(run_dir.name)
-        assert run.info.status == "FINISHED", (run.data.tags, _job_logs(tmp_path))
-    finally:
-        relay.down()
-    text = log.read_text(errors="replace")
-    assert "entries kept in" in text, "the outage was seen while the run trained"
-    _no_step_twice(server, run.info.run_id)
-    counts = {name: sorted(_history(server, run.info.run_id, name)) for name in
-              ("train/mask_frac", "train/reward", "eval/aime24", "eval/aime25", "critic/score/mean")}  # fmt: skip
-    print(f"steps per metric after the outage: {counts}")
-    assert counts["train/mask_frac"] == counts["train/reward"] == [1, 2, 3]
-    assert counts["eval/aime24"] == counts["eval/aime25"] == [0, 1, 2, 3]
-    assert sorted(load_per_problem(server, run.info.run_id, "aime24")) == [0, 1, 2, 3]
-    assert not list((run_dir / "spool").glob("*.tmp*"))
+    assert sweep.outage.startswith("away at step 1"), sweep.outage
+    assert sweep.result.returncode == 0, sweep.result.stdout[-3000:] + sweep.result.stderr[-3000:]
+    assert "waiting for it" in sweep.result.stdout, sweep.result.stdout[-3000:]
+    logs = "\n".join(p.read_text(errors="replace") for p in sweep.root.rglob("attempt-*.log"))
+    assert "entries kept in" in logs, "the outage was seen while a run trained"
+    for run in _runs(sweep.uri, sweep.name):
+        assert run.info.status == "FINISHED", (run.data.tags, _job_logs(sweep.root))
+        _no_step_twice(sweep.uri, run.info.run_id)
+        counts = {name: sorted(_history(sweep.uri, run.info.run_id, name)) for name in
+                  ("train/mask_frac", "train/reward", "eval/aime24", "eval/aime25", "critic/score/mean")}  # fmt: skip
+        print(f"steps per metric after the outage: {counts}")
+        assert counts["train/mask_frac"] == counts["train/reward"] == [1, 2, 3]
+        assert counts["eval/aime24"] == counts["eval/aime25"] == [0, 1, 2, 3]
+        assert sorted(load_per_problem(sweep.uri, run.info.run_id, "aime24")) == [0, 1, 2, 3]
+        run_dir = next(p for p in (sweep.root / "pdmctl-runs").glob(f"{sweep.name}/*/{run.info.run_id}"))
+        assert not list((run_dir / "spool").glob("*.tmp*"))
