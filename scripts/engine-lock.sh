@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA engine environment's lock file: every package of scripts/engine-env.sh --cuda at one version,
-# resolved from the package index (PyPI) alone for Linux x86_64 (glibc >= 2.28) and Python 3.11.
+# resolved from the package index (PyPI) alone for Linux x86_64 (uv's manylinux_2_28 platform) and Python 3.11;
+# the nodes need the glibc its wheels need, which `--check` computes (scripts/lock_glibc.py: 2.31 today).
 #
 #   bash scripts/engine-lock.sh            resolve scripts/engine-cuda.in and pyproject.toml's dev, verl and
 #                                          cluster extras again, newest versions allowed, into
