@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -408,19 +409,27 @@ def render_secondary_table(family: list[Secondary]):
     return _table(title, SECONDARY_COLUMNS, 4, secondary_rows(family))
 
 
-def coverage(seeds: int, simulations: int, rng: np.random.Generator, *, resamples: int = 1000) -> tuple[float, float]:
+def coverage(seeds: int, simulations: int, rng: np.random.Generator, *, resamples: int = 1000,
+             counts: np.ndarray | None = None, rates: tuple[float, float] = (0.35, 0.55)) -> tuple[float, float]:  # fmt: skip
     """How often the seed-cluster bootstrap interval and the per-seed t interval cover the truth, in a
-    simulation shaped like the analysis: per seed a Poisson(40) number of kept disagreement tokens per
-    criterion, each seed's unsafe rates drawn around 0.35 (predictive) and 0.55 (ratio) with a seed effect
-    (logit scale, s.d. 0.8). The truth of each interval: the pooled difference and the per-seed mean
-    difference of 200,000 seeds. Returns (bootstrap coverage, t coverage)."""
+    simulation shaped like the analysis: per seed a number of kept disagreement tokens per criterion
+    (Poisson(40) each, or, with `counts`, a seed's (predictive, ratio) pair drawn from a preset's real
+    per-seed counts, an array [seeds, 2]: its skew and its seeds with none), each seed's unsafe rates drawn
+    around `rates` (predictive, ratio; equal rates: no difference) with a seed effect (logit scale, s.d. 0.8).
+    The truth of each interval: the pooled difference and the per-seed mean difference of 200,000 seeds.
+    Returns (bootstrap coverage, t coverage)."""
     from scipy import stats as sps
+
+    shape = None if counts is None else np.asarray(counts, dtype=int).reshape(-1, 2)
 
     def draw(n: int) -> tuple[np.ndarray, ...]:
         seed_effect = rng.normal(0, 0.8, size=n)
-        n_p, n_r = rng.poisson(40, n), rng.poisson(40, n)
-        p_p = 1 / (1 + np.exp(-(np.log(0.35 / 0.65) + seed_effect)))
-        p_r = 1 / (1 + np.exp(-(np.log(0.55 / 0.45) + seed_effect + rng.normal(0, 0.5, n))))
+        if shape is None:
+            n_p, n_r = rng.poisson(40, n), rng.poisson(40, n)
+        else:
+            n_p, n_r = shape[rng.integers(0, len(shape), size=n)].T
+        p_p = 1 / (1 + np.exp(-(np.log(rates[0] / (1 - rates[0])) + seed_effect)))
+        p_r = 1 / (1 + np.exp(-(np.log(rates[1] / (1 - rates[1])) + seed_effect + rng.normal(0, 0.5, n))))
         return rng.binomial(n_p, p_p), n_p, rng.binomial(n_r, p_r), n_r
 
     big = draw(200_000)
@@ -431,9 +440,22 @@ def coverage(seeds: int, simulations: int, rng: np.random.Generator, *, resample
     for _ in range(simulations):
         up_p, n_p, up_r, n_r = draw(seeds)
         low, high = cluster_bootstrap(up_p, n_p, up_r, n_r, resamples=resamples, rng=rng)
-        hit_b += low <= truth_pooled <= high
+        hit_b += low <= truth_pooled <= high  # an interval that cannot be computed (NaN) misses
         ok = (n_p > 0) & (n_r > 0)
         d = up_p[ok] / n_p[ok] - up_r[ok] / n_r[ok]
-        half = sps.t.ppf(0.975, d.size - 1) * d.std(ddof=1) / math.sqrt(d.size)
-        hit_t += abs(d.mean() - truth_seed) <= half
+        if d.size >= 2:  # fewer than two seeds with tokens on both sides: no interval, a miss
+            half = sps.t.ppf(0.975, d.size - 1) * d.std(ddof=1) / math.sqrt(d.size)
+            hit_t += abs(d.mean() - truth_seed) <= half
     return hit_b / simulations, hit_t / simulations
+
+
+def real_counts(seeds_csv: str | Path, protocol: str = PRIMARY_PROTOCOL, estimator: str = PRIMARY_ESTIMATOR) -> np.ndarray:
+    """A preset's per-seed kept disagreement tokens (predictive, ratio), [seeds, 2], from an analysis's seed
+    table (`pdmctl analyze --csv`): the count shape `coverage` can draw seeds from."""
+    import csv
+
+    with open(seeds_csv, newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if r["protocol"] == protocol and r["estimator"] == estimator]
+    if not rows:
+        raise ValueError(f"{seeds_csv}: no rows of protocol {protocol!r} and estimator {estimator!r}")
+    return np.array([[int(r["predictive_kept"] or 0), int(r["ratio_kept"] or 0)] for r in rows], dtype=int)
