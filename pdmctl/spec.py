@@ -117,12 +117,8 @@ def validate(config: Mapping[str, Any]) -> None:
     _positive(config, "delta")
     if config.get("delta_low") is not None:
         _positive(config, "delta_low")
-    k = config.get("k")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise SpecError(f"k: must be an integer >= 1, got {k!r}")
-    seed = config.get("seed")
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise SpecError(f"seed: must be an integer >= 0, got {seed!r}")
+    _whole(config, "k", 1)
+    _whole(config, "seed", 0)
     for field in ("eps_low", "eps_high", "ratio_cap"):
         if field in mask and not (field == "ratio_cap" and mask[field] is None):  # ratio_cap null: no cap
             _positive(mask, field, prefix="mask.")
@@ -136,6 +132,17 @@ def validate(config: Mapping[str, Any]) -> None:
         raise SpecError(
             f"model: {config['model']['name']!r} runs on backend={model_backend}, not backend={backend}"
         )
+
+
+def _whole(config: Mapping[str, Any], field: str, least: int) -> None:
+    """An integer field: a float (`k=1e12`, `k=20.5`) is named as one, whatever its size."""
+    value = config.get(field)
+    if isinstance(value, float):
+        kind = "a whole number written as a float" if math.isfinite(value) and value == int(value) else "not whole"
+        raise SpecError(f"{field}: must be an integer >= {least}, got {value:g} ({kind}; write it as an integer, "
+                        f"e.g. {field}=20)")  # fmt: skip
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise SpecError(f"{field}: must be an integer >= {least}, got {value!r}")
 
 
 def _positive(cfg: Mapping[str, Any], field: str, prefix: str = "") -> None:

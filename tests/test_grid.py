@@ -99,6 +99,8 @@ def test_named_sweeps_expand(name):
         (["delta=0"], r"^delta: must be a number > 0"),
         (["delta=-0.1"], r"^delta: must be a number > 0"),
         (["k=0"], r"^k: must be an integer >= 1"),
+        (["k=1e12"], r"^k: must be an integer >= 1, got 1e\+12 \(a whole number written as a float; write it as an integer"),
+        (["k=20.5"], r"^k: must be an integer >= 1, got 20.5 \(not whole"),
         (["delta=[0.1,"], r"^override 'delta=\[0.1,': malformed"),
         (["delta"], r"^override 'delta': malformed"),
         (["model=qwen3-4b-base"], r"^model: 'qwen3-4b-base' runs on backend=verl"),
