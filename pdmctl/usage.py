@@ -20,7 +20,12 @@ EXAMPLES = {
     "resume": ["pdmctl resume paper-main --dry-run", "pdmctl resume paper-main --max-attempts 3 --wait"],
     "cancel": ["pdmctl cancel paper-main", "pdmctl cancel 3f2a9c (a run key prefix or MLflow run id)"],
     "logs": ["pdmctl logs 3f2a9c", "pdmctl logs 3f2a9c --follow --attempt 1"],
-    "server": ["pdmctl server start --host 10.0.0.5 --port 5000", "pdmctl server status", "pdmctl server stop"],
+    "server start": ["pdmctl server start --host 10.0.0.5 --port 5000", "pdmctl server start --tls"],
+    "server stop": ["pdmctl server stop", "pdmctl server stop --dir /local/pdmctl-server"],
+    "server status": ["pdmctl server status", "pdmctl server status --dir /local/pdmctl-server"],
+    "server user add": ["pdmctl server user add bob (asks bob's password twice)",
+                        "pdmctl server user add bob --password-stdin < bobs-password.txt"],
+    "server user remove": ["pdmctl server user remove bob"],
     "doctor": ["pdmctl doctor --cluster h20", "pdmctl doctor --cluster h20 --job --file paper-main"],
     "init": ["pdmctl init (copies configs/, sweeps/, clusters/, reports/ here)",
              "pdmctl init ~/.config/pdmctl (the user's folder, searched after the working directory's)"],
@@ -28,7 +33,7 @@ EXAMPLES = {
     "analyze": ["pdmctl analyze --seeds 5 --json direction.json", "pdmctl analyze precision=fp8_rollout k=50"],
     "tune": ["pdmctl tune --file tune-testbed --dry-run", "pdmctl tune --file tune-testbed --trials 20 --parallel 2"],
     "seeds": ["pdmctl seeds paper-main", "pdmctl seeds paper-main --max-seeds 8 --submit"],
-    "prepare": ["pdmctl data prepare /shared/data/dapo-math",
+    "data prepare": ["pdmctl data prepare /shared/data/dapo-math",
                 "pdmctl data prepare /shared/data/dapo-math --max-prompt-chars 4000"],
 }  # fmt: skip
 
@@ -198,11 +203,13 @@ def _classic_type_names() -> None:
         cls.display_type_rich = display_type_rich  # type: ignore[method-assign]
 
 
-def _add_examples(typer_app: typer.Typer) -> None:
+def _add_examples(typer_app: typer.Typer, prefix: tuple[str, ...] = ()) -> None:
+    """Each command's examples, by its words under `pdmctl` (`server status` is not `status`)."""
     for info in typer_app.registered_commands:
-        name = info.name or (info.callback.__name__ if info.callback else "")
+        name = " ".join((*prefix, info.name or (info.callback.__name__ if info.callback else "")))
         if name in EXAMPLES and info.epilog is None:
             info.epilog = "Examples:\n" + "\n".join(EXAMPLES[name])
     for group in typer_app.registered_groups:
         if group.typer_instance is not None:
-            _add_examples(group.typer_instance)
+            words = group.name or group.typer_instance.info.name
+            _add_examples(group.typer_instance, (*prefix, words) if isinstance(words, str) else prefix)
