@@ -74,6 +74,11 @@ if [ -n "$ENGINE" ]; then
   step "VeRL across both nodes done (exit $erc)"
   [ "$rc" = 0 ] && rc=$erc
 fi
+if [ "$rc" != 0 ] && [ -d /srv/pdm-multi/runs ]; then  # the runs' logs outlive the teardown, for whoever looks into it
+  KEPT="$(mktemp -d /tmp/pdmctl-multinode-logs.XXXXXX)"
+  (cd /srv/pdm-multi && find runs tests -name "*.log" -o -name "*.out" 2>/dev/null | head -200 | xargs -r cp --parents -t "$KEPT") || true
+  step "the runs' logs kept in $KEPT"
+fi
 down
 step "done (exit $rc)"
 exit $rc
