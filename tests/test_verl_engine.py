@@ -567,11 +567,22 @@ def test_on_slurm_the_job_body_trains_and_its_time_limit_requeues_it_from_the_ch
         assert "Ray runtime started" in log and "pdmctl: 1 Ray node(s) up" in log, log[-3000:]
         assert "Connecting to existing Ray cluster" in log, log[-3000:]
     assert "global_step_1" in second and "held at step" not in second, second[-3000:]  # resumed, never held
+    # step 1 is off the evaluation schedule: the resumed attempt does not evaluate the checkpoint again
+    assert "resuming from the checkpoint of step 1: no validation before training" in second, second[-3000:]
+    assert "Initial validation metrics" in first and "Initial validation metrics" not in second, second[-3000:]
     assert re.search(r"pdmctl: checkpoints: (removed|VeRL's rotation removed) global_step_1\b", second), second[-3000:]
     assert sorted(_history(uri, run.info.run_id, "train/mask_frac")) == [1, 2, 3]
     assert {0, 3} <= set(_history(uri, run.info.run_id, "eval/aime24"))
     _no_step_twice(uri, run.info.run_id)
-    records = _slurm("sacct", "-n", "-P", "-X", "-D", "-o", "JobID,State", "-j", job_id).split()
+    # `--wait` returns once the run is finished in the ledger; the job itself still stops Ray's head
+    # in its allocation, up to a minute, before SLURM records it COMPLETED
+    deadline = time.monotonic() + 180
+    while True:
+        records = _slurm("sacct", "-n", "-P", "-X", "-D", "-o", "JobID,State", "-j", job_id).split()
+        if records[-1:] != [f"{job_id}|RUNNING"] and records[-1:] != [f"{job_id}|COMPLETING"]:
+            break
+        assert time.monotonic() < deadline, f"the job still running 180 s after its run finished: {records}"
+        time.sleep(3)
     assert records == [f"{job_id}|REQUEUED", f"{job_id}|COMPLETED"], records
 
 

@@ -329,3 +329,32 @@ def test_the_trainer_process_starts_with_sigterm_unblocked() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
     mask = int(out.split()[-1], 16)
     assert not mask & (1 << (signal.SIGTERM - 1)), out
+
+
+def test_a_resumed_attempt_validates_again_only_where_that_evaluation_would_be_new(tmp_path: Path) -> None:
+    """An attempt resuming from step N's checkpoint skips VeRL's validation before training where step N
+    is off the run's evaluation schedule, or its evaluation is in the run already (read from the real
+    MLflow store); it validates where step N's evaluation was lost, at the last step, and where the
+    store cannot say. The trainer's command then says `val_before_train=false`, with one line why."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    for step in (0, 10):
+        client.log_metric(run_id, "eval/aime24", 0.5, step=step)
+        client.log_metric(run_id, "eval/aime25", 0.25, step=step)
+    client.log_metric(run_id, "train/reward", 0.1, step=20)
+    cfg = {"model": "qwen3-tiny", "test_freq": 10, "total_training_steps": 25, "mlflow_run_id": run_id,
+           "tracking_uri": uri}  # fmt: skip
+    redundant = jobbody._validation_on_resume_is_redundant
+    assert redundant(cfg, 5) and redundant(cfg, 13)  # off the schedule: no query needed
+    assert redundant(cfg, 10)  # step 10's evaluation is logged
+    assert not redundant(cfg, 20)  # on the schedule, its evaluation lost with the attempt that saved it
+    assert not redundant(cfg, 25)  # the last step always evaluates
+    assert not redundant({**cfg, "tracking_uri": f"sqlite:///{tmp_path / 'no' / 'such' / 'mlflow.db'}"}, 10)
+    assert not redundant({**cfg, "mlflow_run_id": None}, 10)
+    command = ["python", "-m", "verl", "trainer.test_freq=10", jobbody.VALIDATE_FIRST, "trainer.nnodes=1"]
+    assert jobbody.without_validation_on_resume(command, 10) == [
+        "python", "-m", "verl", "trainer.test_freq=10", "trainer.val_before_train=false", "trainer.nnodes=1"]  # fmt: skip
+    assert jobbody.without_validation_on_resume(command[:4], 10) == command[:4]  # the run asked for none

@@ -10,6 +10,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from pdmctl.backends.verl.launch import (
@@ -239,7 +240,7 @@ def run(run_config: Mapping[str, Any], python: str, on_line: Callable[[str], Non
     import time
 
     from pdmctl.backends.verl import cpu
-    from pdmctl.backends.verl.checkpoints import Keeper
+    from pdmctl.backends.verl.checkpoints import Keeper, read_latest
     from pdmctl.ledger.client import without_quick_http
 
     cfg = resolve_local_model(run_config)
@@ -250,6 +251,9 @@ def run(run_config: Mapping[str, Any], python: str, on_line: Callable[[str], Non
     keeper.prune(trainer_running=False)  # what earlier attempts left: at most N, no save cut short
     on_slurm = "SLURM_JOB_ID" in os.environ
     command = build_job_command(cfg, python) if on_slurm else build_local_command(cfg, python)
+    resumed_at = read_latest(Path(resolved["checkpoint_dir"]))
+    if resumed_at is not None and _validation_on_resume_is_redundant(resolved, resumed_at):
+        command = without_validation_on_resume(command, resumed_at)
     tag = cpu.new_tag()
     env = {**without_quick_http(dict(os.environ)), cpu.ENGINE_TAG_ENV: tag}  # MLflow's retries for VeRL
     on_cpu = MODEL_PRESETS[cfg["model"]].device == "cpu"
@@ -267,6 +271,46 @@ def run(run_config: Mapping[str, Any], python: str, on_line: Callable[[str], Non
             if ended or segments:
                 print(f"pdmctl: ended {ended} leftover engine process(es), removed {len(segments)} "
                       "/dev/shm segment(s)", flush=True)  # fmt: skip
+
+
+VALIDATE_FIRST = "trainer.val_before_train=true"
+
+
+def without_validation_on_resume(command: list[str], resumed_at: int) -> list[str]:
+    """The trainer's command for an attempt that resumes from step `resumed_at`'s checkpoint, with no
+    validation before its first step (`_validation_on_resume_is_redundant` says when)."""
+    if VALIDATE_FIRST not in command:
+        return command
+    print(f"pdmctl: resuming from the checkpoint of step {resumed_at}: no validation before training "
+          "(that step's evaluation is logged already, or it is not on the run's schedule)", flush=True)
+    return [("trainer.val_before_train=false" if arg == VALIDATE_FIRST else arg) for arg in command]
+
+
+def _validation_on_resume_is_redundant(cfg: Mapping[str, Any], step: int) -> bool:
+    """Whether VeRL's validation before training, in an attempt resuming from step `step`, would add
+    nothing. VeRL validates the checkpoint's weights again and logs them at that step: where the attempt
+    that saved it logged that evaluation already, the tracker drops the second value (`resume.py`); where
+    the step is not on the run's schedule (`test_freq`), it would put one run's curve off the grid its
+    seeds share. Either way the whole evaluation (AIME24/25 avg@16 on a cluster: minutes of every GPU of
+    the job) would be spent for nothing on each requeue. It runs where the step is on the schedule and
+    its evaluation was lost (the attempt ended between the checkpoint and the log), or the tracking
+    server cannot say."""
+    test_freq = int(cfg.get("test_freq") or 0)
+    last = cfg.get("total_training_steps") or MODEL_PRESETS[cfg["model"]].total_training_steps
+    if step != last and (test_freq <= 0 or step % test_freq):
+        return True
+    run_id, uri = cfg.get("mlflow_run_id"), cfg.get("tracking_uri")
+    if not (run_id and uri):
+        return False
+    try:
+        from pdmctl.backends.verl.resume import logged_steps
+        from pdmctl.ledger.store import _mlflow_client
+
+        logged = logged_steps(_mlflow_client(str(uri)), str(run_id))
+    except Exception:  # the store cannot say: validate, as VeRL would
+        return False
+    evals = [last for key, last in logged.items() if key.startswith("eval/")]
+    return bool(evals) and min(evals) >= step
 
 
 class EngineJobError(RuntimeError):
