@@ -4,6 +4,8 @@
 # config tree, sweep files and cluster profiles can only come from the package's own data.
 #   bash scripts/ci-wheel.sh [WORK]   (WORK: a scratch folder, default a new one under /tmp)
 set -euo pipefail
+# --no-compile: pip compiles every installed file's bytecode at install otherwise (torch's and MLflow's:
+# minutes of CPU here); Python writes what the commands below import, at their first import
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 WORK="${1:-$(mktemp -d /tmp/pdmctl-wheel.XXXXXX)}"
 mkdir -p "$WORK"
@@ -14,7 +16,7 @@ python3 -m venv "$WORK/venv"
 "$WORK/venv/bin/pip" wheel -q --no-deps -w "$WORK/dist" "$WORK/clone"
 # first without PyTorch, as a login node that only plans and submits has it: the dry runs work, a testbed
 # run is refused in one line naming the extra
-"$WORK/venv/bin/pip" install -q "$WORK"/dist/pdmctl-*.whl
+"$WORK/venv/bin/pip" install -q --no-compile "$WORK"/dist/pdmctl-*.whl
 mkdir "$WORK/empty"
 cd "$WORK/empty"
 export PATH="$WORK/venv/bin:$PATH"
@@ -28,7 +30,7 @@ REFUSED=$?
 set -e
 [ "$REFUSED" = 2 ] && grep -q "pip install 'pdmctl\[testbed\]'" refused.txt || { cat refused.txt; exit 1; }
 test ! -e mlflow.db
-pip install -q torch==2.13.0 "$(ls "$WORK"/dist/pdmctl-*.whl)[testbed]"
+pip install -q --no-compile torch==2.13.0 "$(ls "$WORK"/dist/pdmctl-*.whl)[testbed]"
 pdmctl init "$WORK/empty/copy"
 test -f "$WORK/empty/copy/configs/run.yaml"
 test ! -e "$WORK/empty/mlflow.db"  # a dry run writes nothing
