@@ -591,7 +591,7 @@ def main() -> None:
 def _resource_dirs_problem() -> str | None:
     """PDMCTL_CONFIG_DIR and its kin (pdmctl.resources), where set: an absolute path to a directory; a
     relative one would name another folder in each directory pdmctl runs from (and Hydra takes none)."""
-    from pdmctl.resources import ENV
+    from pdmctl.resources import CONFIG_ROOT, ENV
 
     for name in ENV.values():
         value = os.environ.get(name)
@@ -604,6 +604,9 @@ def _resource_dirs_problem() -> str | None:
             return f"{name}={value!r}: must be an absolute path"
         if not path.is_dir():
             return f"{name}={value}: {'not a directory' if path.exists() else 'no such directory'}"
+        if name == ENV["configs"] and not (path / CONFIG_ROOT).is_file():
+            return (f"{name}={value}: no {CONFIG_ROOT} there (a config tree has it at its top; "
+                    f"`pdmctl init DIR` writes the shipped tree to DIR/configs)")  # fmt: skip
     return None
 
 

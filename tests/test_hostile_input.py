@@ -1320,7 +1320,8 @@ def test_a_submitting_shells_slurm_restart_count_never_numbers_a_local_jobs_atte
                                                ("/etc/hostname", "error: PDMCTL_CONFIG_DIR=/etc/hostname: not a "
                                                                  "directory"),
                                                ("/nonexistent/x", "error: PDMCTL_CONFIG_DIR=/nonexistent/x: no such "
-                                                                  "directory")])  # fmt: skip
+                                                                  "directory"),
+                                               ("/", "error: PDMCTL_CONFIG_DIR=/: no run.yaml there")])  # fmt: skip
 def test_a_config_dir_variable_set_to_garbage_is_one_line(workdir: Path, value: str, needle: str) -> None:
     from tests.conftest import pdmctl
 
