@@ -421,7 +421,17 @@ _ENGINE_SENTINEL = {"optim.total_training_steps": -1, "nnodes": 0}
 
 def _check_engine_bounds(key: str, value: Any) -> None:
     """`verl.<key>` sizes and counts in [1, ENGINE_COUNT_MAX], fractions in (0, 1]: what the engine would
-    refuse on the node after the queue wait, refused here."""
+    refuse on the node after the queue wait, refused here. A mapping's values are checked under their
+    own keys (`verl.critic={ppo_micro_batch_size_per_gpu: -1}` as `verl.critic.ppo_micro_batch_size_per_gpu`),
+    a list's items under the list's key."""
+    if isinstance(value, dict):
+        for inner, item in value.items():
+            _check_engine_bounds(f"{key}.{inner}", item)
+        return
+    if isinstance(value, list | tuple):
+        for item in value:
+            _check_engine_bounds(key, item)
+        return
     if not isinstance(value, int | float) or isinstance(value, bool):
         return
     if _ENGINE_FRACTION.search(key):

@@ -1092,7 +1092,10 @@ def test_a_planted_pickle_checkpoint_never_runs_and_the_run_resumes_from_its_own
      ("verl.actor_rollout_ref.rollout.gpu_memory_utilization=0", "must be a fraction in (0, 1], got 0"),
      ("verl.actor_rollout_ref.rollout.top_p=nan", "verl.actor_rollout_ref.rollout.top_p: must be a fraction"),
      ("backend.total_training_steps=" + "1" * 23, "backend.total_training_steps: must be at most 1,000,000,000"),
-     ("backend.total_training_steps=1e21", "backend.total_training_steps: must be an integer >= 1")],
+     ("backend.total_training_steps=1e21", "backend.total_training_steps: must be an integer >= 1"),
+     ("verl.critic={ppo_micro_batch_size_per_gpu:-1}", "verl.critic.ppo_micro_batch_size_per_gpu: must be a whole "
+                                                        "number from 1"),
+     ("verl.critic={optim:{min_lr_ratio:0.1},ppo_epochs:0}", "verl.critic.ppo_epochs: must be a whole number from 1")],
 )  # fmt: skip
 @pytest.mark.parametrize("dry_run", [True, False])
 def test_verl_sizes_counts_and_fractions_are_bounded(workdir: Path, override: str, needle: str, dry_run: bool) -> None:
@@ -1101,7 +1104,8 @@ def test_verl_sizes_counts_and_fractions_are_bounded(workdir: Path, override: st
 
 @pytest.mark.parametrize("override", ["verl.actor_rollout_ref.rollout.n=8", "verl.actor_rollout_ref.rollout.nnodes=0",
                                       "verl.actor_rollout_ref.rollout.gpu_memory_utilization=1",
-                                      "verl.data.train_batch_size=1000000000"])  # fmt: skip
+                                      "verl.data.train_batch_size=1000000000",
+                                      "verl.critic={ppo_micro_batch_size_per_gpu:4,optim:{total_training_steps:-1}}"])  # fmt: skip
 def test_verl_values_within_their_bounds_pass(override: str) -> None:
     (spec,) = expand([*VERL, "backend.nnodes=1", override])
     assert spec.key
