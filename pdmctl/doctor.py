@@ -4,7 +4,7 @@ On the login node it checks what the login node can see (the profile filled in, 
 the tracking server, the shared paths, the disk for the checkpoints); with `--job` it then runs the node's
 checks in a one-node job of the profile (`srun`, the profile's setup lines and environment first), and
 `--on-node` is that half, run inside the job: the driver against the CUDA build of torch, the GPU count
-against the profile's gres, the engine's imports (vLLM, the presets' attention, VeRL, the Megatron half,
+against the profile's gres, /dev/shm and the locked-memory limit against the GPUs and InfiniBand, the engine's imports (vLLM, the presets' attention, VeRL, the Megatron half,
 Transformer Engine), the
 model and data paths, the tracking server (and the login) from the node, the disk. One line per check; the
 first that fails ends it with exit code 2.
@@ -43,8 +43,10 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("transformer-engine", ("transformer_engine.pytorch",)),
 )
 LOGIN_CHECKS = ("placeholders", "slurm", "tracking", "paths", "disk")
-NODE_CHECKS = ("placeholders", "nvidia-smi", "driver", "gpus", "network-interface", *(name for name, _ in IMPORTS), "paths",
-               "tracking", "disk")  # fmt: skip
+NODE_CHECKS = ("placeholders", "nvidia-smi", "driver", "gpus", "network-interface", "shm", "memlock",
+               *(name for name, _ in IMPORTS), "paths", "tracking", "disk")  # fmt: skip
+SHM_PER_GPU = 10**9  # bytes of /dev/shm free per GPU of the node (at least one GPU's worth on a CPU node)
+INFINIBAND = Path("/sys/class/infiniband")  # the node's RDMA devices, where NCCL registers memory
 
 
 class CheckFailed(Exception):
@@ -141,6 +143,34 @@ def check_disk(root: Path, need: int, counted: int, free: int | None = None) -> 
     plan = f"the checkpoint plan of {counted} run(s) keeps up to {_bytes(need)}" if counted else (
         "no VeRL run given (--file, overrides): no checkpoint plan to compare")  # fmt: skip
     return f"workdir {root}: {_bytes(free)} free; {plan}"
+
+
+def check_shm(total: int, free: int, gpus: int) -> str:
+    """/dev/shm against the node's GPUs: NCCL's shared-memory transport between the GPUs of a node, vLLM's
+    and the data loaders' buffers live there, and a container's default (Docker: 64 MiB) ends NCCL's
+    first collective ("Error while creating shared memory segment")."""
+    need = SHM_PER_GPU * max(1, gpus)
+    if free < need:
+        raise CheckFailed(f"/dev/shm has {_bytes(free)} free of {_bytes(total)}, under {_bytes(need)} for "
+                          f"{max(1, gpus)} GPU(s): NCCL's and vLLM's shared memory; mount a larger one (a "
+                          "container: --shm-size, or --ipc=host)")  # fmt: skip
+    return f"{_bytes(free)} free of {_bytes(total)} (at least {_bytes(need)} for {max(1, gpus)} GPU(s))"
+
+
+def check_memlock(soft: int, devices: Sequence[str]) -> str:
+    """The locked-memory limit where the node has InfiniBand: NCCL registers the buffers it sends from with
+    the RDMA device, which a limited `ulimit -l` refuses (NCCL then fails, or falls back to sockets)."""
+    import resource
+
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else _bytes(soft)
+    if not devices:
+        return f"{limit} (no InfiniBand device on this node: NCCL goes over sockets and locks no memory)"
+    if soft == resource.RLIM_INFINITY:
+        return f"unlimited, for NCCL over InfiniBand ({', '.join(devices)})"
+    raise CheckFailed(f"{limit} on a node with InfiniBand ({', '.join(devices)}): NCCL cannot register its "
+                      "buffers; make it unlimited in the job (SLURM passes on the submitting shell's limit "
+                      "unless slurm.conf says PropagateResourceLimitsExcept=MEMLOCK; a container: --ulimit "
+                      "memlock=-1)")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -301,6 +331,23 @@ class Doctor:
             return f"{name} has {interface_address(name)} on this node (Ray binds it)"
         except InterfaceError as exc:
             raise CheckFailed(str(exc)) from None
+
+    def shm(self) -> str:
+        try:
+            st = os.statvfs("/dev/shm")
+        except OSError as exc:
+            raise CheckFailed(f"/dev/shm: {exc.strerror or exc} (NCCL and vLLM need it)") from None
+        opts = self.opts
+        return check_shm(st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize, opts.gpus_per_node if opts else 0)
+
+    def memlock(self) -> str:
+        import resource
+
+        try:
+            devices = sorted(p.name for p in INFINIBAND.iterdir())
+        except OSError:
+            devices = []
+        return check_memlock(resource.getrlimit(resource.RLIMIT_MEMLOCK)[0], devices)
 
     def imports(self, modules: tuple[str, ...]) -> str:
         tried = []

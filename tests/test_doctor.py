@@ -140,5 +140,34 @@ def test_doctor_runs_its_node_checks_in_a_job_of_the_ci_slurm(tmp_path: Path) ->
                     "--skip=megatron-bridge", "--skip=transformer-engine", timeout=300)  # fmt: skip
     out = result.stdout.strip().splitlines()
     assert result.returncode == 0, result.stdout + result.stderr
-    for check in ("verl", "megatron", "paths", "tracking", "disk"):
-        assert any(ln.startswith(f"ok    {check}: ") for ln in out[-8:]), (check, out)
+    for check in ("shm", "memlock", "verl", "megatron", "paths", "tracking", "disk"):
+        assert any(ln.startswith(f"ok    {check}: ") for ln in out[-12:]), (check, out)
+
+
+def test_shm_is_checked_against_the_nodes_gpus_and_a_containers_default_fails() -> None:
+    """/dev/shm needs a GB free per GPU of the node (one on a CPU node); Docker's 64 MiB fails, saying how to
+    mount a larger one; the node's real /dev/shm is read by the check itself."""
+    assert doctor.check_shm(64 * 10**9, 9 * 10**9, 8) == "9.0 GB free of 64.0 GB (at least 8.0 GB for 8 GPU(s))"
+    assert doctor.check_shm(2 * 10**9, 10**9, 0).endswith("(at least 1.0 GB for 1 GPU(s))")
+    with pytest.raises(doctor.CheckFailed, match=r"^/dev/shm has 67.1 MB free of 67.1 MB, under 8.0 GB for 8 GPU\(s\)"
+                                                 r".*--shm-size, or --ipc=host"):  # fmt: skip
+        doctor.check_shm(64 << 20, 64 << 20, 8)
+    with pytest.raises(doctor.CheckFailed, match=r"under 1\.0 GB for 1 GPU"):
+        doctor.check_shm(10**9, 10**9 - 1, 1)
+    from pdmctl.executors.base import load_profile
+
+    st = os.statvfs("/dev/shm")
+    line = doctor.Doctor(load_profile("slurm-local"), "sqlite:///x.db").shm()  # this node's, as statvfs reads it
+    assert line.endswith(f" free of {doctor._bytes(st.f_blocks * st.f_frsize)} (at least 1.0 GB for 1 GPU(s))"), line
+
+
+def test_memlock_matters_only_where_the_node_has_infiniband() -> None:
+    """Without an InfiniBand device any limit passes (NCCL goes over sockets); with one, only unlimited does,
+    and the failure says where the limit comes from under SLURM."""
+    import resource
+
+    assert doctor.check_memlock(8 << 20, []).startswith("8.4 MB (no InfiniBand device on this node")
+    assert doctor.check_memlock(resource.RLIM_INFINITY, ["mlx5_0"]) == "unlimited, for NCCL over InfiniBand (mlx5_0)"
+    with pytest.raises(doctor.CheckFailed, match=r"^65.5 KB on a node with InfiniBand \(mlx5_0, mlx5_1\): NCCL "
+                                                 r"cannot register .*PropagateResourceLimitsExcept=MEMLOCK"):  # fmt: skip
+        doctor.check_memlock(64 << 10, ["mlx5_0", "mlx5_1"])
