@@ -46,6 +46,7 @@ class Proposal:
     resolved: bool
     needed: int | None  # matched seeds for 80% power at the next stage's level; None: more than power.MAX_SEEDS
     extra: int  # seeds to add (0 when resolved or out of reach)
+    fixed: int | None = None  # the same for a new sweep of fixed size, at the whole α (the report's power table)
 
 
 @dataclass(frozen=True)
@@ -85,16 +86,18 @@ def propose(data, definition, max_seeds: int) -> Look:
             diff = sum(d) / len(d)
             spread = float(_sd(d))
             resolved = interval is not None and (interval.low > 0 or interval.high < 0)
-            needed = None
+            needed = fixed = None
             if not resolved and spread > 0:
                 needed = power.seeds_needed(abs(diff) / spread, paired=True, alpha=stage_alpha(stages + 1, alpha))
+                fixed = power.seeds_needed(abs(diff) / spread, paired=True, alpha=alpha)
             extra = 0 if resolved or needed is None else max(1, needed - len(d))
             wanted = max(wanted, extra)
             proposals.append(Proposal(comparison.row.setting, comparison.row.label, comparison.baseline.label,
                                       names.get(label, label),
                                       len(d), stages, 100 * diff, 100 * spread,
                                       None if interval is None else 100 * interval.low,
-                                      None if interval is None else 100 * interval.high, resolved, needed, extra))  # fmt: skip
+                                      None if interval is None else 100 * interval.high, resolved, needed, extra,
+                                      fixed))  # fmt: skip
         for row in (comparison.row, comparison.baseline):
             additions[row] = max(additions[row], wanted)
     seeds_of: dict[Any, set[int]] = defaultdict(set)
@@ -222,7 +225,9 @@ def seeds(
         for p in look.proposals:
             where = f"{p.setting} {p.mask} vs {p.baseline} on {p.column}"
             state = "resolved" if p.resolved else (
-                f"needs {p.needed} seeds (+{p.extra})" if p.needed is not None else "out of reach (more than 1000 seeds)")
+                f"needs {p.needed} seeds (+{p.extra}) at stage {p.stages + 1}'s level"
+                + (f" (a new sweep of fixed size: {p.fixed}, the report's power table)" if p.fixed is not None else "")
+                if p.needed is not None else "out of reach (more than 1000 seeds)")
             console.print(f"{where}: {_fmt(p.difference)} pp (sd {p.spread:.1f}) over {p.n} seeds, stage {p.stages}, "
                           f"interval [{_fmt(p.low)}, {_fmt(p.high)}]: {state}", highlight=False, markup=False,
                           soft_wrap=True)  # fmt: skip

@@ -98,6 +98,13 @@ def test_proposal_is_the_power_at_the_next_stage_and_adds_the_same_new_seeds_to_
         assert not p.resolved and p.stages == 1 and p.n == 3
         assert p.needed == power.seeds_needed(abs(d.mean()) / d.std(ddof=1), paired=True, alpha=0.05 / 4)
         assert p.extra == p.needed - 3
+    # beside it, what a new sweep of fixed size would need: the number the report's power table shows
+    from pdmctl.report.build import comparisons
+
+    labels = [c.label for c in definition.columns]  # the report's columns, in order: toy24, toy25
+    (row,) = comparisons(data, definition, labels)
+    for label, column in zip(labels, ("toy24", "toy25"), strict=True):
+        assert by_column[column].fixed == row.cells[label].seeds_needed < by_column[column].needed
     wanted = max(p.extra for p in look.proposals)
     assert sorted(look.additions.values()) == [wanted, wanted]
     specs = new_specs(data, look)

@@ -161,7 +161,8 @@ def _needed_cells(c: Comparison) -> tuple[str, str]:
 def power_note(report: Report) -> str:
     return ("Seeds needed for 80% power at 5% at the observed difference and spread, and the smallest |Δ| the "
             "present seeds resolve (Methods). With few seeds the spread is itself uncertain: a guide to the next "
-            "sweep's size, not a promise. n/a: fewer than 2 seeds.")  # fmt: skip
+            "sweep's size, not a promise. Seeds added to this sweep after looking (`pdmctl seeds`) need more: "
+            "each later look tests at a smaller share of the 5%. n/a: fewer than 2 seeds.")  # fmt: skip
 
 
 def power_table(report: Report) -> TextTable:
