@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from pdmctl import engine_bounds
 from pdmctl.resources import config_dir, search_path
 from pdmctl.spec import RunSpec, SpecError, validate
 from pdmctl.yamlfiles import did_you_mean, load_named
@@ -404,48 +405,10 @@ def _apply_engine_key(config: dict[str, Any], override) -> bool:
         if not settings:
             del config["backend"][prefix]
     else:
-        _check_engine_bounds(key, override.value())
+        if (problem := engine_bounds.problem(key, override.value())) is not None:
+            raise GridError(problem)
         settings[rest] = override.value()
     return True
-
-
-ENGINE_COUNT_MAX = 10**9  # a size or a count beyond this is a typo (or an overflow on the node), never a plan
-# keys of an engine's config that are sizes or counts (>= 1) and fractions in (0, 1]; a few that VeRL
-# sets itself (-1) or where 0 means "none" (rollout.nnodes: colocated) take their sentinel too
-_ENGINE_COUNT = re.compile(r"(batch_size|batch_size_per_gpu|_parallel_size|(^|\.)n|n_gpus_per_node|nnodes|"
-                           r"max_prompt_length|max_response_length|ppo_epochs|max_token_len_per_gpu|"
-                           r"total_training_steps|total_epochs|max_num_batched_tokens|max_model_len|max_num_seqs)$")
-_ENGINE_FRACTION = re.compile(r"(gpu_memory_utilization|top_p)$")
-_ENGINE_SENTINEL = {"optim.total_training_steps": -1, "nnodes": 0}
-
-
-def _check_engine_bounds(key: str, value: Any) -> None:
-    """`verl.<key>` sizes and counts in [1, ENGINE_COUNT_MAX], fractions in (0, 1]: what the engine would
-    refuse on the node after the queue wait, refused here. A mapping's values are checked under their
-    own keys (`verl.critic={ppo_micro_batch_size_per_gpu: -1}` as `verl.critic.ppo_micro_batch_size_per_gpu`),
-    a list's items under the list's key."""
-    if isinstance(value, dict):
-        for inner, item in value.items():
-            _check_engine_bounds(f"{key}.{inner}", item)
-        return
-    if isinstance(value, list | tuple):
-        for item in value:
-            _check_engine_bounds(key, item)
-        return
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return
-    if _ENGINE_FRACTION.search(key):
-        if not (math.isfinite(value) and 0 < value <= 1):
-            raise GridError(f"{key}: must be a fraction in (0, 1], got {value!r}")
-    elif _ENGINE_COUNT.search(key):
-        sentinel = next((v for end, v in _ENGINE_SENTINEL.items() if key.endswith(end) and key != "verl.trainer.nnodes"),
-                        None)  # fmt: skip
-        if value == sentinel:
-            return
-        if not (isinstance(value, int) and 1 <= value <= ENGINE_COUNT_MAX):
-            raise GridError(f"{key}: must be a whole number from 1 to {ENGINE_COUNT_MAX:,}, got {value!r:.40}")
-    elif isinstance(value, int) and abs(value) > 2**63 - 1:
-        raise GridError(f"{key}: {value!r:.40} does not fit a 64-bit integer")
 
 
 def _engine_prefixes() -> dict[str, str]:
