@@ -4,6 +4,7 @@ and for the testbed, and the figures docs/CLUSTER.md quotes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -221,6 +222,14 @@ def test_status_shows_the_cpu_hours_a_finished_sweep_spent_beside_its_prediction
     assert not isinstance(running, str) and running.left is not None and running.sweep_row.started == 1
     predicted = running.sweep_row.whole.wall_s
     assert running.left == cost.Span(*(max(0.0, getattr(predicted, k) - wall) for k in ("expected", "low", "high")))
+    # the report's cost table says it too, under the table
+    from types import SimpleNamespace
+
+    from pdmctl.report.tables import cost_table
+
+    note = cost_table(SimpleNamespace(cost=[running])).note
+    assert f"Sweep spent still runs: {spent_module.left_text(running.left, running.slots)}." in note, note
+    assert "still runs" not in cost_table(SimpleNamespace(cost=[dataclasses.replace(running, left=None)])).note
 
 
 def test_a_dry_run_calibrated_on_finished_testbed_runs_uses_their_measured_rate_and_says_so(workdir: Path) -> None:
