@@ -567,6 +567,8 @@ def test_on_slurm_the_job_body_trains_and_its_time_limit_requeues_it_from_the_ch
         assert "Ray runtime started" in log and "pdmctl: 1 Ray node(s) up" in log, log[-3000:]
         assert "Connecting to existing Ray cluster" in log, log[-3000:]
     assert "global_step_1" in second and "held at step" not in second, second[-3000:]  # resumed, never held
+    # the resume read VeRL's checkpoint files as weights only (safeload), and nothing was refused
+    assert "pdmctl: checkpoint files load as weights only (first: " in second and ": refused: " not in second, second[-3000:]
     # step 1 is off the evaluation schedule: the resumed attempt does not evaluate the checkpoint again
     assert "resuming from the checkpoint of step 1: no validation before training" in second, second[-3000:]
     assert "Initial validation metrics" in first and "Initial validation metrics" not in second, second[-3000:]

@@ -98,9 +98,10 @@ def _patch_actor_worker() -> None:
         # VeRL's checkpoint rotation told what earlier attempts kept; here, in the actor process, not at the
         # plugin's import: importing VeRL's checkpoint manager resolves VeRL's platform, and a vLLM worker
         # imports the plugin before the CPU platform is registered ("Unknown platform 'cpu'", seen)
-        from pdmctl.backends.verl import checkpoints
+        from pdmctl.backends.verl import checkpoints, safeload
 
         checkpoints.install()
+        safeload.install_dcp()  # Megatron's checkpoints: torch.distributed.checkpoint's metadata
         result = original_init_model(self, *args, **kwargs)
         if getattr(self, "actor", None) is not None and is_pdmctl_loss(
             self.config.actor.policy_loss.loss_mode

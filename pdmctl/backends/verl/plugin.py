@@ -29,7 +29,7 @@ from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, register
 from verl.workers.config import PolicyLossConfig
 
 from pdmctl import masks
-from pdmctl.backends.verl import actor_loss, patches, resume, topk
+from pdmctl.backends.verl import actor_loss, patches, resume, safeload, topk
 from pdmctl.backends.verl.topk import LOSS_PREFIX, is_pdmctl_loss, loss_name, method_of_loss
 
 __all__ = ["LOSS_PREFIX", "PdmPolicyLossConfig", "check_run_config", "is_pdmctl_loss", "loss_name",
@@ -186,3 +186,4 @@ def check_run_config(config: Mapping[str, Any] | Any) -> None:
 if patches.configured_topk() > 0:
     patches.install()
 resume.install()  # a resumed job logs no step twice (only where the job set MLFLOW_RUN_ID)
+safeload.install()  # the run's checkpoint files load as weights only (only where the job set PDMCTL_CHECKPOINT_DIR)
