@@ -45,6 +45,30 @@ def sqlite_uri(path: Path) -> str:
     return f"sqlite:///{path / 'mlflow.db'}"
 
 
+def stage_model(directory: Path, preset: str, parameters: int | None = None) -> Path:
+    """A model directory of a VeRL preset's shape, as a cluster stages it: a config naming the preset's
+    architecture, a tokenizer, and one safetensors file whose header declares the preset's parameters
+    (`parameters` to change that) in bf16, with the bytes it declares: a sparse file, so that a 30B
+    model's copy takes no disk."""
+    import json
+    import struct
+
+    from pdmctl.backends.verl.presets import MODEL_PRESETS
+
+    shape = MODEL_PRESETS[preset]
+    count = shape.parameters if parameters is None else parameters
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({"architectures": [shape.architecture]}))
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / file).write_text("{}")
+    header = json.dumps({"model.weight": {"dtype": "BF16", "shape": [count], "data_offsets": [0, 2 * count]}}).encode()
+    weights = directory / "model.safetensors"
+    with open(weights, "wb") as fh:
+        fh.write(struct.pack("<Q", len(header)) + header)
+        fh.truncate(8 + len(header) + 2 * count)
+    return directory
+
+
 
 def cut_time_limit_to_the_minute_after_next(job_id: str) -> None:
     """A running SLURM job's limit set to the minute after next of its elapsed time: with a

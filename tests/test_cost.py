@@ -17,7 +17,7 @@ from pdmctl import cost, costing
 from pdmctl.executors import load_profile, make_executor
 from pdmctl.grid import expand, load_sweep_file
 from pdmctl.orchestrate import Context, describe_runs, plan
-from tests.conftest import pdmctl
+from tests.conftest import pdmctl, stage_model
 
 ROOT = Path(__file__).parents[1]
 
@@ -69,19 +69,15 @@ def test_the_sweeps_wall_time_places_the_runs_in_order_on_the_slots() -> None:
 def _staged_h20(tmp_path: Path, **changes) -> Path:
     """clusters/h20.yaml with its placeholders pointed at staged weights and data (17,408 training rows,
     AIME 2024 and 2025 of 30 each), with `changes`."""
-    import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from safetensors.numpy import save_file
 
     from pdmctl.backends.verl import launch
 
     models, data = tmp_path / "models", tmp_path / "data"
-    for name in ("Qwen3-4B-Base", "Qwen3-8B-Base", "Qwen3-30B-A3B-Base"):
-        (models / name).mkdir(parents=True)
-        for file in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-            (models / name / file).write_text("{}")
-        save_file({"w": np.zeros((2, 2), dtype=np.float32)}, str(models / name / "model.safetensors"))
+    for name, preset in (("Qwen3-4B-Base", "qwen3-4b-base"), ("Qwen3-8B-Base", "qwen3-8b-base"),
+                         ("Qwen3-30B-A3B-Base", "qwen3-30b-a3b-base")):  # fmt: skip
+        stage_model(models / name, preset)
     data.mkdir()
     for name, rows in ((launch.TRAIN_FILE, 17_408), (launch.VAL_FILES[0], 30), (launch.VAL_FILES[1], 30)):
         pq.write_table(pa.table({"row": list(range(rows))}), data / name)

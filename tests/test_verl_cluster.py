@@ -5,6 +5,7 @@ every command, every run and the cost."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from pdmctl.backends.verl.quoting import quoted
 from pdmctl.executors import ExecutorError, load_profile, make_executor
 from pdmctl.grid import expand
 from pdmctl.orchestrate import Context, check_runs
-from tests.conftest import pdmctl
+from tests.conftest import pdmctl, stage_model
 
 BASE = {"checkpoint_dir": "/ckpt", "data_dir": "/data"}
 
@@ -35,19 +36,18 @@ def _check(specs, profile_path: str) -> None:
 # --- nnodes from the allocation -------------------------------------------------------------
 
 
-def _staged(tmp_path: Path, *models: str) -> tuple[Path, Path]:
-    """A models directory with a complete copy of each model (config, tokenizer, weights) and the data."""
-    import numpy as np
-    from safetensors.numpy import save_file
+STAGED_PRESETS = {"Qwen3-4B-Base": "qwen3-4b-base", "Qwen3-8B-Base": "qwen3-8b-base",
+                  "Qwen3-30B-A3B-Base": "qwen3-30b-a3b-base"}  # fmt: skip
 
+
+def _staged(tmp_path: Path, *models: str) -> tuple[Path, Path]:
+    """A models directory with a complete copy of each model (a config naming its architecture, a
+    tokenizer, weights of its preset's size: `stage_model`; another name is staged as the 4B) and the data."""
     from pdmctl.backends.verl.data import _write_parquet, to_verl_rows
 
     models_dir, data_dir = tmp_path / "models", tmp_path / "data"
     for name in models:
-        (models_dir / name).mkdir(parents=True, exist_ok=True)
-        for file in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-            (models_dir / name / file).write_text("{}")
-        save_file({"w": np.zeros((2, 2), dtype=np.float32)}, str(models_dir / name / "model.safetensors"))
+        stage_model(models_dir / name, STAGED_PRESETS.get(name, "qwen3-4b-base"))
     data_dir.mkdir()
     rows = to_verl_rows([{"problem": "1+1", "answer": "2"}], "aime24", "test")
     for file in (launch.TRAIN_FILE, *launch.VAL_FILES):
@@ -378,7 +378,11 @@ def _parquet_without(data: Path, column: str | None) -> None:
      ("a shard missing", "names model-00002-of-00002.safetensors, which is not there"),
      ("empty parquet", "aime24.parquet is empty (0 bytes)"), ("not parquet", "aime24.parquet is not a parquet file"),
      ("no prompt column", "aime24.parquet lacks the column(s) VeRL reads: prompt"),
-     ("no rows", "aime24.parquet has no rows")],
+     ("no rows", "aime24.parquet has no rows"),
+     ("stand-in config", "config.json names no architectures, not Qwen3ForCausalLM: these are not the preset's weights"),
+     ("another architecture", "config.json names ['Qwen3MoeForCausalLM'], not Qwen3ForCausalLM"),
+     ("stand-in weights", "the weights hold 4 parameters, the preset's model 4,022,468,096: not the preset's weights"),
+     ("the 8B's weights", "the weights hold 8,190,735,360 parameters, the preset's model 4,022,468,096")],
 )  # fmt: skip
 def test_empty_or_partial_weights_and_data_are_refused_at_submit(tmp_path: Path, damage: str, message: str) -> None:
     models, data = _staged(tmp_path, "Qwen3-4B-Base")
@@ -390,13 +394,17 @@ def test_empty_or_partial_weights_and_data_are_refused_at_submit(tmp_path: Path,
         "empty tokenizer": lambda: (copy / "tokenizer.json").write_bytes(b""),
         "empty weights": lambda: weights.write_bytes(b""),
         "weights a directory": lambda: (weights.unlink(), weights.mkdir()),
-        "weights cut short": lambda: weights.write_bytes(weights.read_bytes()[:-4]),
+        "weights cut short": lambda: os.truncate(weights, weights.stat().st_size - 4),
         "weights not safetensors": lambda: weights.write_text("{}"),
         "a shard missing": lambda: _shard_index(copy),
         "empty parquet": lambda: (data / "aime24.parquet").write_bytes(b""),
         "not parquet": lambda: (data / "aime24.parquet").write_text("prompt,data_source\n1,2\n"),
         "no prompt column": lambda: _parquet_without(data, "prompt"),
         "no rows": lambda: _parquet_without(data, None),
+        "stand-in config": lambda: (copy / "config.json").write_text("{}"),
+        "another architecture": lambda: (copy / "config.json").write_text('{"architectures": ["Qwen3MoeForCausalLM"]}'),
+        "stand-in weights": lambda: stage_model(copy, "qwen3-4b-base", parameters=4),
+        "the 8B's weights": lambda: stage_model(copy, "qwen3-4b-base", parameters=8_190_735_360),
     }
     specs = expand(["backend=verl", "model=qwen3-4b-base"], None, "s")
     profile = _h20(tmp_path, models_dir=str(models), data_dir=str(data))

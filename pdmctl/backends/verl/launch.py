@@ -499,7 +499,8 @@ def check_local_files(run_config: Mapping[str, Any], models_dir: str | None, dat
         )
     if not model.is_dir():
         raise LaunchConfigError(f"model {cfg['model']}: {model} is not a directory (stage the weights there: docs/CLUSTER.md)")
-    offline.check_model_dir(model, cfg["model"])  # whole files, not names
+    shape = offline.ModelShape(preset.architecture, preset.parameters) if preset.architecture else None
+    offline.check_model_dir(model, cfg["model"], shape)  # whole files, not names; the preset's model
     if preset.hf_path is None:
         return
     if not cfg["data_dir"]:

@@ -3,7 +3,9 @@ that they are there is not enough, an empty or partial copy fails on the cluster
 wait. Headers and footers only, never the tensors or the rows: a 60 GB model is checked in milliseconds.
 
 `check_model_dir`: config.json and the tokenizer's JSON parse, and every weight file (every shard the
-safetensors index names) is a non-empty file, a safetensors file's header whole and within the file.
+safetensors index names) is a non-empty file, a safetensors file's header whole and within the file;
+given the preset's shape (`ModelShape`), the config names its architecture and the shards' headers hold
+its number of parameters (within 2%): stand-in weights (a `{}` config, a one-tensor file) fail.
 `check_parquet`: the file opens as parquet, has the columns VeRL's RL dataset reads and at least one row.
 Each raises OfflineFilesError (one line); a file's verdict is cached by its size and modification time,
 so a grid of many runs of one model reads it once.
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -24,12 +28,23 @@ PARQUET_COLUMNS = ("prompt", "data_source", "reward_model")
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on a header
 
 
+PARAMETER_TOLERANCE = 0.02  # the shards' parameters against the preset's count (a tied head, a bias or two)
+
+
 class OfflineFilesError(ValueError):
     """A weight or data file that a job could not read; the message is one line."""
 
 
-def check_model_dir(model: Path, label: str) -> None:
-    """A local model directory as VeRL loads it: a config, a tokenizer, whole weights."""
+@dataclass(frozen=True)
+class ModelShape:
+    """What a preset's weights are: the architecture its config names and its number of parameters."""
+
+    architecture: str  # config.json's `architectures` (transformers' class), e.g. Qwen3ForCausalLM
+    parameters: int  # 0: not checked
+
+
+def check_model_dir(model: Path, label: str, shape: ModelShape | None = None) -> None:
+    """A local model directory as VeRL loads it: a config, a tokenizer, whole weights; of `shape` when given."""
     where = f"model {label}: {model}"
     missing = [what for what, ok in (
         ("config.json", (model / "config.json").exists()),
@@ -48,16 +63,52 @@ def check_model_dir(model: Path, label: str) -> None:
         weight_map = json.loads(index.read_text()).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise OfflineFilesError(f"{where}: {SAFETENSORS_INDEX} has no weight_map naming the shards")
+        weights = []
         for shard in sorted(set(map(str, weight_map.values()))):
             if Path(shard).name != shard:
                 raise OfflineFilesError(f"{where}: {SAFETENSORS_INDEX} names {shard!r}, not a file in the directory")
             if not (model / shard).exists():
                 raise OfflineFilesError(f"{where}: {SAFETENSORS_INDEX} names {shard}, which is not there")
             _check_file(model / shard, where, "safetensors")
+            weights.append(model / shard)
+    else:
+        weights = []
+        for pattern in WEIGHT_PATTERNS:
+            for path in sorted(model.glob(pattern)):
+                _check_file(path, where, "safetensors" if path.suffix == ".safetensors" else "bytes")
+                weights.append(path)
+    if shape is not None:
+        _check_shape(model, where, shape, weights)
+
+
+def _check_shape(model: Path, where: str, shape: ModelShape, weights: list[Path]) -> None:
+    """The config names the preset's architecture; the safetensors shards hold its parameters (within
+    PARAMETER_TOLERANCE; .bin/.pt weights are not counted: that would read them whole)."""
+    config = json.loads((model / "config.json").read_text())
+    named = config.get("architectures") if isinstance(config, dict) else None
+    if not isinstance(named, list) or shape.architecture not in named:
+        raise OfflineFilesError(
+            f"{where}: config.json names {named if isinstance(named, list) else 'no architectures'}, not "
+            f"{shape.architecture}: these are not the preset's weights (stage the model's own directory)"
+        )
+    if shape.parameters <= 0 or not weights or any(p.suffix != ".safetensors" for p in weights):
         return
-    for pattern in WEIGHT_PATTERNS:
-        for path in sorted(model.glob(pattern)):
-            _check_file(path, where, "safetensors" if path.suffix == ".safetensors" else "bytes")
+    counted = sum(_parameters(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in weights)
+    if abs(counted - shape.parameters) > PARAMETER_TOLERANCE * shape.parameters:
+        raise OfflineFilesError(
+            f"{where}: the weights hold {counted:,} parameters, the preset's model {shape.parameters:,}: "
+            "not the preset's weights, or a part of them (stage the model's whole directory)"
+        )
+
+
+@functools.lru_cache(maxsize=1024)
+def _parameters(path: str, size: int, mtime_ns: int) -> int:
+    """The parameters a safetensors file's header declares (its tensors' shapes); size and mtime: the cache's key."""
+    with open(path, "rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(length))
+    return sum(math.prod(int(n) for n in entry.get("shape", ())) for name, entry in header.items()
+               if name != "__metadata__" and isinstance(entry, dict))  # fmt: skip
 
 
 def check_parquet(path: Path) -> None:

@@ -68,7 +68,8 @@ class ModelPreset:
     router_fp32: bool = False
     lr: float = 1e-6  # the run's lr unless it sets one
     save_freq: int = 10  # VeRL checkpoints every this many steps (and at the last) unless the run says
-    parameters: int = 0  # for the checkpoint size --dry-run prints
+    parameters: int = 0  # for the checkpoint size --dry-run prints, and the staged weights' check
+    architecture: str = ""  # transformers' class its config.json names (the staged weights' check; "": none)
     # seconds the trainer may make no progress (tokens generated, micro-batches trained, steps, a checkpoint's
     # bytes: progress.py) before the job ends it as hung; the profile's engine_stall_s overrides it. The longest
     # phase that reports nothing is a step's old-log-prob and reference forwards over the whole batch, then the
@@ -87,12 +88,12 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
     # and optimizer offload: Megatron keeps bf16 weights and fp32 gradient buffers unsharded across data
     # parallel ranks (24 GB a GPU at 4B TP 1 and 8B TP 2), which would not fit beside vLLM's 0.8 of the GPU
     "qwen3-4b-base": ModelPreset("Qwen/Qwen3-4B-Base", False, 8, 128, 32, 8192, 4, 1, 1, parameters=4_022_468_096,
-                                 strategy="megatron", megatron_offload=True, stall_s=1200.0, **_GPU),
+                                 architecture="Qwen3ForCausalLM", strategy="megatron", megatron_offload=True, stall_s=1200.0, **_GPU),
     "qwen3-8b-base": ModelPreset("Qwen/Qwen3-8B-Base", False, 8, 128, 32, 8192, 4, 2, 1, parameters=8_190_735_360,
-                                 strategy="megatron", megatron_offload=True, stall_s=1200.0, **_GPU),
+                                 architecture="Qwen3ForCausalLM", strategy="megatron", megatron_offload=True, stall_s=1200.0, **_GPU),
     # both 30B settings on one engine, Megatron as the paper, laid out as VeRL's DPPO example and FP8 recipe
     "qwen3-30b-a3b-base": ModelPreset("Qwen/Qwen3-30B-A3B-Base", True, 16, 256, 32, 16384, 4, 4, 8,
-                                      parameters=30_532_122_624, strategy="megatron", expert_tensor_parallel=1,
+                                      parameters=30_532_122_624, architecture="Qwen3MoeForCausalLM", strategy="megatron", expert_tensor_parallel=1,
                                       megatron_offload=True, recompute=True, router_fp32=True, stall_s=2400.0, **_GPU),  # fmt: skip
     # tiny.py's 2-layer Qwen3 on CPU: 4 prompts x 4 samples per step in 4 mini-batches (each of two
     # micro-batches), at a learning rate high enough that the later mini-batches are off-policy: the
