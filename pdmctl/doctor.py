@@ -53,6 +53,27 @@ class CheckFailed(Exception):
     """A check that failed; the message is its one line."""
 
 
+def _login_needed_beyond_this_machine(uri: str) -> None:
+    """A tracking server that answers without a login, at an address other machines reach: whoever
+    reaches it can change or delete every run (one on loopback, reached from this machine only, passes)."""
+    import ipaddress
+    import socket
+    from urllib.parse import urlsplit
+
+    host = urlsplit(uri).hostname or ""
+    try:
+        loopback = all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback
+                       for info in socket.getaddrinfo(host, None))  # fmt: skip
+    except (OSError, ValueError):
+        loopback = False
+    if not loopback:
+        raise CheckFailed(
+            f"tracking server {uri}: answers without a login, so whoever reaches {host} can change or delete every "
+            "run: serve it with `pdmctl server start` (a login per user) and set MLFLOW_TRACKING_USERNAME and "
+            "MLFLOW_TRACKING_PASSWORD where you submit"
+        )
+
+
 @dataclass(frozen=True)
 class Gpu:
     index: int
@@ -228,6 +249,7 @@ class Doctor:
         if not (user and password):
             import urllib.error
             import urllib.request
+            from urllib.parse import urlsplit
 
             try:
                 from pdmctl.ledger.uris import tls_context
@@ -235,12 +257,18 @@ class Doctor:
                 urllib.request.urlopen(uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1", timeout=30,
                                        context=tls_context())  # fmt: skip
             except urllib.error.HTTPError as exc:
+                if exc.code == 403 and b"Invalid Host header" in exc.read(4096):
+                    host = urlsplit(uri).netloc
+                    raise CheckFailed(f"tracking server {uri}: refuses the host name {host} (MLflow's guard against "
+                                      f"DNS rebinding): start it with --allowed-hosts {host} (pdmctl server start "
+                                      "takes it too), or reach it by an address it allows") from None  # fmt: skip
                 if exc.code in (401, 403):
                     raise CheckFailed(f"tracking server {uri}: asks for a login, and none reached "
                                       f"{os.uname().nodename}: set MLFLOW_TRACKING_USERNAME and "
                                       "MLFLOW_TRACKING_PASSWORD where you submit") from None  # fmt: skip
             except OSError:
                 pass
+            _login_needed_beyond_this_machine(uri)
             return f"tracking server {uri}: answers from {os.uname().nodename} (no login asked, none given)"
         from pdmctl.ledger.server import check_login
 
@@ -248,6 +276,7 @@ class Doctor:
             check_login(uri.rstrip("/"), user, password)
         except LedgerError as exc:
             if "answered a call without a login" in str(exc):
+                _login_needed_beyond_this_machine(uri)
                 return f"tracking server {uri}: answers from {os.uname().nodename} (a server without a login)"
             raise CheckFailed(str(exc).removeprefix("pdmctl server: ")) from None
         return f"tracking server {uri}: answers from {os.uname().nodename}; login {user} accepted"
