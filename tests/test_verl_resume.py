@@ -218,3 +218,48 @@ def test_verl_does_not_train_without_tracking(installed, monkeypatch: pytest.Mon
     with pytest.raises(RuntimeError, match=r"did not answer for \d+ s .*VeRL does not train without tracking"):
         tracking.Tracking("p", "e", ["console", "mlflow"])
     assert time.monotonic() - started < 30
+
+
+def test_a_resumed_attempt_whose_config_differs_keeps_its_tracking(wrapped, capsys) -> None:
+    """VeRL logs its whole config as params at every start, and MLflow refuses a changed value: an attempt
+    that resumes with `trainer.val_before_train=false` (pdmctl's, where that validation adds nothing) still
+    gets VeRL's MLflow logger; the params stay the first attempt's, a key new to the run is added, and the
+    line names what differs."""
+    from verl.utils import tracking
+
+    _uri, run_id, client = wrapped
+    client.log_batch(run_id, params=[mlflow_param("trainer/val_before_train", "True"), mlflow_param("trainer/a", "1")])
+    config = {"trainer": {"val_before_train": False, "a": 1, "b": 2}}
+    resumed = tracking.Tracking("p", "e", ["console", "mlflow"], config=config)
+    assert "mlflow" in resumed.logger
+    assert client.get_run(run_id).data.params == {"trainer/val_before_train": "True", "trainer/a": "1", "trainer/b": "2"}
+    assert "pdmctl: this attempt's config differs from the run's params in trainer/val_before_train: the params " \
+           "stay the first attempt's" in capsys.readouterr().out  # fmt: skip
+    resumed.logger["mlflow"].finish()
+    assert client.get_run(run_id).info.status == "RUNNING"  # the job sets the final status
+
+
+def test_a_trainer_whose_tracking_did_not_start_leaves_the_runs_status_to_the_job(wrapped, monkeypatch) -> None:
+    """When VeRL's MLflow logger cannot start after `start_run` succeeded (every `log_params` try fails),
+    pdmctl stops the trainer and leaves the run as it was: MLflow's exit handler would otherwise end it
+    FINISHED, and a failed attempt would read as a finished run."""
+    import mlflow
+    from verl.utils import tracking
+
+    _uri, run_id, client = wrapped
+    monkeypatch.setattr(tracking, "MLFLOW_SLEEP_SECONDS", 0, raising=False)
+
+    def refused(*args, **kwargs):
+        raise mlflow.exceptions.MlflowException("refused")
+
+    monkeypatch.setattr(mlflow, "log_params", refused)
+    with pytest.raises(RuntimeError, match="VeRL's MLflow logger did not start"):
+        tracking.Tracking("p", "e", ["console", "mlflow"], config={"trainer": {"a": 1}})
+    assert mlflow.active_run() is None  # nothing left for MLflow's exit handler to end
+    assert client.get_run(run_id).info.status == "RUNNING"
+
+
+def mlflow_param(key: str, value: str):
+    from mlflow.entities import Param
+
+    return Param(key, value)

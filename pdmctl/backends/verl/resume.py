@@ -127,6 +127,34 @@ def _numbers(data: dict[str, Any]) -> dict[str, float]:
 
 
 @contextlib.contextmanager
+def _params_stay_the_first_attempts(run_id: str) -> Iterator[None]:
+    """VeRL's `Tracking` logs the trainer's whole config as the run's params at every start, and MLflow
+    refuses a param whose value changed: a resumed attempt whose command differs (pdmctl sets
+    `trainer.val_before_train=false` where the validation before training would add nothing) would lose
+    its tracking. Here only the keys the run does not hold yet are logged; the first attempt's values
+    stay, and the keys whose value differs are named once."""
+    import mlflow
+
+    original = mlflow.log_params
+
+    @functools.wraps(original)
+    def log_params(params: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        logged = mlflow.tracking.MlflowClient().get_run(run_id).data.params
+        changed = sorted(k for k, v in params.items() if k in logged and str(v) != logged[k])
+        if changed:
+            print(f"pdmctl: this attempt's config differs from the run's params in {', '.join(changed)}: "
+                  "the params stay the first attempt's", flush=True)  # fmt: skip
+        fresh = {k: v for k, v in params.items() if k not in logged}
+        return original(fresh, *args, **kwargs) if fresh else None
+
+    mlflow.log_params = log_params
+    try:
+        yield
+    finally:
+        mlflow.log_params = original
+
+
+@contextlib.contextmanager
 def _start_run_reuses_the_active_run() -> Iterator[None]:
     """VeRL's `Tracking` tries MLflow's start three times (`start_run(run_id)`, then `log_params`): when a
     try fails after its `start_run` (a `log-batch` of the config past the timeout), the run is active and
@@ -170,9 +198,10 @@ def install() -> None:
         if wanted:
             wait_for_tracking(os.environ.get("MLFLOW_TRACKING_URI", ""), os.environ["MLFLOW_RUN_ID"])
             perproblem.install()  # the trainer's module is imported by now (fit() makes this logger)
-        with _start_run_reuses_the_active_run():
+        with _start_run_reuses_the_active_run(), _params_stay_the_first_attempts(os.environ["MLFLOW_RUN_ID"]):
             original_tracking_init(self, project_name, experiment_name, default_backend, config)
         if wanted and "mlflow" not in getattr(self, "logger", {}):
+            detach()  # a run MLflow started here stays as the job leaves it (MLflow's exit would end it FINISHED)
             raise RuntimeError("pdmctl: VeRL's MLflow logger did not start (VeRL would proceed without MLflow "
                                "tracking); the run does not train untracked")  # fmt: skip
 
