@@ -117,7 +117,8 @@ def test_the_cleanup_command_a_job_runs_on_its_other_nodes_ends_the_tagged_proce
 
 
 def test_the_next_job_ends_what_a_killed_job_left_and_nothing_else(tmp_path: Path) -> None:
-    """kill -9 runs no cleanup: the next engine job ends the processes whose owning job is gone."""
+    """kill -9 runs no cleanup: the next engine job ends the processes whose owning job is gone, and
+    none of a job whose tag was made in another PID namespace."""
     sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
     owner = subprocess.Popen([sys.executable, "-c", "from pdmctl.backends.verl import cpu; print(cpu.new_tag())"],
                              stdout=subprocess.PIPE, text=True)  # fmt: skip
@@ -126,6 +127,10 @@ def test_the_next_job_ends_what_a_killed_job_left_and_nothing_else(tmp_path: Pat
     orphan = subprocess.Popen(sleeper, env={**os.environ, cpu.ENGINE_TAG_ENV: dead})
     mine = subprocess.Popen(sleeper, env={**os.environ, cpu.ENGINE_TAG_ENV: live})
     foreign = subprocess.Popen(sleeper, env={**os.environ, cpu.ENGINE_TAG_ENV: "not-a-pdmctl-tag"})
+    # a job in another PID namespace (a node of the CI's 2-node cluster, a container): its owner's pid and
+    # start time mean nothing here, so it is not judged dead, whatever this namespace's process of that pid is
+    pid, ticks, namespace, rest = dead.split(".", 3)
+    elsewhere = subprocess.Popen(sleeper, env={**os.environ, cpu.ENGINE_TAG_ENV: f"{pid}.{ticks}.{int(namespace) + 1}.{rest}"})
     bystander = subprocess.Popen(sleeper)
     segment = Path("/dev/shm") / f"verl_pdmctl_test_{uuid.uuid4().hex}"
     segment.write_bytes(b"x")
@@ -138,11 +143,11 @@ def test_the_next_job_ends_what_a_killed_job_left_and_nothing_else(tmp_path: Pat
         ended, removed = cpu.cleanup_orphans(grace_s=5)
         assert orphan.wait(timeout=10) is not None
         assert ended >= 1
-        for proc in (mine, foreign, bystander):
+        for proc in (mine, foreign, elsewhere, bystander):
             assert proc.poll() is None, "ended a process whose job is alive"
         assert segment.name in removed and not segment.exists()
     finally:
-        for proc in (orphan, mine, foreign, bystander):
+        for proc in (orphan, mine, foreign, elsewhere, bystander):
             proc.kill()
             proc.wait()
         segment.unlink(missing_ok=True)

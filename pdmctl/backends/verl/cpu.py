@@ -476,18 +476,28 @@ def _start_ticks(pid: int) -> str | None:
         return None
 
 
+def _pid_namespace() -> str:
+    """This process's PID namespace (its inode): pids and start times mean something within it only."""
+    try:
+        return os.readlink("/proc/self/ns/pid").split("[", 1)[1].rstrip("]")
+    except (OSError, IndexError):
+        return "0"
+
+
 def new_tag() -> str:
-    """An engine job's tag: its owner (this process: pid and start time) and a random part."""
+    """An engine job's tag: its owner (this process: pid, start time and the PID namespace they hold
+    in) and a random part."""
     import uuid
 
-    return f"{os.getpid()}.{_start_ticks(os.getpid())}.{uuid.uuid4().hex}"
+    return f"{os.getpid()}.{_start_ticks(os.getpid())}.{_pid_namespace()}.{uuid.uuid4().hex}"
 
 
 def owner_alive(tag: str) -> bool:
-    """Whether the process that made `tag` (`new_tag`) is still running; a tag of another form counts
-    as alive (it is not ours to judge)."""
-    pid, ticks, _ = [*tag.split(".", 2), "", ""][:3]
-    if not pid.isdigit() or not ticks:
+    """Whether the process that made `tag` (`new_tag`) is still running. A tag made in another PID
+    namespace (a job on a node that is a namespace of this machine, or in a container: its owner's pid
+    names another process here), or of another form, counts as alive: it is not ours to judge."""
+    pid, ticks, namespace, _ = [*tag.split(".", 3), "", "", ""][:4]
+    if not pid.isdigit() or not ticks or not namespace.isdigit() or namespace != _pid_namespace():
         return True
     return _start_ticks(int(pid)) == ticks
 
