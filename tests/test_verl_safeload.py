@@ -158,8 +158,7 @@ def test_megatrons_checkpoint_metadata_loads_and_a_planted_one_is_refused(tmp_pa
 MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 
 
-@pytest.mark.engine
-@pytest.mark.skipif(not MCORE, reason="needs the engine environment (megatron-core): bash scripts/engine-env.sh DIR")
+@pytest.mark.skipif(not MCORE, reason="needs megatron-core (the [verl] extra)")
 def test_a_checkpoint_megatron_writes_loads_through_the_guards_and_a_planted_metadata_never_runs(
     tmp_path: Path,
 ) -> None:
