@@ -175,36 +175,33 @@ def test_memlock_matters_only_where_the_node_has_infiniband() -> None:
         doctor.check_memlock(64 << 10, ["mlx5_0", "mlx5_1"])
 
 
-@pytest.mark.postgres
-def test_a_tracking_server_without_a_login_fails_where_other_machines_reach_it(mlflow_server: str) -> None:  # noqa: F811
-    """The CI's MLflow server asks for no login: on loopback (this machine alone reaches it) the check passes,
-    saying so; reached at this machine's private network address (a TCP relay to it there, as a cluster's
-    login node serves it) it fails in one line: whoever reaches it can change or delete every run. Reached
-    by a host name MLflow's DNS-rebinding guard refuses, the failure says that, not that it wants a login."""
-    import ipaddress
-    import socket
+def test_a_server_without_a_login_is_refused_unless_it_is_on_loopback() -> None:
+    """Where a tracking server answers without a login, the address decides: one that resolves to loopback
+    only is this machine's alone and passes; any other (a cluster's login node) fails in one line."""
+    for uri in ("http://127.0.0.1:5000", "http://localhost:5000/", "http://[::1]:5000"):
+        doctor._login_needed_beyond_this_machine(uri)
+    for uri, host in (("http://10.1.2.3:5000", "10.1.2.3"), ("https://192.168.7.9/mlflow", "192.168.7.9")):
+        with pytest.raises(doctor.CheckFailed) as failed:
+            doctor._login_needed_beyond_this_machine(uri)
+        assert str(failed.value) == (
+            f"tracking server {uri}: answers without a login, so whoever reaches {host} can change or delete every "
+            "run: serve it with `pdmctl server start` (a login per user) and set MLFLOW_TRACKING_USERNAME and "
+            "MLFLOW_TRACKING_PASSWORD where you submit")
 
-    from tests.test_spool import Relay
+
+@pytest.mark.postgres
+def test_the_tracking_check_on_the_ci_server_without_a_login(mlflow_server: str) -> None:  # noqa: F811
+    """The CI's MLflow server asks for no login and listens on loopback: the check passes, saying so.
+    Reached by this machine's host name, which MLflow's DNS-rebinding guard refuses (403), the check says
+    that, not that the server wants a login."""
+    import socket
 
     nologin = {"MLFLOW_TRACKING_USERNAME": "", "MLFLOW_TRACKING_PASSWORD": ""}
     local = pdmctl("doctor", "--tracking-uri", mlflow_server, "--skip=paths", "--skip=disk", env=nologin)
     assert local.returncode == 0, local.stdout + local.stderr
     assert any(ln.startswith(f"ok    tracking: tracking server {mlflow_server}: answers from ") and
                ln.endswith("(no login asked, none given)") for ln in local.stdout.splitlines()), local.stdout  # fmt: skip
-    rfc1918 = [ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")]
-    address = next(a for a in subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
-                   if ":" not in a and any(ipaddress.ip_address(a) in n for n in rfc1918))  # fmt: skip
-    relay = Relay(int(mlflow_server.rsplit(":", 1)[1]), host=address)
-    try:
-        url = f"http://{address}:{relay.port}"
-        shared = pdmctl("doctor", "--tracking-uri", url, "--skip=paths", "--skip=disk", env=nologin)
-    finally:
-        relay.down()
-    assert shared.returncode == 2, shared.stdout + shared.stderr
-    assert shared.stdout.strip().splitlines()[-1] == (
-        f"FAIL  tracking: tracking server {url}: answers without a login, so whoever reaches {address} can change or "
-        "delete every run: serve it with `pdmctl server start` (a login per user) and set MLFLOW_TRACKING_USERNAME "
-        "and MLFLOW_TRACKING_PASSWORD where you submit")
+    assert socket.gethostname() != "localhost"
     named = mlflow_server.replace("127.0.0.1", socket.gethostname())
     refused = pdmctl("doctor", "--tracking-uri", named, "--skip=paths", "--skip=disk", env=nologin)
     assert refused.returncode == 2, refused.stdout + refused.stderr

@@ -43,11 +43,10 @@ def mlflow_server() -> str:
 class Relay:
     """A TCP relay to the server that can be closed (refuses and cuts connections) and opened again."""
 
-    def __init__(self, upstream_port: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, upstream_port: int) -> None:
         self.upstream = ("127.0.0.1", upstream_port)
-        self.host = host  # where it listens
         with socket.socket() as probe:
-            probe.bind((host, 0))
+            probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         self._listener: socket.socket | None = None
         self._open: list[socket.socket] = []
@@ -57,7 +56,7 @@ class Relay:
     def up(self) -> None:
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((self.host, self.port))
+        listener.bind(("127.0.0.1", self.port))
         listener.listen(64)
         self._listener = listener
         threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
