@@ -93,7 +93,7 @@ def _check_shape(model: Path, where: str, shape: ModelShape, weights: list[Path]
         )
     if shape.parameters <= 0 or not weights or any(p.suffix != ".safetensors" for p in weights):
         return
-    counted = sum(_parameters(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in weights)
+    counted = sum(_parameters(str(p), st.st_size, st.st_mtime_ns) for p in weights for st in [p.stat()])
     if abs(counted - shape.parameters) > PARAMETER_TOLERANCE * shape.parameters:
         raise OfflineFilesError(
             f"{where}: the weights hold {counted:,} parameters, the preset's model {shape.parameters:,}: "

@@ -32,7 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-DIR_ENV = "PDMCTL_CHECKPOINT_DIR"  # checkpoints.DIR_ENV: the run's checkpoint directory, for every worker
+from pdmctl.backends.verl.checkpoints import DIR_ENV  # the run's checkpoint directory, for every worker
+
 _INSTALLED: set[str] = set()
 _ANNOUNCED: list[str] = []
 
