@@ -9,6 +9,8 @@ the run's final status. A SIGTERM (cancel, or the scheduler ending the job)
 marks the run KILLED; a crash marks it FAILED with the error as its reason; a
 SIGKILL leaves it RUNNING, and `pdmctl status` finds it lost. A run its declared
 collapse rule ends (pdmctl.collapse) is KILLED with the rule's reason: stopped.
+An attempt that lost a node (`backends.base.NodeLost`) is FAILED too, and under SLURM
+the job asks for its own next attempt (`requeue_after_node_loss`).
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdmctl.backends.base import NodeLost
 from pdmctl.backends.registry import flat_config, get_backend
 from pdmctl.collapse import Collapsed, rule_tracker
 from pdmctl.ledger import FAILED, FINISHED, KILLED, RunLogger
@@ -103,6 +107,12 @@ def run(job_file: Path) -> int:
         logger.finish(KILLED, reason=f"cancelled ({exc})")
         print(f"pdmctl job: cancelled ({exc})", flush=True)
         return 143
+    except NodeLost as exc:  # the run is sound: FAILED until its next attempt, which the job asks for
+        reason = f"node lost: {exc}".splitlines()[0]
+        logger.finish(FAILED, reason=reason)
+        print(f"pdmctl job: {reason}", flush=True)
+        print(f"pdmctl job: {requeue_after_node_loss(Path(job.run_dir))}", flush=True)
+        return 1
     except Exception as exc:
         traceback.print_exc()
         logger.finish(FAILED, reason=f"{type(exc).__name__}: {exc}".splitlines()[0])
@@ -123,6 +133,44 @@ def record_provenance(logger: RunLogger, spec: RunSpec, backend, job: JobFile, a
         logger.record_provenance(attempt, job_id_from_env(), fields, executor=job.executor, requeues=restarts)
     except Exception as exc:
         print(f"pdmctl job: provenance not recorded ({type(exc).__name__}: {exc})".splitlines()[0], flush=True)
+
+
+MAX_NODE_LOSSES_ENV = "PDMCTL_MAX_NODE_LOSSES"  # the SLURM profile's max_node_losses
+DEFAULT_MAX_NODE_LOSSES = 3
+
+
+def requeue_after_node_loss(run_dir: Path) -> str:
+    """Under SLURM, requeue this job (`scontrol requeue`: the next attempt resumes from the run's checkpoint)
+    while the run has lost fewer nodes than the profile's `max_node_losses` (counted in run_dir/node-losses,
+    one line per loss, across attempts and jobs). SLURM requeues a job by itself only for a node it has seen
+    fail; a node whose Ray step was ended, or that came back before SLURM saw it gone, is found by the job
+    alone. Returns what was done, in one line; the run stays FAILED where no requeue was asked for."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    job = f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return "not requeued: not a SLURM job (pdmctl resume starts the next attempt)"
+    try:
+        limit = int(os.environ.get(MAX_NODE_LOSSES_ENV, DEFAULT_MAX_NODE_LOSSES))
+    except ValueError:
+        limit = DEFAULT_MAX_NODE_LOSSES
+    counter = run_dir / "node-losses"
+    try:
+        with counter.open("a") as fh:
+            fh.write(f"{job} {os.environ.get('SLURM_RESTART_COUNT', '0')}\n")
+        losses = len(counter.read_text().splitlines())
+    except OSError as exc:
+        return f"not requeued: the count of lost nodes is not writable ({exc})"
+    if losses > limit:
+        return (f"not requeued: the run has lost {losses} node(s), more than max_node_losses={limit} "
+                "(pdmctl resume starts the next attempt)")  # fmt: skip
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"not requeued: scontrol requeue {job}: {exc}"
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip().splitlines()
+        return f"not requeued: scontrol requeue {job}: {said[-1] if said else f'exit {done.returncode}'}"
+    return f"requeued job {job} (node loss {losses} of at most {limit}): the next attempt resumes from the checkpoint"
 
 
 def main() -> None:

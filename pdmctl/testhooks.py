@@ -7,7 +7,7 @@ nothing logged or checkpointed when its job started (so a requeued or resumed at
 prints `pdmctl: held at step N …` every 10 s, with a progress report (`pdmctl-progress test_hold_s=…`: a
 VeRL job's stall watchdog ends a trainer that reports no progress, and a hold is a test's, not a hang), and
 lets go after `seconds_env` seconds (default 300). `fail_if_asked(step, fresh_run, env)`, under the same
-rule, makes a fresh run's job fail there instead. Nothing sets these variables but the tests.
+rule, makes a fresh run's job fail there instead, and `lose_node_if_asked` as if it had lost a node. Nothing sets these variables but the tests.
 
 **Test-only.** A hook left in a user's shell would stall or break real runs without a word, so submitting
 (`orchestrate.check_before_submit`: sweep, resume, tune) refuses any of `HOOKS` in one line unless pytest is
@@ -22,8 +22,8 @@ import time
 
 DEFAULT_HOLD_S = 300.0
 # every variable that is a test's hook: the holds (toy, VeRL) and the failure injections (toy, VeRL)
-HOOKS = ("PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_TOY_HOLD_S", "PDMCTL_TOY_FAIL_AT_STEP", "PDMCTL_VERL_HOLD_AT_STEP",
-         "PDMCTL_VERL_HOLD_S", "PDMCTL_VERL_FAIL")  # fmt: skip
+HOOKS = ("PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_TOY_HOLD_S", "PDMCTL_TOY_FAIL_AT_STEP", "PDMCTL_TOY_LOSE_NODE_AT_STEP",
+         "PDMCTL_VERL_HOLD_AT_STEP", "PDMCTL_VERL_HOLD_S", "PDMCTL_VERL_FAIL")  # fmt: skip
 UNDER_TEST = "PYTEST_CURRENT_TEST"
 
 
@@ -68,6 +68,15 @@ def fail_if_asked(step: int, fresh_run: bool, env: str) -> None:
     the loss; a requeued or resumed attempt takes the run on from its checkpoint and does not fail."""
     if asked(step, fresh_run, env):
         raise InjectedFailure(f"failed at step {step} ({env}, a test's)")
+
+
+def lose_node_if_asked(step: int, fresh_run: bool, env: str) -> None:
+    """As `fail_if_asked`, with the failure of an attempt that lost a node (`backends.base.NodeLost`): the job
+    asks SLURM for its next attempt itself."""
+    if asked(step, fresh_run, env):
+        from pdmctl.backends.base import NodeLost
+
+        raise NodeLost(f"lost at step {step} ({env}, a test's)")
 
 
 def hold_if_asked(step: int, fresh_run: bool, env: str, seconds_env: str) -> None:

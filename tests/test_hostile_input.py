@@ -661,8 +661,8 @@ def test_verl_fields_are_checked_against_verls_own_schema(store: Path, override:
 # -- 1: a test's hook left in a user's shell ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("hook", ["PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_TOY_FAIL_AT_STEP", "PDMCTL_VERL_HOLD_AT_STEP",
-                                  "PDMCTL_VERL_FAIL"])  # fmt: skip
+@pytest.mark.parametrize("hook", ["PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_TOY_FAIL_AT_STEP", "PDMCTL_TOY_LOSE_NODE_AT_STEP",
+                                  "PDMCTL_VERL_HOLD_AT_STEP", "PDMCTL_VERL_FAIL"])  # fmt: skip
 @pytest.mark.parametrize("command", [["sweep", "seed=0", *SYN], ["sweep", "seed=0", *SYN, "--dry-run"], ["resume"],
                                      ["tune", "delta=interval(0.05,0.3)", *SYN, "--trials", "1"],
                                      ["tune", "delta=interval(0.05,0.3)", *SYN, "--trials", "1", "--dry-run"]])  # fmt: skip
@@ -678,8 +678,8 @@ def test_the_hooks_are_the_holds_and_the_failure_injection(monkeypatch: pytest.M
     from pdmctl.backends.toy import trainer
     from pdmctl.backends.verl import launch, resume
 
-    names = {trainer.HOLD_ENV, trainer.HOLD_S_ENV, trainer.FAIL_ENV, resume.HOLD_ENV, resume.HOLD_S_ENV, launch.HOLD_ENV,
-             launch.HOLD_S_ENV, launch.FAIL_ENV}  # fmt: skip
+    names = {trainer.HOLD_ENV, trainer.HOLD_S_ENV, trainer.FAIL_ENV, trainer.LOSE_NODE_ENV, resume.HOLD_ENV,
+             resume.HOLD_S_ENV, launch.HOLD_ENV, launch.HOLD_S_ENV, launch.FAIL_ENV}  # fmt: skip
     assert names == set(testhooks.HOOKS)
     monkeypatch.setenv(trainer.HOLD_ENV, "4")
     testhooks.check_environment()  # a test that sets a hook submits: pytest's PYTEST_CURRENT_TEST is set

@@ -342,6 +342,36 @@ def test_a_failed_job_that_slurm_requeues_is_queued_and_never_gets_a_second_job(
     assert step0_artifact_mtime(ctx, view.record.run_id) < requeued_at  # attempt 2 started at step 4's checkpoint
 
 
+def test_a_job_that_lost_a_node_requeues_itself_until_max_node_losses(tmp_path: Path, monkeypatch) -> None:
+    """A node lost mid-run that SLURM never saw fail (a Ray node's step ended; a node back before SlurmdTimeout):
+    the job records its run FAILED ("node lost: ..."), asks SLURM for its own requeue, and the next attempt of
+    the same job resumes from the checkpoint to the end, every step once. With the profile's max_node_losses
+    spent the run stays failed, and says so."""
+    monkeypatch.setenv("PDMCTL_TOY_LOSE_NODE_AT_STEP", "4")  # sbatch passes the environment to the job
+    profile = write_profile(tmp_path)
+    ctx, sweep, (job_id,) = start_sweep(tmp_path, ["backend.steps=40"], profile)
+    seen = []
+    while (view := orchestrate.status(ctx, sweep)[0]).state != RunState.FINISHED:
+        seen.append((view.state, view.record.status if view.record else None))
+        assert view.state in orchestrate.ACTIVE, (view, seen, _job_logs(ctx))  # never failed meanwhile
+        assert len(seen) < 400, (seen, _job_logs(ctx))
+        time.sleep(0.5)
+    assert view.record.attempt == 2 and view.record.job_id == job_id, view.record  # the same job, requeued
+    attempt_1 = (Path(view.record.run_dir) / "logs" / "attempt-1.log").read_text()
+    assert f"pdmctl job: requeued job {job_id} (node loss 1 of at most 3)" in attempt_1, attempt_1[-2000:]
+    assert_complete_history(ctx, view.record.run_id, steps=40)  # every step once
+    assert latest_checkpoint_step(view.record.run_dir) == 40
+
+    (tmp_path / "spent").mkdir()
+    spent = write_profile(tmp_path / "spent", max_node_losses=0)
+    ctx, sweep, (job_id,) = start_sweep(tmp_path / "spent", ["backend.steps=40"], spent)
+    (view,) = wait_until(ctx, sweep, lambda vs: vs[0].state not in orchestrate.ACTIVE, 180, "the run's end")
+    assert view.state == RunState.FAILED and view.record.reason.startswith("node lost: lost at step 4"), view
+    attempt_1 = (Path(view.record.run_dir) / "logs" / "attempt-1.log").read_text()
+    assert "not requeued: the run has lost 1 node(s), more than max_node_losses=0" in attempt_1, attempt_1[-2000:]
+    wait_for_job_states(make_executor(ctx.profile), [job_id], {JobState.FAILED})
+
+
 @pytest.mark.timeout(900)
 def test_job_reaching_its_time_limit_is_requeued_and_completes(tmp_path: Path, monkeypatch) -> None:
     # slurmctld checks limits every 30 s and this config trains about 20 steps/s on a quiet 2-core machine,

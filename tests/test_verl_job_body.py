@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from pdmctl.backends.base import NodeLost
 from pdmctl.backends.verl import jobbody
 
 FAKE_SRUN = r"""#!/bin/bash
@@ -36,6 +37,7 @@ case "$1" in
     echo "ray start on $FAKE_NODE" >> "$FAKE_LOG"
     if [ "$FAKE_NODE" = "${FAKE_FAIL_NODE:-}" ]; then echo "ray start failed on $FAKE_NODE"; exit 1; fi
     echo $$ >> "$FAKE_PIDS"
+    echo "ray pid $$ on $FAKE_NODE" >> "$FAKE_LOG"
     trap 'echo "ray ended on $FAKE_NODE" >> "$FAKE_LOG"; kill $!; exit 0' TERM
     sleep 1001 &
     wait ;;
@@ -160,9 +162,35 @@ def test_a_failed_wait_for_ray_stops_ray_and_fails_the_run(nodes: dict[str, str]
 
 def test_a_dead_trainer_fails_the_run_with_its_error_and_stops_ray(nodes: dict[str, str]) -> None:
     env = {**os.environ, **nodes, "FAKE_TRAIN": "echo 'ValueError: the actor died'; exit 1"}
-    with pytest.raises(jobbody.EngineJobError, match="ValueError: the actor died"):
+    with pytest.raises(jobbody.EngineJobError, match="ValueError: the actor died") as failed:
         jobbody._run_trainer(_body(), env, stall_s=60)
+    assert not isinstance(failed.value, NodeLost)  # a failure of its own: no requeue asked for
     assert "ray ended on nodeA" in _log(nodes) and "ray ended on nodeB" in _log(nodes)
+    assert _all_ended(nodes)
+
+
+def test_a_ray_node_lost_while_the_trainer_runs_ends_the_attempt_as_a_lost_node(nodes: dict[str, str]) -> None:
+    """nodeB's `ray start` step ends mid-training (its machine, slurmd or raylet gone; here its step is ended):
+    the job body names the node, gives the trainer PDMCTL_NODE_LOSS_GRACE_S to fail by itself, then ends it
+    and the head's Ray, and the attempt ends as a lost node (NodeLost: the job asks for its requeue), not as
+    a hung trainer found by the stall watchdog much later."""
+    lose_b = "sleep 1; kill -TERM $(awk '/^ray pid .* on nodeB$/ {print $3}' \"$FAKE_LOG\"); sleep 300"
+    env = {**os.environ, **nodes, "FAKE_TRAIN": lose_b, "PDMCTL_NODE_LOSS_GRACE_S": "2"}
+    started = time.monotonic()
+    with pytest.raises(NodeLost, match=r"^nodeB: its Ray step ended while the trainer ran$"):
+        jobbody._run_trainer(_body(), env, stall_s=120)
+    assert time.monotonic() - started < 30
+    assert "ray ended on nodeB" in _log(nodes) and "ray ended on nodeA" in _log(nodes)
+    assert _all_ended(nodes)  # the trainer too
+
+
+def test_a_trainer_that_ray_says_lost_its_node_ends_the_attempt_as_a_lost_node(nodes: dict[str, str]) -> None:
+    """The trainer fails before the node's step is seen to end (SLURM and srun notice a dead machine only
+    after their timeouts): Ray's own words for an actor lost with its node make it a lost node too."""
+    died = ("echo 'ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.'; "
+            "echo 'The actor died because its node has died. Node Id: 701d50b7'; exit 1")  # fmt: skip
+    with pytest.raises(NodeLost, match="because its node has died"):
+        jobbody._run_trainer(_body(), {**os.environ, **nodes, "FAKE_TRAIN": died}, stall_s=60)
     assert _all_ended(nodes)
 
 

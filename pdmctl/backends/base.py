@@ -60,3 +60,9 @@ class InMemoryTracker:
 
     def history(self, name: str) -> list[tuple[int, float]]:
         return list(self.metrics.get(name, []))
+
+
+class NodeLost(RuntimeError):
+    """A node of the job was lost mid-run (its Ray step ended, or Ray declared it dead): the attempt cannot go
+    on, though nothing is wrong with the run. The job records it as failed and, under SLURM, asks for its
+    next attempt (`pdmctl.job.requeue_after_node_loss`). The message is one line."""

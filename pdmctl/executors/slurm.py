@@ -256,7 +256,8 @@ class SlurmExecutor(Executor):
         for var, value in (("PDMCTL_MODELS_DIR", opts.models_dir), ("PDMCTL_DATA_DIR", opts.data_dir),
                            ("PDMCTL_NCCL_TIMEOUT", opts.nccl_timeout),
                            ("PDMCTL_RAY_INTERFACE", opts.network_interface),
-                           ("PDMCTL_ENGINE_STALL_S", opts.engine_stall_s)):  # fmt: skip
+                           ("PDMCTL_ENGINE_STALL_S", opts.engine_stall_s),
+                           ("PDMCTL_MAX_NODE_LOSSES", opts.max_node_losses)):  # fmt: skip
             if value is not None:
                 lines.append(f"export {var}={shlex.quote(str(value))}")
         return lines
@@ -266,7 +267,7 @@ class SlurmExecutor(Executor):
         return {"offline": opts.offline, "models_dir": opts.models_dir, "data_dir": opts.data_dir,
                 "nccl_timeout": opts.nccl_timeout, "network_interface": opts.network_interface,
                 "env": dict(opts.env), "network": dict(opts.network), "time": opts.time,
-                "max_timeouts": opts.max_timeouts,
+                "max_timeouts": opts.max_timeouts, "max_node_losses": opts.max_node_losses,
                 "throughput": {model: {"rollout": r, "train": t} for model, r, t in opts.throughput}}  # fmt: skip
 
     @property

@@ -12,6 +12,9 @@ Profile options (clusters/<name>.yaml, beside `executor: slurm`; all optional):
     python                       the interpreter on the compute nodes (default: this one)
     signal_delay_s               USR2 this long before the time limit: checkpoint and requeue
     max_timeouts                 how many times a job may be requeued after hitting its time limit
+    max_node_losses              how many lost nodes a run's jobs requeue themselves after (a node's Ray
+                                 step ended, or Ray declared the node dead, mid-run; default 3; SLURM
+                                 requeues on its own for a node it has seen fail)
     job_name                     the jobs' name in squeue (default: pdmctl)
     offline                      jobs never reach a model hub: HF_HUB_OFFLINE=1 (and TRANSFORMERS_ /
                                  HF_DATASETS_OFFLINE), weights and data checked on shared storage at
@@ -65,6 +68,7 @@ class SlurmOptions:
     python: str | None = None
     signal_delay_s: int = 90
     max_timeouts: int = 3
+    max_node_losses: int = 3
     job_name: str = "pdmctl"
     offline: bool = True
     models_dir: str | None = None
@@ -91,7 +95,7 @@ class SlurmOptions:
             if name == "time":
                 values[name] = parse_time(value, where)
             elif name in ("nodes", "gpus_per_node", "cpus_per_task", "signal_delay_s", "max_timeouts", "nccl_timeout",
-                          "engine_stall_s"):  # fmt: skip
+                          "engine_stall_s", "max_node_losses"):  # fmt: skip
                 low = 1 if name in ("nodes", "cpus_per_task", "nccl_timeout", "engine_stall_s") else 0
                 if not isinstance(value, int) or isinstance(value, bool) or value < low:
                     raise ExecutorError(f"{where}: {name}: must be an integer >= {low}, got {value!r}")

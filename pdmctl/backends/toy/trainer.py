@@ -31,6 +31,7 @@ EVAL_SETS = ("toy24", "toy25")
 CPU = torch.device("cpu")
 HOLD_ENV, HOLD_S_ENV = "PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_TOY_HOLD_S"  # tests only: hold after this checkpoint
 FAIL_ENV = "PDMCTL_TOY_FAIL_AT_STEP"  # tests only: fail after this checkpoint
+LOSE_NODE_ENV = "PDMCTL_TOY_LOSE_NODE_AT_STEP"  # tests only: a lost node's failure after this checkpoint
 KEEP_CHECKPOINTS = 2
 _UPDATE_METRICS = ("mask_frac", "out_of_region_frac", "mean_divergence", "ppo_kl")  # token-weighted means
 
@@ -238,6 +239,7 @@ def train(
             # a test's hold (pdmctl.testhooks): a time limit or a lost node finds the run mid-training
             testhooks.hold_if_asked(step, start == 0, HOLD_ENV, HOLD_S_ENV)
             testhooks.fail_if_asked(step, start == 0, FAIL_ENV)
+            testhooks.lose_node_if_asked(step, start == 0, LOSE_NODE_ENV)
         if stop_after is not None and step >= stop_after:
             break
     return final

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from pdmctl.backends.base import NodeLost
 from pdmctl.backends.verl.launch import (
     MODEL_PRESETS,
     TOPK_ENV,
@@ -151,6 +152,7 @@ srun --nodes=1 --ntasks=1 -w "$HEAD" --overlap "${STEP_CPUS[@]}" \
   "$RAY" start --head --node-ip-address="$HEAD_IP" --port="$BASE" "${PORTS[@]}" --include-dashboard=false \
   --num-cpus="$CPUS" --num-gpus="$GPUS" --temp-dir="$RAY_TMP" --disable-usage-stats --block >&3 2>&1 &
 BACKGROUND+=($!)
+BG_NODES=("$HEAD")
 sleep "${PDMCTL_RAY_HEAD_WAIT:-5}"
 for node in "${NODES[@]:1}"; do
   srun --nodes=1 --ntasks=1 -w "$node" --overlap "${STEP_CPUS[@]}" \
@@ -158,6 +160,7 @@ for node in "${NODES[@]:1}"; do
     "${PORTS[@]}" --num-cpus="$CPUS" --num-gpus="$GPUS" \
     --disable-usage-stats --block >&3 2>&1 &
   BACKGROUND+=($!)
+  BG_NODES+=("$node")
 done
 # Wait for every node; a `ray start` step that ends meanwhile fails the start at once, not at the timeout.
 $SETSID "$PDMCTL_PYTHON" -m pdmctl.backends.verl.jobbody wait-ray --nodes "$N" --timeout "${PDMCTL_RAY_WAIT_S:-120}" &
@@ -181,8 +184,21 @@ else
   $SETSID "$PDMCTL_PYTHON" -m pdmctl.backends.verl.jobbody train "$@" &
 fi
 MAIN=$!
+# A Ray node's step that ends while the trainer runs is a lost node (its machine, its slurmd or its raylet
+# gone, or its step ended): the trainer gets PDMCTL_NODE_LOSS_GRACE_S to fail by itself, then the job
+# exits 75, which pdmctl reads as a lost node (the cleanup ends what is left).
+while kill -0 "$MAIN" 2>/dev/null; do
+  for i in "${!BACKGROUND[@]}"; do
+    kill -0 "${BACKGROUND[$i]}" 2>/dev/null && continue
+    echo "pdmctl: lost node ${BG_NODES[$i]}: its Ray step ended while the trainer ran"
+    for _ in $(seq "${PDMCTL_NODE_LOSS_GRACE_S:-30}"); do kill -0 "$MAIN" 2>/dev/null || break; sleep 1; done
+    exit 75
+  done
+  sleep 1
+done
 wait "$MAIN"
 """
+NODE_LOST_STATUS = 75  # the job body's exit status for a Ray node lost while the trainer ran
 
 
 def build_job_command(run_config: Mapping[str, Any], python: str | None = None) -> list[str]:
@@ -317,6 +333,10 @@ class EngineJobError(RuntimeError):
     """The VeRL trainer exited with an error; the message is its last exception line."""
 
 
+# Ray's words for an actor or node lost with its machine (the trainer's error lines then name no cause of its own)
+_NODE_DIED = re.compile(r"because its node has died|has been marked dead because the detector has missed")
+
+
 _ERROR_LINE = re.compile(r"^(?:\w+\.)*\w*(?:Error|Exception|Interrupt)\b: .+")
 
 
@@ -385,7 +405,7 @@ def _run_trainer(
 
     stall_s = stall_seconds() if stall_s is None else stall_s
     watchdog = Watchdog(stall_s)
-    last_error = ""
+    last_error = lost = ""
     lines: queue.Queue[str | None] = queue.Queue()
     log_fd = _log_fd()
     if log_fd is not None:  # the job body's background steps write to the log itself, not to this pipe
@@ -426,6 +446,8 @@ def _run_trainer(
             sys.stdout.write(line)
             if _ERROR_LINE.match(line.strip()):
                 last_error = line.strip()
+            if line.startswith("pdmctl: lost node ") or (not lost and _NODE_DIED.search(line)):
+                lost = line.strip().removeprefix("pdmctl: lost node ")
             if on_line is not None:
                 on_line(line)
             if watchdog.stalled():  # it prints, and makes no progress
@@ -447,6 +469,8 @@ def _run_trainer(
     proc.wait()
     stream.close()  # the pump has seen the end of it
     sys.stdout.flush()
+    if proc.returncode != 0 and (lost or proc.returncode == NODE_LOST_STATUS):
+        raise NodeLost(lost or f"the job body lost a node (exit {proc.returncode})")
     if proc.returncode != 0:
         raise EngineJobError(last_error or f"the VeRL trainer exited with status {proc.returncode}")
 
