@@ -98,6 +98,7 @@ def run_analysis(
         for seed in seeds
     ]
     if jobs == 1 or len(seeds) == 1:
+        keep_freed_memory()
         before = torch.get_num_threads()
         try:
             if threads is not None:
@@ -110,18 +111,40 @@ def run_analysis(
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        from pdmctl.lifetime import end_with_parent
-
         per_job = threads or 1
         with ProcessPoolExecutor(
             max_workers=min(jobs, len(seeds)),
             mp_context=multiprocessing.get_context("spawn"),  # no forked OpenMP pools, the same on every OS
             # first thing in a worker, before it imports torch: a killed `pdmctl analyze` leaves none behind
-            initializer=end_with_parent,
+            initializer=_worker_start,
             initargs=(os.getpid(),),
         ) as pool:
             results = list(pool.map(functools.partial(_threads_then_seed_task, per_job), tasks))
     return _combine(cfg, list(seeds), tuple(protocols), results, "mismatch-only" if mismatch_only else "stale")
+
+
+def _worker_start(parent_pid: int) -> None:
+    from pdmctl.lifetime import end_with_parent
+
+    end_with_parent(parent_pid)
+    keep_freed_memory()
+
+
+def keep_freed_memory() -> None:
+    """glibc's malloc keeps what is freed for the next allocation (no trim, no mmap below 1 GiB) instead of
+    giving it back to the kernel: a seed allocates and frees many [variants x parameters] tensors, and each
+    fresh mapping costs a page fault per page (a toy-fork seed spent a fifth of its CPU in the kernel). The
+    numbers are the same either way; elsewhere than glibc this does nothing. One `mallopt` call per setting
+    through ctypes: no package offers it."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    for option, value in ((-1, 1 << 30), (-2, 1 << 28), (-3, 1 << 30)):  # M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD
+        mallopt(option, value)
 
 
 @dataclass(frozen=True)
