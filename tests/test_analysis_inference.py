@@ -15,6 +15,7 @@ from pdmctl.analysis.inference import (
     coverage,
     pooled_difference,
     primary_lines,
+    primary_test_lines,
     real_counts,
     render_secondary_table,
     secondary_family,
@@ -69,6 +70,29 @@ def test_holm_runs_over_both_presets_together() -> None:
     assert {s.label for s in both} == {"toy-small", "toy-llm"}
     assert [s.p_holm for s in both] == holm([s.p for s in both])
     assert all(b.p_holm >= a.p_holm for a, b in zip(alone, both[: len(alone)], strict=True))
+
+
+def test_the_primary_test_holm_adjusts_each_runs_p_over_the_runs() -> None:
+    """Over several runs the primary statistic is one test: each run's sign-flip p Holm-adjusted over them, the
+    verdict by the adjusted p; a run whose statistic was not measured is no test; one run alone has none."""
+    from pdmctl.report.stats import holm
+
+    def run(label: str, pooled: float, p: float) -> PrimaryMetric:
+        return PrimaryMetric(label, pooled, pooled - 0.05, pooled + 0.05, 100, 100, pooled, -1, 1, 61, 61, p=p)
+
+    runs = [run("toy-small", -0.235, 0.0001), run("toy-llm", -0.257, 0.034), run("toy-fork", 0.0, 0.989)]
+    lines = primary_test_lines(runs)
+    assert lines[0].startswith("PRIMARY TEST over 3 runs") and len(lines) == 4
+    adjusted = holm([0.0001, 0.034, 0.989])
+    assert adjusted[1] > 0.05  # toy-llm alone would pass; with the three, its adjusted p is 0.068
+    assert lines[1].endswith("(predictive safer)") and "Holm 0.0003" in lines[1], lines[1]
+    assert lines[2].endswith("(no difference shown)") and "Holm 0.068" in lines[2], lines[2]
+    assert lines[3].endswith("(no difference shown)"), lines[3]
+    assert primary_test_lines(runs[:1]) == []
+    unmeasured = dataclasses.replace(runs[2], pooled=math.nan)
+    lines = primary_test_lines([runs[0], runs[1], unmeasured])
+    # two tests, not three: toy-llm's adjusted p is 0.034 then
+    assert "Holm 0.034" in lines[2] and lines[2].endswith("(predictive safer)") and lines[3].endswith("(not measured)")
 
 
 def test_own_grad_is_printed_but_never_tested() -> None:

@@ -166,15 +166,19 @@ def analyze(
         channel_lines,
         primary_lines,
         primary_metric,
+        primary_test_lines,
         region_check_line,
         render_secondary_table,
         secondary_family,
     )
 
     console.print(render_secondary_table(secondary_family([*earlier, result])))
-    for r in [*earlier, result]:
-        for line in primary_lines(primary_metric(r)) + channel_lines(r):
+    metrics = [primary_metric(r) for r in [*earlier, result]]
+    for r, metric in zip([*earlier, result], metrics, strict=True):
+        for line in primary_lines(metric) + channel_lines(r):
             console.print(line, highlight=False, markup=False)
+    for line in primary_test_lines(metrics):
+        console.print(line, highlight=False, markup=False)
     if region_check_line(result):
         console.print(region_check_line(result), highlight=False, markup=False)
     with _kept_on_failure(result) as writing:

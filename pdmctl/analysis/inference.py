@@ -24,6 +24,7 @@ Holm is `pdmctl.report.stats.holm` (scipy has no Holm; its `false_discovery_cont
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -269,6 +270,25 @@ def primary_lines(metric: PrimaryMetric) -> list[str]:
     for warning in (metric.warning, metric.few_seeds_warning):
         if warning:
             lines.append(warning)
+    return lines
+
+
+def primary_test_lines(metrics: Sequence[PrimaryMetric], alpha: float = 0.05) -> list[str]:
+    """The one primary test over several runs (the presets of one `analyze --family`): each run's primary
+    statistic with its sign-flip p, Holm-adjusted over the runs, so that "the predictive criterion is safer
+    on at least one of them" keeps its family-wise error at `alpha`. Nothing for a single run."""
+    from pdmctl.report.stats import holm
+
+    if len(metrics) < 2:
+        return []
+    adjusted = holm([m.p if math.isfinite(m.pooled) else math.nan for m in metrics])
+    lines = [f"PRIMARY TEST over {len(metrics)} runs: the primary statistic's sign-flip p, Holm-adjusted over the "
+             f"runs (family-wise {100 * alpha:.0f}%)"]  # fmt: skip
+    for metric, p_holm in zip(metrics, adjusted, strict=True):
+        verdict = "not measured" if not math.isfinite(p_holm) else (
+            ("predictive safer" if metric.pooled < 0 else "ratio safer") if p_holm <= alpha else "no difference shown")
+        lines.append(f"  {metric.label}: {_pts(metric.pooled)} points, p {_p(metric.p)}, Holm {_p(p_holm)} "
+                     f"({verdict})")  # fmt: skip
     return lines
 
 

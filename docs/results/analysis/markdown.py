@@ -2,7 +2,8 @@
 
     python docs/results/analysis/markdown.py docs/results/analysis/toy-small/analysis.json [OTHER.json ...]
 
-With several files: each one's tables, then the primary metric of each and the secondary comparisons of
+With several files: each one's tables, then the primary metric of each, the primary test over them (Holm over
+their sign-flip p's), and the secondary comparisons of
 all of them in one Holm family (as `pdmctl analyze --family`).
 """
 
@@ -17,6 +18,7 @@ from pdmctl.analysis.inference import (
     SECONDARY_COLUMNS,
     primary_lines,
     primary_metric,
+    primary_test_lines,
     secondary_family,
     secondary_rows,
 )
@@ -83,8 +85,10 @@ def main(paths: list[str]) -> None:
     for result in results:
         tables(result)
     print("### Primary metric\n\n```")
-    for result in results:
-        print("\n".join(primary_lines(primary_metric(result))))
+    metrics = [primary_metric(result) for result in results]
+    for metric in metrics:
+        print("\n".join(primary_lines(metric)))
+    print("\n".join(primary_test_lines(metrics)))
     print("```\n")
     family = secondary_family(results)
     print(f"### Secondary comparisons, one Holm family ({sum(1 for s in family if s.p == s.p)} tests)\n")
