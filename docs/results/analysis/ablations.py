@@ -7,15 +7,19 @@ toy-fork's sharper model (its matrices start 4x larger, its logits are the head'
         toy-llm with toy-fork's scales and learning rate (toy-llm's bf16)
 
 Every argument is `pdmctl analyze`'s. The preset is defined here, in every process (the analysis's worker
-processes import this file again), and its base model is built by the warm-up (`PDMCTL_TOY_BASE=warmup`,
-cached under PDMCTL_CACHE): no shipped weights exist for it.
+processes import this file again), and named in a copy of the config tree (PDMCTL_CONFIG_DIR, a temporary
+folder with `model/toy-llm-sharp.yaml` added); its base model is built by the warm-up
+(`PDMCTL_TOY_BASE=warmup`, cached under PDMCTL_CACHE): no shipped weights exist for it.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from pdmctl.backends.toy.presets import MODEL_PRESETS, LLMPreset
 
@@ -36,6 +40,15 @@ MODEL_PRESETS["toy-llm-sharp"] = SharpLLMPreset(
 )
 
 if __name__ == "__main__":
-    from pdmctl.cli import app
+    from pdmctl import resources
 
-    sys.exit(app(["analyze", *sys.argv[1:]], prog_name="pdmctl", standalone_mode=True))
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "configs"
+        shutil.copytree(resources.config_dir(), tree)
+        (tree / "model" / "toy-llm-sharp.yaml").write_text(
+            "name: toy-llm-sharp\nbackend: toy       # toy-llm's task on toy-fork's sharper model (ablations.py)\n"
+        )
+        os.environ["PDMCTL_CONFIG_DIR"] = str(tree)
+        from pdmctl.cli import app
+
+        app(["analyze", *sys.argv[1:]], prog_name="pdmctl")

@@ -5,6 +5,11 @@
 With several files: each one's tables, then the primary metric of each, the primary test over them (Holm over
 their sign-flip p's), and the secondary comparisons of
 all of them in one Holm family (as `pdmctl analyze --family`).
+
+    python docs/results/analysis/markdown.py --verdict NAME=FILE.json [NAME=FILE.json ...]
+
+One row per run: the primary statistic with its intervals, sign-flip p and effective seeds, and its three
+channels (the results doc's verdict table; NAME labels the row).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from pathlib import Path
 from pdmctl.analysis.bands import BAND_COLUMNS, band_rows
 from pdmctl.analysis.inference import (
     SECONDARY_COLUMNS,
+    channels,
     primary_lines,
     primary_metric,
     primary_test_lines,
@@ -80,6 +86,35 @@ def tables(result: AnalysisResult) -> None:
         print(f"### {title}\n\n{table(columns, rows)}\n")
 
 
+def _pts(x: float) -> str:
+    return "n/a" if x != x else f"{100 * x:+.1f}"
+
+
+def verdict(named: list[str]) -> None:
+    """One row per run: `markdown.py --verdict NAME=FILE ...` (module docstring)."""
+    from pdmctl.report.stats import format_p
+
+    columns = ["run", "out of region / seed", "kept (predictive / ratio)", "primary, pooled [95% bootstrap]",
+               "sign-flip p", "effective seeds", "per-seed mean [95% t]", "clip held", "own step, first order"]
+    rows = []
+    for item in named:
+        name, _, path = item.partition("=")
+        result = AnalysisResult.from_dict(json.loads(Path(path).read_text()))
+        m = primary_metric(result)
+        by = {c.name: c for c in channels(result)}
+
+        def channel(key: str, by: dict = by) -> str:
+            c = by.get(key)
+            return "n/a" if c is None else f"{_pts(c.pooled)} [{_pts(c.low)}, {_pts(c.high)}], p {format_p(c.p)}"
+
+        out = sum(result.out_of_region_per_seed) / len(result.seeds)
+        rows.append([name, f"{out:,.0f}", f"{m.kept_predictive:,} / {m.kept_ratio:,}",
+                     f"**{_pts(m.pooled)}** [{_pts(m.low)}, {_pts(m.high)}]", format_p(m.p), f"{m.effective_seeds:.1f}",
+                     f"{_pts(m.per_seed_mean)} [{_pts(m.t_low)}, {_pts(m.t_high)}] ({m.seeds_compared} seeds)",
+                     channel("clip held"), channel("own step, first order")])  # fmt: skip
+    print(table(columns, rows))
+
+
 def main(paths: list[str]) -> None:
     results = [AnalysisResult.from_dict(json.loads(Path(path).read_text())) for path in paths]
     for result in results:
@@ -96,4 +131,7 @@ def main(paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--verdict"]:
+        verdict(sys.argv[2:])
+    else:
+        main(sys.argv[1:])
