@@ -1,6 +1,6 @@
 """The tables of `pdmctl analyze`, as Markdown, from its JSON (how docs/results/analysis.md's tables were made).
 
-    python docs/results/analysis/markdown.py docs/results/analysis/toy-small/analysis.json [OTHER.json ...]
+    python docs/results/analysis/markdown.py docs/results/analysis/toy-small/analysis.json [OTHER.json[.gz] ...]
 
 With several files: each one's tables, then the primary metric of each, the primary test over them (Holm over
 their sign-flip p's), and the secondary comparisons of
@@ -14,6 +14,7 @@ channels (the results doc's verdict table; NAME labels the row).
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -94,12 +95,13 @@ def verdict(named: list[str]) -> None:
     """One row per run: `markdown.py --verdict NAME=FILE ...` (module docstring)."""
     from pdmctl.report.stats import format_p
 
-    columns = ["run", "out of region / seed", "kept (predictive / ratio)", "primary, pooled [95% bootstrap]",
+    columns = ["run", "out of region / seed", "kept (predictive / ratio)", "of them below the sign floor",
+               "primary, pooled [95% bootstrap]",
                "sign-flip p", "effective seeds", "per-seed mean [95% t]", "clip held", "own step, first order"]
     rows = []
     for item in named:
         name, _, path = item.partition("=")
-        result = AnalysisResult.from_dict(json.loads(Path(path).read_text()))
+        result = load(path)
         m = primary_metric(result)
         by = {c.name: c for c in channels(result)}
 
@@ -108,15 +110,24 @@ def verdict(named: list[str]) -> None:
             return "n/a" if c is None else f"{_pts(c.pooled)} [{_pts(c.low)}, {_pts(c.high)}], p {format_p(c.p)}"
 
         out = sum(result.out_of_region_per_seed) / len(result.seeds)
+        below = {c.criterion: sum(c.below_floor) for c in result.counterfactual
+                 if (c.estimator, c.tokens, c.decision) == ("exact", "disagreement", "kept") and c.below_floor}  # fmt: skip
         rows.append([name, f"{out:,.0f}", f"{m.kept_predictive:,} / {m.kept_ratio:,}",
+                     f"{below.get('predictive', 0):,} / {below.get('ratio', 0):,}" if below else "n/a",
                      f"**{_pts(m.pooled)}** [{_pts(m.low)}, {_pts(m.high)}]", format_p(m.p), f"{m.effective_seeds:.1f}",
                      f"{_pts(m.per_seed_mean)} [{_pts(m.t_low)}, {_pts(m.t_high)}] ({m.seeds_compared} seeds)",
                      channel("clip held"), channel("own step, first order")])  # fmt: skip
     print(table(columns, rows))
 
 
+def load(path: str) -> AnalysisResult:
+    """An `analyze --json` file, plain or gzipped (`.json.gz`, as the results directory keeps them)."""
+    raw = Path(path).read_bytes()
+    return AnalysisResult.from_dict(json.loads(gzip.decompress(raw) if path.endswith(".gz") else raw))
+
+
 def main(paths: list[str]) -> None:
-    results = [AnalysisResult.from_dict(json.loads(Path(path).read_text())) for path in paths]
+    results = [load(path) for path in paths]
     for result in results:
         tables(result)
     print("### Primary metric\n\n```")
