@@ -24,8 +24,8 @@ from pdmctl.cost import (
 def calibrate(records: Sequence[Any], sweep: str) -> dict[str, Calibration]:
     """Per testbed setting (`toy: MODEL PRECISION`), what its finished runs of `sweep` measured: each run's wall
     time (`spent_seconds`) against its rollouts, fitted as start-up + rate x rollouts by least squares where
-    the runs have two lengths or more, else the stated start-up taken off; the rate's range is the runs'
-    own rates about that start-up. VeRL runs are not calibrated here: their estimates keep resting on the
+    the runs have two lengths or more and the longer ones took longer, else the stated start-up taken off; the
+    rate's range is the runs' own rates about that start-up. VeRL runs are not calibrated here: their estimates keep resting on the
     stated assumptions."""
     from pdmctl.backends.registry import flat_config
 
@@ -44,12 +44,17 @@ def calibrate(records: Sequence[Any], sweep: str) -> dict[str, Calibration]:
     for setting, found in rates.items():
         sizes = [float(n) for n, _, _ in found]
         walls = [w for _, w, _ in found]
+        slope = intercept = 0.0
         if len(set(sizes)) >= 2:
             import numpy as np
 
-            fitted = max(0.0, float(np.polyfit(sizes, walls, 1)[1]))  # the intercept: seconds before the first rollout
+            slope, intercept = (float(x) for x in np.polyfit(sizes, walls, 1))
+        if slope > 0:  # the longer runs took longer: the intercept is the seconds before the first rollout
+            fitted = max(0.0, intercept)
             startup = Span(fitted, fitted, fitted)
             basis = f"fitted on runs of {len(set(sizes))} lengths"
+        elif len(set(sizes)) >= 2:  # noise (a cold first run, a loaded machine) outweighed the work: no fit
+            startup, basis = TOY_STARTUP_S, "the stated one: the longer runs were not slower, so no fit"
         else:
             startup, basis = TOY_STARTUP_S, "the stated one: the runs are of one length"
         values = [max(0.0, w - startup.expected) / n for n, w in zip(sizes, walls, strict=True)]

@@ -228,6 +228,31 @@ def test_status_shows_the_cpu_hours_a_finished_sweep_spent_beside_its_prediction
     assert "still runs" not in cost_table(SimpleNamespace(cost=[dataclasses.replace(running, left=None)])).note
 
 
+def test_a_calibration_whose_longer_run_was_not_slower_keeps_the_stated_start_up() -> None:
+    """Two finished runs where the shorter took longer (a cold first run on a loaded machine): a straight line
+    through them would call the whole run start-up and the rate 0. The calibration keeps the stated start-up,
+    says why, and each run's measured time stays within its own predicted range."""
+    from types import SimpleNamespace
+
+    from pdmctl.backends.registry import flat_config
+
+    specs = expand(["seed=0", "backend.steps=3,6"], None, "calib")
+    walls = {3: 6.52, 6: 5.34}  # seconds: the 3-step run was the slower one
+
+    def record(spec) -> SimpleNamespace:
+        steps = flat_config(spec.config)["steps"]
+        return SimpleNamespace(status="FINISHED", spec=spec, key=spec.key, end_time=(1_800_000_000 + walls[steps]) * 1000,
+                               attempts=[{"started": "2027-01-15T08:00:00+0000"}])  # fmt: skip
+
+    (found,) = costing.calibrate([record(s) for s in specs], "calib").values()
+    assert found.startup_s == cost.TOY_STARTUP_S and "the longer runs were not slower" in found.startup_basis
+    assert 0 < found.per_rollout_s.low <= found.per_rollout_s.high
+    for spec in specs:
+        flat = flat_config(spec.config)
+        estimate = cost.toy_estimate(flat, {"calibration": {f"toy: {flat['model']} {flat['precision']}": found}})
+        assert estimate.seconds.low <= walls[flat["steps"]] <= estimate.seconds.high, (estimate, flat["steps"])
+
+
 def test_a_dry_run_calibrated_on_finished_testbed_runs_uses_their_measured_rate_and_says_so(workdir: Path) -> None:
     """Two finished runs of two lengths (3 and 6 steps) fit start-up + rate x rollouts; the calibrated plan of
     the same two runs predicts each one's measured wall time within its range, and says what it rests on."""
