@@ -48,8 +48,6 @@ BACKGROUND=()
 MAIN=""  # wait-ray, then the trainer: each the leader of a process group of its own (setsid), so
 # that what it started ends with it and no stray child keeps the trainer's output pipe open
 SETSID="$(command -v setsid || true)"
-# wait for MAIN's setsid (or its end), so that the cleanup's kill of MAIN's group always reaches it
-settle() { [ -n "$SETSID" ] || return 0; for _ in $(seq 200); do kill -0 -- "-$MAIN" 2>/dev/null && return 0; kill -0 "$MAIN" 2>/dev/null || return 0; sleep 0.05; done; }
 STATUS=0
 # However the job ends (a failed start, the trainer's exit, a signal): end the trainer, end Ray on
 # every node (this job's `ray start` steps, bounded), keep the job's status.
@@ -167,7 +165,6 @@ done
 # Wait for every node; a `ray start` step that ends meanwhile fails the start at once, not at the timeout.
 $SETSID "$PDMCTL_PYTHON" -m pdmctl.backends.verl.jobbody wait-ray --nodes "$N" --timeout "${PDMCTL_RAY_WAIT_S:-120}" &
 MAIN=$!
-settle
 while kill -0 "$MAIN" 2>/dev/null; do
   for pid in "${BACKGROUND[@]}"; do
     if ! kill -0 "$pid" 2>/dev/null; then
@@ -187,7 +184,6 @@ else
   $SETSID "$PDMCTL_PYTHON" -m pdmctl.backends.verl.jobbody train "$@" &
 fi
 MAIN=$!
-settle
 # A Ray node's step that ends while the trainer runs is a lost node (its machine, its slurmd or its raylet
 # gone, or its step ended): the trainer gets PDMCTL_NODE_LOSS_GRACE_S to fail by itself, then the job
 # exits 75, which pdmctl reads as a lost node (the cleanup ends what is left).
