@@ -139,10 +139,22 @@ def test_an_engine_job_ends_its_leftovers_on_the_other_nodes_after_ray(nodes: di
     assert _all_ended(nodes)
 
 
-def test_a_failed_ray_start_ends_the_job_at_once_with_its_reason(nodes: dict[str, str]) -> None:
+@pytest.mark.parametrize("setsid", ["prompt", "slow"])
+def test_a_failed_ray_start_ends_the_job_at_once_with_its_reason(nodes: dict[str, str], setsid: str,
+                                                                 tmp_path: Path) -> None:  # fmt: skip
     """A worker's `ray start` fails: the job ends in seconds (not at the 120 s wait), Ray is stopped on
-    every node, the head's step ended, the trainer never started, and the run's reason says why."""
+    every node, the head's step ended, the trainer never started, and the run's reason says why. Also where
+    the job ends before `wait-ray` has made its own process group (`slow`: its setsid comes 3 s late):
+    the cleanup ends the process itself, which would otherwise hold the job's output until the stall
+    watchdog."""
     env = {**os.environ, **nodes, "FAKE_FAIL_NODE": "nodeB", "FAKE_WAIT": "sleep 300"}
+    if setsid == "slow":
+        import shutil
+
+        real = shutil.which("setsid")
+        assert real, "util-linux's setsid"
+        (tmp_path / "bin" / "setsid").write_text(f'#!/bin/bash\nsleep 3\nexec {real} "$@"\n')
+        (tmp_path / "bin" / "setsid").chmod(0o755)
     started = time.monotonic()
     with pytest.raises(jobbody.EngineJobError, match="a Ray node step ended while the cluster was starting"):
         jobbody._run_trainer(_body(), env, stall_s=60)

@@ -55,6 +55,8 @@ cleanup() {
   STATUS=$?
   trap - EXIT INT TERM
   set +e
+  # still running but not yet the leader of its own group (its setsid to come, just after its start): itself
+  if [ -n "$MAIN" ] && ! kill -0 -- "-$MAIN" 2>/dev/null && jobs -pr | grep -qx "$MAIN"; then kill -TERM "$MAIN" 2>/dev/null; fi
   if [ -n "$MAIN" ] && kill -0 -- "-$MAIN" 2>/dev/null; then  # its whole process group
     kill -TERM -- "-$MAIN" 2>/dev/null
     for _ in $(seq 30); do kill -0 -- "-$MAIN" 2>/dev/null || break; sleep 1; done
