@@ -193,6 +193,8 @@ def _redacted(uri: str) -> str:
 
 
 def _print_plan(plan, ctx, executor, unread: str | None = None) -> None:
+    from pdmctl.backends.registry import run_nodes
+
     table = Table(title=f"sweep {plan.specs[0].sweep if plan.specs else ''}: {len(plan.specs)} run(s)")
     for col in ("#", "key", "config", "state", "action"):
         table.add_column(col)
@@ -206,7 +208,7 @@ def _print_plan(plan, ctx, executor, unread: str | None = None) -> None:
     console.print(
         "counts: "
         + ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
-        + f"; would submit {len(submit)}: {executor.describe([None] * len(submit))}",
+        + f"; would submit {len(submit)}: {executor.describe([None] * len(submit), [run_nodes(s) for s in plan.to_submit])}",
         highlight=False,
     )
     console.print(f"tracking: {_redacted(ctx.tracking_uri)}  (dry run: nothing written)", highlight=False)

@@ -199,14 +199,33 @@ class Calibration:
     rests_on: str
 
 
-def wall_seconds(run_seconds: Sequence[float], slots: int | None) -> float:
-    """The runs, in array order, on `slots` slots (each starts when one frees): when the last one ends."""
+def wall_seconds(run_seconds: Sequence[float], slots: int | None, nodes: Sequence[int] | None = None,
+                 slot_nodes: int = 1) -> float:
+    """The runs, in array order, on `slots` slots (each starts when one frees): when the last one ends.
+    With `nodes` (each run's), a slot is `slot_nodes` nodes and a run of fewer shares one with others. The
+    runs of one node count go out as one array, the arrays in the order their counts first come
+    (executors.slurm), and the earlier array's runs start first: the runs take the nodes in that order,
+    each starting once its count is free (no run overtakes one before it). Runs of one slot each give the
+    same times as without."""
     if not run_seconds:
         return 0.0
-    ends = [0.0] * min(slots or len(run_seconds), len(run_seconds))
-    for seconds in run_seconds:
-        heapq.heappush(ends, heapq.heappop(ends) + seconds)
-    return max(ends)
+    if nodes is None or slots is None:
+        ends = [0.0] * min(slots or len(run_seconds), len(run_seconds))
+        for seconds in run_seconds:
+            heapq.heappush(ends, heapq.heappop(ends) + seconds)
+        return max(ends)
+    counts = list(dict.fromkeys(nodes))
+    placed = sorted(zip(run_seconds, nodes, strict=True), key=lambda run: counts.index(run[1]))
+    free, now, running, last = slots * slot_nodes, 0.0, [], 0.0
+    for seconds, need in placed:
+        need = min(need, slots * slot_nodes)
+        while free < need:  # the next run waits for the earliest ends
+            now, given = heapq.heappop(running)
+            free += given
+        heapq.heappush(running, (now + seconds, need))
+        free -= need
+        last = max(last, now + seconds)
+    return last
 
 
 @dataclass(frozen=True)
@@ -221,13 +240,16 @@ class Total:
     upper_wall_s: float
 
 
-def total(estimates: Sequence[Estimate], slots: int | None) -> Total:
+def total(estimates: Sequence[Estimate], slots: int | None, nodes: Sequence[int] | None = None,
+          slot_nodes: int = 1) -> Total:
+    """Hours summed; wall time on `slots` (`wall_seconds`: with each run's `nodes`, on slots of `slot_nodes`)."""
     units = {e.unit for e in estimates}
     hours = Span(sum(e.hours.expected for e in estimates), sum(e.hours.low for e in estimates),
                  sum(e.hours.high for e in estimates))  # fmt: skip
-    wall = Span(*(wall_seconds([getattr(e.seconds, k) for e in estimates], slots) for k in ("expected", "low", "high")))
+    wall = Span(*(wall_seconds([getattr(e.seconds, k) for e in estimates], slots, nodes, slot_nodes)
+                  for k in ("expected", "low", "high")))  # fmt: skip
     return Total(len(estimates), "/".join(sorted(units)) or "GPU", hours, sum(e.upper_hours for e in estimates), wall,
-                 wall_seconds([e.upper_s for e in estimates], slots))  # fmt: skip
+                 wall_seconds([e.upper_s for e in estimates], slots, nodes, slot_nodes))  # fmt: skip
 
 
 def total_json(t: Total) -> dict[str, Any]:

@@ -128,18 +128,20 @@ def plan_json(plan: Any, ctx: Any, executor: Any, order: str, ledger_unread: str
                      "cost": estimate.as_json() if isinstance(estimate, Estimate) else None,
                      "cost_missing": estimate if isinstance(estimate, str) else None})  # fmt: skip
         if spec.key in submit:
-            by_setting.setdefault(setting, []).append(estimate)
+            by_setting.setdefault(setting, []).append((estimate, runs[-1]["nodes"]))
     at_once = slots(ctx, executor)
 
-    def summed(found: Sequence[Any]) -> dict[str, Any] | None:
-        if not found or not all(isinstance(e, Estimate) for e in found):
+    def summed(found: Sequence[tuple[Any, int]]) -> dict[str, Any] | None:
+        """Hours summed; the wall time with each run on its nodes, those of fewer side by side in a share."""
+        if not found or not all(isinstance(e, Estimate) for e, _ in found):
             return None
-        t = total_json(total(found, at_once))
-        t["rests_on"] = sorted({e.rests_on for e in found})
+        t = total_json(total([e for e, _ in found], at_once, [n for _, n in found], given))
+        t["rests_on"] = sorted({e.rests_on for e, _ in found})
         return t
 
     settings = [{"setting": name, "runs": len(found), "cost": summed(found)} for name, found in by_setting.items()]
-    to_submit = [estimates.get(s.key) for s in plan.to_submit]
+    nodes_of = {r["key"]: r["nodes"] for r in runs}
+    to_submit = [(estimates.get(s.key), nodes_of[s.key]) for s in plan.to_submit]
     return {"format": PLAN_FORMAT, "sweep": specs[0].sweep if specs else None, "cluster": ctx.profile.name,
             "executor": ctx.profile.executor, "order": order, "nodes_per_job": given, "max_concurrent": at_once,
             "ledger_read": ledger_unread is None, "runs": runs, "settings": settings,

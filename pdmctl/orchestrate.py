@@ -323,10 +323,10 @@ def check_runs(specs: Sequence[RunSpec], ctx: Context, executor: Executor) -> No
             backend.check_cluster(flat, cluster)
         except ValueError as exc:
             raise ExecutorError(f"run {spec.key} ({spec.summary}): {exc}") from exc
-        if needed is not None and needed != given:
+        if needed is not None and needed > given:  # fewer: side by side in a job's share (executors.slurm)
             raise ExecutorError(
                 f"run {spec.key} ({spec.summary}) trains on {needed} node(s) but cluster {ctx.profile.name} gives "
-                f"{given} per job: set `nodes: {needed}` in the profile, or backend.nnodes={given} for the run"
+                f"at most {given} per job: set `nodes: {needed}` in the profile, or backend.nnodes={given} for the run"
             )
 
 
@@ -607,16 +607,19 @@ def _submit(records: Sequence[RunRecord], ledger: Ledger, executor: Executor, ct
             raise RunDirError(f"run {r.key}: {job_file} must be a file; move it away, then resume")
         if logs.exists() and not logs.is_dir():
             raise RunDirError(f"run {r.key}: {logs} must be a directory; move it away, then resume")
-    token = uuid.uuid4().hex[:12]
-    requests = []
-    for i, r in enumerate(records):
+    from pdmctl.backends.registry import run_nodes
+
+    token, requests, nodes = uuid.uuid4().hex[:12], [], {r.key: run_nodes(r.spec) for r in records}
+    counts = list(dict.fromkeys(nodes.values()))  # the runs of one node count together: one array (`find`)
+    for i, r in enumerate(sorted(records, key=lambda r: counts.index(nodes[r.key]))):
         run_dir = ctx.run_dir(r)
         attempt = r.attempt + 1
         submission = f"{token}:{i}:{attempt}"
         job_file = run_dir / "job.json"
         JobFile(run_id=r.run_id, tracking_uri=ctx.tracking_uri, spec_json=r.spec_json or "", run_dir=str(run_dir),
                 attempt=attempt, executor=ctx.executor_tag(), submission=submission).write(job_file)  # fmt: skip
-        requests.append(JobRequest(r.run_id, r.key, job_file, log_file(r, ctx, attempt), attempt, submission))
+        requests.append(JobRequest(r.run_id, r.key, job_file, log_file(r, ctx, attempt), attempt, submission,
+                                   nodes[r.key]))  # fmt: skip
     ledger.mark_intent({req.run_id: req.submission for req in requests}, ctx.executor_tag())
     job_ids = executor.submit(requests)
     ledger.mark_submitted([Submission(req.run_id, jid, ctx.executor_tag(), req.attempt, req.submission)

@@ -66,6 +66,17 @@ def test_the_sweeps_wall_time_places_the_runs_in_order_on_the_slots() -> None:
     assert cost.wall_seconds([], 4) == 0
 
 
+def test_runs_of_fewer_nodes_share_a_slot_and_each_node_count_goes_out_as_its_own_array() -> None:
+    """On slots of 4 nodes, runs of 1 node go four to a slot; the runs of one node count are placed together,
+    in the order the counts first come (one array each, the earlier first); runs of a whole slot each
+    are placed as without node counts."""
+    assert cost.wall_seconds([10] * 8, 1, [1] * 8, 4) == 20
+    assert cost.wall_seconds([10, 10, 10], 1, [4, 1, 1], 4) == 20  # the 4-node run, then both 1-node ones at once
+    assert cost.wall_seconds([10, 10, 10, 10], 1, [1, 4, 1, 4], 4) == 30  # 1-node array first: 10, then 10 + 10
+    assert cost.wall_seconds([30, 10, 10, 10], 2, [4] * 4, 4) == cost.wall_seconds([30, 10, 10, 10], 2) == 30
+    assert cost.wall_seconds([10, 10], 1, [2, 2], 4) == 10  # 2 of 2 nodes in a 4-node slot
+
+
 def _staged_h20(tmp_path: Path, **changes) -> Path:
     """clusters/h20.yaml with its placeholders pointed at staged weights and data (17,408 training rows,
     AIME 2024 and 2025 of 30 each), with `changes`."""
@@ -88,11 +99,21 @@ def _staged_h20(tmp_path: Path, **changes) -> Path:
     return path
 
 
-def _paper_main(tmp_path: Path, max_concurrent: int):
+def _paper_main(tmp_path: Path, max_concurrent: int, small_on: int | None = None):
+    """paper-main's plan on the staged h20 profile; `small_on`: its 4B and 8B settings on that many nodes
+    (`backend.nnodes` in their settings), the 30B ones on the preset's 4."""
     profile = load_profile(str(_staged_h20(tmp_path, max_concurrent=max_concurrent)))
     ctx = Context(profile, f"sqlite:///{tmp_path / 'none.db'}")
     executor = make_executor(profile)
-    return ctx, executor, plan(expand([], load_sweep_file("paper-main")), ctx, order="seed")
+    sweep = "paper-main"
+    if small_on is not None:
+        fields = yaml.safe_load((ROOT / "sweeps" / "paper-main.yaml").read_text())
+        for setting in fields["settings"]:
+            if setting["model"] in ("qwen3-4b-base", "qwen3-8b-base"):
+                setting["backend.nnodes"] = small_on
+        sweep = str(tmp_path / "paper-main-packed.yaml")
+        Path(sweep).write_text(yaml.safe_dump(fields))
+    return ctx, executor, plan(expand([], load_sweep_file(sweep)), ctx, order="seed")
 
 
 def test_paper_main_on_four_nodes_has_an_expected_cost_per_run_under_its_upper_bound_seed_zero_first(
@@ -126,6 +147,26 @@ def test_paper_main_on_four_nodes_has_an_expected_cost_per_run_under_its_upper_b
     assert "on the profile's 4 node(s) at max_concurrent 1" in line and "not measurements" in line
 
 
+def test_paper_mains_4b_and_8b_on_one_node_pack_four_to_a_share_and_shorten_the_sweep(tmp_path: Path) -> None:
+    """paper-main with its 4B and 8B settings on one node each (backend.nnodes: 1) on a 4-node partition: their
+    runs train on 8 GPUs (trainer.nnodes=1 in their commands), four side by side where a 30B run holds all 4
+    nodes; the sweep's wall time, so placed, is shorter than with every run on 4 nodes, and the dry run says
+    how the runs share the nodes."""
+    ctx, executor, packed = _paper_main(tmp_path / "packed", 1, small_on=1)
+    data = costing.plan_json(packed, ctx, executor, "seed")
+    for run in data["runs"]:
+        small = run["config"]["model"]["name"] in ("qwen3-4b-base", "qwen3-8b-base")
+        assert run["nodes"] == (1 if small else 4) and run["cost"]["devices"] == (8 if small else 32), run["key"]
+    lines = describe_runs(packed.to_submit, ctx, executor)
+    four_b = next(i for i, line in enumerate(lines) if line.startswith("setting 1/"))
+    assert "qwen3-4b-base" in lines[four_b] and "trainer.nnodes=1" in lines[four_b + 2], lines[four_b:four_b + 3]
+    assert "(1 x 4 node(s) at a time; runs of 1 node(s) 4 side by side in a share)" in lines[-1], lines[-1]
+    whole_ctx, whole_executor, whole_plan = _paper_main(tmp_path / "whole", 1)
+    whole = costing.plan_json(whole_plan, whole_ctx, whole_executor, "seed")
+    assert data["sweep_cost"]["wall_days"]["expected"] < whole["sweep_cost"]["wall_days"]["expected"]
+    assert "--nodes=1" in executor.describe([None] * 48, [r["nodes"] for r in data["runs"]])
+
+
 def test_the_testbeds_plan_is_json_in_cpu_hours_and_writes_nothing(workdir: Path) -> None:
     result = pdmctl("sweep", "seed=0,1", "k=10,20", "--dry-run", "--json", cwd=workdir)
     assert result.returncode == 0, result.stderr
@@ -156,8 +197,8 @@ def test_the_cost_figures_in_docs_cluster_are_the_shipped_profiles_dry_run(tmp_p
     on the shipped h20 profile (max_concurrent 4: 16 nodes) and on a 4-node partition (max_concurrent 1)."""
     doc = (ROOT / "docs" / "CLUSTER.md").read_text()
     section = doc[doc.index("### Cost"):]
-    for slots in (4, 1):
-        ctx, executor, sweep_plan = _paper_main(tmp_path / str(slots), max_concurrent=slots)
+    for slots, small_on in ((4, None), (1, None), (4, 1), (1, 1)):
+        ctx, executor, sweep_plan = _paper_main(tmp_path / f"{slots}-{small_on}", slots, small_on)
         line = describe_runs(sweep_plan.to_submit, ctx, executor)[-1]
         figures = re.match(r"sweep cost: 48 run\(s\), (.+?); (.+?) of wall time expected \((.+?); upper bound (.+?)\)",
                            line)  # fmt: skip

@@ -288,6 +288,38 @@ def test_a_toy_sweep_through_the_profile_finishes_with_its_metrics_in_the_ledger
              60, "COMPLETED in sacct")  # fmt: skip
 
 
+def test_runs_of_one_node_run_two_at_a_time_on_the_two_node_profile(shared_dir: Path) -> None:
+    """A setting of one node on a profile of 2-node jobs (as a 4B run on one 8-GPU node of a 4-node profile):
+    backend.nnodes=1 sends its runs as an array of 1-node jobs whose %-limit packs two into each 2-node share.
+    Both run at the same time, each job holds one node, and both finish with every step once."""
+    from datetime import datetime
+
+    from pdmctl import orchestrate
+
+    uri = f"sqlite:///{shared_dir / 'mlflow.db'}"
+    name = f"p{uuid.uuid4().hex[:8]}"
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "pdmctl"), "sweep", *TOY, "backend.steps=6", "seed=0,1",
+         "backend.nnodes=1", "--name", name, "--cluster", PROFILE, "--tracking-uri", uri],
+        capture_output=True, text=True, timeout=420, cwd=shared_dir,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ctx = orchestrate.make_context(PROFILE, uri)
+    views = wait_for_runs(ctx, name, lambda vs: all(v.state not in orchestrate.ACTIVE for v in vs), 300,
+                          "2 finished runs")  # fmt: skip
+    assert [v.state for v in views] == [orchestrate.RunState.FINISHED] * 2, [(v.key, v.state) for v in views]
+    spans = []
+    for v in views:
+        assert v.record.attempt == 1
+        assert_complete_history(uri, v.record.run_id, steps=6)
+        nodelist, alloc, start, end = slurm("sacct", "-n", "-P", "-X", "-o", "NodeList,AllocNodes,Start,End", "-j",
+                                            v.record.job_id).strip().split("|")  # fmt: skip
+        assert nodelist in ("n1", "n2") and alloc == "1", (nodelist, alloc)
+        spans.append((datetime.fromisoformat(start), datetime.fromisoformat(end)))
+    (a_start, a_end), (b_start, b_end) = spans
+    assert a_start < b_end and b_start < a_end, f"the two jobs did not run at the same time: {spans}"
+
+
 @pytest.mark.timeout(900)
 def test_losing_a_node_mid_run_requeues_and_resumes_from_the_checkpoint(shared_dir: Path) -> None:
     """n2's slurmd is SIGKILLed mid-training (its node's processes go with it, as in a crash). SLURM sees

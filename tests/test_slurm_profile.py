@@ -94,10 +94,27 @@ def test_extra_sbatch_lines() -> None:
 def test_arrays_split_at_max_array_size_and_share_the_limit(tmp_path: Path, monkeypatch) -> None:
     executor = SlurmExecutor(_profile(tmp_path))
     monkeypatch.setattr(executor, "max_array_size", lambda: 400)
-    arrays = executor._arrays(1000)
-    assert [(a.start, a.stop) for a, _ in arrays] == [(0, 400), (400, 800), (800, 1000)]
-    assert [p for _, p in arrays] == [2, 1, 1]  # 4 shared out, at least 1 each
-    assert [p for _, p in executor._arrays(3)] == [3]  # never more than the array has
+    arrays = executor._arrays([(1, 1000)])
+    assert [(a.start, a.stop) for _, a, _ in arrays] == [(0, 400), (400, 800), (800, 1000)]
+    assert [p for _, _, p in arrays] == [2, 1, 1]  # 4 shared out, at least 1 each
+    assert [p for _, _, p in executor._arrays([(1, 3)])] == [3]  # never more than the array has
+
+
+def test_runs_of_fewer_nodes_than_the_profile_pack_side_by_side_in_their_own_array(tmp_path: Path) -> None:
+    """A profile of 4-node jobs at max_concurrent 4: runs of 1 node go in an array of their own (--nodes=1)
+    whose %-limit packs 4 of them into each 4-node share; where both counts come in one submission, the
+    shares are split between them. The dry run's description says so."""
+    executor = SlurmExecutor(_profile(tmp_path, nodes=4))
+    assert executor._groups([1, None, 1, 4]) == [(1, [0, 2]), (4, [1, 3])]
+    assert [(n, p) for n, _, p in executor._arrays([(1, 20)])] == [(1, 16)]  # 4 shares x 4 runs of 1 node
+    assert [(n, p) for n, _, p in executor._arrays([(2, 20)])] == [(2, 8)]
+    assert [(n, p) for n, _, p in executor._arrays([(4, 20), (1, 20)])] == [(4, 2), (1, 8)]
+    assert executor.sbatch_parameters(8, 1)["nodes"] == 1 and executor.sbatch_parameters(2)["nodes"] == 4
+    text = executor.describe([None] * 6, [1, 1, 1, 1, 4, 4])
+    assert "6 job(s) as 2 SLURM job array(s)" in text
+    assert "sbatch --array=0-3%4 --nodes=1  (4 run(s) of 1 node(s), 4 side by side in each of max_concurrent's shares)" in text
+    assert "sbatch --array=0-1%2 --nodes=4  (2 run(s) of 4 node(s))" in text
+    assert "#SBATCH --nodes=1" in text  # the first array's script
 
 
 def test_h20_profile_dry_run_script() -> None:

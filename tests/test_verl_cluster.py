@@ -81,13 +81,16 @@ def test_inside_the_job_the_trainer_spans_the_allocation(monkeypatch: pytest.Mon
     assert "trainer.nnodes=2" in command and "trainer.nnodes=4" not in command
 
 
-def test_a_preset_the_profile_gives_other_nodes_is_refused_at_submit(tmp_path: Path) -> None:
+def test_a_run_on_more_nodes_than_a_job_of_the_profile_is_refused_and_fewer_are_taken(tmp_path: Path) -> None:
+    """A 4-node preset on a profile of 2-node jobs is refused in one line; on 2 or on 1 node
+    (backend.nnodes) it is taken: a run of fewer nodes than the profile's packs beside others."""
     specs = expand(["backend=verl", "model=qwen3-4b-base"], None, "s")
-    with pytest.raises(ExecutorError, match=r"trains on 4 node\(s\) but cluster t gives 2 per job") as info:
+    with pytest.raises(ExecutorError, match=r"trains on 4 node\(s\) but cluster t gives at most 2 per job") as info:
         _check(specs, str(_profile_file(tmp_path, nodes=2, offline=False)))
     assert "\n" not in str(info.value)
-    two = expand(["backend=verl", "model=qwen3-4b-base", "backend.nnodes=2"], None, "s")
-    _check(two, str(_profile_file(tmp_path, nodes=2, offline=False)))
+    for nodes in (2, 1):
+        fewer = expand(["backend=verl", "model=qwen3-4b-base", f"backend.nnodes={nodes}"], None, "s")
+        _check(fewer, str(_profile_file(tmp_path, nodes=2, offline=False)))
 
 
 def test_a_toy_run_takes_any_allocation(tmp_path: Path) -> None:
@@ -100,7 +103,7 @@ def test_the_cli_refuses_a_node_mismatch_in_one_line_and_writes_nothing(workdir:
     result = pdmctl("sweep", "backend=verl", "model=qwen3-4b-base", "--dry-run", cwd=workdir)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "trains on 4 node(s) but cluster local gives 1 per job" in lines[0]
+    assert len(lines) == 1 and "trains on 4 node(s) but cluster local gives at most 1 per job" in lines[0]
     assert not (workdir / "mlflow.db").exists()
     ok = pdmctl("sweep", "backend=verl", "model=qwen3-4b-base", "backend.nnodes=1", "--dry-run", cwd=workdir)
     assert ok.returncode == 0, ok.stderr

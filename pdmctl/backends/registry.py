@@ -34,8 +34,9 @@ class Backend:
     run: Callable[[Mapping[str, Any], Path, Tracker], Mapping[str, float]]  # (flat config, run dir, tracker)
     final_step: Callable[[Mapping[str, Any]], int | None] = lambda flat: int(flat["steps"])  # a tune trial's
     # last evaluation, reported but never pruned (None: not known before the run)
-    # the nodes one job of this run trains on; None: one process on the job's first node, whatever the
-    # allocation (the toy: a profile of `nodes: 2` holds both, as the CI's node-loss test needs)
+    # the nodes one job of this run holds (at most the profile's `nodes`; fewer: side by side with other runs);
+    # None: the profile's (the toy by default: one process on the job's first node, the others held, as the CI's
+    # node-loss test needs; backend.nnodes=1 a job of its one node)
     nodes: Callable[[Mapping[str, Any]], int | None] = lambda flat: None
     # before submitting to a cluster (login node): raise ValueError for what the job would fail on
     check_cluster: Callable[[Mapping[str, Any], Mapping[str, Any]], None] = lambda flat, cluster: None
@@ -441,8 +442,8 @@ def _synthetic() -> Backend:
 
 
 BACKENDS: dict[str, Backend] = {
-    "toy": Backend("toy", _toy_defaults, _toy_validate, _toy_run, provenance=_toy_provenance, estimate=_toy_estimate,
-                   requires=("torch",)),  # fmt: skip
+    "toy": Backend("toy", _toy_defaults, _toy_validate, _toy_run, nodes=lambda flat: flat.get("nnodes"),
+                   provenance=_toy_provenance, estimate=_toy_estimate, requires=("torch",)),  # fmt: skip
     "verl": Backend("verl", _verl_defaults, _verl_validate, _verl_run, lambda flat: _verl_module().final_step(flat),
                     lambda flat: _verl_module().run_nodes(_verl_job_config(flat, Path("/pdmctl-validate"))),
                     _verl_check_cluster, _verl_describe, provenance=_verl_provenance, engine_keys="verl",
@@ -451,6 +452,11 @@ BACKENDS: dict[str, Backend] = {
                     estimate=lambda runs, cluster: _verl_describe(runs, cluster, estimate=True)),  # fmt: skip
     "synthetic": _synthetic(),  # a known objective for pdmctl tune's tests and benchmark
 }
+
+
+def run_nodes(spec: Any) -> int | None:
+    """The nodes a run's job asks for: its backend's count for it (None, or no spec: the profile's `nodes`)."""
+    return None if spec is None else get_backend(spec.backend).nodes(flat_config(spec.config))
 
 
 def check_installed(names: Iterable[str]) -> None:

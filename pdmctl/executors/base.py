@@ -54,6 +54,7 @@ class JobRequest:
     log_file: Path
     attempt: int
     submission: str = ""  # "token:index:attempt", recorded in the ledger before submit; see `find`
+    nodes: int | None = None  # the nodes its run trains on (None: the profile's `nodes`); the fewer, side by side
 
 
 @dataclass(frozen=True)
@@ -207,15 +208,15 @@ class Executor(ABC):
         """Stop the jobs; pending ones never start."""
 
     def nodes_per_job(self) -> int:
-        """How many nodes each job gets (a run whose backend needs another count is refused)."""
+        """How many nodes a job gets where its run names none, and the most one may ask for."""
         return 1
 
     def job_settings(self) -> dict[str, Any]:
         """What a backend's submit check reads of the cluster: offline, models_dir, data_dir."""
         return {"offline": False}
 
-    def describe(self, requests: Sequence[JobRequest]) -> str:
-        """What `--dry-run` prints about the submission."""
+    def describe(self, requests: Sequence[JobRequest | None], nodes: Sequence[int | None] = ()) -> str:
+        """What `--dry-run` prints about the submission (`nodes`: each job's, where known)."""
         return f"{len(requests)} job(s) on the {self.name} executor"
 
 

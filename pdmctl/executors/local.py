@@ -189,7 +189,7 @@ class LocalExecutor(Executor):
                         done / f"{job_id}.json", {"state": JobState.CANCELLED.value, "returncode": None}
                     )
 
-    def describe(self, requests: Sequence[JobRequest]) -> str:
+    def describe(self, requests: Sequence[JobRequest | None], nodes: Sequence[int | None] = ()) -> str:
         return (f"{len(requests)} local process(es), at most {self.cap} at a time, "
                 f"queued under {self.root}")  # fmt: skip
 

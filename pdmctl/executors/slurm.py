@@ -191,10 +191,11 @@ class SlurmExecutor(Executor):
         if not requests:
             return []
         job_ids: list[str] = []
+        groups = self._groups([r.nodes for r in requests])
         try:
-            for part, parallelism in self._arrays(len(requests)):
-                chunk = requests[part]
-                executor = self._submitit_executor(parallelism, _comment(chunk))
+            for nodes, part, parallelism in self._arrays([(n, len(members)) for n, members in groups]):
+                chunk = [requests[i] for i in dict(groups)[nodes][part]]
+                executor = self._submitit_executor(parallelism, _comment(chunk), nodes)
                 # sbatch's own complaint goes into the ExecutorError, not onto the terminal twice
                 with contextlib.redirect_stderr(io.StringIO()):
                     jobs = executor.map_array(PdmctlJob(), [str(r.job_file) for r in chunk],
@@ -208,19 +209,30 @@ class SlurmExecutor(Executor):
             ) from exc
         return job_ids
 
-    def _arrays(self, n: int) -> list[tuple[slice, int]]:
-        """Cut n tasks into arrays of at most MaxArraySize; share the profile's %-limit between them."""
-        size = self.max_array_size()
-        parts = [slice(i, min(i + size, n)) for i in range(0, n, size)]
-        cap = self.profile.max_concurrent
-        out = []
-        for i, part in enumerate(parts):
-            count = part.stop - part.start
-            share = count if cap is None else max(1, cap // len(parts) + (i < cap % len(parts)))
-            out.append((part, min(share, count)))
+    def _groups(self, nodes: Sequence[int | None]) -> list[tuple[int, list[int]]]:
+        """The jobs' positions by node count (None: the profile's), in the order the counts first come. The
+        runs of one count are contiguous in a submission (orchestrate orders them so), as `find` needs."""
+        groups: dict[int, list[int]] = {}
+        for i, n in enumerate(nodes):
+            groups.setdefault(n or self.options.nodes, []).append(i)
+        return list(groups.items())
+
+    def _arrays(self, groups: Sequence[tuple[int, int]]) -> list[tuple[int, slice, int]]:
+        """One array per node count (`groups`: (nodes, jobs) each), cut at MaxArraySize: (nodes, its tasks,
+        its %-limit). The profile's max_concurrent counts jobs of its `nodes`; it is shared between the
+        node counts, and a job of fewer nodes packs side by side with others in a share: nodes // its nodes."""
+        size, cap, out = self.max_array_size(), self.profile.max_concurrent, []
+        for g, (nodes, n) in enumerate(groups):
+            parts = [slice(i, min(i + size, n)) for i in range(0, n, size)]
+            own = None if cap is None else max(1, cap // len(groups) + (g < cap % len(groups)))
+            own = None if own is None else own * max(1, self.options.nodes // nodes)
+            for i, part in enumerate(parts):
+                count = part.stop - part.start
+                share = count if own is None else max(1, own // len(parts) + (i < own % len(parts)))
+                out.append((nodes, part, min(share, count)))
         return out
 
-    def sbatch_parameters(self, parallelism: int) -> dict[str, Any]:
+    def sbatch_parameters(self, parallelism: int, nodes: int | None = None) -> dict[str, Any]:
         """submitit's parameters for one array (its own names; see submitit.slurm.slurm._make_sbatch_string)."""
         opts = self.options
         extra: dict[str, str | bool] = {
@@ -238,7 +250,7 @@ class SlurmExecutor(Executor):
             *(f"export {key}={shlex.quote(value)}" for key, value in opts.network),  # every node's srun steps inherit it
         ]
         params: dict[str, Any] = {
-            "job_name": opts.job_name, "time": opts.time, "nodes": opts.nodes, "ntasks_per_node": 1,
+            "job_name": opts.job_name, "time": opts.time, "nodes": nodes or opts.nodes, "ntasks_per_node": 1,
             "cpus_per_task": opts.cpus_per_task, "signal_delay_s": opts.signal_delay_s, "setup": setup,
             "array_parallelism": parallelism, "stderr_to_stdout": True, "use_srun": False,
             "additional_parameters": extra,
@@ -275,11 +287,12 @@ class SlurmExecutor(Executor):
         # exec: the interpreter replaces the batch shell, so the batch step's signals reach it
         return f"exec {shlex.quote(self.options.python or sys.executable)}"
 
-    def _submitit_executor(self, parallelism: int, comment: str | None = None) -> submitit.SlurmExecutor:
+    def _submitit_executor(self, parallelism: int, comment: str | None = None,
+                           nodes: int | None = None) -> submitit.SlurmExecutor:  # fmt: skip
         self.folder.mkdir(parents=True, exist_ok=True)
         executor = submitit.SlurmExecutor(folder=self.folder, max_num_timeout=self.options.max_timeouts,
                                           python=self.python)  # fmt: skip
-        params = self.sbatch_parameters(parallelism)
+        params = self.sbatch_parameters(parallelism, nodes)
         if comment is not None:
             params["additional_parameters"] = {**params["additional_parameters"], "comment": comment}
         executor.update_parameters(**params)
@@ -304,21 +317,24 @@ class SlurmExecutor(Executor):
                 found[submission] = job_id
         return found
 
-    def describe(self, requests: Sequence[JobRequest | None]) -> str:
+    def describe(self, requests: Sequence[JobRequest | None], nodes: Sequence[int | None] = ()) -> str:
         n = len(requests)
         if n == 0:
             return "nothing to submit"
-        arrays = self._arrays(n)
+        groups = self._groups([*nodes, *[None] * (n - len(nodes))][:n])
+        arrays = self._arrays([(count, len(members)) for count, members in groups])
         lines = [f"{n} job(s) as {len(arrays)} SLURM job array(s) (MaxArraySize {self.max_array_size()}):"]
-        for part, parallelism in arrays:
-            lines.append(f"  sbatch --array=0-{part.stop - part.start - 1}%{parallelism}  "
-                         f"(runs {part.start + 1}-{part.stop})")  # fmt: skip
+        for count, part, parallelism in arrays:
+            share = self.options.nodes // count
+            packed = f", {share} side by side in each of max_concurrent's shares" if share > 1 else ""
+            lines.append(f"  sbatch --array=0-{part.stop - part.start - 1}%{parallelism} --nodes={count}  "
+                         f"({part.stop - part.start} run(s) of {count} node(s){packed})")  # fmt: skip
         from submitit.slurm.slurm import _make_sbatch_string  # the exact text submitit writes
 
-        params = self.sbatch_parameters(arrays[0][1])
+        params = self.sbatch_parameters(arrays[0][2], arrays[0][0])
         command = f"{self.python} -u -m submitit.core._submit {shlex.quote(str(self.folder))}"
         script = _make_sbatch_string(command=command, folder=self.folder,
-                                     map_count=arrays[0][0].stop - arrays[0][0].start, **params)  # fmt: skip
+                                     map_count=arrays[0][1].stop - arrays[0][1].start, **params)  # fmt: skip
         lines += ["sbatch script of the first array:", *("  " + ln for ln in script.splitlines())]
         return "\n".join(lines)
 

@@ -37,6 +37,9 @@ class ToyConfig:
     eval_every: int = 10
     eval_samples: int = 16
     checkpoint_every: int = 10
+    # the nodes its job holds (null: the cluster profile's); it trains on the first. Where it runs, not what it
+    # learns: not in the run key (pdmctl.spec)
+    nnodes: int | None = None
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> ToyConfig:
@@ -58,10 +61,10 @@ class ToyConfig:
 def _coerce(name: str, value: Any, default: Any) -> Any:
     """Plain values as the field's type: YAML gives 1 for 1.0 and may give "0.1" for 0.1."""
     if value is None:
-        if name == "delta_low":
+        if name in ("delta_low", "nnodes"):
             return None
         raise ValueError(f"{name}: must be set, got None")
-    target = type(default) if default is not None else float
+    target = int if name == "nnodes" else type(default) if default is not None else float
     if target is bool or isinstance(value, bool):
         raise ValueError(f"{name}: expected {target.__name__}, got {value!r}")
     try:
@@ -123,6 +126,8 @@ def _problems(cfg: ToyConfig) -> list[str]:
     found += [
         f"{name}: must be >= 1, got {getattr(cfg, name)}" for name in at_least_one if getattr(cfg, name) < 1
     ]
+    if cfg.nnodes is not None and not 1 <= cfg.nnodes <= 10**9:
+        found.append(f"nnodes: must be an integer >= 1 or null (the profile's nodes), got {cfg.nnodes}")
     if cfg.group_size < 2:
         found.append(f"group_size: GRPO needs at least 2 samples per prompt, got {cfg.group_size}")
     elif cfg.minibatches > cfg.prompts_per_step * cfg.group_size:

@@ -83,12 +83,13 @@ def describe_jobs(jobs: Sequence[Job], nodes: int, environ: Mapping[str, str], c
         return []
     settings: dict[str, dict[tuple, _Command]] = {}
     for job in jobs:
-        command = _command(job, nodes, environ)
+        command = _command(job, environ)
         group = settings.setdefault(job.setting, {})
         group.setdefault((tuple(command.overrides), tuple(sorted(command.env.items()))), command).jobs.append(job)
     commands = sum(len(group) for group in settings.values())
     lines = [f"VeRL jobs: {len(jobs)} run(s), {len(settings)} setting(s), {commands} distinct command(s), each as its "
-             f"job runs it on {nodes} node(s) after the job body has started Ray (jobbody.JOB_BODY); SEED, KEY and "
+             f"job runs it on its run's nodes (the profile's: {nodes}) after the job body has started Ray "
+             "(jobbody.JOB_BODY); SEED, KEY and "
              "RUN_ID stand for each run's own; the array starts with one run of each setting"]  # fmt: skip
     throughputs = _throughputs(cluster)
     per_run: list[tuple[Job, RunCost | None]] = []
@@ -119,7 +120,8 @@ def describe_jobs(jobs: Sequence[Job], nodes: int, environ: Mapping[str, str], c
         per_run += in_setting
         estimates = [cost.estimate for _, cost in in_setting if cost is not None and cost.estimate is not None]
         if len(estimates) == len(in_setting):
-            t = costs.total(estimates, cluster.get("max_concurrent"))
+            t = costs.total(estimates, cluster.get("max_concurrent"), [launch.run_nodes(j.config) for j in runs],
+                            int(cluster.get("nodes") or 1))  # fmt: skip
             longest = max(estimates, key=lambda e: e.seconds.expected)
             lines.append(f"  setting cost: {len(runs)} run(s), {costs.hours_text(t.hours, t.upper_hours)}; "
                          f"{_duration(longest.seconds.expected)} a run{_attempts(estimates, cluster)}")  # fmt: skip
@@ -143,7 +145,7 @@ def estimate_jobs(jobs: Sequence[Job], nodes: int, environ: Mapping[str, str],
     throughputs = _throughputs(cluster)
     commands: dict[tuple, _Command] = {}
     for job in jobs:
-        command = _command(job, nodes, environ)
+        command = _command(job, environ)
         commands.setdefault((tuple(command.overrides), tuple(sorted(command.env.items()))), command).jobs.append(job)
     out: dict[str, costs.Estimate | str] = {}
     for command in commands.values():
@@ -156,8 +158,10 @@ def estimate_jobs(jobs: Sequence[Job], nodes: int, environ: Mapping[str, str],
     return out
 
 
-def _command(job: Job, nodes: int, environ: Mapping[str, str]) -> _Command:
-    """The job's command with what the run owns written as SEED, KEY, RUN_ID (so its runs group together)."""
+def _command(job: Job, environ: Mapping[str, str]) -> _Command:
+    """The job's command with what the run owns written as SEED, KEY, RUN_ID (so its runs group together), on
+    the run's nodes (its job's allocation: executors.slurm asks for them)."""
+    nodes = launch.run_nodes(job.config)
     config = {**job.config, "checkpoint_dir": str(job.config["checkpoint_dir"]).replace(job.key, "KEY")}
 
     def overrides(seed: int) -> dict[str, str]:
@@ -286,13 +290,16 @@ def _sweep_line(per_run: Sequence[tuple[Job, RunCost | None]], cluster: Mapping[
     if len(estimates) < len(per_run):
         return f"sweep cost: not estimated ({len(per_run) - len(estimates)} run(s) without an estimate); {storage}"
     slots = cluster.get("max_concurrent") or len(estimates)  # the array's %-limit: each run starts when a slot frees
-    t = costs.total(estimates, slots)
-    nodes = cluster.get("nodes") or 1
+    nodes = int(cluster.get("nodes") or 1)
+    run_nodes = [launch.run_nodes(job.config) for job, _ in per_run]
+    t = costs.total(estimates, slots, run_nodes, nodes)
+    packed = sorted({n for n in run_nodes if n < nodes})
+    side = "".join(f"; runs of {n} node(s) {nodes // n} side by side in a share" for n in packed)
     w = t.wall_s
     return (f"sweep cost: {len(estimates)} run(s), {costs.hours_text(t.hours, t.upper_hours)}; "
             f"{_duration(w.expected)} of wall time expected ({_duration(w.low)}-{_duration(w.high)}; upper bound "
             f"{_duration(t.upper_wall_s)}) on the profile's {slots * nodes} node(s) at max_concurrent {slots} "
-            f"({slots} x {nodes} node(s) at a time), from the queue's first start; rests on {costs.RESTS_ON}; "
+            f"({slots} x {nodes} node(s) at a time{side}), from the queue's first start; rests on {costs.RESTS_ON}; "
             f"{storage}")  # fmt: skip
 
 
