@@ -312,8 +312,12 @@ def test_runs_of_one_node_run_two_at_a_time_on_the_two_node_profile(shared_dir: 
     for v in views:
         assert v.record.attempt == 1
         assert_complete_history(uri, v.record.run_id, steps=6)
-        nodelist, alloc, start, end = slurm("sacct", "-n", "-P", "-X", "-o", "NodeList,AllocNodes,Start,End", "-j",
-                                            v.record.job_id).strip().split("|")  # fmt: skip
+
+        def accounted(job_id: str = v.record.job_id) -> list[str] | None:  # slurmdbd records the end a moment later
+            fields = slurm("sacct", "-n", "-P", "-X", "-o", "NodeList,AllocNodes,Start,End,State", "-j", job_id).split("|")
+            return fields[:4] if len(fields) == 5 and fields[4].strip() == "COMPLETED" else None
+
+        nodelist, alloc, start, end = wait_for(accounted, 60, f"job {v.record.job_id} COMPLETED in sacct")
         assert nodelist in ("n1", "n2") and alloc == "1", (nodelist, alloc)
         spans.append((datetime.fromisoformat(start), datetime.fromisoformat(end)))
     (a_start, a_end), (b_start, b_end) = spans
