@@ -465,21 +465,24 @@ def doctor(
         bool, typer.Option("--on-node", help="The node's checks (GPUs, driver, imports): run inside a job.")
     ] = False,
     job: Annotated[
-        bool, typer.Option("--job", help="After the login node's checks, run the node's in a one-node job (srun).")
+        bool, typer.Option("--job", help="After the login node's checks, run the nodes' in a job of the profile's "
+                           "nodes (srun): each node's, then across them (shared files, all-reduce, Ray).")
     ] = False,
     skip: Annotated[list[str] | None, typer.Option("--skip", help="A check to leave out (repeatable).")] = None,
 ) -> None:
     """Is the cluster ready: one line per check, exit 2 at the first that fails. On the login node: the profile
     (no placeholder), the partition (sinfo), the tracking server, the shared paths, the disk for the checkpoints;
-    --job then runs --on-node in a one-node job: the driver against torch's CUDA build, the GPU count against
-    the gres, vLLM, VeRL, Megatron (core and bridge), Transformer Engine, the paths and the tracking server
-    from the node, the disk."""
+    --job then runs --on-node on every node of a job of the profile's size: the driver against torch's CUDA
+    build, the GPU count against the gres, vLLM, VeRL, Megatron (core and bridge), Transformer Engine, the paths
+    and the tracking server from the node, the disk; then across the nodes: a file of the run root written on the
+    first and read on the others (the same models, data and environment), an all-reduce, Ray with every node
+    joined."""
     from pdmctl import doctor as doc
-    from pdmctl import grid, orchestrate
+    from pdmctl import doctor_nodes, grid, orchestrate
 
     skip = list(skip or [])
     with _guard():
-        known = set(doc.LOGIN_CHECKS) | set(doc.NODE_CHECKS)
+        known = set(doc.LOGIN_CHECKS) | set(doc.NODE_CHECKS) | set(doctor_nodes.CLUSTER_CHECKS)
         unknown = [s for s in skip if s not in known]
         if unknown:
             fail(f"--skip {unknown[0]}: no such check (checks: {', '.join(sorted(known))})")
@@ -493,16 +496,20 @@ def doctor(
         if ctx.profile.executor == "slurm" and checker.opts.python:
             checker.python = checker.opts.python if on_node else checker.python
 
+    task = doctor_nodes.Task.from_env() if on_node else None  # one of several nodes: each line names it
+
     def say(line: str) -> None:
-        console.print(line, highlight=False, markup=False, soft_wrap=True)
+        console.print(f"{task.node}| {line}" if task else line, highlight=False, markup=False, soft_wrap=True)
 
     where = "node " + os.uname().nodename if on_node else "login node " + os.uname().nodename
     say(f"pdmctl doctor: cluster {ctx.profile.name}, on the {where}")
     if not doc.run_checks(checker, on_node, skip, say):
         raise typer.Exit(2)
+    if task is not None and not doctor_nodes.run_checks(checker, task, skip, say):
+        raise typer.Exit(2)
     if not job:
         if not on_node and ctx.profile.executor == "slurm":
-            say(f"next: pdmctl doctor --cluster {cluster} --job (the node's checks, in a one-node job)")
+            say(f"next: pdmctl doctor --cluster {cluster} --job (the nodes' checks, in a job of the profile's nodes)")
         return
     import subprocess
 
@@ -512,14 +519,14 @@ def doctor(
     args = [*(["--file", file] if file else []), *(overrides or [])]
     command = doc.job_command(ctx.profile, str(path.resolve()), checker.opts.python or sys.executable,
                               tracking_uri, skip, args)  # fmt: skip
-    say(f"the node's checks, in a one-node job: {' '.join(command[:-1])} SCRIPT")
+    say(f"the nodes' checks, in a job of the profile's {checker.opts.nodes} node(s): {' '.join(command[:-1])} SCRIPT")
     try:
         code = subprocess.run(command, check=False).returncode
     except OSError as exc:
         say(f"FAIL  job: {command[0]}: {exc.strerror or exc}")
         raise typer.Exit(2) from None
     if code != 0:
-        say(f"FAIL  job: the node's checks ended with exit code {code}")
+        say(f"FAIL  job: the nodes' checks ended with exit code {code}")
         raise typer.Exit(2)
 
 

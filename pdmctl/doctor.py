@@ -2,8 +2,9 @@
 
 On the login node it checks what the login node can see (the profile filled in, the partition as profiled,
 the tracking server, the shared paths, the disk for the checkpoints); with `--job` it then runs the node's
-checks in a one-node job of the profile (`srun`, the profile's setup lines and environment first), and
-`--on-node` is that half, run inside the job: the driver against the CUDA build of torch, the GPU count
+checks on every node of a job of the profile's size (`srun`, one task a node, the profile's setup lines and
+environment first), then those across the nodes (pdmctl.doctor_nodes: shared files, an all-reduce, Ray with every
+node joined), and `--on-node` is that half, run inside the job: the driver against the CUDA build of torch, the GPU count
 against the profile's gres, /dev/shm and the locked-memory limit against the GPUs and InfiniBand, the engine's imports (vLLM, the presets' attention, VeRL, the Megatron half,
 Transformer Engine), the
 model and data paths, the tracking server (and the login) from the node, the disk. One line per check; the
@@ -423,8 +424,9 @@ def run_checks(doctor: Doctor, on_node: bool, skip: Sequence[str], say: Callable
 
 def job_command(profile: ClusterProfile, profile_path: str, python: str, tracking_uri: str | None,
                 skip: Sequence[str], sweep_args: Sequence[str], time_min: int = 15) -> list[str]:  # fmt: skip
-    """`srun` of a one-node job of the profile that runs the node's checks: setup lines first (set -e), the job's
-    environment (the profile's exports and env:), then `pdmctl doctor --on-node`."""
+    """`srun` of a job of the profile's nodes, one task a node, that runs each node's checks and those across
+    them (pdmctl.doctor_nodes): setup lines first (set -e), the job's environment (the profile's exports, env: and
+    network:), then `pdmctl doctor --on-node`. One node's failure ends the others' tasks (--kill-on-bad-exit)."""
     from pdmctl.executors.slurm import SlurmExecutor, _fatal
 
     ex = SlurmExecutor(profile)
@@ -432,9 +434,10 @@ def job_command(profile: ClusterProfile, profile_path: str, python: str, trackin
     argv = [python, "-m", "pdmctl.entry", "doctor", "--cluster", profile_path, "--on-node",
             *(["--tracking-uri", tracking_uri] if tracking_uri else []), *(f"--skip={s}" for s in skip),
             *sweep_args]  # fmt: skip
-    script = "\n".join([*ex.job_exports(), *_fatal(opts.setup),
-                        *(f"export {k}={shlex.quote(v)}" for k, v in opts.env), "exec " + shlex.join(argv)])  # fmt: skip
-    cmd = ["srun", "--nodes=1", "--ntasks=1", f"--cpus-per-task={opts.cpus_per_task}", f"--time={min(opts.time, time_min)}",
+    script = "\n".join([*ex.job_exports(), *_fatal(opts.setup), *(f"export {k}={shlex.quote(v)}" for k, v in opts.env),
+                        *(f"export {k}={shlex.quote(v)}" for k, v in opts.network), "exec " + shlex.join(argv)])  # fmt: skip
+    cmd = ["srun", f"--nodes={opts.nodes}", f"--ntasks={opts.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+           f"--cpus-per-task={opts.cpus_per_task}", f"--time={min(opts.time, time_min)}",
            f"--job-name={opts.job_name}-doctor"]  # fmt: skip
     for flag, value in (("partition", opts.partition), ("account", opts.account), ("qos", opts.qos),
                         ("gres", opts.gres)):  # fmt: skip

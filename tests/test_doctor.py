@@ -135,7 +135,7 @@ def test_doctor_runs_its_node_checks_in_a_job_of_the_ci_slurm(tmp_path: Path) ->
     assert any(ln.startswith("ok    slurm: partition debug takes 1 node(s) x 8 GPU(s)") for ln in out), out
     assert any(ln.startswith("pdmctl doctor: cluster h20, on the node ") for ln in out), out  # inside the job
     assert any(ln.startswith("FAIL  nvidia-smi: not found on ") for ln in out), out
-    assert out[-1] == "FAIL  job: the node's checks ended with exit code 2"
+    assert out[-1] == "FAIL  job: the nodes' checks ended with exit code 2"
     # past the GPUs (skipped): the imports of this environment, the paths and the tracking store from the node
     result = pdmctl("doctor", "--cluster", str(profile), "--job", "--skip=nvidia-smi", "--skip=vllm",
                     "--skip=megatron-bridge", "--skip=transformer-engine", timeout=300)  # fmt: skip

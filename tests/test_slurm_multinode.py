@@ -482,10 +482,11 @@ def second_network(nodes: list[str]) -> Iterator[Callable[[str], None]]:
     Each node's eth0 (10.77.0.1I, what its hostname resolves to) stays its first address. Yields a
     function that adds ib0 to one more node; everything is removed afterwards."""
 
-    def add(node: str) -> None:
+    def add(node: str, joined: bool = True) -> None:
+        """ib0 on `node`; not `joined`: up, with its address, but on no network (its peer on no bridge)."""
         i = node.removeprefix("n")
         for command in (["ip", "link", "add", f"pdmib-{node}", "type", "veth", "peer", "name", "ib0", "netns", node],
-                        ["ip", "link", "set", f"pdmib-{node}", "master", "pdmib0", "up"],
+                        ["ip", "link", "set", f"pdmib-{node}", *(["master", "pdmib0"] if joined else []), "up"],
                         ["ip", "-n", node, "addr", "add", f"10.78.0.1{i}/24", "dev", "ib0"],
                         ["ip", "-n", node, "link", "set", "ib0", "up"]):  # fmt: skip
             subprocess.run(command, check=True, capture_output=True, timeout=20)
@@ -563,3 +564,97 @@ def test_an_attempt_leaves_no_process_on_either_node(shared_dir: Path) -> None:
 
     wait_for(lambda: left() == {"n1": [], "n2": []}, 10, "nothing of the job left on either node", lambda: str(left()))
     assert not any(marker in line for node in ("n1", "n2") for line in node_processes(node))
+
+
+# ---------------------------------------------------------------------------
+# `pdmctl doctor --job` on both nodes: each node's checks, then those across them
+# ---------------------------------------------------------------------------
+
+# what this CPU cluster has not: GPUs (nvidia-smi, and so the driver and the GPU count), vLLM, Megatron-Bridge,
+# Transformer Engine (the engine environment has them; this is the main one)
+NO_GPU = ["--skip=nvidia-smi", "--skip=vllm", "--skip=megatron-bridge", "--skip=transformer-engine"]
+QUICK = [*NO_GPU, "--skip=attention", "--skip=verl", "--skip=megatron"]  # where another check is the point
+
+
+def doctor_job(shared_dir: Path, name: str, skips: list[str], uri: str | None = None, wait_s: int = 60,
+               **changes: object) -> list[str]:  # fmt: skip
+    """`pdmctl doctor --job` through the 2-node profile with `changes`, its run root on the shared storage unless
+    changed, each node waiting PDMCTL_DOCTOR_WAIT_S for the other: the exit code, then every line printed."""
+    import yaml
+
+    fields = yaml.safe_load(Path(PROFILE).read_text())
+    fields.update(workdir=str(shared_dir / name / "runs"), env={"PDMCTL_DOCTOR_WAIT_S": str(wait_s)}, **changes)
+    (shared_dir / name).mkdir(parents=True, exist_ok=True)
+    profile = shared_dir / name / "profile.yaml"
+    profile.write_text(yaml.safe_dump(fields))
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "pdmctl"), "doctor", "--cluster", str(profile), "--job",
+         "--tracking-uri", uri or f"sqlite:///{shared_dir / 'mlflow.db'}", *skips],
+        capture_output=True, text=True, timeout=540, cwd=shared_dir,
+    )  # fmt: skip
+    return [str(proc.returncode), *(proc.stdout + proc.stderr).splitlines()]
+
+
+@pytest.mark.timeout(600)
+def test_doctor_job_checks_each_node_then_across_both(shared_dir: Path) -> None:
+    """One job of both nodes, one task each: every node check passes on n1 and on n2, each line naming its
+    node; then across them the run root written on n1 is read on n2, a gloo all-reduce runs over eth0 (the
+    profile's network:), and Ray on eth0 (its network_interface) has both nodes joined, then ends on both."""
+    rc, *out = doctor_job(shared_dir, "doctor-ok", NO_GPU, network={"GLOO_SOCKET_IFNAME": "eth0"})
+    print("\n".join(out))
+    assert rc == "0", "\n".join(out)
+    for node in ("n1", "n2"):
+        for check in ("shm", "memlock", "attention", "verl", "megatron", "paths", "tracking", "disk", "shared-files",
+                      "all-reduce", "ray"):  # fmt: skip
+            assert any(ln.startswith(f"{node}| ok    {check}: ") for ln in out), (node, check)
+    assert any(ln.startswith(f"n2| ok    shared-files: run root {shared_dir / 'doctor-ok' / 'runs'}: n1's file read "
+                             "on n2; the same environment as n1") for ln in out), out  # fmt: skip
+    assert any(ln.startswith("n2| ok    all-reduce: gloo across 2 node(s) over eth0: the sum came back 2 ") for ln in out)
+    assert any(re.match(r"n1\| ok    ray: 2 node\(s\) joined the head at 10\.77\.0\.11:\d+ on network interface eth0 "
+                        r"in \d+ s; n1 bound 10\.77\.0\.11$", ln) for ln in out), out  # fmt: skip
+    assert not any(ln.startswith(("n1| FAIL", "n2| FAIL")) for ln in out)
+    for node in ("n1", "n2"):  # Ray ended on each node
+        wait_for(lambda node=node: not any("raylet" in p or "gcs_server" in p for p in node_processes(node)), 30,
+                 f"Ray gone from {node}", lambda node=node: str(node_processes(node)))  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("check", ["shared-files", "all-reduce", "ray", "tracking"])
+def test_doctor_job_shows_a_failure_of_each_check_on_the_nodes(shared_dir: Path, check: str) -> None:
+    """Each check across the nodes, and the tracking store from each node, made to fail as it fails on a real
+    cluster, shown failing in one line on a node, and the doctor exits 2:
+    shared-files: a run root on each node's own /tmp; all-reduce: gloo told to use the loopback (the
+    rendezvous is then each node's own); ray: ib0 up with an address on both nodes but joining them to
+    nothing (n2's on no network), the collectives on eth0; tracking: a SQLite store in the login machine's /tmp."""
+    private = Path(f"/tmp/pdm-doctor-{uuid.uuid4().hex[:8]}")  # each node has its own /tmp
+    changes: dict[str, object] = {}
+    uri, expected = None, ""
+    if check == "shared-files":
+        changes["workdir"] = str(private / "runs")
+        expected = (f"| FAIL  shared-files: run root {private / 'runs'}: ", "put the profile's workdir on storage every "
+                    "node mounts")  # fmt: skip
+    elif check == "all-reduce":
+        changes["network"] = {"GLOO_SOCKET_IFNAME": "lo"}
+        expected = ("| FAIL  all-reduce: gloo across 2 node(s) (rendezvous 127.0.0.1:", "over lo): ")
+    elif check == "ray":
+        changes.update(network_interface="ib0", network={"GLOO_SOCKET_IFNAME": "eth0"})
+        expected = ("| FAIL  ray: 1 of 2 node(s) joined the Ray head at 10.78.0.11:", "on network interface ib0 within 20 s")
+    else:
+        private.mkdir()
+        uri = f"sqlite:///{private / 'mlflow.db'}"
+        expected = (f"| FAIL  tracking: tracking URI {uri}: directory {private} does not exist", "")
+    with contextlib.ExitStack() as stack:
+        if check == "ray":
+            add = stack.enter_context(second_network(["n1"]))
+            add("n2", joined=False)
+        started = time.monotonic()
+        rc, *out = doctor_job(shared_dir, f"doctor-{check}", QUICK, uri=uri, wait_s=20, **changes)
+        took = time.monotonic() - started
+    print(f"\n{check}: exit {rc} after {took:.0f} s\n" + "\n".join(out))
+    shutil.rmtree(private, ignore_errors=True)
+    assert rc == "2", "\n".join(out)
+    failed = [ln for ln in out if re.match(r"n[12]\| FAIL  ", ln)]
+    assert failed and all(ln.split("| FAIL  ")[1].startswith(check) for ln in failed), failed
+    assert any(expected[0] in ln and expected[1] in ln for ln in failed), (expected, failed)
+    assert re.fullmatch(r"FAIL  job: the nodes' checks ended with exit code \d+", out[-1]), out[-3:]
+
