@@ -204,6 +204,7 @@ class NodesDoctor:
     def all_reduce(self) -> str:
         import datetime
 
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # a failed rendezvous's retries: one line, not stacks
         import torch
         import torch.distributed as dist
 

@@ -582,8 +582,8 @@ def doctor_job(shared_dir: Path, name: str, skips: list[str], uri: str | None = 
     changed, each node waiting PDMCTL_DOCTOR_WAIT_S for the other: the exit code, then every line printed."""
     import yaml
 
-    fields = yaml.safe_load(Path(PROFILE).read_text())
-    fields.update(workdir=str(shared_dir / name / "runs"), env={"PDMCTL_DOCTOR_WAIT_S": str(wait_s)}, **changes)
+    fields = {**yaml.safe_load(Path(PROFILE).read_text()), "workdir": str(shared_dir / name / "runs"),
+              "env": {"PDMCTL_DOCTOR_WAIT_S": str(wait_s)}, **changes}  # fmt: skip
     (shared_dir / name).mkdir(parents=True, exist_ok=True)
     profile = shared_dir / name / "profile.yaml"
     profile.write_text(yaml.safe_dump(fields))
@@ -656,5 +656,5 @@ def test_doctor_job_shows_a_failure_of_each_check_on_the_nodes(shared_dir: Path,
     failed = [ln for ln in out if re.match(r"n[12]\| FAIL  ", ln)]
     assert failed and all(ln.split("| FAIL  ")[1].startswith(check) for ln in failed), failed
     assert any(expected[0] in ln and expected[1] in ln for ln in failed), (expected, failed)
-    assert re.fullmatch(r"FAIL  job: the nodes' checks ended with exit code \d+", out[-1]), out[-3:]
+    assert any(re.fullmatch(r"FAIL  job: the nodes' checks ended with exit code \d+", ln) for ln in out), out[-3:]
 
