@@ -224,7 +224,7 @@ class NodesDoctor:
             # the checks' own small messages: gloo (NCCL's would need a GPU each), bounded by the waits between them
             self._gloo = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3 * wait_s() + 120))
         except Exception as exc:  # whatever the backend raises: its own words, in one line
-            words = " ".join(str(exc).split())[:300]
+            words = " ".join(str(exc).split())[:300].rstrip(".")
             raise CheckFailed(f"{backend} across {t.size} node(s) (rendezvous {address}:{port}, over {over}): {words}: "
                               "check the profile's network: (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME) and that the "
                               "nodes reach each other there") from None  # fmt: skip

@@ -398,3 +398,32 @@ def test_a_resumed_attempt_validates_again_only_where_that_evaluation_would_be_n
     assert jobbody.without_validation_on_resume(command, 10) == [
         "python", "-m", "verl", "trainer.test_freq=10", "trainer.val_before_train=false", "trainer.nnodes=1"]  # fmt: skip
     assert jobbody.without_validation_on_resume(command[:4], 10) == command[:4]  # the run asked for none
+
+
+def test_a_local_engine_run_has_a_ray_of_its_own_whatever_a_ray_start_left(tmp_path: Path, monkeypatch) -> None:
+    """Off SLURM, VeRL's `ray.init(num_cpus=...)` would join the cluster that some `ray start` once named in
+    Ray's temp dir (ray_current_cluster), long gone or not, and refuse its own CPU count there: the trainer
+    gets RAY_ADDRESS=local. A real ray.init with a CPU count then starts its own Ray beside such a file."""
+    for var in ("SLURM_JOB_ID", "RAY_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    seen = tmp_path / "seen"
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/bash\necho \"RAY_ADDRESS=$RAY_ADDRESS\" > {seen}\n")
+    python.chmod(0o755)
+    jobbody.run({"model": "qwen3-4b-base", "checkpoint_dir": str(tmp_path / "ckpt"), "data_dir": str(tmp_path)},
+                python=str(python))  # fmt: skip
+    assert seen.read_text() == "RAY_ADDRESS=local\n"
+    import tempfile
+
+    ray_tmp = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))  # short: Ray's socket paths go under it
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text("192.0.2.1:6379")  # what a `ray start` long ended left
+    code = "import ray; ray.init(num_cpus=1, log_to_driver=False); print(ray.cluster_resources()['CPU']); ray.shutdown()"
+    for address, works in ((None, False), ("local", True)):
+        env = {**os.environ, "RAY_TMPDIR": str(ray_tmp), **({"RAY_ADDRESS": address} if address else {})}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
+        assert (proc.returncode == 0 and proc.stdout.strip() == "1.0") == works, (address, proc.stderr[-500:])
+        assert works or "When connecting to an existing cluster, num_cpus and num_gpus must not be provided" in proc.stderr
+    import shutil
+
+    shutil.rmtree(ray_tmp, ignore_errors=True)

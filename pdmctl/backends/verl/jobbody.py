@@ -273,7 +273,8 @@ def run(run_config: Mapping[str, Any], python: str, on_line: Callable[[str], Non
     if resumed_at is not None and _validation_on_resume_is_redundant(resolved, resumed_at):
         command = without_validation_on_resume(command, resumed_at)
     tag = cpu.new_tag()
-    env = {**without_quick_http(dict(os.environ)), cpu.ENGINE_TAG_ENV: tag}  # MLflow's retries for VeRL
+    # MLflow's retries for VeRL; off SLURM a Ray of its own, not a cluster a `ray start` named in /tmp/ray
+    env = {**without_quick_http(dict(os.environ)), cpu.ENGINE_TAG_ENV: tag, **({} if on_slurm else {"RAY_ADDRESS": "local"})}
     on_cpu = MODEL_PRESETS[cfg["model"]].device == "cpu"
     with cpu.machine_lock() if on_cpu else contextlib.nullcontext():
         if on_cpu:
