@@ -271,7 +271,7 @@ class NodesDoctor:
                   "--num-gpus=0", "--disable-usage-stats"]  # fmt: skip
         wait, started = wait_s(), time.monotonic()
         with contextlib.ExitStack() as stack:
-            stack.callback(shutil.rmtree, f"/tmp/ray-doctor-{job}", ignore_errors=True)  # its session, once Ray ended
+            stack.callback(shutil.rmtree, f"/tmp/ray-doctor-{job}", ignore_errors=True)  # its Ray files, once Ray ended
             ready: list[Any] = [None]
             if t.rank == 0:  # the head first, then the workers join it (as the job body starts them)
                 proc = stack.enter_context(self._process([*common, "--head", f"--port={port}", "--include-dashboard=false",
