@@ -262,7 +262,10 @@ class NodesDoctor:
         dist.broadcast_object_list(head, src=0, group=group)
         (address, token), port = head[0], base
         host = address.partition(":")[0]
-        env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+        from pdmctl.backends.verl import cpu
+
+        tag = cpu.new_tag()  # what Ray's teardown leaves (its idle workers) carries it: ended by it afterwards
+        env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, cpu.ENGINE_TAG_ENV: tag}
         ports = [f"--node-manager-port={base + 1}", f"--object-manager-port={base + 2}",
                  f"--ray-client-server-port={base + 3}", f"--dashboard-agent-listen-port={base + 4}",
                  f"--dashboard-agent-grpc-port={base + 5}", f"--metrics-export-port={base + 6}",
@@ -272,6 +275,7 @@ class NodesDoctor:
         wait, started = wait_s(), time.monotonic()
         with contextlib.ExitStack() as stack:
             stack.callback(shutil.rmtree, f"/tmp/ray-doctor-{job}", ignore_errors=True)  # its Ray files, once Ray ended
+            stack.callback(cpu.cleanup, tag, time.time(), 5.0)  # after `ray start` has ended: what it left
             ready: list[Any] = [None]
             if t.rank == 0:  # the head first, then the workers join it (as the job body starts them)
                 proc = stack.enter_context(self._process([*common, "--head", f"--port={port}", "--include-dashboard=false",
@@ -357,6 +361,8 @@ def run_checks(doctor: Doctor, task: Task, skip: list[str], say: Callable[[str],
     """Each check's line, in order, for this node; False at the first that fails (after its line). A check
     left out leaves out those after it that need it (the rendezvous address, the process group)."""
     nodes = NodesDoctor(doctor, task)
+    # srun ends the other nodes' tasks (TERM) when one fails: unwind, so that each node's Ray is ended
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         needs = None
         for name, check in nodes.checks():

@@ -576,6 +576,12 @@ NO_GPU = ["--skip=nvidia-smi", "--skip=vllm", "--skip=megatron-bridge", "--skip=
 QUICK = [*NO_GPU, "--skip=attention", "--skip=verl", "--skip=megatron"]  # where another check is the point
 
 
+def ray_left(node: str) -> list[str]:
+    """The node's Ray processes (a raylet, a GCS, a worker, idle or not), but for zombies."""
+    return [p for p in node_processes(node) if any(w in p for w in ("raylet", "gcs_server", "ray::", "ray start",
+                                                                    "ray/dashboard", "ray/_private"))]  # fmt: skip
+
+
 def doctor_job(shared_dir: Path, name: str, skips: list[str], uri: str | None = None, wait_s: int = 60,
                **changes: object) -> list[str]:  # fmt: skip
     """`pdmctl doctor --job` through the 2-node profile with `changes`, its run root on the shared storage unless
@@ -613,9 +619,8 @@ def test_doctor_job_checks_each_node_then_across_both(shared_dir: Path) -> None:
     assert any(re.match(r"n1\| ok    ray: 2 node\(s\) joined the head at 10\.77\.0\.11:\d+ on network interface eth0 "
                         r"in \d+ s; n1 bound 10\.77\.0\.11$", ln) for ln in out), out  # fmt: skip
     assert not any(ln.startswith(("n1| FAIL", "n2| FAIL")) for ln in out)
-    for node in ("n1", "n2"):  # Ray ended on each node
-        wait_for(lambda node=node: not any("raylet" in p or "gcs_server" in p for p in node_processes(node)), 30,
-                 f"Ray gone from {node}", lambda node=node: str(node_processes(node)))  # fmt: skip
+    for node in ("n1", "n2"):  # Ray ended on each node, its idle workers too
+        wait_for(lambda node=node: not ray_left(node), 30, f"Ray gone from {node}", lambda node=node: str(ray_left(node)))
 
 
 @pytest.mark.timeout(600)
@@ -657,4 +662,6 @@ def test_doctor_job_shows_a_failure_of_each_check_on_the_nodes(shared_dir: Path,
     assert failed and all(ln.split("| FAIL  ")[1].startswith(check) for ln in failed), failed
     assert any(expected[0] in ln and expected[1] in ln for ln in failed), (expected, failed)
     assert any(re.fullmatch(r"FAIL  job: the nodes' checks ended with exit code \d+", ln) for ln in out), out[-3:]
+    for node in ("n1", "n2"):  # whatever ended the check, no Ray of it is left on a node
+        wait_for(lambda node=node: not ray_left(node), 40, f"Ray gone from {node}", lambda node=node: str(ray_left(node)))
 

@@ -102,13 +102,13 @@ def test_arrays_split_at_max_array_size_and_share_the_limit(tmp_path: Path, monk
 
 def test_runs_of_fewer_nodes_than_the_profile_pack_side_by_side_in_their_own_array(tmp_path: Path) -> None:
     """A profile of 4-node jobs at max_concurrent 4: runs of 1 node go in an array of their own (--nodes=1)
-    whose %-limit packs 4 of them into each 4-node share; where both counts come in one submission, the
-    shares are split between them. The dry run's description says so."""
+    whose %-limit packs 4 of them into each 4-node share; where both counts come in one submission, each
+    array may fill every share (the partition holds them together). The dry run's description says so."""
     executor = SlurmExecutor(_profile(tmp_path, nodes=4))
     assert executor._groups([1, None, 1, 4]) == [(1, [0, 2]), (4, [1, 3])]
     assert [(n, p) for n, _, p in executor._arrays([(1, 20)])] == [(1, 16)]  # 4 shares x 4 runs of 1 node
     assert [(n, p) for n, _, p in executor._arrays([(2, 20)])] == [(2, 8)]
-    assert [(n, p) for n, _, p in executor._arrays([(4, 20), (1, 20)])] == [(4, 2), (1, 8)]
+    assert [(n, p) for n, _, p in executor._arrays([(4, 20), (1, 20)])] == [(4, 4), (1, 16)]
     assert executor.sbatch_parameters(8, 1)["nodes"] == 1 and executor.sbatch_parameters(2)["nodes"] == 4
     text = executor.describe([None] * 6, [1, 1, 1, 1, 4, 4])
     assert "6 job(s) as 2 SLURM job array(s)" in text

@@ -219,13 +219,15 @@ class SlurmExecutor(Executor):
 
     def _arrays(self, groups: Sequence[tuple[int, int]]) -> list[tuple[int, slice, int]]:
         """One array per node count (`groups`: (nodes, jobs) each), cut at MaxArraySize: (nodes, its tasks,
-        its %-limit). The profile's max_concurrent counts jobs of its `nodes`; it is shared between the
-        node counts, and a job of fewer nodes packs side by side with others in a share: nodes // its nodes."""
+        its %-limit). The profile's max_concurrent counts jobs of its `nodes`, and a job of fewer nodes packs
+        side by side with others in one of those shares (nodes // its nodes to a share). Each node count's
+        array may fill every share: a %-limit split between them would leave one count's shares idle once
+        its runs are done, while the other's wait. Together they hold at most the partition (the `slurm`
+        check holds max_concurrent x nodes against it), the earlier array's runs first."""
         size, cap, out = self.max_array_size(), self.profile.max_concurrent, []
-        for g, (nodes, n) in enumerate(groups):
+        for nodes, n in groups:
             parts = [slice(i, min(i + size, n)) for i in range(0, n, size)]
-            own = None if cap is None else max(1, cap // len(groups) + (g < cap % len(groups)))
-            own = None if own is None else own * max(1, self.options.nodes // nodes)
+            own = None if cap is None else cap * max(1, self.options.nodes // nodes)
             for i, part in enumerate(parts):
                 count = part.stop - part.start
                 share = count if own is None else max(1, own // len(parts) + (i < own % len(parts)))
