@@ -19,7 +19,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -404,14 +404,23 @@ def _last_line(text: str) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
+NEEDS = {"driver": "nvidia-smi", "gpus": "nvidia-smi"}  # a node check -> the check whose answer it reads
+
+
 def run_checks(doctor: Doctor, on_node: bool, skip: Sequence[str], say: Callable[[str], None]) -> bool:
     """Each check's line, in order; False at the first that fails (after its line)."""
-    for name, check in doctor.checks(on_node):
-        if name in skip:
-            say(f"skip  {name}")
-            continue
-        if name in ("driver", "gpus") and "nvidia-smi" in skip:
-            say(f"skip  {name} (needs nvidia-smi)")
+    return run_lines(doctor.checks(on_node), skip, say, NEEDS)
+
+
+def run_lines(checks: Iterable[tuple[str, Callable[[], str]]], skip: Sequence[str], say: Callable[[str], None],
+              needs: Mapping[str, str]) -> bool:  # fmt: skip
+    """Each check's line (`ok`, `skip`, `FAIL`), in order; False at the first that fails (after its line). A
+    check left out (`skip`) leaves out those that need it (`needs`: a check -> the one it needs), and theirs."""
+    left_out: set[str] = set()
+    for name, check in checks:
+        if name in skip or needs.get(name) in left_out:
+            say(f"skip  {name}" if name in skip else f"skip  {name} (needs {needs[name]})")
+            left_out.add(name)
             continue
         try:
             line = check()

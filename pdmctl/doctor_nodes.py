@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdmctl.doctor import CheckFailed, Doctor
+from pdmctl.doctor import CheckFailed, Doctor, run_lines
 
 CLUSTER_CHECKS = ("shared-files", "all-reduce", "ray")
 WAIT_ENV = "PDMCTL_DOCTOR_WAIT_S"
@@ -364,21 +364,6 @@ def run_checks(doctor: Doctor, task: Task, skip: list[str], say: Callable[[str],
     # srun ends the other nodes' tasks (TERM) when one fails: unwind, so that each node's Ray is ended
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        needs = None
-        for name, check in nodes.checks():
-            if needs is not None:
-                say(f"skip  {name} (needs {needs})")
-                continue
-            if name in skip:
-                say(f"skip  {name}")
-                needs = name
-                continue
-            try:
-                line = check()
-            except CheckFailed as exc:
-                say(f"FAIL  {name}: {exc}")
-                return False
-            say(f"ok    {name}: {line}")
-        return True
+        return run_lines(nodes.checks(), skip, say, {"all-reduce": "shared-files", "ray": "all-reduce"})
     finally:
         nodes.close()

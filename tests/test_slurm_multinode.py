@@ -175,6 +175,26 @@ def wait_for_runs(ctx, sweep: str, done, timeout: float, what: str):
         time.sleep(1.0)
 
 
+def two_finished_toy_runs(shared_dir: Path, *overrides: str):
+    """`pdmctl sweep` of seeds 0 and 1 of a short toy run through the profile, waited for until both have
+    ended; both must have FINISHED. Returns (tracking URI, context, the runs' views)."""
+    from pdmctl import orchestrate
+
+    uri = f"sqlite:///{shared_dir / 'mlflow.db'}"
+    name = f"m{uuid.uuid4().hex[:8]}"
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "pdmctl"), "sweep", *TOY, *overrides, "seed=0,1",
+         "--name", name, "--cluster", PROFILE, "--tracking-uri", uri],
+        capture_output=True, text=True, timeout=420, cwd=shared_dir,  # a new SQLite store: ~2 min on a loaded machine
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ctx = orchestrate.make_context(PROFILE, uri)
+    views = wait_for_runs(ctx, name, lambda vs: all(v.state not in orchestrate.ACTIVE for v in vs), 300,
+                          "2 finished runs")  # fmt: skip
+    assert [v.state for v in views] == [orchestrate.RunState.FINISHED] * 2, [(v.key, v.state) for v in views]
+    return uri, ctx, views
+
+
 def assert_complete_history(uri: str, run_id: str, steps: int, eval_every: int = 2) -> None:
     """Every step of every metric once: train/* at 1..steps, eval/* at 0, eval_every, ..., steps."""
     from pdmctl.ledger import open_ledger
@@ -261,21 +281,9 @@ def test_a_clone_under_tmp_and_its_environment_are_seen_by_every_node(shared_dir
 
 @pytest.mark.timeout(900)
 def test_a_toy_sweep_through_the_profile_finishes_with_its_metrics_in_the_ledger(shared_dir: Path) -> None:
-    from pdmctl import orchestrate
     from pdmctl.executors import JobState, make_executor
 
-    uri = f"sqlite:///{shared_dir / 'mlflow.db'}"
-    name = f"m{uuid.uuid4().hex[:8]}"
-    proc = subprocess.run(
-        [str(Path(sys.executable).parent / "pdmctl"), "sweep", *TOY, "backend.steps=4", "seed=0,1",
-         "--name", name, "--cluster", PROFILE, "--tracking-uri", uri],
-        capture_output=True, text=True, timeout=420, cwd=shared_dir,  # a new SQLite store: ~2 min on a loaded machine
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    ctx = orchestrate.make_context(PROFILE, uri)
-    views = wait_for_runs(ctx, name, lambda vs: all(v.state not in orchestrate.ACTIVE for v in vs), 300,
-                          "2 finished runs")  # fmt: skip
-    assert [v.state for v in views] == [orchestrate.RunState.FINISHED] * 2, [(v.key, v.state) for v in views]
+    uri, ctx, views = two_finished_toy_runs(shared_dir, "backend.steps=4")
     for v in views:
         assert v.record.attempt == 1
         assert_complete_history(uri, v.record.run_id, steps=4)
@@ -294,20 +302,8 @@ def test_runs_of_one_node_run_two_at_a_time_on_the_two_node_profile(shared_dir: 
     Both run at the same time, each job holds one node, and both finish with every step once."""
     from datetime import datetime
 
-    from pdmctl import orchestrate
 
-    uri = f"sqlite:///{shared_dir / 'mlflow.db'}"
-    name = f"p{uuid.uuid4().hex[:8]}"
-    proc = subprocess.run(
-        [str(Path(sys.executable).parent / "pdmctl"), "sweep", *TOY, "backend.steps=6", "seed=0,1",
-         "backend.nnodes=1", "--name", name, "--cluster", PROFILE, "--tracking-uri", uri],
-        capture_output=True, text=True, timeout=420, cwd=shared_dir,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    ctx = orchestrate.make_context(PROFILE, uri)
-    views = wait_for_runs(ctx, name, lambda vs: all(v.state not in orchestrate.ACTIVE for v in vs), 300,
-                          "2 finished runs")  # fmt: skip
-    assert [v.state for v in views] == [orchestrate.RunState.FINISHED] * 2, [(v.key, v.state) for v in views]
+    uri, _, views = two_finished_toy_runs(shared_dir, "backend.steps=6", "backend.nnodes=1")
     spans = []
     for v in views:
         assert v.record.attempt == 1
