@@ -207,3 +207,28 @@ def test_the_tracking_check_on_the_ci_server_without_a_login(mlflow_server: str)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert refused.stdout.strip().splitlines()[-1].startswith(
         f"FAIL  tracking: tracking server {named}: refuses the host name {named.split('//')[1]} (MLflow's guard"), refused.stdout
+
+
+def test_a_left_out_check_leaves_out_those_that_need_it_and_the_first_failure_ends_the_lines() -> None:
+    """`--skip shared-files` leaves out all-reduce (its rendezvous address) and so Ray (its process group);
+    a check that fails is the last line."""
+    ran: list[str] = []
+
+    def check(name: str, fails: bool = False):
+        def run() -> str:
+            ran.append(name)
+            if fails:
+                raise doctor.CheckFailed("broken")
+            return "fine"
+
+        return name, run
+
+    needs = {"all-reduce": "shared-files", "ray": "all-reduce"}
+    lines: list[str] = []
+    checks = [check("tracking"), check("shared-files"), check("all-reduce"), check("ray")]
+    assert doctor.run_lines(checks, ["shared-files"], lines.append, needs)
+    assert lines == ["ok    tracking: fine", "skip  shared-files", "skip  all-reduce (needs shared-files)",
+                     "skip  ray (needs all-reduce)"] and ran == ["tracking"]  # fmt: skip
+    lines.clear()
+    assert not doctor.run_lines([check("shared-files", fails=True), check("ray")], [], lines.append, needs)
+    assert lines == ["FAIL  shared-files: broken"]
