@@ -43,7 +43,7 @@ def _print_version(value: bool) -> None:
 def _root(
     version: Annotated[
         bool, typer.Option("--version", callback=_print_version, is_eager=True,
-                           help="Print pdmctl's version (and commit, in a checkout) and exit."),
+                           help="Print pdmctl's version (and its commit, where known) and exit."),
     ] = False,
 ) -> None:
     pass
@@ -103,17 +103,23 @@ def sweep(
                            "expected cost with its range and upper bound; per setting and for the sweep; "
                            "docs/PLAN_JSON.md), nothing else on stdout.")
     ] = False,
+    offline: Annotated[
+        bool, typer.Option("--offline", help="With --dry-run: plan without asking SLURM (as where no sinfo is "
+                           "found): the profile's partition and nodes taken as stated.")
+    ] = False,
     calibrated_on: Annotated[
         str | None, typer.Option("--calibrated-on", metavar="SWEEP", help="With --dry-run: estimate the testbed's "
                                  "runs at the rate SWEEP's finished runs of the same setting measured.")
     ] = None,
 ) -> None:
     """Expand a grid into runs, register them in MLflow and submit the ones not yet served."""
-    from pdmctl import grid, orchestrate
+    from pdmctl import costing, grid, orchestrate
 
     with _guard():
         if as_json and not dry_run:
             fail("--json: prints the plan of a dry run; give --dry-run too")
+        if offline and not dry_run:
+            fail("--offline: plans without SLURM; give --dry-run too")
         if calibrated_on is not None and not dry_run:
             fail("--calibrated-on: calibrates the estimates of a dry run; give --dry-run too")
         sweep_file = grid.load_sweep_file(file) if file else None
@@ -126,11 +132,13 @@ def sweep(
             from pdmctl.testhooks import check_environment
 
             check_environment()  # what the submission would refuse
-            executor = orchestrate.check_profile(ctx)
+            executor, unchecked = costing.plan_profile(ctx, offline)
             orchestrate.check_runs(specs, ctx, executor)
             unread = orchestrate.ledger_unreachable(ctx)
             plan = orchestrate.plan(specs, ctx, read_only=True, read_ledger=unread is None, order=chosen)
             calibration = _calibration(ctx, calibrated_on) if calibrated_on is not None else None
+            if unread is None:  # VeRL settings the sweep's preflight measured: their cost from its steps
+                calibration = {**costing.preflight_calibration(ctx, specs[0].sweep), **(calibration or {})} or None
             if as_json:
                 import json
 
@@ -139,10 +147,12 @@ def sweep(
                 sys.stdout.write(json.dumps(plan_json(plan, ctx, executor, chosen, unread, calibration), indent=1)
                                  + "\n")
                 return
+            if unchecked:
+                console.print(unchecked, highlight=False, markup=False, soft_wrap=True)
             _print_plan(plan, ctx, executor, unread)
             console.print(orchestrate.describe_order(plan.specs, chosen), highlight=False, markup=False,
                           soft_wrap=True)
-            for line in orchestrate.describe_runs(plan.to_submit, ctx, executor):
+            for line in orchestrate.describe_runs(plan.to_submit, ctx, executor, calibration):
                 console.print(line, highlight=False, markup=False, soft_wrap=True)
             from pdmctl.costing import testbed_line
 
@@ -363,7 +373,7 @@ def status(
             console.print(_status_table(views, title))
             from pdmctl.spent import status_output
 
-            for part in status_output(views, ctx):  # per sweep: hours spent beside the prediction, by setting
+            for part in [*usage.owner_notes(views), *status_output(views, ctx)]:  # whose sweeps; hours spent
                 if isinstance(part, str):
                     console.print(part, highlight=False, markup=False, soft_wrap=True)
                 else:
@@ -397,7 +407,7 @@ def resume(
         if max_attempts is not None and max_attempts < 1:
             fail(f"--max-attempts: must be >= 1, got {max_attempts}")
         ctx = orchestrate.make_context(cluster, tracking_uri)
-        usage.check_sweep(ctx, sweep_name)
+        usage.check_sweep(ctx, sweep_name, change=True)  # and not another login's (a server's)
         # metrics runs kept on their disks during a tracking-server outage go first, after the checks
         chosen, job_ids = orchestrate.resume(ctx, sweep_name, max_attempts=max_attempts, dry_run=dry_run,
                                              say=lambda line: console.print(line, highlight=False))  # fmt: skip
@@ -417,7 +427,7 @@ def cancel(
     cluster: ClusterOpt = "local",
     tracking_uri: TrackingOpt = None,
 ) -> None:
-    """Cancel the queued and running runs of a sweep (or one run)."""
+    """Cancel the queued and running runs of a sweep or one run (neither: of each sweep you may change)."""
     from pdmctl import orchestrate
 
     with _guard():
@@ -478,7 +488,8 @@ def doctor(
     first and read on the others (the same models, data and environment), an all-reduce, Ray with every node
     joined."""
     from pdmctl import doctor as doc
-    from pdmctl import doctor_nodes, grid, orchestrate
+    from pdmctl import grid, orchestrate
+    from pdmctl.doctor import nodes as doctor_nodes
 
     skip = list(skip or [])
     with _guard():
@@ -541,6 +552,7 @@ def _mount_optional() -> None:
         ("pdmctl.backends.verl.cli", "data"),
         ("pdmctl.tune.cli", None),
         ("pdmctl.seeds", None),
+        ("pdmctl.preflight.cli", None),
         ("pdmctl.ledger.server_cli", None),
     ):
         try:

@@ -166,6 +166,54 @@ def verl_estimate(shape: VerlShape, rollout_rate: float, train_rate: float, clus
                     RESTS_ON, a.describe(), parts)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class StepCalibration:
+    """A VeRL setting's times measured by its preflight runs (`pdmctl preflight`): a training step (rollout,
+    old log-probs and update), an attempt's start-up to its first step, a checkpoint's write."""
+
+    step_s: Span
+    startup_s: Span
+    save_s: Span | None
+    rests_on: str
+    validation_s: Span | None = None  # a validation's seconds (VeRL's timing_s/testing)
+
+
+def measured_verl_estimate(shape: VerlShape, stated: Estimate | None, measured: StepCalibration,
+                           cluster: Mapping[str, Any]) -> Estimate:
+    """One VeRL run's cost from what its setting's preflight measured: its steps, start-ups, checkpoint writes
+    and validations at the measured times. The preflight measures a run's first steps, whose responses are the
+    shortest of the run: where the stated model (`stated`) has an estimate, its high end and upper bound stay."""
+    limit_s = 60 * float(cluster["time"]) if cluster.get("time") else None
+    if measured.validation_s is not None:
+        validation = shape.validations * measured.validation_s.expected
+    else:
+        validation = stated.parts.get("validation", 0.0) if stated is not None else 0.0
+    if measured.save_s is not None:
+        saves = shape.saves * measured.save_s.expected
+    else:
+        saves = stated.parts.get("checkpoint_writes", 0.0) if stated is not None else 0.0
+
+    def total(step: float, startup: float) -> tuple[float, int]:
+        work = shape.steps * step + validation + saves
+        attempts = max(1, math.ceil(work / (limit_s - startup))) if limit_s and limit_s > startup else 1
+        return work + attempts * startup, attempts
+
+    expected, attempts = total(measured.step_s.expected, measured.startup_s.expected)
+    low, _ = total(measured.step_s.low, measured.startup_s.low)
+    high, _ = total(measured.step_s.high, measured.startup_s.high)
+    high = max(high, stated.seconds.high) if stated is not None else high
+    upper = max(stated.upper_s, high) if stated is not None else high
+    s = measured.step_s
+    said = (f"measured a step of {s.expected:.3g} s ({s.low:.3g}-{s.high:.3g}) and a start-up of "
+            f"{measured.startup_s.expected:.3g} s an attempt on the preflight's first steps"
+            + ("; the stated model's high end kept (later steps have longer responses)" if stated is not None
+               else "; no stated model for this setting: the measured range alone"))  # fmt: skip
+    parts = {"steps": shape.steps * s.expected, "validation": validation, "checkpoint_writes": saves,
+             "startup": attempts * measured.startup_s.expected}  # fmt: skip
+    return Estimate("GPU", shape.gpus, Span(expected, min(low, expected), max(high, expected)), upper, attempts,
+                    measured.rests_on, said, parts)  # fmt: skip
+
+
 def toy_rollouts(flat: Mapping[str, Any]) -> int:
     return int(flat["steps"]) * int(flat["prompts_per_step"]) * int(flat["group_size"])
 

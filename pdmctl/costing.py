@@ -73,6 +73,76 @@ def calibrate(records: Sequence[Any], sweep: str) -> dict[str, Calibration]:
 PLAN_FORMAT = "pdmctl-plan/1"
 
 
+def calibrate_preflight(ledger: Any, sweep: str) -> dict[str, Any]:
+    """Per VeRL setting (`verl: SETTING`, the backend's setting), what the finished runs of `sweep`'s preflight
+    (`pdmctl preflight`, sweep `<sweep>.preflight`) measured: its steps' seconds (VeRL's timing_s/step), each
+    attempt's start-up to its first step and its checkpoint writes, as median (lowest-highest)."""
+    import statistics
+
+    from pdmctl.backends.registry import flat_config, get_backend
+    from pdmctl.cost import StepCalibration
+    from pdmctl.preflight import FIRST_STEP, STEP, preflight_sweep
+
+    save, testing = "timing_s/save_checkpoint", "timing_s/testing"
+    name = preflight_sweep(sweep)
+    records = [r for r in ledger.runs(name) if r.status == "FINISHED" and r.spec is not None
+               and r.spec.backend == "verl"]  # fmt: skip
+    if not records:
+        return {}
+    histories = ledger.metric_histories([r.run_id for r in records], [STEP, FIRST_STEP, save, testing])
+    found: dict[str, dict[str, list[float]]] = {}
+    keys: dict[str, list[str]] = {}
+    for record in records:
+        setting = f"verl: {get_backend('verl').setting(flat_config(record.spec.config))}"
+        got = histories.get(record.run_id, {})
+        into = found.setdefault(setting, {STEP: [], FIRST_STEP: [], save: [], testing: []})
+        for metric in into:
+            into[metric] += [v for _, v in got.get(metric, []) if v == v and v >= 0]
+        keys.setdefault(setting, []).append(record.key)
+
+    def span(values: list[float]) -> Span:
+        return Span(statistics.median(values), min(values), max(values))
+
+    out: dict[str, Any] = {}
+    for setting, values in found.items():
+        if not values[STEP] or not values[FIRST_STEP]:
+            continue
+        out[setting] = StepCalibration(span(values[STEP]), span(values[FIRST_STEP]),
+                                       span(values[save]) if values[save] else None,
+                                       f"preflight {name}'s {len(keys[setting])} run(s) of this setting "
+                                       f"({', '.join(keys[setting][:4])})",
+                                       span(values[testing]) if values[testing] else None)  # fmt: skip
+    return out
+
+
+def plan_profile(ctx: Any, offline: bool = False) -> tuple[Any, str | None]:
+    """`check_profile` for a plan (a dry run): where no SLURM answers here (no `sinfo`: a laptop) or with
+    `offline`, a SLURM profile is taken as it states its partition and nodes, and the line saying so is
+    returned beside the executor (None: checked)."""
+    import shutil
+
+    from pdmctl.executors import make_executor
+    from pdmctl.executors.base import check_placeholders
+
+    check_placeholders(ctx.profile)
+    executor = make_executor(ctx.profile)
+    if executor.name != "slurm" or not (offline or shutil.which("sinfo") is None):
+        executor.check()
+        return executor, None
+    partition = getattr(getattr(executor, "options", None), "partition", None) or "(the default)"
+    return executor, (f"cluster {ctx.profile.name}: not checked against SLURM ({'--offline' if offline else 'no sinfo here'}"
+                      f"): its partition {partition} and {executor.nodes_per_job()} node(s) a job are taken as the "
+                      "profile states them")  # fmt: skip
+
+
+def preflight_calibration(ctx: Any, sweep: str) -> dict[str, Any]:
+    """What `sweep`'s preflight measured of its VeRL settings (`calibrate_preflight`) in the context's ledger;
+    nothing where the ledger does not exist."""
+    from pdmctl.ledger import ledger_exists, open_ledger
+
+    return calibrate_preflight(open_ledger(ctx.tracking_uri), sweep) if ledger_exists(ctx.tracking_uri) else {}
+
+
 def slots(ctx: Any, executor: Any) -> int | None:
     """Runs at once: the profile's max_concurrent, else the local executor's cap (one per core)."""
     return ctx.profile.max_concurrent or getattr(executor, "cap", None)

@@ -17,12 +17,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-import yaml
-
 from pdmctl import engine_bounds
 from pdmctl.resources import config_dir, search_path
 from pdmctl.spec import RunSpec, SpecError, validate
-from pdmctl.yamlfiles import did_you_mean, load_named
+from pdmctl.yamlfiles import YamlRefused, did_you_mean, load_named, read_text, refuse_bombs_under, safe_load
 
 MAX_RUNS = 100_000  # a bigger grid is a typo more often than a plan; --max-runs raises it
 # The array's order (`--order`, or `order:` in a sweep file): "seed" (the default) runs replicate 0 of every arm
@@ -478,10 +476,13 @@ def _plain_option(group: str, option: str) -> dict[str, Any] | None:
     """A group option's node when it is a plain mapping, else None (Hydra composes it)."""
     path = config_dir() / group / f"{option}.yaml"
     if path.is_file():
-        text = path.read_text()
+        text = read_text(path, "config file", GridError)
         if "@package" in text:
             return None
-        data = yaml.safe_load(text) or {}
+        try:
+            data = safe_load(text, path) or {}
+        except YamlRefused as exc:
+            raise GridError(f"config file: {exc}") from None
         if not isinstance(data, dict) or "defaults" in data or any("${" in str(v) for v in data.values()):
             return None
         return data
@@ -507,6 +508,7 @@ class _hydra:
         from hydra import initialize_config_dir
         from hydra.core.global_hydra import GlobalHydra
 
+        refuse_bombs_under(config_dir(), "config file", GridError)  # before Hydra's loader reads any
         _register_backend_groups()
         GlobalHydra.instance().clear()
         _compose_groups.cache_clear()

@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from pdmctl.backends.base import NodeLost
 from pdmctl.backends.registry import flat_config, get_backend
 from pdmctl.collapse import Collapsed, rule_tracker
 from pdmctl.ledger import FAILED, FINISHED, KILLED, RunLogger
+from pdmctl.preflight import STARTED_ENV
 from pdmctl.spec import RunSpec
 from pdmctl.tune.trial import Pruned, trial_tracker
 
@@ -88,6 +90,7 @@ def run(job_file: Path) -> int:
         logger.finish(FAILED, reason=f"job start-up: {type(exc).__name__}: {exc}".splitlines()[0])
         return 1
     signal.signal(signal.SIGTERM, _on_sigterm)
+    os.environ[STARTED_ENV] = f"{time.time():.3f}"  # the backends' time to their first step (pdmctl.preflight)
     logger.start(attempt=attempt, job_id=job_id_from_env(), executor=job.executor, submission=job.submission)
     print(f"pdmctl job: run {spec.key} ({spec.summary}) attempt {attempt} in {job.run_dir}", flush=True)
     try:

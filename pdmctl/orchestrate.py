@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from pdmctl.added_seeds import marks_completed
 from pdmctl.collapse import REASON_PREFIX
 from pdmctl.executors import ClusterProfile, Executor, JobRequest, JobState, load_profile, make_executor
 from pdmctl.executors.base import ExecutorError, check_placeholders
@@ -369,12 +370,12 @@ def pin_data(specs: Sequence[RunSpec], ctx: Context) -> list[RunSpec]:
     return list(out.values())
 
 
-def describe_runs(specs: Sequence[RunSpec], ctx: Context, executor: Executor) -> list[str]:
-    """What --dry-run prints of the jobs themselves, per backend (VeRL: every distinct command, the cost)."""
+def describe_runs(specs: Sequence[RunSpec], ctx: Context, executor: Executor, calibration: dict | None = None) -> list[str]:
+    """What --dry-run prints of the jobs, per backend (VeRL: each command, its cost; `calibration`: costing's)."""
     from pdmctl.backends.registry import DescribedRun, flat_config, get_backend
 
     cluster = {**executor.job_settings(), "nodes": executor.nodes_per_job(), "tracking_uri": ctx.tracking_uri,
-               "max_concurrent": ctx.profile.max_concurrent}  # fmt: skip
+               "max_concurrent": ctx.profile.max_concurrent, "calibration": dict(calibration or {})}  # fmt: skip
     by_backend: dict[str, list[DescribedRun]] = defaultdict(list)
     for spec in specs:
         by_backend[spec.backend].append(DescribedRun(spec.key, spec.summary, flat_config(spec.config),
@@ -478,7 +479,7 @@ def sweep(specs: list[RunSpec], ctx: Context, order: str = "seed") -> tuple[Swee
     check_runs(specs, ctx, executor)
     check_installed(specs, ctx)
     ledger = open_ledger(ctx.tracking_uri)
-    with ledger.lock():
+    with marks_completed(ledger):  # the lock, and first the look marks an interrupted `seeds --submit` left
         ledger.register(specs, {s.key: str(ctx.run_dir_parent(s)) for s in specs})
         current = plan(specs, ctx, read_only=False, order=order)
         by_key = {r.key: r for r in ledger.runs(specs[0].sweep)} if specs else {}
@@ -532,11 +533,11 @@ def resume(ctx: Context, sweep_name: str | None = None, *, max_attempts: int | N
     if say is not None and not dry_run:
         for line in send_spools(ctx, sweep_name):
             say(line)
-    with ledger.lock():
+    with marks_completed(ledger, write=not dry_run):  # as in `sweep`
         views = status(ctx, sweep_name)
         # a run whose recorded config cannot be read (cut by an older pdmctl) would only die again
         chosen = [v for v in views if v.state in RESUMABLE and v.record is not None
-                  and v.record.spec is not None
+                  and v.record.spec is not None and ledger.writable(v.record)  # another login's: left
                   and (max_attempts is None or v.record.attempt < max_attempts)]  # fmt: skip
         check_runs([spec for v in chosen if v.record and (spec := v.record.spec)], ctx, executor)
         if dry_run:
@@ -556,9 +557,9 @@ def cancel(ctx: Context, target: str | None) -> list[RunView]:
     views = status(ctx, None)
     sweeps = {v.sweep for v in views}
     if target is None or target in sweeps:
-        chosen = [v for v in views if target is None or v.sweep == target]
-    else:
-        chosen = [find_run(views, target)]
+        chosen = [v for v in views if (target is None or v.sweep == target) and ledger.writable(v.record)]
+    else:  # a run of another login's sweep: refused
+        chosen = [v for v in [find_run(views, target)] if ledger.writable(v.record, refuse=True)]
     live = [v for v in chosen if v.state in ACTIVE or v.state == RunState.UNSUBMITTED]
     cache: dict[str, Executor] = {}
     by_executor: dict[int, tuple[Executor, list[str]]] = {}

@@ -15,7 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
+import tomllib
 from collections.abc import Callable, Mapping
 from importlib import metadata
 from pathlib import Path
@@ -25,6 +27,9 @@ PACKAGES = ("pdmctl", "verl", "vllm", "torch")  # the versions recorded (the eng
 # the fields whose values must agree across a row's runs for its mean to be one experiment's
 POOLING_FIELDS = ("commit", "dirty", *(f"version.{p}" for p in PACKAGES), "data", "config")
 SOURCE_DIR = Path(__file__).resolve().parent.parent  # the checkout (or site-packages) pdmctl runs from
+# a wheel's: the commit it was built from and whether that tree was dirty (written by setup.py)
+COMMIT_FILE = Path(__file__).resolve().parent / "_commit.json"
+_COMMIT = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")  # a SHA-1 or SHA-256 object name
 
 
 def versions() -> dict[str, str]:
@@ -37,22 +42,61 @@ def versions() -> dict[str, str]:
     return out
 
 
+def is_own_clone(directory: Path) -> bool:
+    """Whether `directory` is the top of a git work tree that is pdmctl's own clone (its pyproject.toml names
+    pdmctl): a checkout or an editable install. An installed package's parent (site-packages) is not, even
+    where it sits inside some other git project, e.g. a virtualenv in the user's own repository."""
+    try:
+        if not (directory / ".git").exists():
+            return False
+        with open(directory / "pyproject.toml", "rb") as fh:
+            if tomllib.load(fh).get("project", {}).get("name") != "pdmctl":
+                return False
+    except (OSError, ValueError, AttributeError):  # tomllib.TOMLDecodeError is a ValueError
+        return False
+    top = _git(directory, "rev-parse", "--show-toplevel")
+    try:
+        return top is not None and Path(top).resolve() == directory.resolve()
+    except (OSError, RuntimeError):
+        return False
+
+
+def _git(directory: Path, *args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(directory), *args], capture_output=True, text=True, timeout=20,
+                              check=False, env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"})  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def built_commit(path: Path = COMMIT_FILE) -> dict[str, str]:
+    """The commit an installed wheel was built from and whether its tree was dirty then
+    (`pdmctl/_commit.json`, which setup.py writes at build time); "unknown" where the file is missing or not
+    as setup.py writes it."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"commit": "unknown", "dirty": "unknown"}
+    commit = data.get("commit") if isinstance(data, dict) else None
+    if not isinstance(commit, str) or not _COMMIT.fullmatch(commit):
+        return {"commit": "unknown", "dirty": "unknown"}
+    dirty = data.get("dirty")
+    return {"commit": commit, "dirty": dirty if dirty in ("yes", "no") else "unknown"}
+
+
 def git_state(directory: Path = SOURCE_DIR) -> dict[str, str]:
-    """The commit of the checkout pdmctl runs from and whether tracked files differ from it ("unknown"
-    outside a git checkout, e.g. an installed wheel)."""
-
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(["git", "-C", str(directory), *args], capture_output=True, text=True,
-                                  timeout=20, check=False, env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"})  # fmt: skip
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
+    """The commit of pdmctl's code and whether its tracked files differ from it. git is asked only where
+    `directory` is the top of pdmctl's own clone (`is_own_clone`); an installed wheel reports the commit it
+    was built from (`built_commit`), never that of a git project it happens to be installed in; "unknown"
+    where neither is known. Provenance, `pdmctl --version`, the report's header and the ledger's source
+    commit all read it here."""
+    if not is_own_clone(directory):
+        return built_commit(directory / "pdmctl" / COMMIT_FILE.name)
+    commit = _git(directory, "rev-parse", "HEAD")
     if commit is None:
         return {"commit": "unknown", "dirty": "unknown"}
-    status = git("status", "--porcelain", "--untracked-files=no")
+    status = _git(directory, "status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "dirty": "unknown" if status is None else ("yes" if status else "no")}
 
 

@@ -197,7 +197,8 @@ def seeds(
 ) -> None:
     """Per comparison with the baseline: whether it is resolved, the seeds that would resolve it, their cost;
     --submit adds them (marked as added after this look; the report then uses a group-sequential interval)."""
-    from pdmctl.ledger import ledger_exists, open_ledger
+    from pdmctl import added_seeds
+    from pdmctl.ledger import check_owner, ledger_exists, open_ledger
     from pdmctl.orchestrate import make_context
     from pdmctl.report.cli import _choose_sweeps
     from pdmctl.report.collect import collect
@@ -212,15 +213,23 @@ def seeds(
         except ReportError as exc:
             fail(str(exc))
         ctx = make_context(cluster, tracking_uri)
+        check_owner(ctx.tracking_uri, sweep, write=submit)  # another login's sweep: refused
         if not ledger_exists(ctx.tracking_uri):
             fail(f"no ledger at {ctx.tracking_uri}: run a sweep first, or pass --tracking-uri")
         ledger = open_ledger(ctx.tracking_uri)
+        added_seeds.complete(ledger, take_lock=True)  # the marks an interrupted --submit left undone, first
         chosen = _choose_sweeps([sweep] if sweep else [], ledger.sweeps(), ctx.tracking_uri)
         if isinstance(chosen, str):
             fail(chosen)
         data = collect(ledger, chosen, spec)
         look = propose(data, spec, max_seeds)
         if submit and look.unfinished:
+            left = submit_left(data, look, ctx)
+            if left:
+                console.print(f"look {look.look - 1}: submitted {len(left)} run(s) of seeds added after that "
+                              "look that an interrupted --submit had registered but not submitted; follow with "
+                              f"pdmctl status {chosen[0]}", highlight=False, markup=False)  # fmt: skip
+                return
             fail(f"sweep {chosen[0]}: {look.unfinished} run(s) have not ended; look again when they have")
         for p in look.proposals:
             where = f"{p.setting} {p.mask} vs {p.baseline} on {p.column}"
@@ -252,23 +261,38 @@ def seeds(
 
 def submit_marked(specs: list, ctx, look: int) -> list[str]:
     """Register `specs`, mark the new runs as added after `look`, then submit them as a sweep submits (the
-    mark is on each run before its job goes out). Returns the new runs' ids."""
-    from mlflow.entities import RunTag
-    from mlflow.tracking import MlflowClient
-
-    from pdmctl import orchestrate
-    from pdmctl.ledger import TAG_PROVENANCE, open_ledger
-    from pdmctl.report.sequential import LOOK_FIELD
+    mark is on each run before its job goes out). Registering and marking are one step as far as anyone can
+    see: a journal written first names the runs (`added_seeds`), and whatever interrupts the two, the next
+    `seeds`, `sweep` or `resume` marks them before it reads or submits anything. Returns the new runs' ids."""
+    from pdmctl import added_seeds, orchestrate
+    from pdmctl.ledger import open_ledger
 
     executor = orchestrate.check_before_submit(ctx)
     orchestrate.check_runs(specs, ctx, executor)
+    orchestrate.check_installed(specs, ctx)  # before anything is written, as a sweep checks it
     ledger = open_ledger(ctx.tracking_uri)
     with ledger.lock():
+        added_seeds.complete(ledger)
         before = {r.key for r in ledger.runs(specs[0].sweep)}
+        keys = [s.key for s in specs if s.key not in before]
+        added_seeds.write(ctx.tracking_uri, specs[0].sweep, look, keys)
         ids = ledger.register(specs, {s.key: str(ctx.run_dir_parent(s)) for s in specs})
-    new = [ids[s.key] for s in specs if s.key not in before]
-    client = MlflowClient(ctx.tracking_uri)
-    for run_id in new:
-        client.log_batch(run_id, tags=[RunTag(f"{TAG_PROVENANCE}{LOOK_FIELD}", str(look))])
+        added_seeds.complete(ledger)  # marks them, then removes the journal
     orchestrate.sweep(specs, ctx, order="seed")
-    return new
+    return [ids[k] for k in keys]
+
+
+def submit_left(data, look: Look, ctx) -> list[str]:
+    """Submit what an interrupted `seeds --submit` registered and marked but never submitted, when every run
+    of the sweep that has not ended is one the last look added: the job ids (none when those runs are
+    queued or running, or other runs have not ended)."""
+    from pdmctl import orchestrate
+    from pdmctl.ledger import TERMINAL
+    from pdmctl.report.sequential import run_look
+
+    last = look.look - 1  # the last look that added seeds (0: none did)
+    open_runs = [r for r in data.records.values() if r.status not in TERMINAL]
+    if last < 1 or not open_runs or any(run_look(r) != last or r.spec is None for r in open_runs):
+        return []
+    _, job_ids = orchestrate.sweep([r.spec for r in open_runs], ctx, order="seed")
+    return job_ids

@@ -87,8 +87,13 @@ def hold_if_asked(step: int, fresh_run: bool, env: str, seconds_env: str) -> Non
     started = time.monotonic()
     import socket
 
+    from pdmctl import wayout
+
     while (held := time.monotonic() - started) < limit:
+        if wayout.requested():  # the job was signalled to save on the way out: the step goes on to its end
+            print(f"pdmctl: let go at step {step} after {held:.0f} s: the job saves on the way out", flush=True)
+            return
         print(f"pdmctl: held at step {step} for {held:.0f} s ({env}, a test's)", flush=True)
         print(f"pdmctl-progress test_hold_s={int(held) + 1} host={socket.gethostname()} pid={os.getpid()}", flush=True)
-        time.sleep(min(10.0, limit - held))
+        time.sleep(min(1.0 if wayout.grace_seconds() else 10.0, limit - held))
     print(f"pdmctl: let go at step {step} after {limit:.0f} s", flush=True)

@@ -26,6 +26,8 @@ EXAMPLES = {
     "server user add": ["pdmctl server user add bob (asks bob's password twice)",
                         "pdmctl server user add bob --password-stdin < bobs-password.txt"],
     "server user remove": ["pdmctl server user remove bob"],
+    "server share": ["pdmctl server share paper-main bob carol",
+                     "pdmctl server share paper-main dave --read (reads it only)"],
     "doctor": ["pdmctl doctor --cluster h20", "pdmctl doctor --cluster h20 --job --file paper-main"],
     "init": ["pdmctl init (copies configs/, sweeps/, clusters/, reports/ here)",
              "pdmctl init ~/.config/pdmctl (the user's folder, searched after the working directory's)"],
@@ -33,19 +35,20 @@ EXAMPLES = {
     "analyze": ["pdmctl analyze --seeds 5 --json direction.json", "pdmctl analyze precision=fp8_rollout k=50"],
     "tune": ["pdmctl tune --file tune-testbed --dry-run", "pdmctl tune --file tune-testbed --trials 20 --parallel 2"],
     "seeds": ["pdmctl seeds paper-main", "pdmctl seeds paper-main --max-seeds 8 --submit"],
+    "preflight": ["pdmctl preflight --file paper-main --cluster h20 --dry-run",
+                  "pdmctl preflight --file paper-main --cluster h20 --wait (then: the same, each setting's verdict)"],
     "data prepare": ["pdmctl data prepare /shared/data/dapo-math",
                 "pdmctl data prepare /shared/data/dapo-math --max-prompt-chars 4000"],
 }  # fmt: skip
 
 
 def version_line() -> str:
-    """`pdmctl 0.1.0`, with the commit when pdmctl runs from a git checkout (an installed wheel has none)."""
+    """`pdmctl 0.1.0`, with the commit of pdmctl's own clone it runs from, or the one its wheel was built from
+    (`provenance.git_state`); without it where neither is known."""
     from pdmctl import __version__
-    from pdmctl.provenance import SOURCE_DIR, git_state
+    from pdmctl.provenance import git_state
 
-    if not (SOURCE_DIR / ".git").exists():
-        return f"pdmctl {__version__}"
-    state = git_state(SOURCE_DIR)
+    state = git_state()
     if state["commit"] == "unknown":
         return f"pdmctl {__version__}"
     return f"pdmctl {__version__} (commit {state['commit'][:12]}{', modified' if state['dirty'] == 'yes' else ''})"
@@ -113,12 +116,16 @@ def known_sweeps(ctx) -> list[str] | None:
     return open_ledger(ctx.tracking_uri).sweeps() if ledger_exists(ctx.tracking_uri) else None
 
 
-def check_sweep(ctx, name: str | None) -> None:
-    """A sweep name the store does not hold: one line naming the known ones (and the closest), exit 2."""
+def check_sweep(ctx, name: str | None, change: bool = False) -> None:
+    """A sweep name the store does not hold: one line naming the known ones (and the closest), exit 2; on a
+    tracking server with logins, one of another login's too, unread, or with `change` unless shared with this
+    one (SweepOwnerError, pdmctl.ledger.check_owner)."""
+    from pdmctl.ledger import check_owner
     from pdmctl.yamlfiles import did_you_mean
 
     if name is None:
         return
+    check_owner(ctx.tracking_uri, name, write=change)
     sweeps = known_sweeps(ctx)
     if sweeps is None:
         fail(f"sweep {_shown(name)}: no runs (no store at {_redacted(ctx.tracking_uri)} yet)")
@@ -128,11 +135,14 @@ def check_sweep(ctx, name: str | None) -> None:
 
 
 def check_target(ctx, target: str | None) -> None:
-    """`cancel`'s target: a sweep, or a run (key, key prefix or MLflow run id); neither: one line, exit 2.
-    No store yet: left to pdmctl.orchestrate.cancel, which says so."""
+    """`cancel`'s target: a sweep, or a run (key, key prefix or MLflow run id); neither: one line, exit 2. A
+    sweep of another login's (a tracking server's) is SweepOwnerError, as orchestrate.cancel makes a run of
+    one. No store yet: left to pdmctl.orchestrate.cancel, which says so."""
     from pdmctl import orchestrate
+    from pdmctl.ledger import check_owner
     from pdmctl.yamlfiles import did_you_mean
 
+    check_owner(ctx.tracking_uri, target)
     sweeps = known_sweeps(ctx)
     if target is None or sweeps is None or target in sweeps:
         return
@@ -143,6 +153,13 @@ def check_target(ctx, target: str | None) -> None:
             raise
         fail(f"{_shown(target)}: no such sweep or run in {_redacted(ctx.tracking_uri)}"
              f"{did_you_mean(target, sweeps)} (known sweeps: {', '.join(sweeps) or 'none'})")
+
+
+def owner_notes(views) -> list[str]:
+    """The lines under `status` on whose sweeps these runs are (pdmctl.ledger.login_notes)."""
+    from pdmctl.ledger import login_notes, tracking_login
+
+    return login_notes([v.record for v in views if v.record], tracking_login())
 
 
 def init(

@@ -9,18 +9,23 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 WORK="${1:-$(mktemp -d /tmp/pdmctl-wheel.XXXXXX)}"
 mkdir -p "$WORK"
-rm -rf "$WORK/clone" "$WORK/dist" "$WORK/venv" "$WORK/empty"
+rm -rf "$WORK/clone" "$WORK/dist" "$WORK/proj" "$WORK/empty"
 git clone -q "$ROOT" "$WORK/clone"
-python3 -m venv "$WORK/venv"
-"$WORK/venv/bin/pip" install -q --upgrade pip
-"$WORK/venv/bin/pip" wheel -q --no-deps -w "$WORK/dist" "$WORK/clone"
+# the virtualenv inside a user's own git project, as many keep it (myproj/.venv): pdmctl must name the commit
+# its wheel was built from, never the project's
+git init -q "$WORK/proj"
+git -C "$WORK/proj" -c user.name=ci -c user.email=ci@localhost commit -q --allow-empty -m "a user's project"
+python3 -m venv "$WORK/proj/.venv"
+"$WORK/proj/.venv/bin/pip" install -q --upgrade pip
+"$WORK/proj/.venv/bin/pip" wheel -q --no-deps -w "$WORK/dist" "$WORK/clone"
 # first without PyTorch, as a login node that only plans and submits has it: the dry runs work, a testbed
 # run is refused in one line naming the extra
-"$WORK/venv/bin/pip" install -q --no-compile "$WORK"/dist/pdmctl-*.whl
+"$WORK/proj/.venv/bin/pip" install -q --no-compile "$WORK"/dist/pdmctl-*.whl
 mkdir "$WORK/empty"
 cd "$WORK/empty"
-export PATH="$WORK/venv/bin:$PATH"
-pdmctl --version
+export PATH="$WORK/proj/.venv/bin:$PATH"
+pdmctl --version | tee version.txt
+grep -q "(commit $(git -C "$WORK/clone" rev-parse HEAD | cut -c1-12))" version.txt || { cat version.txt; exit 1; }
 ! python -c "import torch" 2>/dev/null
 pdmctl sweep delta=0.05 --dry-run
 pdmctl sweep --file smoke --cluster local --dry-run >/dev/null

@@ -9,6 +9,10 @@
 #                                             (FSDP; Megatron: megatron-core + VeRL's legacy mbridge path, which
 #                                             pdmctl's presets select) and Transformer Engine for fp8_e2e
 #                                             (`DIR --cuda` works too)
+#   bash scripts/engine-env.sh --cuda12 DIR   the same from scripts/engine-cuda12.lock, for nodes whose driver
+#                                             predates CUDA 13 (R525 to R570): vLLM 0.19.1 with torch 2.10.0
+#                                             (CUDA 12.8: an NVIDIA driver >= 525.60.13), VeRL 0.9.1, the same
+#                                             Megatron half and Transformer Engine (its CUDA 12 core)
 #
 # Bytecode: the GPU cluster's environment is compiled at install (its nodes may share it read-only, and every
 # Ray and vLLM worker imports torch, ray and vllm afresh); the CPU one writes it as modules are first
@@ -24,12 +28,16 @@
 # loads and vLLM picks its CPU platform); transformers is held inside VeRL's supported range.
 set -euo pipefail
 
-USAGE="usage: bash scripts/engine-env.sh [--cuda] DIR"
+USAGE="usage: bash scripts/engine-env.sh [--cuda | --cuda12] DIR"
 DEVICE=cpu
+VARIANT=""
 DIR=""
 for arg in "$@"; do
   case "$arg" in
-    --cuda) DEVICE=cuda ;;
+    --cuda | --cuda12)
+       [ -z "$VARIANT" ] || [ "$VARIANT" = "${arg#--}" ] || {
+         echo "engine-env.sh: --cuda and --cuda12 (two locks): give one ($USAGE)" >&2; exit 2; }
+       DEVICE=cuda; VARIANT="${arg#--}" ;;
     -*) echo "engine-env.sh: unknown option '$arg' ($USAGE)" >&2; exit 2 ;;
     *) [ -z "$DIR" ] || { echo "engine-env.sh: more than one DIR ('$DIR', '$arg') ($USAGE)" >&2; exit 2; }
        DIR="$arg" ;;
@@ -39,25 +47,39 @@ done
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PDMCTL_ENGINE_PYTHON:-python3.11}"
 VLLM_VERSION=0.24.0
-# The lowest glibc the lock's wheels install on, and the packages whose wheels set it: scripts/lock_glibc.py
-# computes both from scripts/engine-cuda.lock in CI (engine-lock.sh --check) and fails when these, or the
-# floor docs/CLUSTER.md states, are not what it computes.
+# The lowest glibc each lock's wheels install on, and the packages whose wheels set it: scripts/lock_glibc.py
+# computes both from scripts/engine-cuda.lock and scripts/engine-cuda12.lock in CI (engine-lock.sh --check
+# [--cuda12]) and fails when these, or the floor docs/CLUSTER.md states, are not what it computes.
 GLIBC_FLOOR=2.31
 GLIBC_FLOOR_SET_BY="llguidance 1.7.6"
+GLIBC_FLOOR_CUDA12=2.31
+GLIBC_FLOOR_CUDA12_SET_BY="vllm 0.19.1"
 
 if [ "$DEVICE" = cuda ]; then
+  if [ "$VARIANT" = cuda12 ]; then
+    LOCK="$REPO/scripts/engine-cuda12.lock"
+    GLIBC_FLOOR="$GLIBC_FLOOR_CUDA12" GLIBC_FLOOR_SET_BY="$GLIBC_FLOOR_CUDA12_SET_BY"
+    DRIVER="an NVIDIA driver >= 525.60.13: torch 2.10.0's CUDA 12.8 build"
+    CUDA_HEADERS=12  # the nvidia-*-cu12 wheels: one directory each, the runtime's in nvidia/cuda_runtime
+    CUDA_ROOT=nvidia/cuda_runtime
+  else
+    LOCK="$REPO/scripts/engine-cuda.lock"
+    DRIVER="an NVIDIA driver >= 580: torch 2.11.0's CUDA 13.0 build"
+    CUDA_HEADERS=13  # the CUDA 13 wheels: all in nvidia/cu13
+    CUDA_ROOT=nvidia/cu13
+  fi
   # What a node needs, said before anything is installed (docs/CLUSTER.md, "The engine environment").
   cat <<NEEDS
-engine-env.sh --cuda needs, where it builds and on every node that runs the environment:
+engine-env.sh --$VARIANT needs, where it builds and on every node that runs the environment:
   Linux x86_64 with glibc >= $GLIBC_FLOOR: $GLIBC_FLOOR_SET_BY has no wheel for an older glibc (manylinux_${GLIBC_FLOOR/./_})
-  an NVIDIA driver >= 580: torch 2.11.0's CUDA 13.0 build (checked at the end, on a node with a GPU)
+  $DRIVER (checked at the end, on a node with a GPU)
   Python 3.11 ($PYTHON) and a C++ compiler (g++): Transformer Engine's PyTorch binding is compiled here,
-    against the CUDA 13 headers of the nvidia-* wheels torch brings (no CUDA toolkit or nvcc is used)
+    against the CUDA $CUDA_HEADERS headers of the nvidia-* wheels torch brings (no CUDA toolkit or nvcc is used)
   pypi.org reachable, and DIR on a filesystem every node mounts
 NEEDS
   GLIBC="$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{print $2}')" || GLIBC=""
   if [ -z "$GLIBC" ] || [ "$(printf '%s\n' "$GLIBC_FLOOR" "$GLIBC" | sort -V | head -n 1)" != "$GLIBC_FLOOR" ]; then
-    echo "engine-env.sh: glibc ${GLIBC:-unknown} here, and --cuda needs glibc >= $GLIBC_FLOOR ($GLIBC_FLOOR_SET_BY's wheels)" >&2
+    echo "engine-env.sh: glibc ${GLIBC:-unknown} here, and --$VARIANT needs glibc >= $GLIBC_FLOOR ($GLIBC_FLOOR_SET_BY's wheels)" >&2
     exit 2
   fi
   command -v "${CXX:-g++}" >/dev/null || {
@@ -73,7 +95,6 @@ fi
 [ -x "$DIR/bin/uv" ] || "$DIR/bin/python" -m pip install -q "uv>=0.5"
 
 if [ "$DEVICE" = cuda ]; then
-  LOCK="$REPO/scripts/engine-cuda.lock"
   REQS="$(mktemp)"
   trap 'rm -f "$REQS"' EXIT
   # Everything but Transformer Engine's PyTorch binding, at the lock's versions (no resolution here).
@@ -82,13 +103,13 @@ if [ "$DEVICE" = cuda ]; then
     --compile-bytecode -r "$REQS"
   # Transformer Engine's PyTorch binding is a source distribution only: it is compiled here (C++ only,
   # 28 files; g++ is needed, nvcc is not) against the torch just installed, hence no build isolation
-  # (which would build it against the newest torch). Its headers are the CUDA 13 ones of the nvidia-*
-  # wheels torch brought, named explicitly: TE looks at CUDA_HOME, then `nvcc` on the PATH, then
+  # (which would build it against the newest torch). Its headers are the CUDA 13 (--cuda12: 12) ones of
+  # the nvidia-* wheels torch brought, named explicitly: TE looks at CUDA_HOME, then `nvcc` on the PATH, then
   # /usr/local/cuda, any of which may be another CUDA than torch's (a site's `module load cuda`), and
   # TE 2.11's own fallback to the wheels fails on their namespace package. Its setup.py first tries
   # NVIDIA's prebuilt wheel for this torch on GitHub, then builds.
   SITE="$("$DIR/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
-  CUDA_HOME="$SITE/nvidia/cu13" CPLUS_INCLUDE_PATH="$(ls -d "$SITE"/nvidia/*/include | paste -sd:)" \
+  CUDA_HOME="$SITE/$CUDA_ROOT" CPLUS_INCLUDE_PATH="$(ls -d "$SITE"/nvidia/*/include | paste -sd:)" \
     "$DIR/bin/uv" pip install --python "$DIR/bin/python" --default-index https://pypi.org/simple \
     --no-build-isolation --no-deps --compile-bytecode "$(grep '^transformer-engine-torch==' "$LOCK")"
   # pdmctl from this clone (it is not on the index); its dependencies are the lock's, installed above.

@@ -1,4 +1,4 @@
-"""The glibc floor of the CUDA engine environment, computed from scripts/engine-cuda.lock.
+"""The glibc floor of the CUDA engine environment, computed from scripts/engine-cuda.lock (or engine-cuda12.lock).
 
 For every package the lock pins, the index's files of that version are listed (the simple API, PEP 691 JSON or
 PEP 503 HTML) and the wheels an installer may pick for CPython 3.11 on Linux x86_64 are kept (cp311, abi3,
@@ -6,12 +6,16 @@ py3-none: packaging's tags). A package's floor is the lowest manylinux glibc amo
 pure-Python wheel, or no compatible wheel (a source distribution only), sets none. The environment's floor is
 the highest of the packages' floors: on an older glibc the installer would build that package from source.
 
-    python scripts/lock_glibc.py     prints the floor and the packages that set it; fails (exit 1, one line)
-                                     when scripts/engine-env.sh's GLIBC_FLOOR and GLIBC_FLOOR_SET_BY (the
+    python scripts/lock_glibc.py [--cuda | --cuda12]
+                                     prints the floor of scripts/engine-cuda.lock (--cuda, the default) or
+                                     scripts/engine-cuda12.lock (--cuda12) and the packages that set it; fails
+                                     (exit 1, one line) when scripts/engine-env.sh's GLIBC_FLOOR and
+                                     GLIBC_FLOOR_SET_BY (GLIBC_FLOOR_CUDA12 and GLIBC_FLOOR_CUDA12_SET_BY: the
                                      single source) are not those, when docs/CLUSTER.md states another floor
-                                     or does not name its packages, or when a pin's files cannot be listed
+                                     (one for both locks) or does not name its packages, or when a pin's files
+                                     cannot be listed
 
-Run by `bash scripts/engine-lock.sh --check` (CI). Needs the `packaging` library and the index (network);
+Run by `bash scripts/engine-lock.sh --check [--cuda12]` (CI). Needs the `packaging` library and the index (network);
 nothing is written to disk.
 """
 
@@ -46,6 +50,8 @@ except ImportError:  # pragma: no cover - said in one line below
 
 REPO = Path(__file__).resolve().parents[1]
 LOCK = REPO / "scripts" / "engine-cuda.lock"
+# the locks by engine-env.sh's option: the file, and the name of engine-env.sh's variable that states its floor
+LOCKS = {"--cuda": (LOCK, "GLIBC_FLOOR"), "--cuda12": (REPO / "scripts" / "engine-cuda12.lock", "GLIBC_FLOOR_CUDA12")}
 ENGINE_ENV = REPO / "scripts" / "engine-env.sh"
 DOC = REPO / "docs" / "CLUSTER.md"
 # engine-lock.sh resolves, and engine-env.sh installs, from this index (--default-index) unless the lock names one
@@ -225,19 +231,21 @@ def floor_of_pin(pin: tuple[str, str, str | None], indexes: list[str]) -> Glibc 
     raise ValueError(f"not on {', '.join([origin] if origin else indexes)}")
 
 
-def check_stated(top: Glibc | None, setters: list[str], env_sh: str, doc: str) -> str | None:
-    """What engine-env.sh (GLIBC_FLOOR and GLIBC_FLOOR_SET_BY, the single source) or docs/CLUSTER.md (every
+def check_stated(
+    top: Glibc | None, setters: list[str], env_sh: str, doc: str, variable: str = "GLIBC_FLOOR"
+) -> str | None:
+    """What engine-env.sh (`variable` and `variable`_SET_BY, the single source) or docs/CLUSTER.md (every
     `glibc >= X.Y`, `glibc X.Y`, `manylinux_X_Y`, and the setters by name and version) states otherwise than
     the lock's floor `top` set by `setters`; None when they agree."""
     env_name, doc_name = ENGINE_ENV.relative_to(REPO), DOC.relative_to(REPO)
-    floor = re.search(r"^GLIBC_FLOOR=(\d+)\.(\d+)$", env_sh, re.MULTILINE)
-    set_by = re.search(r'^GLIBC_FLOOR_SET_BY="([^"]*)"$', env_sh, re.MULTILINE)
+    floor = re.search(rf"^{variable}=(\d+)\.(\d+)$", env_sh, re.MULTILINE)
+    set_by = re.search(rf'^{variable}_SET_BY="([^"]*)"$', env_sh, re.MULTILINE)
     if not floor or not set_by:
-        return f'{env_name} sets no GLIBC_FLOOR=X.Y and GLIBC_FLOOR_SET_BY="NAME VERSION, ..."'
+        return f'{env_name} sets no {variable}=X.Y and {variable}_SET_BY="NAME VERSION, ..."'
     wrong = []
     if (int(floor.group(1)), int(floor.group(2))) != top or set_by.group(1) != ", ".join(setters):
         wrong.append(
-            f"{env_name} has GLIBC_FLOOR={floor.group(1)}.{floor.group(2)}, set by {set_by.group(1)}"
+            f"{env_name} has {variable}={floor.group(1)}.{floor.group(2)}, set by {set_by.group(1)}"
         )
     stated = {
         (int(a or c), int(b or d))
@@ -258,12 +266,17 @@ def show(g: Glibc | None) -> str:
     return "none" if g is None else f"{g[0]}.{g[1]}"
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    if len(argv) > 1 or (argv and argv[0] not in LOCKS):
+        print(f"lock_glibc.py: unknown arguments {' '.join(argv)!r} (usage: python scripts/lock_glibc.py "
+              "[--cuda | --cuda12])", file=sys.stderr)  # fmt: skip
+        return 2
+    lock, variable = LOCKS[argv[0] if argv else "--cuda"]
     if Tag is None:
         print("lock_glibc.py: needs the `packaging` library (pip install packaging)", file=sys.stderr)
         return 2
     start = time.monotonic()
-    pins, indexes = read_lock(LOCK.read_text())
+    pins, indexes = read_lock(lock.read_text())
     floors: dict[str, Glibc | None] = {}
     failed: list[str] = []
     with ThreadPoolExecutor(16) as pool:
@@ -275,13 +288,13 @@ def main() -> int:
                 failed.append(f"{name}=={version} ({e})")
     top, setters = environment_floor(floors)
     elapsed = time.monotonic() - start
-    print(f"lock_glibc.py: {len(pins)} pins from {', '.join(indexes)}; glibc floor {show(top)}, set by "
+    print(f"lock_glibc.py: {lock.relative_to(REPO)}: {len(pins)} pins from {', '.join(indexes)}; glibc floor {show(top)}, set by "
           f"{', '.join(setters) or 'no package'} ({elapsed:.1f} s)")  # fmt: skip
     if failed:
         print(f"lock_glibc.py: cannot compute the floor: {len(failed)} pin(s) not resolved: {'; '.join(failed)}",
               file=sys.stderr)  # fmt: skip
         return 1
-    problem = check_stated(top, setters, ENGINE_ENV.read_text(), DOC.read_text())
+    problem = check_stated(top, setters, ENGINE_ENV.read_text(), DOC.read_text(), variable)
     if problem:
         print(f"lock_glibc.py: {problem}", file=sys.stderr)
         return 1
@@ -289,4 +302,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -48,11 +48,13 @@ def sqlite_uri(path: Path) -> str:
 def stage_model(directory: Path, preset: str, parameters: int | None = None) -> Path:
     """A model directory of a VeRL preset's shape, as a cluster stages it: a config naming the preset's
     architecture, a tokenizer, and one safetensors file whose header declares the preset's parameters
-    (`parameters` to change that) in bf16, with the bytes it declares: a sparse file, so that a 30B
-    model's copy takes no disk."""
+    (`parameters` to change that) in bf16, with the bytes it declares. The file is whole where the staged
+    weights' check samples it (random bytes at each of `sampled_regions`) and sparse elsewhere, so that a
+    30B model's copy takes no disk: what a sampling check can see of it is a downloaded copy."""
     import json
     import struct
 
+    from pdmctl.backends.verl.offline import sampled_regions
     from pdmctl.backends.verl.presets import MODEL_PRESETS
 
     shape = MODEL_PRESETS[preset]
@@ -66,6 +68,8 @@ def stage_model(directory: Path, preset: str, parameters: int | None = None) -> 
     with open(weights, "wb") as fh:
         fh.write(struct.pack("<Q", len(header)) + header)
         fh.truncate(8 + len(header) + 2 * count)
+        for start, end in sampled_regions(8 + len(header), 8 + len(header) + 2 * count):
+            os.pwrite(fh.fileno(), os.urandom(end - start), start)
     return directory
 
 

@@ -126,7 +126,8 @@ def test_doctor_runs_its_node_checks_in_a_job_of_the_ci_slurm(tmp_path: Path) ->
     if not _slurm_answers():
         pytest.skip("no SLURM here (.ci/slurm_up.sh)")
     tmp_path.chmod(0o755)
-    profile = _filled_h20(tmp_path, nodes=1, cpus_per_task=1, time=10, sbatch=[], max_concurrent=1)
+    profile = _filled_h20(tmp_path, nodes=1, cpus_per_task=1, time=10, signal_delay_s=120, save_grace_s=0, sbatch=[],
+                          max_concurrent=1)
     # the login node's checks pass (the partition as profiled, against sinfo), then the job's: the CI's node has
     # 8 fake GPUs and no NVIDIA driver, so nvidia-smi fails there, shown failing, exit 2
     result = pdmctl("doctor", "--cluster", str(profile), "--job", timeout=300)

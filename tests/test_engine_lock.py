@@ -1,7 +1,9 @@
-"""The CUDA engine environment's lock (scripts/engine-cuda.lock) and the driver check beside it.
+"""The CUDA engine environment's locks (scripts/engine-cuda.lock: CUDA 13; scripts/engine-cuda12.lock: CUDA 12)
+and the driver check beside them.
 
-That the lock still resolves from the index is CI's step `bash scripts/engine-lock.sh --check` (network,
-about 7 s); these read the committed file: it holds what the engine needs at versions that fit together.
+That a lock still resolves from the index is CI's step `bash scripts/engine-lock.sh --check [--cuda12]`
+(network, about 7 s each, then about 27 s for the glibc floor); these read the committed files: each holds
+what the engine needs at versions that fit together.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from pdmctl.backends.verl import driver
 
 REPO = Path(__file__).resolve().parents[1]
 LOCK = REPO / "scripts" / "engine-cuda.lock"
+LOCK12 = REPO / "scripts" / "engine-cuda12.lock"
 
 
-def pins() -> dict[str, str]:
+def pins(lock: Path = LOCK) -> dict[str, str]:
     out = {}
-    for line in LOCK.read_text().splitlines():
+    for line in lock.read_text().splitlines():
         m = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", line)
         if m:
             out[m.group(1).lower().replace("_", "-")] = m.group(2)
@@ -50,6 +53,31 @@ def test_the_lock_holds_the_engine_at_versions_that_fit_together() -> None:
     assert "pdmctl" not in p  # it installs from the clone
 
 
+def test_the_cuda_12_lock_holds_the_engine_on_a_torch_built_for_cuda_12() -> None:
+    """scripts/engine-cuda12.lock: VeRL 0.9.1 on vLLM 0.19.1, the newest vLLM on the index whose torch (2.10.0)
+    is the CUDA 12.8 build; no CUDA 13 package in it; the engine's other pins as the CUDA 13 lock's (transformers,
+    the Megatron half, Transformer Engine with its CUDA 12 core), and the driver checks know its CUDA."""
+    p, p13 = pins(LOCK12), pins()
+    assert len(p) > 200
+    assert (p["verl"], p["vllm"], p["torch"], p["transformers"]) == ("0.9.1", "0.19.1", "2.10.0", "5.9.0")
+    assert version(p["nvidia-cuda-runtime-cu12"])[:2] == (12, 8) and 12 in driver.MIN_DRIVER
+    assert driver.LOCKS[12][0] == "scripts/engine-cuda12.lock" and driver.LOCKS[13][0] == "scripts/engine-cuda.lock"
+    assert not [n for n in p if n == "cuda-toolkit" or "cu13" in n or (n.startswith("nvidia-") and
+                                                                      version(p[n])[:1] == (13,) and n != "nvidia-ml-py")]  # fmt: skip
+    assert p["transformer-engine"] == p["transformer-engine-torch"] == p["transformer-engine-cu12"] == p13["transformer-engine"]
+    for same in ("megatron-core", "mbridge", "transferqueue"):  # pinned alike in both .in files
+        assert p[same] == p13[same], same
+    assert "megatron-bridge" not in p and "pdmctl" not in p
+    assert LOCK12.read_text().splitlines()[1].strip() == "#    bash scripts/engine-lock.sh --cuda12"
+
+
+def test_engine_lock_refuses_an_unknown_option_before_it_resolves(tmp_path: Path) -> None:
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "engine-lock.sh"), "--cuda11"], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=60)  # fmt: skip
+    assert (proc.returncode, proc.stderr.strip().splitlines()) == (
+        2, ["engine-lock.sh: unknown option '--cuda11' (usage: bash scripts/engine-lock.sh [--check] [--cuda12])"])
+
+
 def test_the_driver_check_reads_nvidia_smi_and_names_the_branch_torch_needs() -> None:
     recorded = "580.65.06\n580.65.06\n580.65.06\n580.65.06\n580.65.06\n580.65.06\n580.65.06\n580.65.06\n"
     [v] = set(driver.parse_driver_versions(recorded))
@@ -57,9 +85,13 @@ def test_the_driver_check_reads_nvidia_smi_and_names_the_branch_torch_needs() ->
     assert "needs >= 525" in driver.check("535.183.06", "12.8")
     with pytest.raises(
         driver.DriverError,
-        match=r"^NVIDIA driver 535.183.06 is older than torch's CUDA 13.0 build needs \(driver >= 580",
+        match=r"^NVIDIA driver 535.183.06 is older than torch's CUDA 13.0 build needs \(driver >= 580, the R580 "
+        r"branch or newer\): build the engine environment from scripts/engine-cuda12.lock instead \(bash "
+        r"scripts/engine-env.sh --cuda12 DIR: CUDA 12.8, driver >= 525.60.13\), or update the driver",
     ):
         driver.check("535.183.06", "13.0")
+    with pytest.raises(driver.DriverError, match=r"build needs \(driver >= 525.*\): no engine lock runs on it"):
+        driver.check("470.256.02", "12.8")
     with pytest.raises(driver.DriverError, match="CPU build"):
         driver.check("580.65.06", None)
     with pytest.raises(driver.DriverError, match="where a driver version"):
@@ -82,14 +114,19 @@ def test_the_driver_check_fails_in_one_line_without_a_gpu(tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("args", "line"),
     [
-        ([], "engine-env.sh: no DIR (usage: bash scripts/engine-env.sh [--cuda] DIR)"),
+        ([], "engine-env.sh: no DIR (usage: bash scripts/engine-env.sh [--cuda | --cuda12] DIR)"),
         (
             ["--gpu", "x"],
-            "engine-env.sh: unknown option '--gpu' (usage: bash scripts/engine-env.sh [--cuda] DIR)",
+            "engine-env.sh: unknown option '--gpu' (usage: bash scripts/engine-env.sh [--cuda | --cuda12] DIR)",
         ),
         (
             ["a", "b"],
-            "engine-env.sh: more than one DIR ('a', 'b') (usage: bash scripts/engine-env.sh [--cuda] DIR)",
+            "engine-env.sh: more than one DIR ('a', 'b') (usage: bash scripts/engine-env.sh [--cuda | --cuda12] DIR)",
+        ),
+        (
+            ["--cuda", "--cuda12", "x"],
+            "engine-env.sh: --cuda and --cuda12 (two locks): give one (usage: bash scripts/engine-env.sh "
+            "[--cuda | --cuda12] DIR)",
         ),
     ],
 )
@@ -127,3 +164,27 @@ def test_the_cuda_environment_says_what_a_node_needs_before_it_installs_anything
     assert "glibc >= 2.31" in needs[1] and "NVIDIA driver >= 580" in needs[2] and "C++ compiler" in needs[3]
     assert "no CUDA toolkit or nvcc" in needs[4]
     assert not target.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["bin"]
+
+
+def test_the_cuda_12_environment_says_what_a_node_needs_before_it_installs_anything(tmp_path: Path) -> None:
+    """`engine-env.sh --cuda12` names its own needs (the CUDA 12 lock's glibc floor and the packages that set
+    it, a driver >= 525.60.13 for torch 2.10.0's CUDA 12.8) and refuses an older glibc in one line, before
+    writing DIR."""
+    import shutil
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "cat", "awk", "sort", "head", "dirname"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    (bin_dir / "getconf").write_text(f"#!{shutil.which('bash')}\necho 'glibc 2.28'\n")
+    (bin_dir / "getconf").chmod(0o755)
+    target = tmp_path / "env"
+    proc = subprocess.run([str(bin_dir / "bash"), str(REPO / "scripts" / "engine-env.sh"), "--cuda12", str(target)],
+                          capture_output=True, text=True, timeout=60, env={"PATH": str(bin_dir)})  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "engine-env.sh: glibc 2.28 here, and --cuda12 needs glibc >= 2.31 (vllm 0.19.1's wheels)"), proc
+    needs = proc.stdout.splitlines()
+    assert needs[0].startswith("engine-env.sh --cuda12 needs") and "glibc >= 2.31: vllm 0.19.1 has no wheel" in needs[1]
+    assert needs[2].strip() == "an NVIDIA driver >= 525.60.13: torch 2.10.0's CUDA 12.8 build (checked at the end, on " \
+        "a node with a GPU)"  # fmt: skip
+    assert "the CUDA 12 headers" in needs[4] and not target.exists()

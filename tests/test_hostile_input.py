@@ -1379,3 +1379,116 @@ def test_a_dry_run_says_when_the_verl_probe_would_replace_the_trainer(workdir: P
     result = CliRunner().invoke(app, ["sweep", *VERL, "backend.nnodes=1", "--dry-run"])
     assert result.exit_code == 0, result.output
     assert "PDMCTL_VERL_PROBE=1 is set: each VeRL job would run the probe, not the trainer" in result.stdout
+
+
+# -- YAML whose aliases expand without bound ("billion laughs"): refused before anything is built ----------
+
+
+def _alias_bomb(depth: int = 8, width: int = 10) -> str:
+    """A YAML flow list of anchors `depth` deep, each naming the one before `width` times: under 1 KB of text
+    whose value, expanded, is width**(depth + 1) leaves (a billion for 8 deep, 10 wide)."""
+    levels = [f"&l0 [{', '.join(['lol'] * width)}]"]
+    levels += [f"&l{i} [{', '.join([f'*l{i - 1}'] * width)}]" for i in range(1, depth + 1)]
+    return f"[{', '.join(levels)}]"
+
+
+def _run_bounded(args: list[str], cwd: Path) -> tuple[int, str]:
+    """The real CLI in a subprocess held to 2 GiB of address space and 60 s: (exit code, stderr). A command
+    that expanded the aliases would run out of memory (a MemoryError traceback) or out of time."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {"COLUMNS": "200"}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pdmctl.cli", *args], cwd=cwd, capture_output=True, text=True,
+                              timeout=60, env=env, preexec_fn=limit)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"pdmctl {' '.join(args)} still ran after 60 s")
+    return proc.returncode, proc.stderr
+
+
+BOMBS = {  # where each file's reader would walk the value: a sweep's grid, a report's text, a profile's values
+    "sweep file": ("BOMB.yaml", f"name: bomb\ngrid:\n  k: {_alias_bomb()}\n", ["sweep", "--file", "BOMB.yaml", "--dry-run"]),
+    "tune file": ("BOMB.yaml", f"name: bomb\ngrid:\n  k: {_alias_bomb()}\ntune:\n  space: {{}}\n", ["tune", "--file", "BOMB.yaml"]),
+    "report definition": ("BOMB.yaml", f"name: bomb\ndescription: {_alias_bomb()}\ncolumns: []\n",
+                          ["report", "--definition", "BOMB.yaml"]),
+    "cluster profile": ("BOMB.yaml", f"name: bomb\nexecutor: local\nworkdir: {_alias_bomb()}\n",
+                        ["sweep", "seed=0", *SYN, "--cluster", "BOMB.yaml", "--dry-run"]),
+    "config file": ("configs/mask/bomb.yaml", f"name: bomb\nmethod: {_alias_bomb()}\n",
+                    ["sweep", "mask=bomb", *SYN, "--dry-run"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("what", list(BOMBS))
+def test_a_yaml_bomb_is_one_line_naming_the_file_before_anything_is_built(workdir: Path, what: str) -> None:
+    """A file of under 1 KB whose aliases nest 8 deep and 10 wide is refused in one line naming the file and
+    its aliases, exit 2, with nothing written: within 2 GiB of memory and 60 s (expanded, it takes all of
+    memory or minutes)."""
+    import shutil
+
+    from pdmctl.resources import config_dir
+    from tests.test_bad_input import snapshot
+
+    name, text, args = BOMBS[what]
+    if what == "config file":  # a config tree of the working directory's own, one of its options a bomb
+        shutil.copytree(config_dir(), workdir / "configs")
+    (workdir / name).write_text(text)
+    assert len(text) < 1024
+    before = snapshot(workdir)
+    code, stderr = _run_bounded(args, workdir)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith(f"error: {what.replace('tune', 'sweep')}: ") and Path(name).name in lines[0], lines
+    assert "alias expansion exceeds 100,000 nodes" in lines[0], lines
+    assert snapshot(workdir) == before
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [("grid:\n  k: &k [10, *k]\n", "a.yaml: an alias inside the node it names"),
+     ("grid:\n  k: " + "[" * 101 + "]" * 101 + "\n", "a.yaml: nests deeper than 100 levels"),
+     ("grid:\n  k: " + "[" * 5000 + "]" * 5000 + "\n", "a.yaml: nests deeper than 100 levels"),
+     ("grid:\n  k: [10, 20]\n" + "#" * (1 << 20) + "\n", "a.yaml is larger than 1 MiB")],
+    ids=["an alias inside itself", "101 deep", "5000 deep", "over 1 MiB"],
+)  # fmt: skip
+def test_a_yaml_that_contains_itself_nests_too_deep_or_is_huge_is_one_line(store: Path, text: str, needle: str) -> None:  # noqa: F811
+    (store / "a.yaml").write_text(text)
+    refused(store, ["sweep", "--file", "a.yaml"], needle)
+
+
+ANCHORED = """\
+name: anchored
+common: &common {backend: synthetic, model: synthetic}
+grid:
+  <<: *common
+  k: &ks [10, 20]
+settings:
+  - {<<: *common, delta: 0.1}
+  - {delta: 0.2, k: *ks}
+"""
+
+
+def test_yaml_with_ordinary_anchors_and_the_shipped_files_load_as_yaml_safe_load_loads_them(tmp_path: Path) -> None:
+    """Anchors, aliases and merge keys of ordinary use load to what `yaml.safe_load` gives, as does every
+    shipped sweep file, cluster profile, report definition and config; and a sweep file with them sweeps."""
+    import yaml
+
+    from pdmctl.resources import package_dir
+    from pdmctl.yamlfiles import safe_load
+
+    shipped = [p for kind in ("sweeps", "clusters", "reports", "configs") for p in package_dir(kind).rglob("*.yaml")]
+    assert len(shipped) > 20
+    for path in shipped:
+        text = path.read_text()
+        assert safe_load(text, path) == yaml.safe_load(text), path
+    assert safe_load(ANCHORED, "anchored.yaml") == yaml.safe_load(ANCHORED)
+    (tmp_path / "anchored.yaml").write_text(ANCHORED.replace("common: &common", "description: &common"))
+    sweep = load_sweep_file(str(tmp_path / "anchored.yaml"))
+    assert sweep.grid == {"backend": "synthetic", "model": "synthetic", "k": "10,20"}
+    assert sweep.settings == [{"backend": "synthetic", "model": "synthetic", "delta": "0.1"},
+                              {"delta": "0.2", "k": "10,20"}]  # fmt: skip

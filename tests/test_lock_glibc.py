@@ -110,6 +110,22 @@ def test_engine_env_and_the_cluster_doc_state_one_floor_and_a_different_one_fail
     )
 
 
+def test_the_cuda_12_lock_has_its_own_stated_floor_and_the_script_takes_one_lock_by_name() -> None:
+    """engine-env.sh states the CUDA 12 lock's floor apart (GLIBC_FLOOR_CUDA12, set by vLLM 0.19.1's wheels);
+    the doc names its setter; a wrong one fails naming that variable; an unknown argument is exit 2."""
+    env_sh = (REPO / "scripts" / "engine-env.sh").read_text()
+    doc = (REPO / "docs" / "CLUSTER.md").read_text()
+    assert lock_glibc.check_stated((2, 31), ["vllm 0.19.1"], env_sh, doc, "GLIBC_FLOOR_CUDA12") is None
+    assert lock_glibc.check_stated((2, 31), ["vllm 0.19.2"], env_sh, doc, "GLIBC_FLOOR_CUDA12") == (
+        "the lock's glibc floor is 2.31, set by vllm 0.19.2, but scripts/engine-env.sh has GLIBC_FLOOR_CUDA12=2.31, "
+        "set by vllm 0.19.1; docs/CLUSTER.md does not name vllm 0.19.2"
+    )
+    lock, variable = lock_glibc.LOCKS["--cuda12"]
+    pins, indexes = lock_glibc.read_lock(lock.read_text())
+    assert variable == "GLIBC_FLOOR_CUDA12" and indexes == [lock_glibc.DEFAULT_INDEX] and ("vllm", "0.19.1", None) in pins
+    assert lock_glibc.main(["--cuda11"]) == 2
+
+
 class _Index(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args) -> None:
         pass

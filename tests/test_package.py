@@ -4,6 +4,8 @@ definitions; they are found along a search path (the working directory, the user
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -27,14 +29,25 @@ def _tracked(*paths: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A wheel built from the tracked files alone (as from a clean clone), with this environment's setuptools."""
+def wheel_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tracked files alone, committed in a git repository of their own (as a clean clone holds them)."""
     if not (ROOT / ".git").exists():
         pytest.skip("needs the git checkout (the tracked files are what a clone holds)")
     source = tmp_path_factory.mktemp("clone")
     for rel in _tracked():
         (source / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, source / rel)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "ci", "GIT_AUTHOR_EMAIL": "ci@localhost", "GIT_COMMITTER_NAME": "ci",
+           "GIT_COMMITTER_EMAIL": "ci@localhost"}  # fmt: skip
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "--no-verify", "-m", "the tracked files"]):
+        subprocess.run(["git", "-C", str(source), *args], check=True, capture_output=True, env=env, timeout=120)
+    return source
+
+
+@pytest.fixture(scope="module")
+def wheel(wheel_source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel built from `wheel_source` (as from a clean clone), with this environment's setuptools."""
+    source = wheel_source
     out = tmp_path_factory.mktemp("dist")
     try:  # this environment's setuptools when it is new enough for pyproject.toml, else pip's isolated build
         local = int(metadata.version("setuptools").split(".")[0]) >= 77
@@ -54,6 +67,14 @@ def test_the_wheel_carries_every_tracked_yaml_file_as_package_data(wheel: Path) 
     assert want <= names, sorted(want - names)
     assert {n for n in names if n.startswith("pdmctl/_data/")} == want  # nothing else (no rendered reports)
     assert "pdmctl/resources.py" in names
+
+
+def test_the_wheel_carries_the_commit_it_was_built_from(wheel: Path, wheel_source: Path) -> None:
+    """pdmctl/_commit.json names the clone's HEAD (clean): what an installed pdmctl reports as its commit."""
+    head = subprocess.run(["git", "-C", str(wheel_source), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+    recorded = json.loads(zipfile.ZipFile(wheel).read("pdmctl/_commit.json"))
+    assert recorded == {"commit": head, "dirty": "no"}
 
 
 def _shipped_file(kind: str, name: str) -> Path:

@@ -165,15 +165,18 @@ def test_server_runs_as_a_user_with_a_login_per_user_and_a_job_logs_to_it_and_no
         assert runs[0]["data"].get("metrics"), "the job logged no metric"
 
         # a login per user: the admin adds bob (his password on standard input, never an argument); bob's login
-        # reads the ledger, a wrong password of his is refused; added twice it is unchanged; removed, refused
+        # reads the ledger, but not alice's sweep (tests/test_server_owner.py); a wrong password of his is
+        # refused; added twice it is unchanged; removed, refused
         bob = {"MLFLOW_TRACKING_USERNAME": "bob", "MLFLOW_TRACKING_PASSWORD": "bobs-own-password-17"}
         added = run("server", "user", "add", "bob", "--dir", str(state), "--password-stdin",
                     stdin=bob["MLFLOW_TRACKING_PASSWORD"] + "\n")  # fmt: skip
         assert added.returncode == 0 and "login bob added" in added.stdout, added.stdout + added.stderr
         again = run("server", "user", "add", "bob", "--dir", str(state), "--password-stdin", stdin="another-one-123\n")
         assert again.returncode == 0 and "already exists" in again.stdout, again.stdout + again.stderr
-        as_bob = run("status", "srv", "--tracking-uri", url, login=bob)
-        assert as_bob.returncode == 0 and "1 finished" in as_bob.stdout, as_bob.stdout + as_bob.stderr
+        as_bob = run("status", "--tracking-uri", url, login=bob)
+        assert as_bob.returncode == 0 and "srv" not in as_bob.stdout, as_bob.stdout + as_bob.stderr
+        not_his = run("status", "srv", "--tracking-uri", url, login=bob)
+        assert not_his.returncode == 2 and "belongs to another login" in not_his.stderr, not_his.stderr
         wrong_bob = run("status", "--tracking-uri", url, login={**bob, "MLFLOW_TRACKING_PASSWORD": "not-bobs-password"})
         assert wrong_bob.returncode == 2 and len(wrong_bob.stderr.strip().splitlines()) == 1, wrong_bob.stderr
         short = run("server", "user", "add", "carol", "--dir", str(state), "--password-stdin", stdin="short\n")

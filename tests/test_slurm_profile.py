@@ -123,9 +123,10 @@ def test_h20_profile_dry_run_script() -> None:
     executor = make_executor(profile)
     text = executor.describe([None] * 12)
     for line in ("#SBATCH --nodes=4", "#SBATCH --gres=gpu:8", "#SBATCH --array=0-11%4", "#SBATCH --requeue",
-                 "#SBATCH --time=2880", "#SBATCH --exclusive", "#SBATCH --signal=B:USR2@300",
+                 "#SBATCH --time=2880", "#SBATCH --exclusive", "#SBATCH --signal=B:USR2@2700",
                  "#SBATCH --partition=CHANGE-ME-partition", "#SBATCH --account=CHANGE-ME-account",
-                 "#SBATCH --qos=CHANGE-ME-qos", "exec python -u -m submitit.core._submit"):  # fmt: skip
+                 "#SBATCH --qos=CHANGE-ME-qos", "exec python -u -m submitit.core._submit",
+                 "PDMCTL_SAVE_GRACE_S=2400"):  # fmt: skip
         assert line in text, line
 
 

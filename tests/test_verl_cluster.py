@@ -4,15 +4,19 @@ every command, every run and the cost."""
 
 from __future__ import annotations
 
+import errno
+import itertools
 import json
 import os
 import re
+import struct
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
 import yaml
 
-from pdmctl.backends.verl import jobbody, launch
+from pdmctl.backends.verl import jobbody, launch, offline
 from pdmctl.backends.verl.quoting import quoted
 from pdmctl.executors import ExecutorError, load_profile, make_executor
 from pdmctl.grid import expand
@@ -371,6 +375,32 @@ def _parquet_without(data: Path, column: str | None) -> None:
     pq.write_table(table.drop_columns([column]) if column else table.slice(0, 0), data / "aime24.parquet")
 
 
+def _tensor_data(weights: Path) -> tuple[int, int]:
+    """Where a safetensors file's tensor data lies in it: (its first byte, the byte after its last)."""
+    with open(weights, "rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(length))
+    return 8 + length, 8 + length + max(entry["data_offsets"][1] for entry in header.values())
+
+
+def _sparse_weights(weights: Path, written: Collection[int] = (), zeros: bool = False) -> None:
+    """The weights' header kept and its declared size, the data gone: a hole but at the `written`
+    sampled regions (random bytes there, or zero bytes), as an interrupted or pre-allocated download leaves it."""
+    start, end = _tensor_data(weights)
+    os.truncate(weights, start)
+    os.truncate(weights, end)
+    with open(weights, "r+b") as fh:
+        for i, (first, last) in enumerate(offline.sampled_regions(start, end)):
+            if i in written:
+                os.pwrite(fh.fileno(), bytes(last - first) if zeros else os.urandom(last - first), first)
+
+
+def _zero_weights(weights: Path, parameters: int = 2_000_000) -> None:
+    """A safetensors file of `parameters` bf16 zeros, every byte written (4 MB)."""
+    header = json.dumps({"model.weight": {"dtype": "BF16", "shape": [parameters], "data_offsets": [0, 2 * parameters]}})
+    weights.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(2 * parameters))
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [("empty config", "config.json is empty (0 bytes)"), ("config not JSON", "config.json cannot be read as JSON"),
@@ -385,7 +415,11 @@ def _parquet_without(data: Path, column: str | None) -> None:
      ("stand-in config", "config.json names no architectures, not Qwen3ForCausalLM: these are not the preset's weights"),
      ("another architecture", "config.json names ['Qwen3MoeForCausalLM'], not Qwen3ForCausalLM"),
      ("stand-in weights", "the weights hold 4 parameters, the preset's model 4,022,468,096: not the preset's weights"),
-     ("the 8B's weights", "the weights hold 8,190,735,360 parameters, the preset's model 4,022,468,096")],
+     ("the 8B's weights", "the weights hold 8,190,735,360 parameters, the preset's model 4,022,468,096"),
+     ("weights sparse", "model.safetensors is sparse: no data on disk at byte "),
+     ("weights sparse at one place", "model.safetensors is sparse: no data on disk at byte 4290630451 of its tensors"),
+     ("weights zero-filled", "model.safetensors holds only zero bytes in its tensors at the 16 places sampled"),
+     ("weights zeros where sampled", "model.safetensors holds only zero bytes in its tensors at the 16 places")],
 )  # fmt: skip
 def test_empty_or_partial_weights_and_data_are_refused_at_submit(tmp_path: Path, damage: str, message: str) -> None:
     models, data = _staged(tmp_path, "Qwen3-4B-Base")
@@ -408,6 +442,10 @@ def test_empty_or_partial_weights_and_data_are_refused_at_submit(tmp_path: Path,
         "another architecture": lambda: (copy / "config.json").write_text('{"architectures": ["Qwen3MoeForCausalLM"]}'),
         "stand-in weights": lambda: stage_model(copy, "qwen3-4b-base", parameters=4),
         "the 8B's weights": lambda: stage_model(copy, "qwen3-4b-base", parameters=8_190_735_360),
+        "weights sparse": lambda: _sparse_weights(weights),
+        "weights sparse at one place": lambda: _sparse_weights(weights, written=set(range(16)) - {8}),
+        "weights zero-filled": lambda: _zero_weights(weights),
+        "weights zeros where sampled": lambda: _sparse_weights(weights, written=range(16), zeros=True),
     }
     specs = expand(["backend=verl", "model=qwen3-4b-base"], None, "s")
     profile = _h20(tmp_path, models_dir=str(models), data_dir=str(data))
@@ -416,3 +454,63 @@ def test_empty_or_partial_weights_and_data_are_refused_at_submit(tmp_path: Path,
     with pytest.raises(ExecutorError, match=re.escape(message)) as info:
         _check(specs, profile)
     assert "\n" not in str(info.value)
+
+
+def test_the_weights_check_samples_16_regions_from_the_first_byte_of_the_tensors_to_the_last() -> None:
+    regions = offline.sampled_regions(1000, 1000 + 60 * 2**30)
+    assert len(regions) == 16 and all(end - start == 4096 for start, end in regions)
+    assert regions[0][0] == 1000 and regions[-1][1] == 1000 + 60 * 2**30
+    gaps = {b[0] - a[0] for a, b in itertools.pairwise(regions)}
+    assert max(gaps) - min(gaps) <= 1  # evenly spaced
+    assert offline.sampled_regions(100, 110) == [(100, 110)]  # data shorter than a region: all of it
+    assert offline.sampled_regions(100, 100) == []
+
+
+def _tiny_qwen3(tmp_path: Path) -> Path:
+    """The tiny Qwen3 as CI builds it ($PDMCTL_TINY_DIR, else the checkout's .cache/qwen3-tiny); built
+    here when that is not (yet) built."""
+    from pdmctl.backends.verl import tiny
+
+    built = Path(os.environ.get(launch.TINY_DIR_ENV) or Path(__file__).parents[1] / ".cache" / "qwen3-tiny")
+    return (built if tiny.is_built(built) else tiny.ensure(tmp_path / "tiny")) / "model"
+
+
+def _random_safetensors(tmp_path: Path) -> Path:
+    """A model directory whose weights the safetensors library wrote: random tensors of three dtypes."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    model = tmp_path / "random"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
+    (model / "tokenizer.json").write_text("{}")
+    save_file({"embed": rng.standard_normal((1000, 256)).astype(np.float16), "norm": np.ones(256, np.float32),
+               "proj": rng.standard_normal((256, 512)).astype(np.float32)}, str(model / "model.safetensors"))
+    return model
+
+
+def test_where_the_filesystem_does_not_say_where_its_holes_are_a_mostly_sparse_shard_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without SEEK_DATA (EINVAL) the blocks on disk count: a file with under half its bytes there is refused."""
+    def no_seek_data(fd: int, pos: int, how: int) -> int:
+        if how == getattr(os, "SEEK_DATA", None):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return seek(fd, pos, how)
+
+    seek = os.lseek
+    whole, sparse = _random_safetensors(tmp_path), stage_model(tmp_path / "sparse", "qwen3-4b-base")
+    monkeypatch.setattr(os, "lseek", no_seek_data)
+    offline.check_model_dir(whole, "random")
+    with pytest.raises(offline.OfflineFilesError, match=r"model.safetensors is sparse: \d+ of its 8044936\d+ bytes are on disk"):
+        offline.check_model_dir(sparse, "qwen3-4b-base")
+
+
+@pytest.mark.parametrize("weights", ["written by the safetensors library", "the tiny Qwen3 as CI builds it"])
+def test_downloaded_or_built_weights_pass_the_check_of_their_data(tmp_path: Path, weights: str) -> None:
+    """Weights written whole (no hole, not zeros) pass the sampling check of their tensor data: a file the
+    safetensors library writes of random tensors, and the tiny Qwen3 transformers saves."""
+    if weights == "the tiny Qwen3 as CI builds it":
+        offline.check_model_dir(_tiny_qwen3(tmp_path), "qwen3-tiny")
+    else:
+        offline.check_model_dir(_random_safetensors(tmp_path), "random", offline.ModelShape("Qwen3ForCausalLM", 387_328))

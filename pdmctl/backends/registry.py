@@ -281,13 +281,13 @@ def _verl_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mappi
         raise ValueError("backend: verl logs through MLflow itself and needs the job's ledger tracker")
     _verl_check_data(flat, run_dir)
     cfg = {**_verl_job_config(flat, run_dir), "tracking_uri": uri, "mlflow_run_id": run_id}
-    on_line = None
     report = getattr(tracker, "report_evaluation", None)  # a tune trial's, a collapse rule's (pdmctl.collapse)
-    if report is not None:
+    from pdmctl import wayout
 
-        def on_line(line: str) -> None:  # each step VeRL prints goes to the trial and the rule, which may end it
-            if (found := metrics.step_metrics_from_line(line)) is not None:
-                report(found[1], found[0])
+    def on_line(line: str) -> None:  # each step VeRL prints goes to the trial and the rule, which may end it
+        wayout.requeue_on(line)  # the trainer's checkpoint on the way out: the job requeues now
+        if report is not None and (found := metrics.step_metrics_from_line(line)) is not None:
+            report(found[1], found[0])
 
     from pdmctl.ledger.spool import flush_run
 

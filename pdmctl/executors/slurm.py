@@ -127,6 +127,9 @@ class SlurmExecutor(Executor):
         if part.time_limit_min is not None and opts.time > part.time_limit_min:
             raise ExecutorError(f"{label} allows {part.time_limit_min} min per job; the profile asks for "
                                 f"time: {opts.time} min")  # fmt: skip
+        if opts.save_grace_s and opts.save_grace_s >= opts.signal_delay_s:
+            raise ExecutorError(f"{where}: save_grace_s ({opts.save_grace_s} s) must be shorter than signal_delay_s "
+                                f"({opts.signal_delay_s} s): the save on the way out ends before the time limit")  # fmt: skip
         if opts.signal_delay_s >= opts.time * 60:
             raise ExecutorError(f"{where}: signal_delay_s ({opts.signal_delay_s} s) must be shorter than "
                                 f"the time limit ({opts.time} min)")  # fmt: skip
@@ -244,7 +247,8 @@ class SlurmExecutor(Executor):
             **opts.extra_sbatch(),
         }
         setup = [
-            f"export PDMCTL_EXECUTOR=slurm PDMCTL_NUM_THREADS=${{SLURM_CPUS_PER_TASK:-{opts.cpus_per_task}}}",
+            f"export PDMCTL_EXECUTOR=slurm PDMCTL_NUM_THREADS=${{SLURM_CPUS_PER_TASK:-{opts.cpus_per_task}}} "
+            f"PDMCTL_SAVE_GRACE_S={opts.save_grace_s}",
             "export OMP_NUM_THREADS=$PDMCTL_NUM_THREADS",
             *self.job_exports(),
             *_fatal(opts.setup),
@@ -410,6 +414,9 @@ class PdmctlJob(submitit.helpers.Checkpointable):
             os.dup2(fh.fileno(), 2)
         print(f"pdmctl slurm: job {os.environ.get('SLURM_JOB_ID')} on {os.uname().nodename}, "
               f"restart {restarts}", flush=True)  # fmt: skip
+        from pdmctl import wayout
+
+        wayout.install(Path(JobFile.read(Path(job_file)).run_dir))  # save on the way out (save_grace_s)
         code = run(Path(job_file))
         if code:
             raise SystemExit(code)  # SLURM's FAILED matches the run's own word

@@ -11,6 +11,9 @@ Profile options (clusters/<name>.yaml, beside `executor: slurm`; all optional):
     setup                        shell lines run before the job (module load, env activation)
     python                       the interpreter on the compute nodes (default: this one)
     signal_delay_s               USR2 this long before the time limit: checkpoint and requeue
+    save_grace_s                 seconds the trainer may take after that USR2 (or a preemption's) to finish its step
+                                 and checkpoint it before the job requeues (0: requeue at once, the steps since
+                                 the last checkpoint redone; shorter than signal_delay_s)
     max_timeouts                 how many times a job may be requeued after hitting its time limit
     max_node_losses              how many lost nodes a run's jobs requeue themselves after (a node's Ray
                                  step ended, or Ray declared the node dead, mid-run; default 3; SLURM
@@ -67,6 +70,7 @@ class SlurmOptions:
     setup: tuple[str, ...] = ()
     python: str | None = None
     signal_delay_s: int = 90
+    save_grace_s: int = 0
     max_timeouts: int = 3
     max_node_losses: int = 3
     job_name: str = "pdmctl"
@@ -95,7 +99,7 @@ class SlurmOptions:
             if name == "time":
                 values[name] = parse_time(value, where)
             elif name in ("nodes", "gpus_per_node", "cpus_per_task", "signal_delay_s", "max_timeouts", "nccl_timeout",
-                          "engine_stall_s", "max_node_losses"):  # fmt: skip
+                          "engine_stall_s", "max_node_losses", "save_grace_s"):  # fmt: skip
                 low = 1 if name in ("nodes", "cpus_per_task", "nccl_timeout", "engine_stall_s") else 0
                 if not isinstance(value, int) or isinstance(value, bool) or value < low:
                     raise ExecutorError(f"{where}: {name}: must be an integer >= {low}, got {value!r}")

@@ -3,7 +3,11 @@
 One MLflow experiment per sweep, one MLflow run per RunSpec key in it. Tags
 carry the identity (`pdmctl.key`, `pdmctl.sweep`), the executor's job id, the
 attempt count and the spec itself; params carry the flattened config; the
-MLflow status is the run's own word on how it ended.
+MLflow status is the run's own word on how it ended. On a tracking server with
+logins a sweep belongs to the login that created it (`pdmctl.owner`): another
+login's sweep, resume, cancel or seeds --submit on it is refused unless the owner
+shared it (`pdmctl server share`), and the runs a login other than the owner
+registered or submitted are named under `status` and `report` (`login_notes`).
 
 One interface, two stores, as MLflow keeps its own (an abstract store, a SQLAlchemy store, a REST store):
 
@@ -37,10 +41,13 @@ from pdmctl.ledger.records import (
     LedgerError,
     RunRecord,
     Submission,
+    SweepOwnerError,
     flatten,
+    login_notes,
     metric_value,
     run_dir_of,
     spec_tags,
+    tracking_login,
 )
 from pdmctl.ledger.sql import SqlLedger
 from pdmctl.ledger.store import BUSY_ENV, _file_lock, _lock_path, busy_seconds, close_stores, uri_lock
@@ -60,10 +67,19 @@ def open_ledger(uri: str) -> Ledger:
     return SqlLedger(uri) if is_database_uri(uri) else ClientLedger(uri)
 
 
+def check_owner(uri: str, sweep: str | None, write: bool = True) -> None:
+    """On a tracking server with logins, refuse (SweepOwnerError, one line) a sweep that belongs to another
+    login: one this login may not change (`write`: sweep, resume, cancel, seeds --submit), or not even read.
+    A database store has no logins, hence no owners."""
+    if sweep is not None and not is_database_uri(uri):
+        open_ledger(uri).check_owner(sweep, write)
+
+
 __all__ = [
     "BUSY_ENV", "FAILED", "FINISHED", "HTTP_TIMEOUT_S", "KILLED", "RUNNING", "SCHEDULED", "STATUS_METRICS", "TAG", "TAG_PROVENANCE",
     "TERMINAL", "ClientLedger", "Ledger", "LedgerError", "RunLogger", "RunRecord", "SqlLedger", "Submission",
-    "_file_lock", "_lock_path", "_redact", "busy_seconds", "check_reachable", "check_uri", "close_stores", "default_tracking_uri", "flatten",
-    "is_database_uri", "ledger_exists", "load_per_problem", "load_samples", "metric_value", "open_ledger", "resolve_tracking_uri",
-    "run_dir_of", "spec_tags", "sqlite_path", "uri_lock",
+    "SweepOwnerError", "_file_lock", "_lock_path", "_redact", "busy_seconds", "check_owner", "check_reachable", "check_uri",
+    "close_stores", "default_tracking_uri", "flatten", "is_database_uri", "ledger_exists", "load_per_problem", "load_samples",
+    "login_notes", "metric_value", "open_ledger", "resolve_tracking_uri", "run_dir_of", "spec_tags", "sqlite_path",
+    "tracking_login", "uri_lock",
 ]  # fmt: skip

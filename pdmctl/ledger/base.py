@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 
-from pdmctl.ledger.records import RunRecord, Submission
+from pdmctl.ledger.records import RunRecord, Submission, SweepOwnerError, tracking_login
 from pdmctl.ledger.store import uri_lock
 from pdmctl.spec import RunSpec
 
@@ -24,11 +24,33 @@ class Ledger:
         """
         if not specs:
             return {}
+        self.check_owner(specs[0].sweep)  # before anything is read as this login's or written
         existing = {r.key: r.run_id for r in self.runs(specs[0].sweep)}
         new = [s for s in specs if s.key not in existing]
         if new:
             existing.update(self._create_runs(specs[0].sweep, new, run_dir))
         return existing
+
+    def owner_problem(self, sweep: str, write: bool = True) -> str | None:
+        """Why this login may not change (`write`) or read `sweep` here, in one line; None where it may.
+        Only a tracking server with logins has owners (`ClientLedger`): a database store has none."""
+        return None
+
+    def check_owner(self, sweep: str | None, write: bool = True) -> None:
+        """Refuse (SweepOwnerError) a sweep this login may not change (`write`) or read."""
+        problem = None if sweep is None else self.owner_problem(sweep, write)
+        if problem:
+            raise SweepOwnerError(problem)
+
+    def writable(self, record: RunRecord | None, refuse: bool = False) -> bool:
+        """Whether this login may change the run (its sweep is its own, shared with it, or has no owner); with
+        `refuse`, a run it may not change is SweepOwnerError instead of False."""
+        if record is None or record.writable_by(tracking_login()):
+            return True
+        if refuse:
+            raise SweepOwnerError(f"run {record.key} is in sweep {record.sweep!r}, which belongs to login "
+                                  f"{record.owner}: {tracking_login()} may not change it")  # fmt: skip
+        return False
 
     def _create_runs(
         self, sweep: str, specs: Sequence[RunSpec], run_dir: Mapping[str, str]

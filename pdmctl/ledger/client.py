@@ -19,21 +19,27 @@ from pdmctl.ledger.records import (
     TAG_EXECUTOR,
     TAG_JOB,
     TAG_KEY,
+    TAG_LOGIN,
+    TAG_OWNER,
     TAG_REASON,
     TAG_RUN_DIR,
+    TAG_SHARED,
     TAG_SUBMISSION,
     TAG_SUBMITTED,
     TAG_SWEEP,
     TERMINAL,
     LedgerError,
     Submission,
+    SweepOwnerError,
     _record,
     _tags_for,
     flatten,
+    login_list,
     metric_value,
     run_dir_of,
     run_name,
     submitting_commit,
+    tracking_login,
 )
 from pdmctl.ledger.store import _chunks, _mlflow_client
 from pdmctl.ledger.uris import _first_line, _redact, check_reachable
@@ -100,32 +106,66 @@ class ClientLedger(Ledger):
         self.client = _mlflow_client(uri)
         self.queries = 0
 
-    def _experiment_ids(self, sweep: str | None) -> list[str]:
+    def _by_name(self, sweep: str):
+        """The sweep's experiment (None if there is none); one that belongs to a login that gave this one no
+        access (the server's default, NO_PERMISSIONS) is SweepOwnerError."""
+        try:
+            return self.client.get_experiment_by_name(sweep)
+        except Exception as exc:
+            denied = getattr(exc, "error_code", "") == "PERMISSION_DENIED" or re.search(r"code 403\b", str(exc))
+            if not denied:
+                raise
+            login = tracking_login()
+            raise SweepOwnerError(f"sweep {sweep!r} belongs to another login on {_redact(self.uri)}: {login} has "
+                                  f"no access to it (choose another --name, or ask its owner to share it: pdmctl "
+                                  f"server share {sweep} {login})") from None  # fmt: skip
+
+    def _experiments(self, sweep: str | None) -> list:
         if sweep is not None:
-            exp = self.client.get_experiment_by_name(sweep)
-            return [exp.experiment_id] if exp else []
-        return [
-            e.experiment_id for e in self.client.search_experiments(filter_string="tags.pdmctl = 'sweep'")
-        ]
+            exp = self._by_name(sweep)
+            return [exp] if exp else []
+        return list(self.client.search_experiments(filter_string="tags.pdmctl = 'sweep'"))
 
     def _search(self, sweep: str | None):
-        ids = self._experiment_ids(sweep)
-        if not ids:
-            return []
+        exps = self._experiments(sweep)
+        if not exps:
+            return [], {}
         filt = f"tags.`{TAG_SWEEP}` = '{sweep}'" if sweep else f"tags.`{TAG_SWEEP}` LIKE '%'"
         runs, token = [], None
         while True:
-            page = self.client.search_runs(ids, filt, max_results=5000, page_token=token)
+            page = self.client.search_runs([e.experiment_id for e in exps], filt, max_results=5000,
+                                           page_token=token)  # fmt: skip
             self.queries += 1
             runs += list(page)
             token = page.token
             if not token:
-                return runs
+                return runs, {e.experiment_id: e.tags for e in exps}
+
+    @_server_call
+    def owner_problem(self, sweep, write=True):
+        login = tracking_login()
+        if login is None:  # a server without logins: no owners
+            return None
+        try:
+            exp = self._by_name(sweep)
+        except SweepOwnerError as exc:
+            return str(exc)
+        return self._foreign(exp, sweep, login) if exp is not None and write else None
+
+    def _foreign(self, exp, sweep: str, login: str | None) -> str | None:
+        """Why `login` may not change the sweep of experiment `exp`, or None: it has no owner (created
+        before pdmctl recorded one, or without a login), or `login` owns it or was shared it."""
+        owner = exp.tags.get(TAG_OWNER)
+        if not owner or not login or login == owner or login in login_list(exp.tags.get(TAG_SHARED)):
+            return None
+        return (f"sweep {sweep!r} belongs to login {owner} on {_redact(self.uri)}: {login} may not change it "
+                f"(choose another --name, or ask {owner} to share it: pdmctl server share {sweep} {login})")
 
     @_server_call
     def runs(self, sweep=None):
         out = []
-        for run in self._search(sweep):
+        found, sweep_tags = self._search(sweep)
+        for run in found:
             tags = {k: v for k, v in run.data.tags.items() if k.startswith(TAG) or k in READ_TAGS}
             latest = {}
             for key in STATUS_METRICS:
@@ -133,7 +173,8 @@ class ClientLedger(Ledger):
                     latest[key] = (self._latest_step(run, key), metric_value(run.data.metrics[key]))
             out.append(
                 _record(
-                    run.info.run_id, run.info.status, run.info.start_time, run.info.end_time, tags, latest
+                    run.info.run_id, run.info.status, run.info.start_time, run.info.end_time, tags, latest,
+                    sweep_tags.get(run.info.experiment_id),
                 )
             )
         return out
@@ -148,10 +189,12 @@ class ClientLedger(Ledger):
         from mlflow.entities import Param, RunTag
 
         exp_id = self._ensure_experiment(sweep)
-        commit = submitting_commit()
+        commit, login = submitting_commit(), tracking_login()
 
         def create(spec: RunSpec) -> tuple[str, str]:
             tags = {k: v for k, v in _tags_for(spec, "", commit).items() if k != TAG_RUN_DIR}  # named by the run id
+            if login:
+                tags[TAG_LOGIN] = login
             run = self.client.create_run(exp_id, run_name=run_name(spec), tags=tags)
             run_tags = [
                 RunTag(TAG_KEY, spec.key),
@@ -167,20 +210,24 @@ class ClientLedger(Ledger):
             return dict(pool.map(create, specs))
 
     def _ensure_experiment(self, sweep: str) -> str:
-        exp = self.client.get_experiment_by_name(sweep)
-        if exp is not None:
-            if exp.lifecycle_stage != "active":
-                raise LedgerError(
-                    f"sweep {sweep!r}: its MLflow experiment is deleted; restore or purge it first"
-                )
-            return exp.experiment_id
-        try:
-            return self.client.create_experiment(sweep, tags=EXPERIMENT_TAGS)
-        except Exception:
-            exp = self.client.get_experiment_by_name(sweep)
-            if exp is None:
-                raise
-            return exp.experiment_id
+        """The sweep's experiment id, created where there is none, owned by this login (`pdmctl.owner`; MLflow
+        gives its creator MANAGE); one of another login's is SweepOwnerError, as one made meanwhile."""
+        exp = self._by_name(sweep)
+        if exp is None:
+            login = tracking_login()
+            owner = {TAG_OWNER: login} if login else {}
+            try:
+                return self.client.create_experiment(sweep, tags={**EXPERIMENT_TAGS, **owner})
+            except Exception:
+                exp = self._by_name(sweep)
+                if exp is None:
+                    raise
+        if exp.lifecycle_stage != "active":
+            raise LedgerError(f"sweep {sweep!r}: its MLflow experiment is deleted; restore or purge it first")
+        problem = self._foreign(exp, sweep, tracking_login())
+        if problem:
+            raise SweepOwnerError(problem)
+        return exp.experiment_id
 
     @_server_call
     def mark_submitted(self, submissions):
@@ -204,11 +251,14 @@ class ClientLedger(Ledger):
     def mark_intent(self, submissions, executor):
         from mlflow.entities import RunTag
 
+        login = tracking_login()
+
         def mark(item: tuple[str, str]) -> None:
             run_id, submission = item
-            self.client.log_batch(
-                run_id, tags=[RunTag(TAG_SUBMISSION, submission), RunTag(TAG_EXECUTOR, executor)]
-            )
+            tags = [RunTag(TAG_SUBMISSION, submission), RunTag(TAG_EXECUTOR, executor)]
+            if login:  # who submits this attempt ("token:index:attempt"): its job writes under this login
+                tags.append(RunTag(f"{TAG_LOGIN}.{submission.rpartition(':')[2]}", login))
+            self.client.log_batch(run_id, tags=tags)
 
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(mark, submissions.items()))

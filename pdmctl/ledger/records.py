@@ -6,8 +6,9 @@ from __future__ import annotations
 import getpass
 import json
 import math
+import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,11 @@ EXPERIMENT_KIND_TAG, TRAINING_KIND = "mlflow.experimentKind", "custom_model_deve
 EXPERIMENT_TAGS = {"pdmctl": "sweep", EXPERIMENT_KIND_TAG: TRAINING_KIND}
 # MLflow tags the ledger reads back beside its own pdmctl.* ones
 READ_TAGS = (NOTE_TAG,)
+# on a tracking server with logins a sweep belongs to the login that created its experiment (`pdmctl.owner`),
+# which may share it (`pdmctl.shared_with`: a JSON list of the logins that may also write it); a run records
+# the login that registered it (`pdmctl.login`) and the one that submitted each attempt (`pdmctl.login.N`)
+TAG_OWNER, TAG_SHARED, TAG_LOGIN = "pdmctl.owner", "pdmctl.shared_with", "pdmctl.login"
+LOGIN_ENV = "MLFLOW_TRACKING_USERNAME"
 AVG16_METRIC = "avg16"  # avg@16 (MLflow allows no "@"): the mean of the held-out sets at an evaluation, in %
 
 # MLflow run statuses
@@ -56,6 +62,24 @@ _TAG_VALUE_MAX = 8000
 
 class LedgerError(RuntimeError):
     """The tracking store cannot be reached or used; the message is one line."""
+
+
+class SweepOwnerError(LedgerError):
+    """A sweep that belongs to another login: this login may not change it (one line)."""
+
+
+def tracking_login() -> str | None:
+    """The login MLflow's client sends (MLFLOW_TRACKING_USERNAME), if any."""
+    return os.environ.get(LOGIN_ENV, "").strip() or None
+
+
+def login_list(text: str | None) -> tuple[str, ...]:
+    """The logins of a JSON list tag (`pdmctl.shared_with`); none where it is absent or not such a list."""
+    try:
+        value = json.loads(text or "[]")
+    except ValueError:
+        return ()
+    return tuple(v for v in value if isinstance(v, str)) if isinstance(value, list) else ()
 
 
 @dataclass(frozen=True)
@@ -78,6 +102,18 @@ class RunRecord:
     submitted: str | None = None
     notice: str | None = None
     provenance: dict[str, str] = field(default_factory=dict)  # pdmctl.prov.* tags without the prefix
+    owner: str | None = None  # the login its sweep belongs to (a tracking server with logins)
+    shared_with: tuple[str, ...] = ()  # the logins its owner let write the sweep too
+    logins: tuple[str, ...] = ()  # the logins that registered the run and submitted its attempts
+
+    @property
+    def others(self) -> tuple[str, ...]:
+        """The logins other than its sweep's owner that registered the run or submitted an attempt."""
+        return tuple(name for name in self.logins if self.owner and name != self.owner)
+
+    def writable_by(self, login: str | None) -> bool:
+        """Whether `login` may change the run: its sweep has no owner, or `login` owns it or was shared it."""
+        return not self.owner or not login or login == self.owner or login in self.shared_with
 
     @property
     def attempts(self) -> list[dict[str, Any]]:
@@ -209,7 +245,12 @@ def metric_value(value: Any, is_nan: Any = False) -> float:
 
 
 def _record(run_id: str, status: str, start: int | None, end: int | None, tags: Mapping[str, str],
-            latest: dict[str, tuple[int, float]]) -> RunRecord:  # fmt: skip
+            latest: dict[str, tuple[int, float]],
+            sweep_tags: Mapping[str, str] | None = None) -> RunRecord:  # fmt: skip
+    """A run's record; `sweep_tags`, its experiment's tags, say whose sweep it is (a tracking server's)."""
+    attempts = sorted((int(k.rpartition(".")[2]), v) for k, v in tags.items()
+                      if k.startswith(f"{TAG_LOGIN}.") and k.rpartition(".")[2].isdigit())  # fmt: skip
+    logins = tuple(dict.fromkeys(v for v in (tags.get(TAG_LOGIN), *(v for _, v in attempts)) if v))
     return RunRecord(
         run_id=run_id,
         sweep=tags.get(TAG_SWEEP, ""),
@@ -229,5 +270,37 @@ def _record(run_id: str, status: str, start: int | None, end: int | None, tags: 
         submitted=tags.get(TAG_SUBMITTED) or None,
         notice=tags.get(TAG_NOTICE) or None,
         provenance={k.removeprefix(TAG_PROVENANCE): v for k, v in tags.items() if k.startswith(TAG_PROVENANCE)},
+        owner=(sweep_tags or {}).get(TAG_OWNER) or None,
+        shared_with=login_list((sweep_tags or {}).get(TAG_SHARED)),
+        logins=logins,
     )
+
+
+def login_notes(records: Sequence[RunRecord], login: str | None) -> list[str]:
+    """The lines under `status` and `report` on whose sweeps they show: per sweep that has an owner, that it
+    belongs to another login than `login` (the one reading), and its runs that a login other than the owner
+    registered or submitted (their numbers were written under that login).
+
+    What this sees: the logins pdmctl records when it registers a run and submits an attempt (a job writes its
+    metrics under its submitter's login). What it cannot see: metrics, tags or statuses written through
+    MLflow's own API by a login allowed to write the sweep (one it was shared with, or the server's admin),
+    since MLflow records no author of a write; a login not allowed to write cannot write at all."""
+    by_sweep: dict[str, list[RunRecord]] = {}
+    for r in records:
+        by_sweep.setdefault(r.sweep, []).append(r)
+    lines = []
+    for sweep, recs in sorted(by_sweep.items()):
+        owner = next((r.owner for r in recs if r.owner), None)
+        if owner is None:
+            continue
+        if login and login != owner:
+            shared = any(login in r.shared_with for r in recs)
+            lines.append(f"sweep {sweep}: belongs to login {owner}" + (f", shared with {login}" if shared else
+                                                                        ""))  # fmt: skip
+        others = [r for r in recs if r.others]
+        if others:
+            shown = "; ".join(f"{r.key} by {', '.join(r.others)}" for r in others[:10])
+            lines.append(f"sweep {sweep}: {len(others)} run(s) registered or submitted by a login other than "
+                         f"its owner {owner}: {shown}{'; ...' if len(others) > 10 else ''}")  # fmt: skip
+    return lines
 

@@ -34,6 +34,7 @@ import re
 import secrets
 import shlex
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdmctl.ledger import tls
+from pdmctl.ledger.bind import is_wildcard, netloc, reachable_name
 from pdmctl.ledger.records import LedgerError
 from pdmctl.ledger.uris import CERT_ENV, tls_context
 
@@ -116,7 +118,15 @@ class ServerSettings:
 
     @property
     def url(self) -> str:
-        return f"{'https' if self.serves_tls else 'http'}://{self.host}:{self.port}"
+        """Where this machine reaches the server (the bind address; a wildcard reaches this machine's own)."""
+        return f"{'https' if self.serves_tls else 'http'}://{netloc(self.host)}:{self.port}"
+
+    @property
+    def profile_uri(self) -> str:
+        """The tracking_uri a cluster profile names: the bind address, or for a wildcard bind (0.0.0.0, ::),
+        which names no address a node can reach, this host's name (`reachable_name`)."""
+        host = reachable_name() if is_wildcard(self.host) else self.host
+        return f"{'https' if self.serves_tls else 'http'}://{netloc(host)}:{self.port}"
 
     @property
     def serves_tls(self) -> bool:
@@ -455,7 +465,7 @@ def last_start(settings: ServerSettings) -> dict:
 def _write_auth_ini(settings: ServerSettings) -> None:
     config = configparser.ConfigParser()
     config["mlflow"] = {
-        "default_permission": "READ",  # MLflow's default, for users the admin adds
+        "default_permission": "NO_PERMISSIONS",  # a login sees others' sweeps only where they share them
         "database_uri": settings.store_uri("mlflow_auth"),
         "authorization_function": "mlflow.server.auth:authenticate_request_basic_auth",
         # a login checked once a minute per worker, not on every call: the check is a PBKDF2 hash (a fraction
@@ -515,9 +525,11 @@ def _start(settings: ServerSettings, user: str, password: str, timeout_s: float,
     _write_auth_ini(settings)
     artifacts = settings.artifacts or settings.dir / "artifacts"
     artifacts.mkdir(parents=True, exist_ok=True)
+    names = [netloc(settings.host), "localhost", "127.0.0.1"]
+    if is_wildcard(settings.host):  # the name the profile's tracking_uri gives the nodes (`profile_uri`)
+        names += [netloc(reachable_name()), socket.gethostname()]
     allowed = settings.allowed_hosts or ",".join(
-        dict.fromkeys([settings.host, f"{settings.host}:{settings.port}", "localhost", f"localhost:{settings.port}",
-                       "127.0.0.1", f"127.0.0.1:{settings.port}"])  # fmt: skip
+        dict.fromkeys(n for name in names if name for n in (name, f"{name}:{settings.port}"))
     )
     env = {
         **os.environ,

@@ -1,4 +1,5 @@
-"""`pdmctl server start|stop|status` and `pdmctl server user add|remove`: the commands of pdmctl.ledger.server."""
+"""`pdmctl server start|stop|status`, `pdmctl server user add|remove` and `pdmctl server share`: the commands of
+pdmctl.ledger.server and pdmctl.ledger.users."""
 
 from __future__ import annotations
 
@@ -29,28 +30,36 @@ DirOpt = Annotated[
 HostOpt = Annotated[
     str | None,
     typer.Option(help="Address to bind: one the compute nodes reach, never a public one (default: the last "
-                 "start's, else 127.0.0.1)."),
+                 "start's, else 127.0.0.1); on start, one beyond loopback (0.0.0.0, ::, a network address) serves "
+                 "HTTPS unless --insecure (with --no-tls, refused without it)."),
 ]  # fmt: skip
 PortOpt = Annotated[int | None, typer.Option(help="TCP port of the tracking server (default: the last start's, else 5000).")]
 TlsOpt = Annotated[
     bool | None,
     typer.Option("--tls/--no-tls", help="Serve HTTPS, with a certificate made in DIR/tls on the first start; the "
-                 "clients trust it with MLFLOW_TRACKING_SERVER_CERT_PATH (default: as the last start).", show_default=False),
+                 "clients trust it with MLFLOW_TRACKING_SERVER_CERT_PATH (default: on a bind beyond loopback; on "
+                 "loopback, as the last start).", show_default=False),
 ]  # fmt: skip
 CertOpt = Annotated[Path | None, typer.Option(help="Serve HTTPS with this certificate (PEM).")]
 KeyOpt = Annotated[Path | None, typer.Option(help="The key of --tls-cert (PEM).")]
 
 
 def _settings(directory: Path | None, host: str | None, port: int | None, tls: bool | None,
-              tls_cert: Path | None = None, tls_key: Path | None = None, **options: object):  # fmt: skip
-    """The call's settings: what it names, else what the directory's last start recorded, else the defaults."""
+              tls_cert: Path | None = None, tls_key: Path | None = None, insecure: bool = False,
+              **options: object):  # fmt: skip
+    """The call's settings: what it names, else what the directory's last start recorded, else the defaults.
+    A bind beyond loopback serves HTTPS unless told otherwise (--no-tls with --insecure)."""
     from pdmctl.ledger import server as srv
+    from pdmctl.ledger.bind import is_loopback
 
     settings = srv.make_settings(directory)
     last = srv.last_start(settings)
+    bound = host if host is not None else last.get("host", "127.0.0.1")
+    if tls is None and not insecure and not is_loopback(str(bound)):
+        tls = True  # other machines reach it: HTTPS, whatever the last start served
     return srv.make_settings(
         directory,
-        host=host if host is not None else last.get("host", "127.0.0.1"),
+        host=bound,
         port=port if port is not None else last.get("port", 5000),
         tls=tls if tls is not None else bool(last.get("tls", False)),
         tls_cert=tls_cert if tls_cert is not None or tls is not None else _path(last.get("tls_cert")),
@@ -81,16 +90,25 @@ def start(
     tls: TlsOpt = None,
     tls_cert: CertOpt = None,
     tls_key: KeyOpt = None,
+    insecure: Annotated[
+        bool, typer.Option("--insecure", help="Serve plain HTTP on an address other machines reach (--host beyond "
+                           "loopback without --tls): every login then crosses the network in clear.")
+    ] = False,
 ) -> None:
     """Start PostgreSQL and the MLflow server (what is not running), and check the admin's login."""
     from pdmctl.ledger import server as srv
+    from pdmctl.ledger.bind import check_bind, insecure_note
 
     with _guard():
-        settings = _settings(directory, host, port, tls, tls_cert, tls_key, workers=workers, artifacts=artifacts,
-                             allowed_hosts=allowed_hosts)  # fmt: skip
+        settings = _settings(directory, host, port, tls, tls_cert, tls_key, insecure, workers=workers,
+                             artifacts=artifacts, allowed_hosts=allowed_hosts)  # fmt: skip
+        check_bind(settings.host, settings.serves_tls, insecure)  # before anything starts or is written
+        note = insecure_note(settings.host, settings.serves_tls)
+        if note is not None:
+            _say([note])
         lines = srv.start(settings)
     _say(lines)
-    _say([f"profile: tracking_uri: {settings.url} (or a name the nodes resolve); the jobs log in with "
+    _say([f"profile: tracking_uri: {settings.profile_uri} (or a name the nodes resolve); the jobs log in with "
           f"{srv.USER_ENV} / {srv.PASSWORD_ENV} from the environment you submit from"])  # fmt: skip
     if settings.cert is not None:
         _say([f"the clients trust its certificate with {srv.CERT_ENV}={settings.cert} (a copy where the nodes read it)"])
@@ -132,8 +150,9 @@ def user_add(
     port: PortOpt = None,
     tls: TlsOpt = None,
 ) -> None:
-    """Add a login: it reads every sweep and writes the sweeps it creates (MLflow's READ default, MANAGE on
-    its own). Its password is asked for twice, or read from standard input; never an argument."""
+    """Add a login: it reads and writes the sweeps it creates (MLflow's MANAGE on its own) and those shared with
+    it (pdmctl server share), no other (the server's default: NO_PERMISSIONS). Its password is asked for twice,
+    or read from standard input; never an argument."""
     from pdmctl.ledger import server as srv
     from pdmctl.ledger import users as usr
 
@@ -164,6 +183,31 @@ def user_remove(name: NameArg, directory: DirOpt = None, host: HostOpt = None, p
         settings = _settings(directory, host, port, tls)
         line = usr.remove_user(settings, srv.credentials(), name)
     _say([line])
+
+
+@app.command()
+def share(
+    sweep: Annotated[str, typer.Argument(metavar="SWEEP", help="A sweep you own (created under your login).")],
+    logins: Annotated[list[str], typer.Argument(metavar="LOGIN...", help="The logins to share it with.")],
+    read: Annotated[bool, typer.Option("--read", help="Let them read it only (status, report), not sweep, resume "
+                                       "or cancel it.")] = False,
+    cluster: Annotated[str, typer.Option("--cluster", "-c", help="Cluster profile under clusters/ (or a path).")] = "local",
+    tracking_uri: Annotated[
+        str | None, typer.Option("--tracking-uri", help="The tracking server (default: $MLFLOW_TRACKING_URI, the "
+                                 "profile's).")
+    ] = None,
+) -> None:
+    """Share a sweep you own with other logins (run by its owner, with your own MLFLOW_TRACKING_USERNAME /
+    MLFLOW_TRACKING_PASSWORD): they may read it and sweep, resume and cancel it (MLflow's EDIT on its
+    experiment), or with --read only read it. A sweep is its creator's alone until then: another login can
+    neither read it nor submit under its name; sharing again with --read takes the writing back."""
+    from pdmctl.ledger import users as usr
+    from pdmctl.orchestrate import make_context
+
+    with _guard():
+        ctx = make_context(cluster, tracking_uri)
+        lines = usr.share(ctx.tracking_uri, sweep, logins, edit=not read)
+    _say(lines)
 
 
 def register(root: typer.Typer) -> None:

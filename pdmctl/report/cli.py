@@ -73,7 +73,7 @@ def report(
     """Tables of avg@16 with seed confidence intervals, comparisons with the baseline, learning curves."""
     from rich.text import Text
 
-    from pdmctl.ledger import ledger_exists, open_ledger
+    from pdmctl.ledger import ledger_exists, login_notes, open_ledger, tracking_login
     from pdmctl.orchestrate import make_context
     from pdmctl.report.build import build_report, load_analysis, pooling_notes
     from pdmctl.report.definition import ReportError, load_definition
@@ -118,7 +118,8 @@ def report(
             result = build_report(ledger, chosen, spec, two_level=two_level, analysis=analysis)
         except ReportError as exc:
             fail(str(exc))
-        result = with_cost(result, ledger, ctx)
+        records = [r for sweep in result.sweeps for r in ledger.runs(sweep)]
+        result = with_cost(result, records, ctx)
     if baseline is not None and not result.baseline_present:
         fail(f"--baseline: mask {baseline!r} has no runs in {', '.join(chosen)}")
     written = write_report(result, out_dir)
@@ -133,17 +134,19 @@ def report(
         console.print(to_rich(cost_table(result)))
     if result.excluded:
         console.print(to_rich(excluded_table(result)))
+    for line in login_notes(records, tracking_login()):  # runs another login than their sweep's owner wrote
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     console.print(f"wrote {len(written)} files to {out_dir}/ — open {written[-1]}", highlight=False)
 
 
-def with_cost(result, ledger, ctx):
-    """The report with each sweep's hours spent beside the prediction (pdmctl.spent), per setting."""
+def with_cost(result, records, ctx):
+    """The report with each sweep's hours spent beside the prediction (pdmctl.spent), per setting, from the
+    ledger's `records` of its sweeps."""
     import dataclasses
     import time
 
     from pdmctl.spent import sweep_costs
 
-    records = [r for sweep in result.sweeps for r in ledger.runs(sweep)]
     return dataclasses.replace(result, cost=sweep_costs(records, ctx, time.time()))
 
 

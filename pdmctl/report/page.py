@@ -41,8 +41,8 @@ def store_name(uri: str) -> str:
 
 @functools.cache
 def code_commit() -> str:
-    """The commit of the pdmctl checkout drawing the page (`unknown` for an installed wheel), `-dirty`
-    appended where its tracked files differ from it."""
+    """The commit of the pdmctl drawing the page (`provenance.git_state`: its own clone's, else the one its
+    wheel was built from, else `unknown`), `-dirty` appended where its tracked files differed from it."""
     state = git_state()
     commit = state["commit"][:12] if state["commit"] != "unknown" else "unknown"
     return commit + ("-dirty" if state["dirty"] == "yes" else "")

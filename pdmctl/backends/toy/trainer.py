@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pdmctl import masks, testhooks
+from pdmctl import masks, preflight, testhooks, wayout
 from pdmctl.backends.base import Tracker
 from pdmctl.backends.toy import task
 from pdmctl.backends.toy.basemodel import load_base_model, save_atomically
@@ -29,7 +30,7 @@ from pdmctl.backends.toy.tasks import TASKS, Task, task_of
 
 EVAL_SETS = ("toy24", "toy25")
 CPU = torch.device("cpu")
-HOLD_ENV, HOLD_S_ENV = "PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_TOY_HOLD_S"  # tests only: hold after this checkpoint
+HOLD_ENV, HOLD_S_ENV = "PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_TOY_HOLD_S"  # tests only: hold at the end of this step
 FAIL_ENV = "PDMCTL_TOY_FAIL_AT_STEP"  # tests only: fail after this checkpoint
 LOSE_NODE_ENV = "PDMCTL_TOY_LOSE_NODE_AT_STEP"  # tests only: a lost node's failure after this checkpoint
 KEEP_CHECKPOINTS = 2
@@ -225,21 +226,29 @@ def train(
         path, state = loaded
         _check_same_run(cfg, state["config"], path)
         start = learner.load_state_dict(state)
+        print(f"pdmctl: resuming from {path.name} (step {start})", flush=True)
     final: dict[str, float] = {}
     if start == 0:
         final.update(evaluate(learner, cfg, 0, tracker))
+    timed = preflight.requeue_at(Path(workdir)) is not None  # a preflight run's times (never in a result)
     for step in range(start + 1, cfg.steps + 1):
+        began = time.monotonic()
         metrics = train_step(learner, cfg)
         tracker.log_metrics(metrics, step)
+        if timed:
+            tracker.log_metrics(preflight.timings(time.monotonic() - began, first=step == start + 1), step)
         final.update(metrics)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             final.update(evaluate(learner, cfg, step, tracker))
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             save_checkpoint(checkpoints, learner.state_dict(step, cfg), step)
-            # a test's hold (pdmctl.testhooks): a time limit or a lost node finds the run mid-training
-            testhooks.hold_if_asked(step, start == 0, HOLD_ENV, HOLD_S_ENV)
             testhooks.fail_if_asked(step, start == 0, FAIL_ENV)
             testhooks.lose_node_if_asked(step, start == 0, LOSE_NODE_ENV)
+            preflight.requeue_if_asked(step, start == 0, Path(workdir))  # a preflight run's requeue
+        # a test's hold (pdmctl.testhooks) at the end of a step: a time limit or a lost node finds the run mid-training
+        testhooks.hold_if_asked(step, start == 0, HOLD_ENV, HOLD_S_ENV)
+        wayout.checkpoint_and_requeue_if_asked(  # signalled before a time limit: this step saved, then requeued
+            step, lambda s=step: save_checkpoint(checkpoints, learner.state_dict(s, cfg), s))
         if stop_after is not None and step >= stop_after:
             break
     return final

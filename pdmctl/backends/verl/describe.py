@@ -210,9 +210,11 @@ def _cost(command: _Command, throughputs: Mapping[str, Throughput],
     """A run's cost under this command, or None and why it cannot be estimated."""
     job = command.jobs[0]
     model = job.config["model"]
-    if model not in throughputs:
+    measured = ((cluster or {}).get("calibration") or {}).get(f"verl: {launch.setting(job.config)}")
+    measured = measured if isinstance(measured, costs.StepCalibration) else None  # the setting's preflight's
+    if model not in throughputs and measured is None:
         return None, (f"the cluster profile states no throughput for {model} (throughput: in the profile; "
-                      "docs/CLUSTER.md, \"Cost\")")  # fmt: skip
+                      "docs/CLUSTER.md, \"Cost\"), and no preflight of this setting measured it")  # fmt: skip
     values = {k.lstrip("+"): v for k, v in (o.split("=", 1) for o in command.overrides)}
     batch, group = int(values["data.train_batch_size"]), int(values["actor_rollout_ref.rollout.n"])
     response = int(values["data.max_response_length"])
@@ -231,15 +233,20 @@ def _cost(command: _Command, throughputs: Mapping[str, Throughput],
     test_freq = int(values["trainer.test_freq"])
     validations = (values["trainer.val_before_train"] == "true") + (
         steps // test_freq + (steps % test_freq > 0) if test_freq > 0 else 0)  # fmt: skip
-    rate = throughputs[model]
+    rate = throughputs.get(model)
     tokens = batch * group * response
     validation_tokens = sum(p or 0 for p in problems) * int(values["actor_rollout_ref.rollout.val_kwargs.n"]) * response
-    step_s = tokens / (rate.rollout * gpus) + tokens / (rate.train * gpus)
-    seconds = steps * step_s + validations * validation_tokens / (rate.rollout * gpus)
     size, _, saves = launch.checkpoint_bytes(job.config, steps)
     shape = costs.VerlShape(model, steps, validations, batch, group, response, validation_tokens // response, gpus,
                             size, saves or 0)  # fmt: skip
-    estimate = costs.verl_estimate(shape, rate.rollout, rate.train, cluster or {})
+    estimate = costs.verl_estimate(shape, rate.rollout, rate.train, cluster or {}) if rate is not None else None
+    if measured is not None:
+        estimate = costs.measured_verl_estimate(shape, estimate, measured, cluster or {})
+    if rate is not None:
+        step_s = tokens / (rate.rollout * gpus) + tokens / (rate.train * gpus)
+        seconds = steps * step_s + validations * validation_tokens / (rate.rollout * gpus)
+    else:  # no stated throughput: the measured range's high end stands for the cap
+        seconds = estimate.seconds.high if estimate is not None else 0.0
     return RunCost(steps, validations, tokens, validation_tokens, gpus, seconds, estimate), ""
 
 

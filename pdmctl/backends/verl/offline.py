@@ -1,11 +1,14 @@
 """What can be checked cheaply on a login node of the weights and data an offline job will read:
 that they are there is not enough, an empty or partial copy fails on the cluster after the queue
-wait. Headers and footers only, never the tensors or the rows: a 60 GB model is checked in milliseconds.
+wait. Headers and footers, and of the tensors a few sampled regions, never the rest or the rows: a 60 GB
+model is checked in milliseconds.
 
 `check_model_dir`: config.json and the tokenizer's JSON parse, and every weight file (every shard the
-safetensors index names) is a non-empty file, a safetensors file's header whole and within the file;
-given the preset's shape (`ModelShape`), the config names its architecture and the shards' headers hold
-its number of parameters (within 2%): stand-in weights (a `{}` config, a one-tensor file) fail.
+safetensors index names) is a non-empty file, a safetensors file's header whole and within the file, and
+its tensor data on disk where `sampled_regions` samples it: a hole there (a sparse file, what an
+interrupted or pre-allocated download leaves) or zero bytes at every place sampled fail; given the
+preset's shape (`ModelShape`), the config names its architecture and the shards' headers hold its number
+of parameters (within 2%): stand-in weights (a `{}` config, a one-tensor file) fail.
 `check_parquet`: the file opens as parquet, has the columns VeRL's RL dataset reads and at least one row.
 Each raises OfflineFilesError (one line); a file's verdict is cached by its size and modification time,
 so a grid of many runs of one model reads it once.
@@ -13,9 +16,11 @@ so a grid of many runs of one model reads it once.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +31,10 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 # what VeRL's RLHFDataset and its default reward read of a row (pdmctl.backends.verl.data writes them)
 PARQUET_COLUMNS = ("prompt", "data_source", "reward_model")
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on a header
+# a safetensors file's tensor data is read at SAMPLES regions of SAMPLE_BYTES each (`sampled_regions`)
+SAMPLES = 16
+SAMPLE_BYTES = 4096
+_REDOWNLOAD = "(an interrupted or pre-allocated download leaves such a file): download it again"
 
 
 PARAMETER_TOLERANCE = 0.02  # the shards' parameters against the preset's count (a tied head, a bias or two)
@@ -166,6 +175,47 @@ def _safetensors_problem(path: str, size: int) -> str | None:
         return "is not a safetensors file (a tensor without data_offsets)"
     if ends and 8 + length + max(ends) > size:
         return f"is cut short: its tensors need {8 + length + max(ends)} bytes, the file has {size}"
+    return _tensor_data_problem(path, size, 8 + length, 8 + length + max(ends, default=0))
+
+
+def sampled_regions(data_start: int, data_end: int) -> list[tuple[int, int]]:
+    """Where the weights' check reads a safetensors file's tensor data (bytes data_start to data_end of
+    the file): SAMPLES regions of SAMPLE_BYTES, (start, end) in the file, evenly spaced from the data's
+    first byte to its last, both included (fewer and shorter where the data is shorter than that)."""
+    span = data_end - data_start
+    if span <= 0:
+        return []
+    length = min(SAMPLE_BYTES, span)
+    starts = sorted({data_start + (span - length) * i // (SAMPLES - 1) for i in range(SAMPLES)})
+    return [(start, start + length) for start in starts]
+
+
+def _tensor_data_problem(path: str, size: int, data_start: int, data_end: int) -> str | None:
+    """The tensor data is on disk (no hole) and not all zeros where `sampled_regions` samples it."""
+    regions = sampled_regions(data_start, data_end)
+    if not regions:
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for start, end in regions:
+            try:
+                data = os.lseek(fd, start, os.SEEK_DATA) if hasattr(os, "SEEK_DATA") else start
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # no data from there to the end of the file
+                    data = size
+                elif exc.errno == errno.EINVAL:  # a filesystem that does not say where its holes are
+                    on_disk = os.fstat(fd).st_blocks * 512
+                    if on_disk < size // 2:
+                        return f"is sparse: {on_disk} of its {size} bytes are on disk {_REDOWNLOAD}"
+                    break
+                else:
+                    raise
+            if data >= end:
+                return f"is sparse: no data on disk at byte {start - data_start} of its tensors {_REDOWNLOAD}"
+        if not any(os.pread(fd, end - start, start).strip(b"\0") for start, end in regions):
+            return f"holds only zero bytes in its tensors at the {len(regions)} places sampled {_REDOWNLOAD}"
+    finally:
+        os.close(fd)
     return None
 
 

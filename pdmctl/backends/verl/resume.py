@@ -48,10 +48,12 @@ import contextlib
 import functools
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-from pdmctl import testhooks
+from pdmctl import preflight, testhooks, wayout
 from pdmctl.backends.verl import perproblem
+from pdmctl.backends.verl.checkpoints import DIR_ENV
 from pdmctl.backends.verl.metrics import pdmctl_metric_name
 from pdmctl.backends.verl.topk import check_verl_version
 from pdmctl.ledger.spool import SPOOL_DIR_ENV, Spool, SpoolError, quick_http, wait_seconds
@@ -178,6 +180,39 @@ def _start_run_reuses_the_active_run() -> Iterator[None]:
         mlflow.start_run = original
 
 
+def _checkpointed(checkpoint_dir: Path) -> int | None:
+    """The step of VeRL's newest checkpoint (its tracker file), None where there is none."""
+    try:
+        return int((checkpoint_dir / "latest_checkpointed_iteration.txt").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_for_the_end(limit_s: float = 600.0) -> None:
+    """Hold the trainer still while its job requeues (the job ends it); said if the job never does."""
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+    print(f"pdmctl: the job did not requeue within {limit_s:.0f} s of the checkpoint on the way out", flush=True)
+
+
+def _save_on_the_way_out() -> None:
+    """In the trainer: VeRL's check for a checkpoint before its instance expires also answers the job's signal
+    (pdmctl.wayout), so that VeRL saves at the end of the step under way (the V0 trainer, ray_trainer)."""
+    import sys
+
+    trainer = sys.modules.get("verl.trainer.ppo.ray_trainer")
+    checkpoint_dir = os.environ.get(DIR_ENV)
+    if trainer is None or not checkpoint_dir or not hasattr(trainer, "should_save_ckpt_esi"):
+        return
+    if not getattr(trainer.should_save_ckpt_esi, "_pdmctl", False):
+        check = wayout.save_before_expiry(trainer.should_save_ckpt_esi, Path(checkpoint_dir).parent)
+        check._pdmctl = True  # type: ignore[attr-defined]
+        trainer.should_save_ckpt_esi = check
+
+
 def install() -> None:
     """Wrap `verl.utils.tracking`'s `Tracking` and `_MlflowLoggingAdapter` (written against VeRL 0.9.1)."""
     global _INSTALLED
@@ -198,6 +233,7 @@ def install() -> None:
         if wanted:
             wait_for_tracking(os.environ.get("MLFLOW_TRACKING_URI", ""), os.environ["MLFLOW_RUN_ID"])
             perproblem.install()  # the trainer's module is imported by now (fit() makes this logger)
+            _save_on_the_way_out()
         with _start_run_reuses_the_active_run(), _params_stay_the_first_attempts(os.environ["MLFLOW_RUN_ID"]):
             original_tracking_init(self, project_name, experiment_name, default_backend, config)
         if wanted and "mlflow" not in getattr(self, "logger", {}):
@@ -266,6 +302,9 @@ def install() -> None:
             if name is not None and step > logged.get(name, -1):
                 fresh[name] = value
         fresh = _numbers(fresh)
+        if step >= 1 and fresh and not getattr(self, "_pdmctl_timed", False):  # this attempt's first step
+            self._pdmctl_timed = True
+            fresh.update(preflight.timings(None, first=True))
         if not fresh:
             return None
         per_problem = [(name.removeprefix("eval/"), record) for name in fresh if name.startswith("eval/")
@@ -291,6 +330,11 @@ def install() -> None:
         for key in fresh:  # on disk (spool) or confirmed (VeRL's own call): a later log skips the step
             logged[key] = step
         hold_if_asked(step, fresh_run=not getattr(self, "_pdmctl_resumed", True))
+        if os.environ.get(DIR_ENV):  # a preflight run's requeue, after the checkpoint of its step
+            run_dir = Path(os.environ[DIR_ENV]).parent
+            preflight.requeue_if_asked(step, not getattr(self, "_pdmctl_resumed", True), run_dir)
+            if wayout.answer_if_flagged(step, run_dir, _checkpointed(Path(os.environ[DIR_ENV]))):
+                _wait_for_the_end()  # the job requeues on the line just printed, and ends this trainer
         return result
 
     tracking.Tracking.__init__ = tracking_init

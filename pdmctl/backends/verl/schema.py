@@ -129,7 +129,13 @@ def _config(engine: str) -> dict[str, Any]:
     if spec is None or not spec.submodule_search_locations:
         raise SchemaError("verl.*: VeRL is not installed here, so its keys cannot be checked against its "
                           "config (pip install 'pdmctl[verl]')")  # fmt: skip
+    from pdmctl.yamlfiles import YamlRefused, refuse_bomb
+
     path = Path(next(iter(spec.submodule_search_locations))) / "trainer" / "config" / GENERATED_CONFIGS[engine]
+    try:
+        refuse_bomb(path.read_text(encoding="utf-8"), path)  # OmegaConf's loader builds what aliases expand to
+    except YamlRefused as exc:
+        raise SchemaError(f"verl.*: VeRL's config {exc}") from None
     container = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     assert isinstance(container, dict)
     return container

@@ -3,7 +3,7 @@
 On the login node it checks what the login node can see (the profile filled in, the partition as profiled,
 the tracking server, the shared paths, the disk for the checkpoints); with `--job` it then runs the node's
 checks on every node of a job of the profile's size (`srun`, one task a node, the profile's setup lines and
-environment first), then those across the nodes (pdmctl.doctor_nodes: shared files, an all-reduce, Ray with every
+environment first), then those across the nodes (pdmctl.doctor.nodes: shared files, an all-reduce, Ray with every
 node joined), and `--on-node` is that half, run inside the job: the driver against the CUDA build of torch, the GPU count
 against the profile's gres, /dev/shm and the locked-memory limit against the GPUs and InfiniBand, the engine's imports (vLLM, the presets' attention, VeRL, the Megatron half,
 Transformer Engine), the
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdmctl.doctor.quota import Quota, QuotaUnread, read_quota
 from pdmctl.executors import ClusterProfile
 
 SMI_QUERY = ["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total", "--format=csv,noheader"]
@@ -43,7 +44,7 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("megatron-bridge", ("megatron.bridge", "mbridge")),  # VeRL 0.9.1's default, else its legacy path
     ("transformer-engine", ("transformer_engine.pytorch",)),
 )
-LOGIN_CHECKS = ("placeholders", "slurm", "tracking", "paths", "disk")
+LOGIN_CHECKS = ("placeholders", "slurm", "nodes-driver", "tracking", "paths", "disk")
 NODE_CHECKS = ("placeholders", "nvidia-smi", "driver", "gpus", "network-interface", "shm", "memlock",
                *(name for name, _ in IMPORTS), "paths", "tracking", "disk")  # fmt: skip
 SHM_PER_GPU = 10**9  # bytes of /dev/shm free per GPU of the node (at least one GPU's worth on a CPU node)
@@ -54,25 +55,47 @@ class CheckFailed(Exception):
     """A check that failed; the message is its one line."""
 
 
+def _on_loopback(host: str) -> bool:
+    """Whether every address `host` resolves to is this machine's loopback (a name that does not resolve: no)."""
+    import ipaddress
+    import socket
+
+    try:
+        return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback
+                   for info in socket.getaddrinfo(host, None))  # fmt: skip
+    except (OSError, ValueError):
+        return False
+
+
 def _login_needed_beyond_this_machine(uri: str) -> None:
     """A tracking server that answers without a login, at an address other machines reach: whoever
     reaches it can change or delete every run (one on loopback, reached from this machine only, passes)."""
-    import ipaddress
-    import socket
     from urllib.parse import urlsplit
 
     host = urlsplit(uri).hostname or ""
-    try:
-        loopback = all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback
-                       for info in socket.getaddrinfo(host, None))  # fmt: skip
-    except (OSError, ValueError):
-        loopback = False
-    if not loopback:
+    if not _on_loopback(host):
         raise CheckFailed(
             f"tracking server {uri}: answers without a login, so whoever reaches {host} can change or delete every "
             "run: serve it with `pdmctl server start` (a login per user) and set MLFLOW_TRACKING_USERNAME and "
             "MLFLOW_TRACKING_PASSWORD where you submit"
         )
+
+
+LOGIN_VARIABLES = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+
+
+def login_in_clear(uri: str, environ: Mapping[str, str]) -> None:
+    """A login sent over plain http:// to another machine crosses the network in clear (every call of every
+    run carries it, readable by anyone on the path); loopback, https:// and no login pass."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    given = [name for name in LOGIN_VARIABLES if environ.get(name)]
+    if parts.scheme != "http" or not given or _on_loopback(parts.hostname or ""):
+        return
+    raise CheckFailed(f"tracking server {uri}: plain http:// to {parts.hostname}, and a login is set ({given[0]}): "
+                      "it would cross the network in clear with every call; serve HTTPS (`pdmctl server start "
+                      "--tls`) and give https://, or reach the server through loopback (an SSH tunnel)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -119,14 +142,34 @@ def check_driver(driver: str, torch_cuda: str | None) -> str:
     return f"driver {driver} runs torch's CUDA {torch_cuda} build (needs >= {want})"
 
 
+def gpu_type_matches(gpu_type: str, name: str) -> bool:
+    """Whether nvidia-smi's GPU name is the profile's gpu_type: its words (case and separators aside) are a run
+    of the name's words: h20 is NVIDIA H20 and not NVIDIA H200; a100 is NVIDIA A100-SXM4-80GB; SLURM's
+    autodetected type nvidia_h100_80gb_hbm3 is NVIDIA H100 80GB HBM3; rtx4090 is NVIDIA GeForce RTX 4090."""
+    want = re.sub(r"[^a-z0-9]", "", gpu_type.lower())
+    words = re.findall(r"[a-z0-9]+", name.lower())
+    return any("".join(words[i:j]) == want for i in range(len(words)) for j in range(i + 1, len(words) + 1))
+
+
+def _gib(mib: int) -> str:
+    return f"{mib / 1024:.1f} GiB"
+
+
 def check_gpus(gpus: Sequence[Gpu], wanted: int, gpu_type: str | None) -> str:
+    """The node's GPUs against the profile: as many as gpus_per_node, each of its gpu_type where set; the
+    memory reported (no profile field or model preset states a memory need)."""
     if len(gpus) < wanted:
         raise CheckFailed(f"{len(gpus)} GPU(s) visible, the profile's gres asks for {wanted} per node "
                           f"(gpus_per_node: {wanted})")  # fmt: skip
     names = sorted({g.name for g in gpus})
-    if gpu_type and not any(gpu_type.lower() in n.lower() for n in names):
-        raise CheckFailed(f"the GPUs are {', '.join(names)}, the profile's gpu_type is {gpu_type}")
-    return f"{len(gpus)} GPU(s) ({', '.join(names)}), the profile asks for {wanted} per node"
+    other = sorted({g.name for g in gpus if gpu_type and not gpu_type_matches(gpu_type, g.name)})
+    if other:
+        raise CheckFailed(f"the GPUs are {', '.join(names)}, the profile's gpu_type is {gpu_type}"
+                          + (f" ({', '.join(other)} is not)" if len(names) > 1 else ""))  # fmt: skip
+    mems = sorted({g.memory_mib for g in gpus if g.memory_mib is not None})
+    memory = ("memory not reported" if not mems else f"{_gib(mems[0])} each" if len(mems) == 1
+              else f"{_gib(mems[0])} to {_gib(mems[-1])}")  # fmt: skip
+    return f"{len(gpus)} GPU(s) ({', '.join(names)}, {memory}), the profile asks for {wanted} per node"
 
 
 def checkpoint_plan(specs: Sequence[Any]) -> tuple[int, int]:
@@ -154,7 +197,10 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} PB"
 
 
-def check_disk(root: Path, need: int, counted: int, free: int | None = None) -> str:
+def check_disk(root: Path, need: int, counted: int, free: int | None = None,
+               quota: Quota | str | None = None) -> str:  # fmt: skip
+    """Free space under the run root (statvfs), and the user's quota there (pdmctl.doctor.quota: read here unless
+    given; a string says why it was not read), against the checkpoint plan."""
     existing = next((p for p in (root, *root.parents) if p.exists()), None)
     if existing is None:
         raise CheckFailed(f"workdir {root}: no part of it exists")
@@ -162,9 +208,25 @@ def check_disk(root: Path, need: int, counted: int, free: int | None = None) -> 
     if need and free < need:
         raise CheckFailed(f"workdir {root}: {_bytes(free)} free, the checkpoint plan of {counted} run(s) keeps up to "
                           f"{_bytes(need)}")  # fmt: skip
+    if quota is None:
+        try:
+            quota = read_quota(existing)
+        except QuotaUnread as exc:
+            quota = str(exc)
+    if isinstance(quota, str):
+        quoted = f"quota not read ({quota})"
+    elif quota.limit is None:
+        quoted = f"no quota set ({quota.command})"
+    else:
+        left = quota.left or 0
+        if need and left < need:
+            raise CheckFailed(f"workdir {root}: the quota leaves {_bytes(left)} ({_bytes(quota.used)} used of "
+                              f"{_bytes(quota.limit)}, {quota.command}), the checkpoint plan of {counted} run(s) "
+                              f"keeps up to {_bytes(need)}")  # fmt: skip
+        quoted = f"quota: {_bytes(left)} left of {_bytes(quota.limit)} ({quota.command})"
     plan = f"the checkpoint plan of {counted} run(s) keeps up to {_bytes(need)}" if counted else (
         "no VeRL run given (--file, overrides): no checkpoint plan to compare")  # fmt: skip
-    return f"workdir {root}: {_bytes(free)} free; {plan}"
+    return f"workdir {root}: {_bytes(free)} free; {quoted}; {plan}"
 
 
 def check_shm(total: int, free: int, gpus: int) -> str:
@@ -236,10 +298,24 @@ class Doctor:
         return (f"partition {opts.partition or '(default)'} takes {opts.nodes} node(s) x {opts.gpus_per_node} GPU(s), "
                 f"max_concurrent {self.profile.max_concurrent} at once (sinfo)")  # fmt: skip
 
+    def nodes_driver(self) -> str:
+        """The nodes' NVIDIA driver against the environment's torch CUDA, from the login node
+        (pdmctl.backends.verl.driver.check_login); a profile of another executor has no nodes to ask."""
+        from pdmctl.backends.verl.driver import DriverError, check_login
+
+        opts = self.opts
+        if opts is None:
+            return f"executor {self.profile.executor}: no nodes to ask (on a GPU machine: python -m pdmctl.backends.verl.driver)"
+        try:
+            return check_login(opts.partition, opts.python, opts.setup)
+        except DriverError as exc:
+            raise CheckFailed(str(exc)) from None
+
     def tracking(self) -> str:
         from pdmctl.ledger import LedgerError, check_reachable, is_database_uri
 
         uri = self.tracking_uri
+        login_in_clear(uri, os.environ)  # before anything is sent
         try:
             check_reachable(uri)
         except LedgerError as exc:
@@ -315,7 +391,7 @@ class Doctor:
 
     def disk(self) -> str:
         need, counted = checkpoint_plan(self.specs)
-        return check_disk(self.profile.run_root, need, counted)
+        return check_disk(self.profile.run_root, need, counted)  # and the quota where lfs or mmlsquota reads it
 
     # --- on the node ----------------------------------------------------------------------
 
@@ -434,7 +510,7 @@ def run_lines(checks: Iterable[tuple[str, Callable[[], str]]], skip: Sequence[st
 def job_command(profile: ClusterProfile, profile_path: str, python: str, tracking_uri: str | None,
                 skip: Sequence[str], sweep_args: Sequence[str], time_min: int = 15) -> list[str]:  # fmt: skip
     """`srun` of a job of the profile's nodes, one task a node, that runs each node's checks and those across
-    them (pdmctl.doctor_nodes): setup lines first (set -e), the job's environment (the profile's exports, env: and
+    them (pdmctl.doctor.nodes): setup lines first (set -e), the job's environment (the profile's exports, env: and
     network:), then `pdmctl doctor --on-node`. One node's failure ends the others' tasks (--kill-on-bad-exit)."""
     from pdmctl.executors.slurm import SlurmExecutor, _fatal
 
