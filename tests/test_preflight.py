@@ -113,10 +113,10 @@ def _slurm_answers() -> bool:
 needs_slurm = pytest.mark.skipif(not _slurm_answers(), reason="no SLURM answering here (.ci/slurm_up.sh)")
 
 
-def _profile(tmp_path: Path) -> str:
+def _profile(tmp_path: Path, **options) -> str:
     from tests.test_slurm import write_profile
 
-    return write_profile(tmp_path, name="slurm-preflight", max_concurrent=2)
+    return write_profile(tmp_path, name="slurm-preflight", max_concurrent=2, **options)
 
 
 @pytest.mark.slurm
@@ -127,12 +127,14 @@ def test_on_slurm_each_setting_reaches_a_step_requeues_itself_resumes_and_every_
     """The testbed's preflight of two masks of different methods on the CI's SLURM: each run's first attempt
     requeues itself after step 1's checkpoint (SLURM's USR2 to the batch step, then submitit's requeue), the
     next attempt resumes from it and trains steps 2 and 3; each verdict says so with its measurements, and
-    every train metric is logged once a step. The sweep's own status leaves the preflight out; a second
+    every train metric is logged once a step. The profile saves on the way out (`save_grace_s`), as the h20
+    profile does: the job's handler takes the signal, the step's checkpoint is already written, and it
+    requeues at once. The sweep's own status leaves the preflight out; a second
     `pdmctl preflight` submits nothing and prints the same verdicts."""
     from pdmctl import orchestrate
     from pdmctl.ledger import open_ledger
 
-    profile = _profile(tmp_path)
+    profile = _profile(tmp_path, signal_delay_s=60, save_grace_s=30)  # as clusters/h20.yaml: a save on the way out
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = ["preflight", *TOY, "mask=pdm_agg,grpo_clip_higher", "--name", "pf", "--cluster", profile,
             "--tracking-uri", uri]  # fmt: skip
@@ -156,6 +158,8 @@ def test_on_slurm_each_setting_reaches_a_step_requeues_itself_resumes_and_every_
         first = (Path(ctx.run_dir(record)) / "logs" / "attempt-1.log").read_text()
         assert "pdmctl: preflight: step 1 checkpointed; requeueing through SLURM's time-limit signal" in first
         assert "Requeued job" in first, first[-2000:]
+        assert "pdmctl: SLURM's USR2: the step under way finishes and is checkpointed" in first, first[-2000:]
+        assert "no checkpoint within" not in first, first[-2000:]  # requeued at once, not at the grace's end
     assert orchestrate.status(ctx, "pf") == []  # the sweep itself: no run of its own yet
     again = _pdmctl(*args, cwd=tmp_path)
     assert again.returncode == 0 and "submitted 0 job(s)" in again.stdout, again.stdout + again.stderr
