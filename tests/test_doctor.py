@@ -43,15 +43,51 @@ def test_gpu_count_against_the_profiles_gres() -> None:
     four = doctor.parse_nvidia_smi((SMI / "h20x4-driver580.csv").read_text())
     with pytest.raises(doctor.CheckFailed, match=r"4 GPU\(s\) visible, the profile's gres asks for 8 per node"):
         doctor.check_gpus(four, 8, None)
-    assert "8 GPU(s) (NVIDIA H20)" in doctor.check_gpus(four * 2, 8, "h20")
+    assert doctor.check_gpus(four * 2, 8, "h20") == ("8 GPU(s) (NVIDIA H20, 95.6 GiB each), the profile asks for 8 "
+                                                     "per node")  # fmt: skip
     with pytest.raises(doctor.CheckFailed, match="gpu_type is a100"):
         doctor.check_gpus(four * 2, 8, "a100")
+
+
+def test_gpu_model_against_the_profiles_gpu_type_by_whole_words_and_the_memory_reported() -> None:
+    """Every GPU must be the profile's gpu_type, word for word: h20 is not an H200 (a substring would take it
+    for one), SLURM's autodetected type names (nvidia_h100_80gb_hbm3) are nvidia-smi's names; no profile field
+    or model preset states a memory need, so the memory is reported, not compared."""
+    h200 = doctor.parse_nvidia_smi((SMI / "h200x8-driver580.csv").read_text())
+    with pytest.raises(doctor.CheckFailed) as failed:
+        doctor.check_gpus(h200, 8, "h20")
+    assert str(failed.value) == "the GPUs are NVIDIA H200, the profile's gpu_type is h20"
+    assert doctor.check_gpus(h200, 8, "h200") == "8 GPU(s) (NVIDIA H200, 140.4 GiB each), the profile asks for 8 per node"
+    h20 = doctor.parse_nvidia_smi((SMI / "h20x4-driver580.csv").read_text())
+    with pytest.raises(doctor.CheckFailed, match=r"^the GPUs are NVIDIA H20, NVIDIA H200, the profile's gpu_type is "
+                                                 r"h20 \(NVIDIA H200 is not\)$"):  # fmt: skip
+        doctor.check_gpus([*h20, *h200[4:]], 8, "h20")
+    assert doctor.check_gpus([*h20, *h200[4:]], 8, None).startswith("8 GPU(s) (NVIDIA H20, NVIDIA H200, 95.6 GiB to "
+                                                                    "140.4 GiB)")  # fmt: skip
+    for gpu_type, name, same in (("h20", "NVIDIA H20", True), ("H20", "NVIDIA H200", False),
+                                 ("a100", "NVIDIA A100-SXM4-80GB", True), ("a10", "NVIDIA A100-SXM4-80GB", False),
+                                 ("nvidia_h100_80gb_hbm3", "NVIDIA H100 80GB HBM3", True),
+                                 ("rtx4090", "NVIDIA GeForce RTX 4090", True), ("l40s", "NVIDIA L40", False)):  # fmt: skip
+        assert doctor.gpu_type_matches(gpu_type, name) is same, (gpu_type, name)
+
+
+def test_a_gpu_model_other_than_the_profiles_fails_the_node_in_one_line(tmp_path: Path) -> None:
+    """nvidia-smi on the node lists H200s, the profile says h20: the gpus line fails, the last, exit 2."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text(f"#!/bin/sh\ncat {SMI / 'h200x8-driver580.csv'}\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    result = pdmctl("doctor", "--cluster", str(_filled_h20(tmp_path, gpu_type="h20")), "--on-node", "--skip=driver",
+                    env={"PATH": f"{fake}:{os.environ['PATH']}"})  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "FAIL  gpus: the GPUs are NVIDIA H200, the profile's gpu_type is h20"
 
 
 def test_disk_against_the_checkpoint_plan(tmp_path: Path) -> None:
     with pytest.raises(doctor.CheckFailed, match=r"1.0 TB free, the checkpoint plan of 48 run\(s\) keeps up to 31.7 TB"):
         doctor.check_disk(tmp_path / "runs", int(31.7e12), 48, free=int(1e12))
-    assert "free; the checkpoint plan" in doctor.check_disk(tmp_path / "runs", 10, 1)
+    assert " free; quota not read (no lfs here); the checkpoint plan" in doctor.check_disk(tmp_path / "runs", 10, 1,
+                                                                                          quota="no lfs here")  # fmt: skip
 
 
 def test_the_h20_profile_as_shipped_fails_its_first_check_in_one_line() -> None:
@@ -188,6 +224,34 @@ def test_a_server_without_a_login_is_refused_unless_it_is_on_loopback() -> None:
             f"tracking server {uri}: answers without a login, so whoever reaches {host} can change or delete every "
             "run: serve it with `pdmctl server start` (a login per user) and set MLFLOW_TRACKING_USERNAME and "
             "MLFLOW_TRACKING_PASSWORD where you submit")
+
+
+def test_a_login_over_plain_http_to_another_machine_is_refused() -> None:
+    """A login (user and password, or a token) sent over http:// to a host beyond loopback crosses the network in
+    clear: refused in one line. Over https://, to loopback, or without a login, it passes."""
+    login = {"MLFLOW_TRACKING_USERNAME": "alice", "MLFLOW_TRACKING_PASSWORD": "a-long-password"}
+    for uri, environ in (("https://10.1.2.3:5000", login), ("http://127.0.0.1:5000", login),
+                         ("http://localhost:5000", login), ("http://10.1.2.3:5000", {}), ("sqlite:///x.db", login)):  # fmt: skip
+        doctor.login_in_clear(uri, environ)
+    with pytest.raises(doctor.CheckFailed) as failed:
+        doctor.login_in_clear("http://10.1.2.3:5000", login)
+    assert str(failed.value) == (
+        "tracking server http://10.1.2.3:5000: plain http:// to 10.1.2.3, and a login is set "
+        "(MLFLOW_TRACKING_USERNAME): it would cross the network in clear with every call; serve HTTPS (`pdmctl "
+        "server start --tls`) and give https://, or reach the server through loopback (an SSH tunnel)")
+    with pytest.raises(doctor.CheckFailed, match=r"a login is set \(MLFLOW_TRACKING_TOKEN\)"):
+        doctor.login_in_clear("http://mlflow.cluster.example:5000", {"MLFLOW_TRACKING_TOKEN": "t0k3n"})
+
+
+def test_the_tracking_check_fails_a_login_over_plain_http_before_sending_anything() -> None:
+    """`pdmctl doctor` with a login and an http:// tracking server on another host (a documentation address no
+    one answers): the tracking line fails at once, the last, exit 2."""
+    login = {"MLFLOW_TRACKING_USERNAME": "alice", "MLFLOW_TRACKING_PASSWORD": "a-long-password"}
+    result = pdmctl("doctor", "--tracking-uri", "http://192.0.2.10:5000", "--skip=paths", "--skip=disk", env=login)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout.strip().splitlines()[-1].startswith(
+        "FAIL  tracking: tracking server http://192.0.2.10:5000: plain http:// to 192.0.2.10, and a login is set "
+        "(MLFLOW_TRACKING_USERNAME): it would cross the network in clear"), result.stdout
 
 
 @pytest.mark.postgres

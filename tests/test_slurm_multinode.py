@@ -600,8 +600,9 @@ def doctor_job(shared_dir: Path, name: str, skips: list[str], uri: str | None = 
 @pytest.mark.timeout(600)
 def test_doctor_job_checks_each_node_then_across_both(shared_dir: Path) -> None:
     """One job of both nodes, one task each: every node check passes on n1 and on n2, each line naming its
-    node; then across them the run root written on n1 is read on n2, a gloo all-reduce runs over eth0 (the
-    profile's network:), and Ray on eth0 (its network_interface) has both nodes joined, then ends on both."""
+    node; then across them the run root written on n1 is read on n2, a gloo all-reduce of 4 MiB runs over eth0
+    (the profile's network:), its sum right and its bus bandwidth shown, and Ray on eth0 (its network_interface)
+    has both nodes joined, then ends on both."""
     rc, *out = doctor_job(shared_dir, "doctor-ok", NO_GPU, network={"GLOO_SOCKET_IFNAME": "eth0"})
     print("\n".join(out))
     assert rc == "0", "\n".join(out)
@@ -611,7 +612,10 @@ def test_doctor_job_checks_each_node_then_across_both(shared_dir: Path) -> None:
             assert any(ln.startswith(f"{node}| ok    {check}: ") for ln in out), (node, check)
     assert any(ln.startswith(f"n2| ok    shared-files: run root {shared_dir / 'doctor-ok' / 'runs'}: n1's file read "
                              "on n2; the same environment as n1") for ln in out), out  # fmt: skip
-    assert any(ln.startswith("n2| ok    all-reduce: gloo across 2 node(s) over eth0: the sum came back 2 ") for ln in out)
+    for node in ("n1", "n2"):  # the sum, then the bandwidth gloo reached over the namespaces' veth, both nodes timed
+        assert any(re.fullmatch(rf"{node}\| ok    all-reduce: gloo across 2 node\(s\) over eth0: the sum came back 2; "
+                                r"4 MiB in \d+\.\d ms: bus bandwidth \d+(\.\d)? [KMGT]?B/s, algorithm bandwidth "
+                                r"\d+(\.\d)? [KMGT]?B/s \(2 rank\(s\), one a node; gloo over TCP\)", ln) for ln in out), out
     assert any(re.match(r"n1\| ok    ray: 2 node\(s\) joined the head at 10\.77\.0\.11:\d+ on network interface eth0 "
                         r"in \d+ s; n1 bound 10\.77\.0\.11$", ln) for ln in out), out  # fmt: skip
     assert not any(ln.startswith(("n1| FAIL", "n2| FAIL")) for ln in out)

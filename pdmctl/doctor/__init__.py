@@ -3,12 +3,14 @@
 On the login node it checks what the login node can see (the profile filled in, the partition as profiled,
 the tracking server, the shared paths, the disk for the checkpoints); with `--job` it then runs the node's
 checks on every node of a job of the profile's size (`srun`, one task a node, the profile's setup lines and
-environment first), then those across the nodes (pdmctl.doctor.nodes: shared files, an all-reduce, Ray with every
-node joined), and `--on-node` is that half, run inside the job: the driver against the CUDA build of torch, the GPU count
-against the profile's gres, /dev/shm and the locked-memory limit against the GPUs and InfiniBand, the engine's imports (vLLM, the presets' attention, VeRL, the Megatron half,
-Transformer Engine), the
-model and data paths, the tracking server (and the login) from the node, the disk. One line per check; the
-first that fails ends it with exit code 2.
+environment first), then those across the nodes (pdmctl.doctor.nodes: shared files, an all-reduce measuring
+bandwidth, Ray with every node joined), and `--on-node` is that half, run inside the job: the driver against
+the CUDA build of torch, the GPU count and model against the profile's gres and gpu_type (the memory
+reported), /dev/shm and the locked-memory limit against the GPUs and InfiniBand, the engine's imports (vLLM,
+the presets' attention, VeRL, the Megatron half, Transformer Engine), the model and data paths, the tracking
+server (and the login, never over plain http:// beyond loopback) from the node, the disk (free space and,
+where lfs or mmlsquota reads it, the quota: pdmctl.doctor.quota). One line per check; the first that fails
+ends it with exit code 2.
 """
 
 from __future__ import annotations

@@ -4,9 +4,11 @@ tasks (one a node, `srun`), once that node's own checks have passed.
 - shared-files: task 0 writes a file into the run root; each other node reads it, finds the same models and
   data directories (every file's name and size) and the same environment (the job's Python, pdmctl's and
   torch's versions), and writes back that it did; task 0 waits for every node's answer.
-- all-reduce: torch.distributed across every node (NCCL where the profile gives GPUs, gloo where it gives none),
-  its rendezvous at task 0's address on the profile's `network:` interface (NCCL_SOCKET_IFNAME, else
-  GLOO_SOCKET_IFNAME, else network_interface), as the trainer's collectives will run.
+- all-reduce: torch.distributed across every node, its rendezvous at task 0's address on the profile's `network:`
+  interface (NCCL_SOCKET_IFNAME, else GLOO_SOCKET_IFNAME, else network_interface), as the trainer's collectives
+  will run: the nodes' own gloo group first (one rank a node: the checks' messages), then the bandwidth
+  (pdmctl.doctor.allreduce): NCCL over every GPU where the profile gives GPUs, one rank a GPU in processes this
+  task starts, with the transport NCCL's log names; gloo in that group, one rank a node, where it gives none.
 - ray: Ray started on the profile's network_interface as the job body starts it, task 0 the head, and every
   node joined within the wait; each node's Ray ended afterwards.
 
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdmctl.doctor import CheckFailed, Doctor, run_lines
+from pdmctl.doctor import CheckFailed, Doctor, _bytes, allreduce, run_lines
 
 CLUSTER_CHECKS = ("shared-files", "all-reduce", "ray")
 WAIT_ENV = "PDMCTL_DOCTOR_WAIT_S"
@@ -158,7 +160,7 @@ class NodesDoctor:
         mine = {"node": t.node, "versions": _versions(), "listings": {n: listing(d) for n, d in dirs.items()}}
         if t.rank == 0:
             address = _address_on(self.rendezvous_interface())
-            mine.update(address=address, port=_free_port(address))
+            mine.update(address=address, port=_free_port(address), ranks_port=_free_port(address))
             try:
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / "first.tmp").write_text(json.dumps(mine))
@@ -209,29 +211,45 @@ class NodesDoctor:
         import torch.distributed as dist
 
         opts, t = self.doctor.opts, self.task
-        gpus = bool(opts and opts.gpus_per_node) and torch.cuda.is_available()
-        backend = "nccl" if gpus else "gloo"
+        local = opts.gpus_per_node if opts else 0
+        gpus = bool(local) and torch.cuda.is_available()
         address, port = self._first["address"], self._first["port"]
         over = self.rendezvous_interface() or "the default route's interface"
-        started = time.monotonic()
-        try:
-            dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=t.rank, world_size=t.size,
+        hint = ("check the profile's network: (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME) and that the nodes reach each "
+                "other there")  # fmt: skip
+        try:  # the nodes' own group (one rank a node, gloo): the one-node-CPU measurement, and the checks' messages
+            dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=t.rank, world_size=t.size,
                                     timeout=datetime.timedelta(seconds=wait_s()))  # fmt: skip
             self._group = True
-            value = torch.ones(1, device="cuda" if gpus else "cpu")
-            dist.all_reduce(value)
-            total = int(value.item())
-            # the checks' own small messages: gloo (NCCL's would need a GPU each), bounded by the waits between them
+            if not gpus:
+                got = allreduce.measure(dist, "cpu", allreduce.CPU_BYTES, *allreduce.CPU_ITERATIONS)
+            # the checks' own small messages, bounded by the waits between them
             self._gloo = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3 * wait_s() + 120))
         except Exception as exc:  # whatever the backend raises: its own words, in one line
             words = " ".join(str(exc).split())[:300].rstrip(".")
-            raise CheckFailed(f"{backend} across {t.size} node(s) (rendezvous {address}:{port}, over {over}): {words}: "
-                              "check the profile's network: (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME) and that the "
-                              "nodes reach each other there") from None  # fmt: skip
-        if total != t.size:
-            raise CheckFailed(f"{backend}: the sum over {t.size} node(s) came back as {total}")
-        return (f"{backend} across {t.size} node(s) over {over}: the sum came back {total} in "
-                f"{time.monotonic() - started:.1f} s")
+            raise CheckFailed(f"gloo across {t.size} node(s) (rendezvous {address}:{port}, over {over}): {words}: "
+                              f"{hint}") from None  # fmt: skip
+        if not gpus:
+            how = "one a node; gloo over TCP" + (", torch sees no GPU" if local else "")
+            return f"gloo across {t.size} node(s) over {over}: {_measured(got, t.size, allreduce.CPU_BYTES, how)}"
+        if torch.cuda.device_count() < local:
+            raise CheckFailed(f"torch sees {torch.cuda.device_count()} GPU(s) on {t.node}, the profile gives "
+                              f"{local} (gpus_per_node)")  # fmt: skip
+        head, ranks_port = f"nccl across {t.size} node(s) x {local} GPU(s) over {over}", self._first["ranks_port"]
+        try:
+            got, transport = allreduce.run_local_ranks("nccl", t.rank, t.size, local, address, ranks_port, wait_s())
+        except RuntimeError as exc:
+            words = " ".join(str(exc).split())[:300].rstrip(".")
+            raise CheckFailed(f"nccl across {t.size} node(s) x {local} GPU(s) (rendezvous {address}:{ranks_port}, "
+                              f"over {over}): {words}: {hint}") from None  # fmt: skip
+        assert transport is not None
+        measured = _measured(got, t.size * local, allreduce.GPU_BYTES, f"{local} a node; {transport.describe()}")
+        assert opts is not None  # GPUs come from the profile
+        infiniband = allreduce.names_infiniband({**dict(opts.env), **dict(opts.network)}, opts.network_interface)
+        fallback = allreduce.check_transport(transport, infiniband)
+        if fallback:
+            raise CheckFailed(f"{head}: {fallback}; {measured.partition('; ')[2]}")
+        return f"{head}: {measured}"
 
     # --- ray --------------------------------------------------------------------------------
 
@@ -328,6 +346,15 @@ class NodesDoctor:
         yield "shared-files", self.shared_files
         yield "all-reduce", self.all_reduce
         yield "ray", self.ray
+
+
+def _measured(got: allreduce.Measured, ranks: int, size: int, how: str) -> str:
+    """The all-reduce's sum (CheckFailed unless every element is the rank count) and bandwidth, for its line."""
+    if not got.low == got.high == ranks:
+        raise CheckFailed(f"the sum over {ranks} rank(s) came back as {got.low:g} to {got.high:g}")
+    return (f"the sum came back {ranks}; {size >> 20} MiB in {got.seconds * 1000:.1f} ms: bus bandwidth "
+            f"{_bytes(allreduce.bus_bandwidth(size, got.seconds, ranks))}/s, algorithm bandwidth "
+            f"{_bytes(size / got.seconds if got.seconds else 0)}/s ({ranks} rank(s), {how})")
 
 
 def _answers(host: str, port: int) -> bool:
