@@ -24,7 +24,7 @@ ts() { awk -v a="$T0" -v b="$(date +%s.%N)" -v m="$*" 'BEGIN{printf "[mlflow_ser
 alive() { [ -s "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; }
 healthy() { python3 - "$1" <<'PY' 2>/dev/null
 import sys, urllib.request
-sys.exit(0 if urllib.request.urlopen(sys.argv[1] + "/health", timeout=2).status == 200 else 1)
+sys.exit(0 if urllib.request.urlopen(sys.argv[1] + "/health", timeout=10).status == 200 else 1)
 PY
 }
 
@@ -70,8 +70,18 @@ ts "PostgreSQL $PG_VERSION/pdmctl on $HOST:$PG_PORT, database mlflow"
 
 # ---------- mlflow server ----------
 URL="http://$HOST:$MLFLOW_PORT"
+# One caller at a time (the suite's lanes and the engine's tests call this concurrently): a second caller
+# waits for the first one's server instead of starting its own beside it.
+mkdir -p "$STATE"
+exec 9>"$STATE/start.lock"
+flock 9
+# A server that runs but does not answer yet (starting, or slow on a loaded machine) is waited for, never
+# killed: the tests beside this caller use it.
+if ! healthy "$URL" && alive; then
+  for _ in $(seq 120); do healthy "$URL" && break; alive || break; sleep 1; done
+fi
 if ! healthy "$URL"; then
-  alive && kill "$(cat "$PIDFILE")" 2>/dev/null
+  alive && { kill -- -"$(cat "$PIDFILE")" 2>/dev/null || kill "$(cat "$PIDFILE")" 2>/dev/null || true; }
   mkdir -p "$STATE/artifacts"
   # setsid: its own process group, so `stop` ends the workers with it
   setsid "$MLFLOW" server --backend-store-uri "$PG_URI" --artifacts-destination "$STATE/artifacts" \

@@ -113,7 +113,8 @@ def sweep(
     ] = None,
 ) -> None:
     """Expand a grid into runs, register them in MLflow and submit the ones not yet served."""
-    from pdmctl import costing, grid, orchestrate
+    from pdmctl import grid, orchestrate
+    from pdmctl.budget import costing
 
     with _guard():
         if as_json and not dry_run:
@@ -142,7 +143,7 @@ def sweep(
             if as_json:
                 import json
 
-                from pdmctl.costing import plan_json
+                from pdmctl.budget.costing import plan_json
 
                 sys.stdout.write(json.dumps(plan_json(plan, ctx, executor, chosen, unread, calibration), indent=1)
                                  + "\n")
@@ -154,7 +155,7 @@ def sweep(
                           soft_wrap=True)
             for line in orchestrate.describe_runs(plan.to_submit, ctx, executor, calibration):
                 console.print(line, highlight=False, markup=False, soft_wrap=True)
-            from pdmctl.costing import testbed_line
+            from pdmctl.budget.costing import testbed_line
 
             testbed = testbed_line(plan.to_submit, ctx, executor, calibration)
             if testbed is not None:
@@ -181,9 +182,9 @@ def sweep(
 
 
 def _calibration(ctx, sweep_name: str):
-    """The testbed's rates measured by `sweep_name`'s finished runs (pdmctl.costing.calibrate); one line and exit 2
+    """The testbed's rates measured by `sweep_name`'s finished runs (pdmctl.budget.costing.calibrate); one line and exit 2
     where there are none."""
-    from pdmctl.costing import calibrate
+    from pdmctl.budget.costing import calibrate
     from pdmctl.ledger import ledger_exists, open_ledger
 
     records = open_ledger(ctx.tracking_uri).runs(sweep_name) if ledger_exists(ctx.tracking_uri) else []
@@ -371,7 +372,7 @@ def status(
         title = f"pdmctl status — {sweep_name or 'all sweeps'}"
         if not watch:
             console.print(_status_table(views, title))
-            from pdmctl.spent import status_output
+            from pdmctl.budget.spent import status_output
 
             for part in [*usage.owner_notes(views), *status_output(views, ctx)]:  # whose sweeps; hours spent
                 if isinstance(part, str):
@@ -551,7 +552,7 @@ def _mount_optional() -> None:
         ("pdmctl.analysis.cli", None),
         ("pdmctl.backends.verl.cli", "data"),
         ("pdmctl.tune.cli", None),
-        ("pdmctl.seeds", None),
+        ("pdmctl.budget.seeds", None),
         ("pdmctl.preflight.cli", None),
         ("pdmctl.ledger.server_cli", None),
     ):

@@ -9,9 +9,11 @@ composes a handful of trees and applies the value overrides to copies.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -119,8 +121,6 @@ def expand(
 
     A grid of more than `max_runs` points is refused before anything is expanded.
     """
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-
     name = check_sweep_name(sweep if sweep is not None else (sweep_file.name if sweep_file else "default"))
     _refuse_repeated_keys(overrides)
     cli = [_expand_seeds(o) for o in overrides]
@@ -137,14 +137,29 @@ def expand(
     _check_size(per_setting, max_runs)
     jobs: list[list[str]] = []
     for parsed in per_setting:
-        for batch in BasicSweeper.split_arguments(parsed, None):
-            jobs.extend([_bare_deletes(o) for o in job] for job in batch)
+        jobs.extend([_bare_deletes(o) for o in job] for job in _cross(parsed))
     specs: dict[str, RunSpec] = {}
     with _hydra():
         for job in jobs:
             spec = RunSpec.from_config(name, compose(job))
             specs.setdefault(spec.key, spec)
     return list(specs.values())
+
+
+def _cross(parsed: Sequence) -> list[list[str]]:
+    """One setting's jobs, each a list of `key=value` overrides: the product of every key's values, the
+    first key varying slowest. A key given twice keeps its first place and its last values (Hydra's
+    multirun semantics), through the public override API (`sweep_string_iterator`)."""
+    choices: dict[str, list[str]] = {}
+    for override in parsed:
+        key = override.get_key_element()  # with its prefix: `+key`, `++key`, `~key`
+        if not override.is_sweep_override():
+            choices[key] = [f"{key}={override.get_value_element_as_str()}"]
+        elif override.is_discrete_sweep():
+            choices[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:  # interval() is refused and glob() expanded before this (_special_sweeps)
+            raise GridError(f"override {override.input_line!r}: a sweep that cannot be listed as a grid")
+    return [list(job) for job in itertools.product(*choices.values())]
 
 
 def count_runs(parsed: Sequence) -> int:
@@ -158,7 +173,7 @@ def count_runs(parsed: Sequence) -> int:
 def _sweep_length(override) -> int:
     from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
 
-    value = override._value  # Hydra has no public accessor that does not enumerate the sweep
+    value = override.value()  # a sweep's own object (ChoiceSweep, RangeSweep, ...), nothing enumerated
     if not override.is_sweep_override():
         return 1
     if isinstance(value, ChoiceSweep):
@@ -222,9 +237,9 @@ def _special_sweeps(overrides: Sequence[str]) -> list[str]:
     from hydra.core.override_parser.types import IntervalSweep
 
     for text in overrides:
-        if isinstance(_parse_one(text)._value, IntervalSweep):  # Hydra has no public accessor that does not
+        if isinstance(_parse_one(text).value(), IntervalSweep):
             raise GridError(f"override {text!r}: interval() is a search range for `pdmctl tune`, not a grid; "
-                            "list the values (a,b,c) or use range(start,stop,step)")  # enumerate the sweep
+                            "list the values (a,b,c) or use range(start,stop,step)")
     return expand_globs(overrides)
 
 
@@ -236,7 +251,7 @@ def expand_globs(overrides: Sequence[str]) -> list[str]:
     out = []
     for text in overrides:
         override = _parse_one(text)
-        value = override._value  # Hydra has no public accessor that does not enumerate the sweep
+        value = override.value()  # a glob() as Hydra parsed it, nothing matched yet
         if isinstance(value, Glob):
             group = override.key_or_group
             if group not in _config_groups() or override.is_delete():
@@ -513,8 +528,10 @@ class _hydra:
         GlobalHydra.instance().clear()
         _compose_groups.cache_clear()
         _hydra_compose.cache_clear()
-        self._ctx = initialize_config_dir(config_dir=str(config_dir()), version_base="1.3", job_name="pdmctl")
-        self._ctx.__enter__()
+        with warnings.catch_warnings():  # Hydra 1.4 warns that version_base goes in 1.5; "1.3" is still honoured
+            warnings.filterwarnings("ignore", message="The version_base parameter is deprecated")
+            self._ctx = initialize_config_dir(config_dir=str(config_dir()), version_base="1.3", job_name="pdmctl")
+            self._ctx.__enter__()
         return self
 
     def __exit__(self, *exc):

@@ -8,7 +8,7 @@ attaches to that run, hands the backend a tracker that logs into it, and sets
 the run's final status. A SIGTERM (cancel, or the scheduler ending the job)
 marks the run KILLED; a crash marks it FAILED with the error as its reason; a
 SIGKILL leaves it RUNNING, and `pdmctl status` finds it lost. A run its declared
-collapse rule ends (pdmctl.collapse) is KILLED with the rule's reason: stopped.
+collapse rule ends (pdmctl.budget.collapse) is KILLED with the rule's reason: stopped.
 An attempt that lost a node (`backends.base.NodeLost`) is FAILED too, and under SLURM
 the job asks for its own next attempt (`requeue_after_node_loss`).
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pdmctl.backends.base import NodeLost
 from pdmctl.backends.registry import flat_config, get_backend
-from pdmctl.collapse import Collapsed, rule_tracker
+from pdmctl.budget.collapse import Collapsed, rule_tracker
 from pdmctl.ledger import FAILED, FINISHED, KILLED, RunLogger
 from pdmctl.preflight import STARTED_ENV
 from pdmctl.spec import RunSpec

@@ -35,6 +35,7 @@ group, so every rank gets the whole-vocabulary answer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,6 +56,7 @@ from pdmctl.mask_rows import (  # noqa: F401  (re-exported: masks.VocabShard, ma
 EPS = 1e-12  # clamp for tail masses (MATH.md: clamp both to >= ε)
 _MAX_LOG_RATIO = 80.0  # exp(80) < float32 max: the ratio stays finite for any valid input
 _LOGPROB_TOL = 1e-4  # engines round log-probabilities; a probability of 1 may come back as +1e-7
+_VERL_LOG_RATIO = 20.0  # VeRL's vanilla loss clamps log r to ±20 (no gradient beyond)
 
 
 # ---------------------------------------------------------------------------
@@ -113,6 +115,7 @@ class MaskInputs:
     delta: torch.Tensor  # δ_high where A ≥ 0 (A = 0 included: MATH.md, "At A = 0"), δ_low where A < 0
     eps_low: float
     eps_high: float
+    ratio_cap: float | None = None  # C (finite), or None: no cap
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ class MethodSpec:
     masked: Callable[[MaskInputs], torch.Tensor]  # bool [N]: True where the gradient is dropped
     uses_divergence: bool
     uses_ddot: bool
+    clipped_surrogate: bool = False  # the loss is VeRL's PPO clip (`token_loss`), not −A·sg(min(r, C))·M·log π_k
 
 
 FAMILIES: dict[str, DivergenceFamily] = {}
@@ -152,9 +156,9 @@ def register_estimator(name: str, *, needs_tail_sum_sq: bool = False):
     return wrap
 
 
-def register_method(name: str, *, uses_divergence: bool, uses_ddot: bool):
+def register_method(name: str, *, uses_divergence: bool, uses_ddot: bool, clipped_surrogate: bool = False):
     def wrap(fn):
-        METHODS[name] = MethodSpec(name, fn, uses_divergence, uses_ddot)
+        METHODS[name] = MethodSpec(name, fn, uses_divergence, uses_ddot, clipped_surrogate)
         return fn
 
     return wrap
@@ -253,11 +257,12 @@ def _q_tail_exact(s: Support, tail_sum_sq: torch.Tensor | None) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 
 
-@register_method("grpo", uses_divergence=False, uses_ddot=False)
+@register_method("grpo", uses_divergence=False, uses_ddot=False, clipped_surrogate=True)
 def _grpo(t: MaskInputs) -> torch.Tensor:
-    # clipped surrogate (clip-higher): A>0 ∧ r>1+ε_high, or A<0 ∧ r<1−ε_low
+    # where VeRL's clipped surrogate has no gradient: A>0 ∧ r>1+ε_high, A<0 ∧ r<1−ε_low, A<0 ∧ r>C (dual clip)
     a, r = t.advantages, t.ratio
-    return ((a > 0) & (r > 1 + t.eps_high)) | ((a < 0) & (r < 1 - t.eps_low))
+    clipped = ((a > 0) & (r > 1 + t.eps_high)) | ((a < 0) & (r < 1 - t.eps_low))
+    return clipped if t.ratio_cap is None else clipped | ((a < 0) & (r > t.ratio_cap))
 
 
 @register_method("dppo", uses_divergence=True, uses_ddot=False)

@@ -19,7 +19,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from pdmctl.added_seeds import marks_completed
-from pdmctl.collapse import REASON_PREFIX
+from pdmctl.budget.collapse import REASON_PREFIX
 from pdmctl.executors import ClusterProfile, Executor, JobRequest, JobState, load_profile, make_executor
 from pdmctl.executors.base import ExecutorError, check_placeholders
 from pdmctl.job import JobFile
@@ -50,7 +50,7 @@ class RunState(StrEnum):
     PREEMPTED = "preempted"
     LOST = "lost"  # its process ended without telling the ledger
     PRUNED = "pruned"  # a tune trial its job stopped at an evaluation (pdmctl.tune)
-    STOPPED = "stopped"  # its declared collapse rule ended it (pdmctl.collapse): final, never resumed
+    STOPPED = "stopped"  # its declared collapse rule ended it (pdmctl.budget.collapse): final, never resumed
 
 
 RESUMABLE = frozenset({RunState.UNSUBMITTED, RunState.FAILED, RunState.CANCELLED, RunState.TIMEOUT,

@@ -4,7 +4,7 @@ The key is a stable hash of what changes the result. Paths, the cluster, the
 attempt and output directories are not in the run config at all; fields that a
 method ignores (δ for GRPO, ε for the divergence masks, the estimator outside
 PDM) are dropped before hashing, so that a grid never trains the same thing
-twice under two names. A declared collapse rule (`stop.collapse`, pdmctl.collapse)
+twice under two names. A declared collapse rule (`stop.collapse`, pdmctl.budget.collapse)
 is in the key; without one (all null) `stop` is dropped, and keys stay as they were.
 """
 
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from pdmctl import collapse, mask_names
+from pdmctl import mask_names
+from pdmctl.budget import collapse
 
 KEY_LENGTH = 12
 MASK_FIELDS = ("method", "divergence", "estimator", "eps_low", "eps_high", "ratio_cap", "loss_agg_mode")

@@ -14,8 +14,23 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-console = Console(width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+MAX_COLUMNS = 10_000  # a $COLUMNS beyond it is a typo, not a screen
+
+
+def width(stream, piped: int) -> int | None:
+    """A console's width: a terminal's own (None: rich reads it, $COLUMNS first, and follows a resize); piped,
+    $COLUMNS where it is a positive number, else `piped` (wide enough that a table in a log file wraps no
+    cell). Colour is rich's to decide: none piped (unless $FORCE_COLOR), none wherever $NO_COLOR is set."""
+    import os
+
+    if stream is not None and stream.isatty():
+        return None
+    columns = os.environ.get("COLUMNS", "").strip()
+    return int(columns) if columns.isdigit() and 0 < int(columns) <= MAX_COLUMNS else piped
+
+
+console = Console(width=width(sys.stdout, 160))
+err = Console(stderr=True, width=width(sys.stderr, 200))
 
 EXIT_BAD_INPUT = 2
 

@@ -1,4 +1,4 @@
-"""The declared collapse rule (stop.collapse, pdmctl.collapse): it is part of the run config and key only
+"""The declared collapse rule (stop.collapse, pdmctl.budget.collapse): it is part of the run config and key only
 when declared, a bad rule is refused in one line, and a run it ends is stopped, not failed: final for
 `status` and `resume`, and counted in the report at its last evaluation."""
 
@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pdmctl.backends.base import InMemoryTracker
-from pdmctl.collapse import Collapsed, CollapseRule, RuleTracker
+from pdmctl.budget.collapse import Collapsed, CollapseRule, RuleTracker
 from pdmctl.grid import expand
 from pdmctl.spec import run_key
 from tests.test_bad_input import refused, store  # noqa: F401 (a fixture)

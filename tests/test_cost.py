@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdmctl import cost, costing
+from pdmctl.budget import cost, costing
 from pdmctl.executors import load_profile, make_executor
 from pdmctl.grid import expand, load_sweep_file
 from pdmctl.orchestrate import Context, describe_runs, plan
@@ -252,7 +252,7 @@ def test_status_shows_the_cpu_hours_a_finished_sweep_spent_beside_its_prediction
     assert row[3:6] == ["1", "1", line.split("cost of spent: ")[1].split(" ")[0]], table
     # the same run, as status would see it still running: the rest of its predicted time, on the slots
     from pdmctl import orchestrate
-    from pdmctl import spent as spent_module
+    from pdmctl.budget import spent as spent_module
 
     ctx = orchestrate.make_context("local", sqlite_uri(workdir))
     (running,) = spent_module.sweep_costs([record], ctx, now=0, states={record.key: "running"})

@@ -1,4 +1,4 @@
-"""The hours spent beside the prediction (pdmctl.spent): sacct's output read field by field (every time format
+"""The hours spent beside the prediction (pdmctl.budget.spent): sacct's output read field by field (every time format
 it writes, requeued jobs' records, AllocTRES with and without GPUs), garbage or a failing sacct falling back to
 the ledger's attempt times, and the time left of a sweep that still runs."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pdmctl import spent
-from pdmctl.cost import Estimate, Span
+from pdmctl.budget import spent
+from pdmctl.budget.cost import Estimate, Span
 from pdmctl.ledger.records import RunRecord
 
 

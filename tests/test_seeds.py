@@ -82,8 +82,8 @@ def _synthetic(uri: str, name: str, seeds: dict[str, list[int]], values) -> obje
 
 
 def test_proposal_is_the_power_at_the_next_stage_and_adds_the_same_new_seeds_to_both_rows(tmp_path: Path) -> None:
+    from pdmctl.budget.seeds import new_specs, propose
     from pdmctl.report import power
-    from pdmctl.seeds import new_specs, propose
 
     gains = {0: (0.04, 0.10), 1: (0.08, 0.02), 2: (0.01, 0.07)}
     data, definition = _synthetic(f"sqlite:///{tmp_path / 'mlflow.db'}", "paired", {"pdm_agg": [0, 1, 2], "dppo_topk_kl": [0, 1, 2]},
@@ -116,7 +116,7 @@ def test_proposal_is_the_power_at_the_next_stage_and_adds_the_same_new_seeds_to_
 
 
 def test_unpaired_comparison_gets_no_seeds(tmp_path: Path) -> None:
-    from pdmctl.seeds import propose
+    from pdmctl.budget.seeds import propose
 
     data, definition = _synthetic(f"sqlite:///{tmp_path / 'mlflow.db'}", "apart", {"pdm_agg": [0, 1], "dppo_topk_kl": [2, 3]},
                                   lambda mask, seed: (0.3 + 0.01 * seed, 0.4))  # fmt: skip

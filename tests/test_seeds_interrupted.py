@@ -127,10 +127,10 @@ def _check_marked_and_submitted_once(workdir: Path, added: int) -> None:
 
 def _report_counts_them_as_added_after_the_look(workdir: Path) -> None:
     """The added runs finished: the report's sequential code reads them as added after look 1 (stage 2)."""
+    from pdmctl.budget.seeds import propose
     from pdmctl.report.collect import collect
     from pdmctl.report.definition import load_definition
     from pdmctl.report.sequential import run_look
-    from pdmctl.seeds import propose
 
     ledger = open_ledger(sqlite_uri(workdir))
     runs = _added(workdir)

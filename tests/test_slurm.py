@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from pdmctl import grid, orchestrate
-from pdmctl.cost import spent_seconds
+from pdmctl.budget.cost import spent_seconds
 from pdmctl.executors import JobRequest, JobState, make_executor
 from pdmctl.ledger import LedgerError, SqlLedger, open_ledger
 from pdmctl.orchestrate import RunState, RunView

@@ -52,7 +52,7 @@ class Backend:
     # at submit, given the cluster's settings: the digest of the data the run will read (its data manifest's),
     # which the run config carries as backend.data_manifest (in the run key); None: no manifest to pin
     data_digest: Callable[[Mapping[str, Any], Mapping[str, Any]], str | None] = lambda flat, cluster: None
-    # what each run is expected to cost, given the cluster's settings: run key -> a pdmctl.cost.Estimate, or a
+    # what each run is expected to cost, given the cluster's settings: run key -> a pdmctl.budget.cost.Estimate, or a
     # line saying why there is none (--dry-run --json)
     estimate: Callable[[list[DescribedRun], Mapping[str, Any]], dict[str, Any]] = (
         lambda runs, cluster: dict.fromkeys((run.key for run in runs), "no cost model for this backend"))
@@ -281,7 +281,7 @@ def _verl_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mappi
         raise ValueError("backend: verl logs through MLflow itself and needs the job's ledger tracker")
     _verl_check_data(flat, run_dir)
     cfg = {**_verl_job_config(flat, run_dir), "tracking_uri": uri, "mlflow_run_id": run_id}
-    report = getattr(tracker, "report_evaluation", None)  # a tune trial's, a collapse rule's (pdmctl.collapse)
+    report = getattr(tracker, "report_evaluation", None)  # a tune trial's, a collapse rule's (pdmctl.budget.collapse)
     from pdmctl import wayout
 
     def on_line(line: str) -> None:  # each step VeRL prints goes to the trial and the rule, which may end it
@@ -430,7 +430,7 @@ def _verl_describe(runs: list[DescribedRun], cluster: Mapping[str, Any], estimat
 
 
 def _toy_estimate(runs: list[DescribedRun], cluster: Mapping[str, Any]) -> dict[str, Any]:
-    from pdmctl.cost import toy_estimate
+    from pdmctl.budget.cost import toy_estimate
 
     return {run.key: toy_estimate(run.flat, cluster) for run in runs}
 

@@ -77,7 +77,8 @@ def preflight_command(
     through SLURM's time-limit signal and resumes from that checkpoint. Prints per setting the time to the
     first step, the step time beside the cost model's, the peak memory, the checkpoint's size and write
     time, and the resume; exits 2 naming each setting's first error. Run it again to see where they stand."""
-    from pdmctl import costing, grid, orchestrate
+    from pdmctl import grid, orchestrate
+    from pdmctl.budget import costing
     from pdmctl.preflight import summary
 
     with _guard():

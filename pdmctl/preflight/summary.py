@@ -30,7 +30,7 @@ def _hours(seconds: float) -> str:
 
 def plan_lines(chosen: Sequence[RunSpec], ctx: Any, executor: Any, steps: int, total_runs: int) -> list[str]:
     """The dry run: the preflight jobs, one line each with its expected cost, and their total."""
-    from pdmctl.costing import estimate_specs
+    from pdmctl.budget.costing import estimate_specs
 
     estimates = estimate_specs(chosen, ctx, executor)
     lines = [f"preflight {chosen[0].sweep}: {len(chosen)} job(s), one per setting and mask method of the sweep's "
@@ -131,7 +131,7 @@ def verdicts(chosen: Sequence[RunSpec], ctx: Any, executor: Any) -> tuple[list[s
     """Each setting's verdict (lines), the settings that failed and those not ended yet."""
     from pdmctl import orchestrate
     from pdmctl.backends.registry import flat_config
-    from pdmctl.costing import estimate_specs
+    from pdmctl.budget.costing import estimate_specs
     from pdmctl.ledger import open_ledger
 
     estimates = estimate_specs(chosen, ctx, executor)

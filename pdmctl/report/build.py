@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdmctl.collapse import collapse_rule
+from pdmctl.budget.collapse import collapse_rule
 from pdmctl.ledger import Ledger, RunRecord, load_per_problem, load_samples
 from pdmctl.provenance import PACKAGES, POOLING_FIELDS
 from pdmctl.report import intervals, passk, power, resample, sequential
@@ -87,7 +87,7 @@ def build_report(ledger: Ledger, sweeps: Sequence[str], definition: Definition, 
 
 
 def declared_rules(data: Collected) -> tuple[str, ...]:
-    """The collapse rules the report's runs declared (pdmctl.collapse), each described once."""
+    """The collapse rules the report's runs declared (pdmctl.budget.collapse), each described once."""
     rules = {collapse_rule(r.spec.config) for r in data.records.values() if r.spec is not None}
     return tuple(sorted(rule.describe() for rule in rules if rule is not None))
 

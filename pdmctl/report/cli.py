@@ -140,12 +140,12 @@ def report(
 
 
 def with_cost(result, records, ctx):
-    """The report with each sweep's hours spent beside the prediction (pdmctl.spent), per setting, from the
+    """The report with each sweep's hours spent beside the prediction (pdmctl.budget.spent), per setting, from the
     ledger's `records` of its sweeps."""
     import dataclasses
     import time
 
-    from pdmctl.spent import sweep_costs
+    from pdmctl.budget.spent import sweep_costs
 
     return dataclasses.replace(result, cost=sweep_costs(records, ctx, time.time()))
 

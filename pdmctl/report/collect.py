@@ -2,7 +2,7 @@
 
 A run counts when MLflow says it FINISHED, it logged every column's metric, its values at the selected
 evaluation are finite, and its last evaluation is as late as its row's latest. A run its declared collapse
-rule stopped (pdmctl.collapse) counts too, at its last evaluation, marked as stopped: leaving it out would
+rule stopped (pdmctl.budget.collapse) counts too, at its last evaluation, marked as stopped: leaving it out would
 keep only the seeds that did not collapse. Every other run of the sweeps is listed with the reason it was
 left out, and so is every seed a row lacks.
 """
@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdmctl.collapse import REASON_PREFIX
+from pdmctl.budget.collapse import REASON_PREFIX
 from pdmctl.ledger import FINISHED, KILLED, STATUS_METRICS, Ledger, RunRecord, flatten
 from pdmctl.report.definition import Definition
 from pdmctl.report.stats import Series, values_at

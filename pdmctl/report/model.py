@@ -100,8 +100,8 @@ class Report:
     clipped: int = 0  # intervals of the tables that reached past their quantity's range, drawn to its edge
     constant_panels: dict[str, float] = field(default_factory=dict)  # panel left out -> its one value
     sequential: dict[RowKey, int] = field(default_factory=dict)  # row -> its stages, where seeds were added after looking
-    cost: list = field(default_factory=list)  # per sweep, hours spent beside the prediction (pdmctl.spent.SweepCost)
-    collapse_rules: tuple[str, ...] = ()  # the collapse rules the runs declared (pdmctl.collapse), described
+    cost: list = field(default_factory=list)  # per sweep, hours spent beside the prediction (pdmctl.budget.spent.SweepCost)
+    collapse_rules: tuple[str, ...] = ()  # the collapse rules the runs declared (pdmctl.budget.collapse), described
 
     def name(self, label: str) -> str:
         """What a table or figure calls a column: the held-out set its runs logged (`toy24` where the

@@ -302,15 +302,15 @@ def provenance_table(report: Report) -> TextTable:
 
 
 def cost_table(report: Report) -> TextTable:
-    """Per sweep and setting, the hours its started runs spent beside the prediction (pdmctl.spent)."""
-    from pdmctl.cost import RESTS_ON
-    from pdmctl.spent import COLUMNS, left_text, table_rows
+    """Per sweep and setting, the hours its started runs spent beside the prediction (pdmctl.budget.spent)."""
+    from pdmctl.budget.cost import RESTS_ON
+    from pdmctl.budget.spent import COLUMNS, left_text, table_rows
 
     costs = [c for c in report.cost if not isinstance(c, str)]
     rows = [(c.sweep, *cells[:1], c.unit, *cells[1:]) for c in costs for cells in table_rows(c)]
     sources = "; ".join(f"{c.sweep}: {c.source}" for c in costs)
     running = "".join(f" Sweep {c.sweep} still runs: {left_text(c.left, c.slots)}." for c in costs if c.left is not None)
-    note = ("Hours spent by each setting's runs that started (" + sources + ") beside pdmctl.cost's prediction "
+    note = ("Hours spent by each setting's runs that started (" + sources + ") beside pdmctl.budget.cost's prediction "
             "for the same runs and for all of them: expected (low-high), upper bound." + running
             + " The prediction rests on " + RESTS_ON + "." + "".join(f" {c}." for c in report.cost if isinstance(c, str)))  # fmt: skip
     headers = ("sweep", COLUMNS[0], "unit", *COLUMNS[1:])

@@ -17,7 +17,7 @@ numbers and their basis):
 
 Every response at its length cap, and the prompts (DAPO-Math's: a few hundred tokens) left out: an upper
 bound for the tokens of a step, printed as the upper bound (with start-ups and checkpoint writes at their
-dear end). The expected cost beside it (`pdmctl.cost`) takes a mean response length, the straggler tail,
+dear end). The expected cost beside it (`pdmctl.budget.cost`) takes a mean response length, the straggler tail,
 start-up per attempt and checkpoint writes from the model's stated assumptions, with a range. Queue waits
 are not counted. The sweep's wall time places the runs in array order on `max_concurrent` slots.
 """
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdmctl import cost as costs
 from pdmctl.backends.verl import launch
+from pdmctl.budget import cost as costs
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class RunCost:
     validation_tokens: int  # generated per validation
     gpus: int
     seconds: float  # every response at the cap, nothing else counted
-    estimate: costs.Estimate | None = None  # the expected cost, its range and the upper bound (pdmctl.cost)
+    estimate: costs.Estimate | None = None  # the expected cost, its range and the upper bound (pdmctl.budget.cost)
 
     @property
     def gpu_hours(self) -> float:
@@ -141,7 +141,7 @@ def describe_jobs(jobs: Sequence[Job], nodes: int, environ: Mapping[str, str], c
 
 def estimate_jobs(jobs: Sequence[Job], nodes: int, environ: Mapping[str, str],
                   cluster: Mapping[str, Any]) -> dict[str, costs.Estimate | str]:
-    """Each run's expected cost (`pdmctl.cost.verl_estimate`), by key; where there is none, why not."""
+    """Each run's expected cost (`pdmctl.budget.cost.verl_estimate`), by key; where there is none, why not."""
     throughputs = _throughputs(cluster)
     commands: dict[tuple, _Command] = {}
     for job in jobs:
@@ -154,7 +154,7 @@ def estimate_jobs(jobs: Sequence[Job], nodes: int, environ: Mapping[str, str],
             if cost is not None and cost.estimate is not None:
                 out[job.key] = cost.estimate
             else:
-                out[job.key] = why_not or f"pdmctl.cost states no assumptions for {job.config['model']}"
+                out[job.key] = why_not or f"pdmctl.budget.cost states no assumptions for {job.config['model']}"
     return out
 
 
@@ -266,7 +266,7 @@ def _cost_line(cost: RunCost) -> str:
     e = cost.estimate
     if e is None:
         return head + (f"{_duration(cost.seconds)} and {_number(cost.gpu_hours)} GPU-hours a run at the cap, an upper "
-                       "bound (pdmctl.cost states no assumptions for this model: no expected cost)")  # fmt: skip
+                       "bound (pdmctl.budget.cost states no assumptions for this model: no expected cost)")  # fmt: skip
     h = e.hours
     return head + (f"{_number(h.expected)} GPU-hours a run expected ({_number(h.low)}-{_number(h.high)}), upper "
                    f"bound {_number(e.upper_hours)}; {_duration(e.seconds.expected)} a run expected "

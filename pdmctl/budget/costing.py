@@ -1,13 +1,13 @@
-"""The cost model (pdmctl.cost) applied to a sweep: each run's estimate through its backend, calibrated on
+"""The cost model (pdmctl.budget.cost) applied to a sweep: each run's estimate through its backend, calibrated on
 finished runs of the testbed, the plan as JSON (--dry-run --json; docs/PLAN_JSON.md), the testbed's text cost
-line. The hours a sweep's runs spent beside the prediction: pdmctl.spent."""
+line. The hours a sweep's runs spent beside the prediction: pdmctl.budget.spent."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pdmctl.cost import (
+from pdmctl.budget.cost import (
     TOY_STARTUP_S,
     Calibration,
     Estimate,
@@ -80,7 +80,7 @@ def calibrate_preflight(ledger: Any, sweep: str) -> dict[str, Any]:
     import statistics
 
     from pdmctl.backends.registry import flat_config, get_backend
-    from pdmctl.cost import StepCalibration
+    from pdmctl.budget.cost import StepCalibration
     from pdmctl.preflight import FIRST_STEP, STEP, preflight_sweep
 
     save, testing = "timing_s/save_checkpoint", "timing_s/testing"

@@ -25,7 +25,7 @@ default toy-small run: 40 steps of 1,024 rollouts in about 9 s of one core on a 
 load; docs/TESTBED.md), evaluations included, plus a start-up per attempt; one CPU a job.
 
 The sweep's wall time places the runs, in array order, on `max_concurrent` slots (each run starts when a
-slot frees), for the expected, low, high and upper-bound run times alike. `pdmctl.costing` applies the model
+slot frees), for the expected, low, high and upper-bound run times alike. `pdmctl.budget.costing` applies the model
 to a sweep (through the backends), calibrates it on finished runs and sets it against the hours spent.
 """
 
@@ -79,7 +79,7 @@ ASSUMPTIONS: dict[str, Assumptions] = {
     "qwen3-30b-a3b-base": Assumptions(Span(0.23, 0.12, 0.5), Span(1.0, 0.75, 1.0), tail_decode=Span(100, 150, 50),
                                       startup_s=Span(1200, 600, 2400), write_gb_s=Span(2.0, 5.0, 0.5)),
 }
-RESTS_ON = "the stated assumptions (pdmctl/cost.py; docs/CLUSTER.md, \"Cost\"), not measurements"
+RESTS_ON = "the stated assumptions (pdmctl/budget/cost.py; docs/CLUSTER.md, \"Cost\"), not measurements"
 
 # The testbed: CPU seconds per rollout (evaluations included) and start-up, per attempt (expected, low, high)
 TOY_ROLLOUT_S = Span(9.0 / 40_960, 6.0 / 40_960, 32.0 / 40_960)

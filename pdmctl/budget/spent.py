@@ -1,4 +1,4 @@
-"""The hours a sweep's runs spent beside what pdmctl.cost predicted for them, per setting and for the sweep, and
+"""The hours a sweep's runs spent beside what pdmctl.budget.cost predicted for them, per setting and for the sweep, and
 the time a sweep that still runs is expected to take to finish (`pdmctl status`, `pdmctl report`).
 
 Where the hours come from:
@@ -6,7 +6,7 @@ Where the hours come from:
   jobs; every record of a job counts (-D: a requeued job has one per start), each its Elapsed x the GPUs of its
   AllocTRES (gres/gpu) for a GPU run, x its CPUs (cpu=) for a CPU run (the testbed).
 * Else (no sacct, sacct failed, or it has no record of the run's jobs): the ledger's attempt records, each
-  attempt from its start to the next attempt's or the run's end (`pdmctl.cost.spent_seconds`), x the devices
+  attempt from its start to the next attempt's or the run's end (`pdmctl.budget.cost.spent_seconds`), x the devices
   the estimate says the run holds.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdmctl.cost import (
+from pdmctl.budget.cost import (
     RESTS_ON,
     Estimate,
     Span,
@@ -146,7 +146,7 @@ def time_left(
 ) -> Span:
     """Wall seconds until the last run ends (expected, low, high): each running run's estimate less the
     seconds it has run (never below 0), then the queued runs in order, on `slots` slots as the dry run places
-    them (`pdmctl.cost.wall_seconds`)."""
+    them (`pdmctl.budget.cost.wall_seconds`)."""
     rest = [
         Span(*(max(0.0, getattr(e.seconds, k) - done) for k in ("expected", "low", "high")))
         for e, done in running
@@ -211,7 +211,7 @@ def sweep_costs(records: Sequence[Any], ctx: Any, now: float, states: Mapping[st
                 use_sacct: bool = True) -> list[SweepCost | str]:  # fmt: skip
     """Each sweep's cost (or the line saying why it has none). `states`: run key -> "running" or "queued" for
     the runs not yet ended (status' word), from which the time left is estimated; None: no time left."""
-    from pdmctl.costing import estimate_specs, slots
+    from pdmctl.budget.costing import estimate_specs, slots
     from pdmctl.executors import make_executor
 
     by_sweep: dict[str, list[Any]] = {}
