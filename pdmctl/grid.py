@@ -25,10 +25,11 @@ from pdmctl.spec import RunSpec, SpecError, validate
 from pdmctl.yamlfiles import YamlRefused, did_you_mean, load_named, read_text, refuse_bombs_under, safe_load
 
 MAX_RUNS = 100_000  # a bigger grid is a typo more often than a plan; --max-runs raises it
-# The array's order (`--order`, or `order:` in a sweep file): "seed" (the default) runs replicate 0 of every arm
-# of every setting, then replicate 1, ..., so that any prefix that ends a replicate is a complete paired
-# comparison; "setting" runs one run of each setting, then the rest in grid order (setting by setting).
-ORDERS = ("seed", "setting")
+# The array's order (`--order`, or `order:` in a sweep file; pdmctl.order): "answers" (the default) runs
+# replicate 0 of every setting, then replicate 1, ..., inside a replicate setting by setting, the cheapest
+# first; "seed" the same with the settings taking turns arm by arm; "setting" one run of each setting, then
+# the rest in grid order.
+ORDERS = ("answers", "seed", "setting")
 _SWEEP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
@@ -43,6 +44,7 @@ class SweepFile:
     grid: dict[str, str] = field(default_factory=dict)  # key -> Hydra value (may sweep)
     settings: list[dict[str, str]] = field(default_factory=list)  # fixed combinations, zipped not crossed
     order: str | None = None  # the array's order (ORDERS); None: the default
+    priority: tuple[str, ...] = ()  # key=value items: the settings whose runs match go first (pdmctl.order)
 
 
 def load_sweep_file(path_or_name: str) -> SweepFile:
@@ -51,7 +53,7 @@ def load_sweep_file(path_or_name: str) -> SweepFile:
     where = f"sweep file: {path}"
     if not data:  # an empty file would silently sweep nothing but the default config
         raise GridError(f"{where}: empty (give it a grid: or settings:)")
-    unknown = set(data) - {"name", "description", "grid", "settings", "tune", "order"}  # tune: for pdmctl tune
+    unknown = set(data) - {"name", "description", "grid", "settings", "tune", "order", "priority"}  # tune: pdmctl tune
     if unknown:
         raise GridError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
     if "grid" not in data and "settings" not in data:  # name: alone would sweep the default config
@@ -74,8 +76,16 @@ def load_sweep_file(path_or_name: str) -> SweepFile:
     order = data.get("order")
     if order is not None:
         order = check_order(order, f"{where}: order")
+    priority: tuple[str, ...] = ()
+    if data.get("priority") is not None:
+        from pdmctl.order import check_priority
+
+        try:
+            priority = check_priority(data["priority"], f"{where}: priority")
+        except ValueError as exc:
+            raise GridError(str(exc)) from None
     return SweepFile(name=str(data.get("name") or path.stem), description=str(data.get("description") or ""),
-                     grid=grid, settings=settings, order=order)  # fmt: skip
+                     grid=grid, settings=settings, order=order, priority=priority)  # fmt: skip
 
 
 def check_order(order: Any, where: str = "order") -> str:
@@ -239,7 +249,7 @@ def _special_sweeps(overrides: Sequence[str]) -> list[str]:
     for text in overrides:
         if isinstance(_parse_one(text).value(), IntervalSweep):
             raise GridError(f"override {text!r}: interval() is a search range for `pdmctl tune`, not a grid; "
-                            "list the values (a,b,c) or use range(start,stop,step)")
+                            "list the values (a,b,c) or use range(start,stop,step)")  # fmt: skip
     return expand_globs(overrides)
 
 
@@ -528,9 +538,12 @@ class _hydra:
         GlobalHydra.instance().clear()
         _compose_groups.cache_clear()
         _hydra_compose.cache_clear()
-        with warnings.catch_warnings():  # Hydra 1.4 warns that version_base goes in 1.5; "1.3" is still honoured
+        # Hydra 1.4 warns that version_base goes away in 1.5; "1.3" is still honoured there
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The version_base parameter is deprecated")
-            self._ctx = initialize_config_dir(config_dir=str(config_dir()), version_base="1.3", job_name="pdmctl")
+            self._ctx = initialize_config_dir(
+                config_dir=str(config_dir()), version_base="1.3", job_name="pdmctl"
+            )
             self._ctx.__enter__()
         return self
 

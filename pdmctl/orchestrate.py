@@ -13,7 +13,7 @@ import os
 import re
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -21,7 +21,7 @@ from pathlib import Path
 from pdmctl.added_seeds import marks_completed
 from pdmctl.budget.collapse import REASON_PREFIX
 from pdmctl.executors import ClusterProfile, Executor, JobRequest, JobState, load_profile, make_executor
-from pdmctl.executors.base import ExecutorError, check_placeholders
+from pdmctl.executors.base import PLACEHOLDER, ExecutorError, check_placeholders
 from pdmctl.job import JobFile
 from pdmctl.ledger import (
     FAILED,
@@ -35,6 +35,7 @@ from pdmctl.ledger import (
     ledger_exists,
     open_ledger,
 )
+from pdmctl.order import describe_order, order_runs, replicates, seed_major, settings_first  # noqa: F401
 from pdmctl.spec import RunSpec
 
 
@@ -262,6 +263,8 @@ def ledger_unreachable(ctx: Context) -> str | None:
 
     if sqlite_path(ctx.tracking_uri) is not None:
         return None  # a file: read where it is (a missing one is an empty ledger)
+    if PLACEHOLDER.search(ctx.tracking_uri):
+        return f"tracking_uri {ctx.tracking_uri!r} is a placeholder"
     try:
         check_reachable(ctx.tracking_uri)
     except LedgerError as exc:
@@ -270,7 +273,8 @@ def ledger_unreachable(ctx: Context) -> str | None:
 
 
 def plan(specs: list[RunSpec], ctx: Context, *, read_only: bool = True, read_ledger: bool = True,
-         order: str = "seed") -> SweepPlan:
+         order: str = "answers", run_seconds: Mapping[str, float] | None = None,
+         priority: Sequence[str] = ()) -> SweepPlan:
     """What a sweep would do, its runs in array order (`order_runs`): each spec's state in the ledger (nothing is
     written when read_only; nothing is read when not read_ledger: every run is new)."""
     states = {s.key: RunState.NEW for s in specs}
@@ -285,7 +289,7 @@ def plan(specs: list[RunSpec], ctx: Context, *, read_only: bool = True, read_led
                 states[r.key] = (
                     RunState.QUEUED if r.run_id in recovered else run_state(r, js or job.get(r.run_id))
                 )
-    return SweepPlan(order_runs(specs, order), states)
+    return SweepPlan(order_runs(specs, order, run_seconds, priority), states)
 
 
 class RunDirError(OSError):
@@ -311,12 +315,13 @@ def check_profile(ctx: Context) -> Executor:
     return executor
 
 
-def check_runs(specs: Sequence[RunSpec], ctx: Context, executor: Executor) -> None:
+def check_runs(specs: Sequence[RunSpec], ctx: Context, executor: Executor, storage: bool = True) -> None:
     """Refuse runs the cluster cannot serve as profiled (a backend's node count; on an offline cluster, weights
-    and data that are not on its storage), before anything is written."""
+    and data that are not on its storage; not looked for without `storage`: a plan made away from the cluster),
+    before anything is written."""
     from pdmctl.backends.registry import flat_config, get_backend
 
-    given, cluster = executor.nodes_per_job(), executor.job_settings()
+    given, cluster = executor.nodes_per_job(), {**executor.job_settings(), "look_at_storage": storage}
     for spec in specs:
         backend, flat = get_backend(spec.backend), flat_config(spec.config)
         try:
@@ -383,81 +388,15 @@ def describe_runs(specs: Sequence[RunSpec], ctx: Context, executor: Executor, ca
     return [line for name, runs in by_backend.items() for line in get_backend(name).describe(runs, cluster)]
 
 
-def order_runs(specs: Sequence[RunSpec], order: str = "seed") -> list[RunSpec]:
-    """The runs in array order (grid.ORDERS): "seed" is `seed_major`, "setting" is `settings_first`."""
-    if order == "setting":
-        return settings_first(specs)
-    if order != "seed":
-        raise ValueError(f"order: unknown {order!r}")
-    return seed_major(specs)
+def expected_seconds(specs: Sequence[RunSpec], ctx: Context, executor: Executor,
+                     calibration: Mapping[str, object] | None = None) -> dict[str, float]:
+    """Each run's expected time from the cost model (`budget.costing`), where it has one: the "answers"
+    order ranks the settings by it."""
+    from pdmctl.budget.cost import Estimate
+    from pdmctl.budget.costing import estimate_specs
 
-
-def seed_major(specs: Sequence[RunSpec]) -> list[RunSpec]:
-    """The runs in array order, replicate by replicate: replicate 0 (each arm's lowest seed) of every arm of
-    every setting, then replicate 1, ... An arm is a run's config but its seed; a run's replicate is its
-    seed's rank among its arm's seeds. Within a replicate, settings take turns (the first arm of each setting,
-    then the second of each, ...), so the array still starts with one run of each setting, and a sweep stopped
-    after replicate r holds r + 1 complete paired comparisons of every arm of every setting."""
-    from pdmctl.backends.registry import flat_config, get_backend
-
-    replicate_of = replicates(specs)
-    setting_index: dict[tuple[str, str], int] = {}
-    turn: Counter = Counter()  # (replicate, setting) -> runs of that setting already placed in that replicate
-    keyed = []
-    for position, spec in enumerate(specs):
-        setting = (spec.backend, get_backend(spec.backend).setting(flat_config(spec.config)))
-        replicate = replicate_of[spec.key]
-        index = setting_index.setdefault(setting, len(setting_index))
-        keyed.append(((replicate, turn[(replicate, setting)], index, position), spec))
-        turn[(replicate, setting)] += 1
-    return [spec for _, spec in sorted(keyed, key=lambda item: item[0])]
-
-
-def replicates(specs: Sequence[RunSpec]) -> dict[str, int]:
-    """run key -> its replicate: its seed's rank among the seeds of its arm (its config but the seed)."""
-    arms: dict[str, set[int]] = defaultdict(set)
-    arm_of = {}
-    for spec in specs:
-        arm_of[spec.key] = json.dumps({k: v for k, v in spec.config.items() if k != "seed"}, sort_keys=True)
-        arms[arm_of[spec.key]].add(spec.seed)
-    ranks = {arm: {seed: rank for rank, seed in enumerate(sorted(seeds))} for arm, seeds in arms.items()}
-    return {spec.key: ranks[arm_of[spec.key]][spec.seed] for spec in specs}
-
-
-def describe_order(specs: Sequence[RunSpec], order: str) -> str:
-    """The dry run's line on the array's order (the runs as `order_runs` placed them)."""
-    if order == "setting":
-        return ("order: setting: one run of each setting, then the rest setting by setting in grid order "
-                "(--order seed: replicate by replicate)")  # fmt: skip
-    replicate_of = replicates(specs)
-    spans: list[tuple[int, int, int]] = []  # (replicate, first, last), 1-based positions
-    for i, spec in enumerate(specs, 1):
-        r = replicate_of[spec.key]
-        if spans and spans[-1][0] == r:
-            spans[-1] = (r, spans[-1][1], i)
-        else:
-            spans.append((r, i, i))
-    parts = []
-    for r, a, b in spans:
-        runs = f"runs {a}-{b}" if a != b else f"run {a}"
-        parts.append(f"{runs} are replicate 0 (each arm's lowest seed)" if r == 0 else f"{runs} replicate {r}")
-    shown = ", ".join(parts)
-    return (f"order: seed: {shown}; a prefix that ends a replicate holds complete paired comparisons of every "
-            "arm of every setting (--order setting: setting by setting)")
-
-
-def settings_first(specs: Sequence[RunSpec]) -> list[RunSpec]:
-    """The runs in array order: one run of each setting first (a backend's engine path: VeRL's model,
-    precision and strategy), then the rest in grid order, so that every path starts on the first day."""
-    from pdmctl.backends.registry import flat_config, get_backend
-
-    seen: set[tuple[str, str]] = set()
-    first, rest = [], []
-    for spec in specs:
-        setting = (spec.backend, get_backend(spec.backend).setting(flat_config(spec.config)))
-        (rest if setting in seen else first).append(spec)
-        seen.add(setting)
-    return first + rest
+    found = estimate_specs(specs, ctx, executor, calibration)  # type: ignore[arg-type]
+    return {key: e.seconds.expected for key, e in found.items() if isinstance(e, Estimate)}
 
 
 def _check_writable(path: Path) -> None:
@@ -472,16 +411,19 @@ def _check_writable(path: Path) -> None:
         raise RunDirError(f"run directory {path}: {existing} is not writable")
 
 
-def sweep(specs: list[RunSpec], ctx: Context, order: str = "seed") -> tuple[SweepPlan, list[str]]:
+def sweep(specs: list[RunSpec], ctx: Context, order: str = "answers",
+          priority: Sequence[str] = ()) -> tuple[SweepPlan, list[str]]:
     """Register the grid in the ledger and submit the runs no job serves, in array order (`order_runs`).
     Returns the plan and the job ids."""
     executor = check_before_submit(ctx)
     check_runs(specs, ctx, executor)
     check_installed(specs, ctx)
+    seconds = expected_seconds(specs, ctx, executor) if order == "answers" else None
+    order_runs(specs, order, seconds, priority)  # a priority no run matches: refused before anything is written
     ledger = open_ledger(ctx.tracking_uri)
     with marks_completed(ledger):  # the lock, and first the look marks an interrupted `seeds --submit` left
         ledger.register(specs, {s.key: str(ctx.run_dir_parent(s)) for s in specs})
-        current = plan(specs, ctx, read_only=False, order=order)
+        current = plan(specs, ctx, read_only=False, order=order, run_seconds=seconds, priority=priority)
         by_key = {r.key: r for r in ledger.runs(specs[0].sweep)} if specs else {}
         records = [by_key[s.key] for s in current.to_submit]
         job_ids = _submit(records, ledger, executor, ctx)

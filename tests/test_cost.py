@@ -182,7 +182,10 @@ def test_the_testbeds_plan_is_json_in_cpu_hours_and_writes_nothing(workdir: Path
     assert first["cost"]["wall_s"]["expected"] == pytest.approx(expected_s, rel=1e-3)
     assert data["sweep_cost"]["unit"] == "CPU-hours" and data["sweep_cost"]["runs"] == 4
     assert data["sweep_cost"]["expected"] == pytest.approx(4 * expected_s / 3600, rel=1e-3)
+    first_day = data["settings"][0].pop("first_comparison_day")
     assert data["settings"] == [{"setting": "toy: toy-small bf16", "runs": 4, "cost": data["sweep_cost"]}]
+    assert 0 < first_day["low"] <= first_day["expected"] <= first_day["high"]
+    assert first_day["expected"] <= data["sweep_cost"]["wall_days"]["expected"]
     assert list(workdir.iterdir()) == []
 
 

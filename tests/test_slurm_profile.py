@@ -249,13 +249,39 @@ def test_a_placeholder_left_in_the_profile_is_refused_in_one_line(tmp_path: Path
 
 
 def test_the_paper_sweep_on_the_shipped_h20_profile_is_refused_at_the_cli(tmp_path: Path) -> None:
+    """Submitting on the profile as shipped is refused in one line before anything is written; planning it
+    is not: the dry run prints its plan and cost with the placeholders named in one line."""
     from tests.conftest import pdmctl
 
-    result = pdmctl("sweep", "--file", "paper-main", "--cluster", "h20", "--dry-run", cwd=tmp_path)
+    result = pdmctl("sweep", "--file", "paper-main", "--cluster", "h20", cwd=tmp_path)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith("error: cluster h20: tracking_uri still holds the placeholder 'CHANGE-ME'")
+    plan = pdmctl("sweep", "--file", "paper-main", "--cluster", "h20", "--dry-run", cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    first = plan.stdout.splitlines()[0]
+    assert first.startswith("plan only: cluster h20: tracking_uri still holds the placeholder 'CHANGE-ME'"), first
+    assert "sweep cost: 48 run(s), " in plan.stdout and "GPU-hours expected" in plan.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_laptop_without_slurm_plans_paper_main_with_its_cost(tmp_path: Path) -> None:
+    """With no SLURM command on PATH (a laptop), the README's dry run plans paper-main on a filled-in profile:
+    exit 0, one line saying what was not checked, every run's cost; the shared storage is not looked for."""
+    from tests.conftest import pdmctl
+
+    profile = tmp_path / "h20.yaml"
+    profile.write_text((CLUSTER_DIR / "h20.yaml").read_text().replace("CHANGE-ME", "site"))
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    plan = pdmctl("sweep", "--file", "paper-main", "--cluster", str(profile), "--dry-run", cwd=tmp_path,
+                  env={"PATH": str(empty)})  # fmt: skip
+    assert plan.returncode == 0, plan.stderr
+    assert plan.stdout.splitlines()[0] == (
+        "cluster h20: not checked against SLURM (no sinfo here): its partition site-partition and 4 node(s) a job "
+        "are taken as the profile states them; the weights and data on its storage are not looked for")  # fmt: skip
+    assert "sweep cost: 48 run(s), 109,328 GPU-hours expected" in plan.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin", "h20.yaml"]
 
 
 def test_a_failing_setup_line_ends_the_job_there_and_is_named(tmp_path: Path) -> None:

@@ -394,7 +394,7 @@ def _verl_check_data(flat: Mapping[str, Any], run_dir: Path) -> None:
 
 def _verl_check_cluster(flat: Mapping[str, Any], cluster: Mapping[str, Any]) -> None:
     """An offline cluster (`Executor.job_settings`): the weights and data are on its shared storage."""
-    if cluster.get("offline"):
+    if cluster.get("offline") and cluster.get("look_at_storage", True):
         launch = _verl_module()
         try:
             launch.check_local_files(flat, cluster.get("models_dir"), flat.get("data_dir") or cluster.get("data_dir")

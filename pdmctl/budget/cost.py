@@ -249,31 +249,41 @@ class Calibration:
 
 def wall_seconds(run_seconds: Sequence[float], slots: int | None, nodes: Sequence[int] | None = None,
                  slot_nodes: int = 1) -> float:
-    """The runs, in array order, on `slots` slots (each starts when one frees): when the last one ends.
-    With `nodes` (each run's), a slot is `slot_nodes` nodes and a run of fewer shares one with others. The
-    runs of one node count go out as one array, the arrays in the order their counts first come
-    (executors.slurm), and the earlier array's runs start first: the runs take the nodes in that order,
+    """The runs, in array order, on `slots` slots (each starts when one frees): when the last one ends
+    (`end_times`)."""
+    return max(end_times(run_seconds, slots, nodes, slot_nodes), default=0.0)
+
+
+def end_times(run_seconds: Sequence[float], slots: int | None, nodes: Sequence[int] | None = None,
+              slot_nodes: int = 1) -> list[float]:
+    """When each run ends (in the order given), the runs started in array order on `slots` slots (each starts
+    when one frees). With `nodes` (each run's), a slot is `slot_nodes` nodes and a run of fewer shares one
+    with others. The runs of one node count go out as one array, the arrays in the order their counts first
+    come (executors.slurm), and the earlier array's runs start first: the runs take the nodes in that order,
     each starting once its count is free (no run overtakes one before it). Runs of one slot each give the
     same times as without."""
+    ends = [0.0] * len(run_seconds)
     if not run_seconds:
-        return 0.0
+        return ends
     if nodes is None or slots is None:
-        ends = [0.0] * min(slots or len(run_seconds), len(run_seconds))
-        for seconds in run_seconds:
-            heapq.heappush(ends, heapq.heappop(ends) + seconds)
-        return max(ends)
+        free = [(0.0, i) for i in range(min(slots or len(run_seconds), len(run_seconds)))]
+        for i, seconds in enumerate(run_seconds):
+            start, slot = heapq.heappop(free)
+            ends[i] = start + seconds
+            heapq.heappush(free, (ends[i], slot))
+        return ends
     counts = list(dict.fromkeys(nodes))
-    placed = sorted(zip(run_seconds, nodes, strict=True), key=lambda run: counts.index(run[1]))
-    free, now, running, last = slots * slot_nodes, 0.0, [], 0.0
-    for seconds, need in placed:
-        need = min(need, slots * slot_nodes)
+    placed = sorted(range(len(run_seconds)), key=lambda i: counts.index(nodes[i]))
+    free, now, running = slots * slot_nodes, 0.0, []
+    for i in placed:
+        need = min(nodes[i], slots * slot_nodes)
         while free < need:  # the next run waits for the earliest ends
             now, given = heapq.heappop(running)
             free += given
-        heapq.heappush(running, (now + seconds, need))
+        ends[i] = now + run_seconds[i]
+        heapq.heappush(running, (ends[i], need))
         free -= need
-        last = max(last, now + seconds)
-    return last
+    return ends
 
 
 @dataclass(frozen=True)

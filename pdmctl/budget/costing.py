@@ -12,7 +12,9 @@ from pdmctl.budget.cost import (
     Calibration,
     Estimate,
     Span,
+    _r,
     duration,
+    end_times,
     hours_text,
     spent_seconds,
     total,
@@ -122,17 +124,21 @@ def plan_profile(ctx: Any, offline: bool = False) -> tuple[Any, str | None]:
     import shutil
 
     from pdmctl.executors import make_executor
-    from pdmctl.executors.base import check_placeholders
+    from pdmctl.executors.base import placeholders
 
-    check_placeholders(ctx.profile)
+    left = placeholders(ctx.profile)
     executor = make_executor(ctx.profile)
-    if executor.name != "slurm" or not (offline or shutil.which("sinfo") is None):
+    if left is None and (executor.name != "slurm" or not (offline or shutil.which("sinfo") is None)):
         executor.check()
         return executor, None
-    partition = getattr(getattr(executor, "options", None), "partition", None) or "(the default)"
-    return executor, (f"cluster {ctx.profile.name}: not checked against SLURM ({'--offline' if offline else 'no sinfo here'}"
-                      f"): its partition {partition} and {executor.nodes_per_job()} node(s) a job are taken as the "
-                      "profile states them")  # fmt: skip
+    lines = [f"plan only: {left}"] if left is not None else []
+    if executor.name == "slurm":
+        why = "--offline" if offline else "no sinfo here" if shutil.which("sinfo") is None else "placeholders"
+        partition = getattr(getattr(executor, "options", None), "partition", None) or "(the default)"
+        lines.append(f"cluster {ctx.profile.name}: not checked against SLURM ({why}): its partition {partition} and "
+                     f"{executor.nodes_per_job()} node(s) a job are taken as the profile states them; the weights and "
+                     "data on its storage are not looked for")  # fmt: skip
+    return executor, "\n".join(lines)
 
 
 def preflight_calibration(ctx: Any, sweep: str) -> dict[str, Any]:
@@ -209,13 +215,80 @@ def plan_json(plan: Any, ctx: Any, executor: Any, order: str, ledger_unread: str
         t["rests_on"] = sorted({e.rests_on for e, _ in found})
         return t
 
-    settings = [{"setting": name, "runs": len(found), "cost": summed(found)} for name, found in by_setting.items()]
+    answers = first_answers(plan, ctx, executor, calibration)
+
+    def first_day(name: str) -> dict[str, float] | None:
+        when = answers.get(name)
+        if when is None or isinstance(when, str):  # its replicate 0 has ended; a run without an estimate
+            return {"expected": 0.0, "low": 0.0, "high": 0.0} if when is None else None
+        return {"expected": _r(when.expected), "low": _r(when.low), "high": _r(when.high)}
+
+    settings = [{"setting": name, "runs": len(found), "cost": summed(found), "first_comparison_day": first_day(name)}
+                for name, found in by_setting.items()]  # fmt: skip
     nodes_of = {r["key"]: r["nodes"] for r in runs}
     to_submit = [(estimates.get(s.key), nodes_of[s.key]) for s in plan.to_submit]
     return {"format": PLAN_FORMAT, "sweep": specs[0].sweep if specs else None, "cluster": ctx.profile.name,
             "executor": ctx.profile.executor, "order": order, "nodes_per_job": given, "max_concurrent": at_once,
             "ledger_read": ledger_unread is None, "runs": runs, "settings": settings,
             "sweep_cost": summed(to_submit)}  # fmt: skip
+
+
+def first_answers(plan: Any, ctx: Any, executor: Any,
+                  calibration: Mapping[str, Calibration] | None = None) -> dict[str, Span | str | None]:
+    """Per setting (in array order), when its first complete comparison is in: the day replicate 0 of every
+    one of its arms has ended, from the queue's first start, with the runs to submit placed in array order on
+    the profile's slots (`cost.end_times`) at their expected, low and high times. None: already in (every
+    such run ended); a text: why it cannot be said (a run without an estimate)."""
+    from pdmctl.backends.registry import flat_config, get_backend
+    from pdmctl.order import replicates, setting_of
+
+    submit = list(plan.to_submit)
+    estimates = estimate_specs(submit, ctx, executor, calibration)
+    given = executor.nodes_per_job()
+    nodes = [get_backend(s.backend).nodes(flat_config(s.config)) or given for s in submit]
+    known = all(isinstance(estimates.get(s.key), Estimate) for s in submit)
+    ends: dict[str, list[float]] = {}
+    if known:
+        for bound in ("expected", "low", "high"):
+            times = end_times([getattr(estimates[s.key].seconds, bound) for s in submit], slots(ctx, executor),
+                              nodes, given)  # fmt: skip
+            for spec, end in zip(submit, times, strict=True):
+                ends.setdefault(spec.key, []).append(end)
+    waiting = {s.key for s in submit}
+    replicate_of = replicates(plan.specs)
+    out: dict[str, Span | str | None] = {}
+    for spec in plan.specs:
+        name = setting_of(spec)
+        out.setdefault(name, None)
+        if replicate_of[spec.key] != 0 or spec.key not in waiting or isinstance(out[name], str):
+            continue
+        if not known:
+            missing = next(s for s in submit if not isinstance(estimates.get(s.key), Estimate))
+            out[name] = f"not estimated: {estimates.get(missing.key) or 'no cost model for ' + missing.summary}"
+            continue
+        day = [end / 86400 for end in ends[spec.key]]
+        before = out[name] if isinstance(out[name], Span) else Span(0.0, 0.0, 0.0)
+        out[name] = Span(max(before.expected, day[0]), max(before.low, day[1]), max(before.high, day[2]))
+    return out
+
+
+def first_answers_lines(plan: Any, ctx: Any, executor: Any,
+                        calibration: Mapping[str, Calibration] | None = None) -> list[str]:
+    """The dry run's lines on when each setting's first complete comparison is in (`first_answers`)."""
+    if not plan.specs:
+        return []
+    found = first_answers(plan, ctx, executor, calibration)
+    lines = ["first complete comparison per setting (replicate 0 of every arm ended), days from the queue's "
+             "first start, expected (low-high), at the profile's runs at a time:"]  # fmt: skip
+    for name, when in found.items():
+        if when is None:
+            text = "in already (its replicate 0 has ended)"
+        elif isinstance(when, str):
+            text = when
+        else:
+            text = f"day {when.expected:.1f} ({when.low:.1f}-{when.high:.1f})"
+        lines.append(f"  {name}: {text}")
+    return lines
 
 
 def testbed_line(specs: Sequence[Any], ctx: Any, executor: Any,

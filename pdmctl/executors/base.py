@@ -128,18 +128,26 @@ def load_profile(name_or_path: str) -> ClusterProfile:
 PLACEHOLDER = re.compile(r"CHANGE[-_ ]?ME|REPLACE[-_ ]?ME|<[A-Za-z][\w.-]*>|(?-i:\bTODO\b|\bFIXME\b)", re.IGNORECASE)
 
 
-def check_placeholders(profile: ClusterProfile) -> None:
-    """Refuse, in one line, a profile with a placeholder left in any of its values (paths, partition, setup:
-    lines, env: values, ...): it would go into the job script as it is and fail after the queue wait."""
+def placeholders(profile: ClusterProfile) -> str | None:
+    """The one line naming every placeholder left in a profile's values (paths, partition, setup: lines,
+    env: values, ...), or None where it has none."""
     found = [(where, text) for where, text in _values(
         {"name": profile.name, "tracking_uri": profile.tracking_uri, "workdir": profile.workdir, **profile.options}
     ) if PLACEHOLDER.search(text)]  # fmt: skip
-    if found:
-        (where, text), others = found[0], [w for w, _ in found[1:]]
-        also = f"; also in {', '.join(others)}" if others else ""
-        raise ExecutorError(f"cluster {profile.name}: {where} still holds the placeholder "
-                            f"{PLACEHOLDER.search(text)[0]!r} ({text!r}){also}: fill each in before submitting "
-                            "(docs/CLUSTER.md)")  # fmt: skip
+    if not found:
+        return None
+    (where, text), others = found[0], [w for w, _ in found[1:]]
+    also = f"; also in {', '.join(others)}" if others else ""
+    return (f"cluster {profile.name}: {where} still holds the placeholder {PLACEHOLDER.search(text)[0]!r} "
+            f"({text!r}){also}: fill each in before submitting (docs/CLUSTER.md)")  # fmt: skip
+
+
+def check_placeholders(profile: ClusterProfile) -> None:
+    """Refuse, in one line, a profile with a placeholder left in any of its values: it would go into the job
+    script as it is and fail after the queue wait. A plan (a dry run) goes on beside the same line."""
+    line = placeholders(profile)
+    if line is not None:
+        raise ExecutorError(line)
 
 
 def _values(node: Any, where: str = "") -> list[tuple[str, str]]:

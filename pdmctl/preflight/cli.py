@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from pdmctl import preflight
+from pdmctl.shell import complete
 from pdmctl.spec import RunSpec
 from pdmctl.terminal import console, fail
 from pdmctl.terminal import guard as _guard
@@ -56,12 +57,24 @@ def preflight_spec(spec: RunSpec, steps: int) -> RunSpec:
 
 def preflight_command(
     overrides: Annotated[
-        list[str] | None, typer.Argument(help="Grid overrides, as `pdmctl sweep` takes them.")
+        list[str] | None,
+        typer.Argument(
+            help="Grid overrides, as `pdmctl sweep` takes them.", autocompletion=complete.overrides
+        ),
     ] = None,
-    file: Annotated[str | None, typer.Option("--file", "-f", help="A sweep file (sweeps/NAME.yaml or NAME).")] = None,
+    file: Annotated[
+        str | None,
+        typer.Option(
+            "--file",
+            "-f",
+            help="A sweep file (sweeps/NAME.yaml or NAME).",
+            autocompletion=complete.sweep_files,
+        ),
+    ] = None,
     name: Annotated[str | None, typer.Option("--name", "-n", help="The sweep's name (default: the file's).")] = None,
     cluster: Annotated[str, typer.Option("--cluster", "-c", help="A SLURM cluster profile (clusters/NAME.yaml "
-                                         "or a path): the preflight proves its requeue path.")] = "local",  # fmt: skip
+                                         "or a path): the preflight proves its requeue path.",
+                                         autocompletion=complete.clusters)] = "local",  # fmt: skip
     tracking_uri: Annotated[str | None, typer.Option("--tracking-uri", help="MLflow tracking URI (default: the "
                                                      "profile's, else ./mlflow.db).")] = None,  # fmt: skip
     steps: Annotated[int, typer.Option("--steps", min=2, max=50, help="Steps of each preflight run; the first "
@@ -84,7 +97,8 @@ def preflight_command(
     with _guard():
         sweep_file = grid.load_sweep_file(file) if file else None
         ctx = orchestrate.make_context(cluster, tracking_uri)
-        orchestrate.check_placeholders(ctx.profile)
+        if not dry_run:
+            orchestrate.check_placeholders(ctx.profile)
         specs = grid.expand(overrides or [], sweep_file, name)
         if offline and not dry_run:
             fail("--offline: plans without SLURM; give --dry-run too")
@@ -100,7 +114,7 @@ def preflight_command(
         if executor.name != "slurm":
             fail(f"preflight: cluster {ctx.profile.name!r} runs local processes; a preflight proves a SLURM "
                  "profile's jobs and its requeue path: give --cluster a SLURM profile")  # fmt: skip
-        orchestrate.check_runs(chosen, ctx, executor)
+        orchestrate.check_runs(chosen, ctx, executor, storage=unchecked is None)
         if dry_run:
             if unchecked:
                 console.print(unchecked, highlight=False, markup=False, soft_wrap=True)
@@ -117,10 +131,10 @@ def preflight_command(
         console.print(f"preflight {sweep_name}: {len(chosen)} setting(s); submitted {len(job_ids)} job(s)",
                       highlight=False, markup=False)  # fmt: skip
         if wait:
-            from pdmctl.cli import _wait
+            from pdmctl.shell.waiting import wait as wait_for_runs
 
             with contextlib.suppress(typer.Exit):  # a run that did not finish: the verdicts below say why
-                _wait(ctx, sweep_name)
+                wait_for_runs(ctx, sweep_name, cluster=cluster)
         lines, failed, pending = summary.verdicts(chosen, ctx, executor)
     for line in lines:
         console.print(line, highlight=False, markup=False, soft_wrap=True)

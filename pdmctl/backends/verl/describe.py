@@ -90,7 +90,7 @@ def describe_jobs(jobs: Sequence[Job], nodes: int, environ: Mapping[str, str], c
     lines = [f"VeRL jobs: {len(jobs)} run(s), {len(settings)} setting(s), {commands} distinct command(s), each as its "
              f"job runs it on its run's nodes (the profile's: {nodes}) after the job body has started Ray "
              "(jobbody.JOB_BODY); SEED, KEY and "
-             "RUN_ID stand for each run's own; the array starts with one run of each setting"]  # fmt: skip
+             "RUN_ID stand for each run's own"]  # fmt: skip
     throughputs = _throughputs(cluster)
     per_run: list[tuple[Job, RunCost | None]] = []
     checkpoints_total = 0
@@ -228,8 +228,9 @@ def _cost(command: _Command, throughputs: Mapping[str, Throughput],
             return None, f"the steps come from the data, and {data / preset.train_file} cannot be read here"
         steps = rows // batch * int(values["trainer.total_epochs"])  # VeRL drops the last partial batch
     problems = [_rows(data / name) for name in launch.VAL_FILES]
-    if any(p is None for p in problems):
-        return None, f"the held-out files {', '.join(launch.VAL_FILES)} in {data} cannot be read here"
+    if any(p is None for p in problems):  # a plan away from the cluster's storage: the sets' published sizes
+        problems = [launch.HELD_OUT_PROBLEMS[name] if p is None else p
+                    for p, name in zip(problems, launch.VAL_FILES, strict=True)]
     test_freq = int(values["trainer.test_freq"])
     validations = (values["trainer.val_before_train"] == "true") + (
         steps // test_freq + (steps % test_freq > 0) if test_freq > 0 else 0)  # fmt: skip
@@ -252,10 +253,10 @@ def _cost(command: _Command, throughputs: Mapping[str, Throughput],
 
 def _rows(path: Path) -> int | None:
     """Rows of a parquet file, read from its footer; None where it cannot be read."""
-    import pyarrow.parquet as pq
+    from pdmctl.backends.verl.parquet_footer import read_footer  # no pyarrow on a login node
 
     try:
-        return int(pq.read_metadata(path).num_rows)
+        return read_footer(path).num_rows
     except (OSError, ValueError):
         return None
 

@@ -22,6 +22,7 @@ from pdmctl.backends.verl.presets import (  # noqa: F401  (re-exported: launch.M
     DEFAULTS,
     GPUS_ENV,
     GPUS_PER_NODE,
+    HELD_OUT_PROBLEMS,
     HF_ATTENTION,
     MEGATRON_ATTENTION,
     MODEL_PRESETS,

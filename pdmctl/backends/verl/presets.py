@@ -39,6 +39,7 @@ from pdmctl.backends.verl.tiny import TRAIN_FILE as TINY_TRAIN_FILE
 
 TRAIN_FILE = "dapo_math_17k.parquet"
 VAL_FILES = ("aime24.parquet", "aime25.parquet")
+HELD_OUT_PROBLEMS = {"aime24.parquet": 30, "aime25.parquet": 30}  # AIME I + II of each year: 15 + 15 problems
 
 @dataclass(frozen=True)
 class ModelPreset:
