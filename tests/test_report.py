@@ -486,7 +486,8 @@ def test_provenance_and_the_mismatch_panel_in_the_report_and_the_command(store: 
     text = " ".join(result.output.split())
     assert "Cost: hours spent and predicted" in text and "prov: from the ledger's attempt times" in text
     out = tmp_path / "out"
-    assert sorted(p.name for p in (out / "figures").iterdir()) == ["mismatch_toy-small_bf16.png"]
+    assert sorted(p.name for p in (out / "figures").iterdir()) == ["mismatch_toy-small_bf16.png",
+                                                                   "mismatch_toy-small_bf16.svg"]  # fmt: skip
     page = (out / "index.html").read_text()
     assert 'id="provenance"' in page and "aaaaaaaaaa, bbbbbbbbbb (!)" in page
     cost = html.unescape(page.split('<table id="cost">')[1].split("</table>")[0])
@@ -595,7 +596,7 @@ def test_report_command_writes_every_output_and_rejects_mistakes_in_one_line(sto
     assert "avg@16 (cli)" in result.output and "vs dppo_topk_kl" in result.output
     names = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
     assert names == {"index.html", "results.md", "results.csv", "results.tex", "comparison.csv", "seeds.csv",
-                     "figures/curves_toy-small_bf16.png", "figures/dynamics_toy-small_bf16.png"}  # fmt: skip
+                     *(f"figures/{kind}_toy-small_bf16.{ext}" for kind in ("curves", "dynamics") for ext in ("png", "svg"))}  # fmt: skip
     tex = (out / "results.tex").read_text()
     assert r"\toprule" in tex and r"\midrule" in tex and r"\bottomrule" in tex and "dppo\\_topk\\_kl" in tex
     for args, message in ((["nope"], "sweep 'nope': no runs"), (["cli", "--at", "worst"], "--at: 'worst'"),

@@ -201,3 +201,98 @@ def test_the_study_page_shares_the_report_pages_header_and_stylesheet(tmp_path: 
     for page, store in ((study, "optuna.db (sqlite)"), (report, "mlflow.db (sqlite)")):
         assert f"{__version__}" in page and code_commit() in page and store in page and str(tmp_path) not in page
     assert study.count("<tr><td class='num'>") == 2 and "pruned" in study and "<code>k0</code>" in study
+
+
+# appended to a copy of the page, which opens in a frame of the width under test (Chromium's own window is
+# at least 500 pixels wide); it posts what it measured to the frame's host, whose DOM Chromium dumps
+MEASURE_FIT = r"""<script>
+window.addEventListener("load", () => {
+  const width = window.innerWidth;
+  const scroller = e => {
+    for (let a = e.parentElement; a; a = a.parentElement) {
+      if (["auto", "scroll"].includes(getComputedStyle(a).overflowX)) return a;
+    }
+    return null;
+  };
+  const lines = range => new Set([...range.getClientRects()].filter(r => r.width > 0).map(r => Math.round(r.bottom))).size;
+  const split = [];
+  const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  for (let node; (node = walker.nextNode()); ) {
+    if (node.parentElement.closest("script")) continue;
+    // a word: letters, digits and _, a number with its sign and decimals
+    for (const m of node.data.matchAll(/(?:[+\u2212-](?=\p{N}))?[\p{L}\p{N}_]+(?:[.,]\p{N}+)*/gu)) {
+      const range = document.createRange();
+      range.setStart(node, m.index);
+      range.setEnd(node, m.index + m[0].length);
+      if (lines(range) > 1) split.push(m[0]);
+    }
+  }
+  for (const cell of document.querySelectorAll("td.num, td.key")) {
+    const range = document.createRange();
+    range.selectNodeContents(cell);
+    if (cell.textContent.trim() && lines(range) > 1) split.push(cell.textContent);
+  }
+  const elements = [...document.body.querySelectorAll("*")].filter(e => e.tagName !== "SCRIPT");
+  parent.postMessage(JSON.stringify({
+    width, page: document.documentElement.scrollWidth, split,
+    wide: elements.filter(e => e.getBoundingClientRect().right > width + 0.5 && !scroller(e)).map(e => e.outerHTML.slice(0, 80)),
+    cells: [...document.querySelectorAll("td, th")].filter(c => c.scrollWidth > c.clientWidth).map(c => c.textContent),
+    captions: [...document.querySelectorAll("caption")].filter(c => c.getBoundingClientRect().right > width + 0.5).map(c => c.textContent),
+    tables: [...document.querySelectorAll("table")].map(t => t.id),
+    scrolling: [...document.querySelectorAll("table")].filter(t => scroller(t) && scroller(t).scrollWidth > scroller(t).clientWidth).map(t => t.id),
+  }), "*");
+});
+</script>"""
+
+
+def measure_at(width: int, page: Path, profile: Path) -> dict:
+    """What MEASURE_FIT finds on `page` laid out `width` CSS pixels wide."""
+    import html
+    import json
+
+    probe = page.with_name(f"probe{width}.html")
+    probe.write_text(page.read_text().replace("</body>", MEASURE_FIT + "</body>"))
+    host = page.with_name(f"host{width}.html")
+    host.write_text(f'<!DOCTYPE html><html><body style="margin:0"><iframe src="{probe.name}" width="{width}" '
+                    'height="2000" style="border:0"></iframe><script>addEventListener("message", e => {'
+                    'const p = document.createElement("pre"); p.id = "measured"; p.textContent = e.data; '
+                    "document.body.append(p); });</script></body></html>")  # fmt: skip
+    dom = chromium(profile, f"--window-size={width + 100},2100", "--virtual-time-budget=10000", "--dump-dom",
+                   host.as_uri()).stdout  # fmt: skip
+    found = re.search(r'<pre id="measured">(.*?)</pre>', dom, re.S)
+    assert found is not None, dom[-2000:]
+    return json.loads(html.unescape(found.group(1)))
+
+
+def test_the_page_reads_at_1400_and_390_pixels_no_word_split_nothing_wider(tmp_path: Path) -> None:
+    """Laid out by Chromium 1400 and 390 CSS pixels wide: no word or number is broken across lines, no table
+    cell's text spills out of it, no caption runs past the window, and nothing is wider than the window but
+    inside a box that scrolls sideways; at 390 pixels the wide tables scroll in theirs, at 1400 none needs to."""
+    sweep = make_sweep(f"sqlite:///{tmp_path / 'mlflow.db'}", "narrow",
+                       ["mask=pdm_agg,pdm_uni,dppo_topk_kl", "delta=0.05,0.15", "k=10,20", "seed=0,1"])  # fmt: skip
+    points = []
+    for rid, spec in sweep.specs.items():
+        lift = 0.04 * (spec.config["mask"]["name"] != "dppo_topk_kl") + 0.1 * spec.config["delta"]
+        for step in (0, 5, 10):
+            points += [(rid, "eval/toy24", step, (0.3 + lift + 0.02 * spec.seed) * step / 10),
+                       (rid, "eval/toy25", step, (0.2 + lift - 0.01 * spec.seed) * step / 10),
+                       (rid, "train/reward", step, 0.3 + 0.01 * spec.seed + step / 20)]  # fmt: skip
+    write_points(sweep.ledger, points)
+    failed = sweep.run_id("pdm_uni", 1, delta=0.15, k=20)  # a row of one seed (n/a) and a run left out
+    finish(sweep.ledger, [rid for rid in sweep.specs if rid != failed])
+    finish(sweep.ledger, [failed], "FAILED", "CUDA out of memory while allocating the rollout buffer: absent")
+    out = tmp_path / "report"
+    write_report(build_report(sweep.ledger, ["narrow"], load_definition("default")), out)
+    page = out / "index.html"
+    assert "overflow-wrap:anywhere" not in page.read_text()
+
+    for width in (1400, 390):
+        m = measure_at(width, page, tmp_path / "profile")
+        assert m["width"] == width and m["page"] <= width, m
+        assert {"results", "comparison", "power", "provenance", "excluded"} <= set(m["tables"])
+        assert m["split"] == [] and m["cells"] == [] and m["captions"] == [], m
+        assert m["wide"] == [], m["wide"]
+        if width == 390:
+            assert {"results", "comparison", "power"} <= set(m["scrolling"]), m["scrolling"]
+        else:
+            assert m["scrolling"] == [], m["scrolling"]

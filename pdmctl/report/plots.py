@@ -1,4 +1,5 @@
-"""Figures: per setting, the eval learning curves and the training-dynamics panels, as PNG bytes.
+"""Figures: per setting, the eval learning curves and the training-dynamics panels, each drawn once and
+saved twice: PNG for the page, SVG (vector, for a paper) beside it.
 
 One figure of each kind per setting keeps the count bounded however large the sweep. Matplotlib's
 object-oriented API (no pyplot): no global state, no display backend.
@@ -10,6 +11,7 @@ import io
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from matplotlib import rc_context
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
@@ -18,6 +20,17 @@ from pdmctl.report.model import Line, SettingCurves
 
 PANEL_SIZE = (4.0, 3.0)
 DPI = 90
+
+Drawn = tuple[bytes, bytes]  # the same figure as PNG and as SVG
+
+
+def save(fig: Figure) -> Drawn:
+    """PNG and SVG of `fig`; the SVG the same bytes for the same figure (no date, fixed element ids)."""
+    png, svg = io.BytesIO(), io.BytesIO()
+    fig.savefig(png, format="png", dpi=DPI)
+    with rc_context({"svg.hashsalt": "pdmctl"}):
+        fig.savefig(svg, format="svg", metadata={"Date": None})
+    return png.getvalue(), svg.getvalue()
 
 
 def colours(rows: Sequence[RowKey]) -> dict[RowKey, tuple[float, ...]]:
@@ -28,7 +41,7 @@ def colours(rows: Sequence[RowKey]) -> dict[RowKey, tuple[float, ...]]:
 
 
 def _panels(title: str, panels: Mapping[str, list[Line]], colour: Mapping[RowKey, tuple[float, ...]],
-            scale: float, ylabel: str) -> bytes:  # fmt: skip
+            scale: float, ylabel: str) -> Drawn:  # fmt: skip
     n = max(len(panels), 1)
     n_lines = max((len(lines) for lines in panels.values()), default=0)
     legend_rows = -(-n_lines // 4)
@@ -58,12 +71,10 @@ def _panels(title: str, panels: Mapping[str, list[Line]], colour: Mapping[RowKey
             handles, names, loc="lower center", ncols=min(len(names), 4), fontsize="small", frameon=False
         )
     fig.suptitle(title)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=DPI)
-    return buf.getvalue()
+    return save(fig)
 
 
-def curve_figure(curves: SettingCurves, band: str, names: Mapping[str, str] | None = None) -> bytes:
+def curve_figure(curves: SettingCurves, band: str, names: Mapping[str, str] | None = None) -> Drawn:
     """`band` names the interval drawn around each line (e.g. `95% t band`); it goes into the title.
     `names`: a column label -> the held-out set shown for it (the panel's title)."""
     title = f"{curves.setting}: held-out avg@16, mean over seeds and {band}"
@@ -71,11 +82,11 @@ def curve_figure(curves: SettingCurves, band: str, names: Mapping[str, str] | No
     return _panels(title, panels, colours(curves.rows), 100.0, "avg@16 (%)")
 
 
-def dynamics_figure(curves: SettingCurves, band: str) -> bytes:
+def dynamics_figure(curves: SettingCurves, band: str) -> Drawn:
     title = f"{curves.setting}: training dynamics, mean over seeds and {band}"
     return _panels(title, curves.dynamics_panels, colours(curves.rows), 1.0, "")
 
 
-def mismatch_figure(curves: SettingCurves, band: str) -> bytes:
+def mismatch_figure(curves: SettingCurves, band: str) -> Drawn:
     title = f"{curves.setting}: rollout/trainer mismatch, mean over seeds and {band}"
     return _panels(title, curves.mismatch_panels, colours(curves.rows), 1.0, "")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import html
 import io
 import math
@@ -29,6 +30,15 @@ class TextTable:
     numeric_from: int  # columns from here on are right-aligned
     # a header row above `headers`: (text, columns it spans), the spans adding up to the number of columns
     groups: tuple[tuple[str, int], ...] = ()
+    metric: str = ""  # what a `mean` column holds (avg@16): an interval column's header names it
+
+    @property
+    def keys(self) -> int:
+        """The first columns, naming the row: repeated in every part of a table split to fit a terminal, and
+        kept on one line on the page."""
+        if self.numeric_from < len(self.headers):
+            return self.numeric_from
+        return min(2, len(self.headers) - 1)  # setting, mask
 
     def flat_headers(self) -> tuple[str, ...]:
         """One header per column, a group's name before its columns' (Markdown, the terminal, CSV-like)."""
@@ -92,7 +102,7 @@ def results_table(report: Report) -> TextTable:
     headers = ("setting", "mask", *report.dims, *(("mean", "low", "high") * len(report.labels)), "n")
     groups = (("", keys), *((report.name(label), 3) for label in report.labels), ("", 1))
     title = f"avg@16 ({', '.join(report.sweeps)}), {short_name(report.definition.confidence)} intervals"
-    return TextTable("results", title, headers, rows, results_note(report), keys, groups)
+    return TextTable("results", title, headers, rows, results_note(report), keys, groups, "avg@16")
 
 
 def comparison_note(report: Report) -> str:
@@ -353,21 +363,12 @@ def direction_table(analysis: dict) -> TextTable:
 
 
 def to_rich(table: TextTable):
-    from rich.table import Table
-    from rich.text import Text
+    """The table at the console's width: split into stacked tables, each repeating the row's key columns,
+    where its columns do not all fit (pdmctl.report.fit); never a column cropped."""
+    from pdmctl.report.fit import FittedTable
 
-    # Text, not markup: "[n/a]" would otherwise read as a rich tag
-    out = Table(title=Text(table.title), caption=Text(table.note), caption_justify="left")
-    for i, header in enumerate(table.flat_headers()):
-        numeric = i >= table.numeric_from
-        # Each column at least as wide as its longest word: a narrow terminal wraps cells between words,
-        # never inside a number or a name, and no column is squeezed to nothing by its neighbours.
-        words = [w for cell in (header, *(row[i] for row in table.rows)) for w in cell.split()]
-        out.add_column(Text(header), justify="right" if numeric else "left",
-                       min_width=min(max(map(len, words), default=1), 40), overflow="fold")  # fmt: skip
-    for row in table.rows:
-        out.add_row(*map(Text, row))
-    return out
+    return FittedTable(table.title, table.flat_headers(), table.rows, table.note, table.numeric_from, table.keys,
+                       table.groups)  # fmt: skip
 
 
 def to_markdown(table: TextTable) -> str:
@@ -403,7 +404,48 @@ def _tex_groups(table: TextTable) -> list[str]:
     return [" & ".join(cells) + r" \\", " ".join(rules)]
 
 
-def to_latex(table: TextTable) -> str:
+def _interval_cell(value: str, low: str, high: str) -> str:
+    if not low and not high:
+        return value
+    return f"{value} [{low}]" if low == high == "n/a" else f"{value} [{low}, {high}]"
+
+
+def with_intervals(table: TextTable, interval: str) -> TextTable:
+    """The table with each value and its interval's low and high ends in one column, `35.0 [22.6, 47.4]`,
+    headed by its set and `[interval]` (`toy24 avg@16 [95% CI]`): one column per set, as a paper prints it."""
+    heads = table.headers
+    starts = {i for i in range(table.numeric_from, len(heads) - 2) if heads[i + 1 : i + 3] == ("low", "high")}
+    spans, first = [], 0  # each group's name, first column and span
+    for name, span in table.groups:
+        spans.append((name, first, span))
+        first += span
+    headers, columns, absorbed = [], [], set()
+    i = 0
+    while i < len(heads):
+        if i not in starts:
+            headers.append(heads[i])
+            columns.append((i,))
+            i += 1
+            continue
+        group = next((name for name, first, span in spans if name and first == i and span == 3), "")
+        absorbed |= {group} if group else set()
+        label = table.metric if heads[i] == "mean" else heads[i]
+        headers.append(" ".join(part for part in (group, label, f"[{interval}]") if part))
+        columns.append((i, i + 1, i + 2))
+        i += 3
+    rows = [tuple(row[c[0]] if len(c) == 1 else _interval_cell(*(row[j] for j in c)) for c in columns)
+            for row in table.rows]  # fmt: skip
+    groups = tuple((name if name not in absorbed else "", sum(first <= c[0] < first + span for c in columns))
+                   for name, first, span in spans)  # fmt: skip
+    note = table.note + (" Brackets: the interval's low and high ends." if starts else "")
+    return dataclasses.replace(table, headers=tuple(headers), rows=rows, note=note,
+                               groups=groups if any(name for name, _ in groups) else ())  # fmt: skip
+
+
+def to_latex(table: TextTable, interval: str | None = None) -> str:
+    """A booktabs table; with `interval` (`95% CI`), each value and its interval's ends in one column."""
+    if interval is not None:
+        table = with_intervals(table, interval)
     spec = "".join("r" if i >= table.numeric_from else "l" for i in range(len(table.headers)))
     body = [" & ".join(tex(c) for c in row) + r" \\" for row in table.rows]
     return "\n".join([
@@ -415,19 +457,23 @@ def to_latex(table: TextTable) -> str:
 
 
 def to_html(table: TextTable) -> str:
-    """The table alone (the page's template places it): a group header row where the table has one."""
+    """The table alone (the page's template places it) in a box of its own that scrolls sideways where the
+    table is wider than the page: a group header row where the table has one; numbers and the row's key
+    cells on one line each."""
     from markupsafe import Markup
 
+    kinds = [" class=num" if i >= table.numeric_from else " class=key" if i < table.keys else ""
+             for i in range(len(table.headers))]  # fmt: skip
+
     def cells(row: Sequence[str], tag: str) -> str:
-        return "".join(f'<{tag}{" class=num" if i >= table.numeric_from else ""}>{html.escape(c)}</{tag}>'
-                       for i, c in enumerate(row))  # fmt: skip
+        return "".join(f"<{tag}{kind}>{html.escape(c)}</{tag}>" for kind, c in zip(kinds, row, strict=True))
 
     head = "".join(f'<th colspan="{span}" class="group">{html.escape(name)}</th>' if span > 1
                    else f'<th class="group">{html.escape(name)}</th>' for name, span in table.groups)  # fmt: skip
     heads = (f"<tr>{head}</tr>" if head else "") + f"<tr>{cells(table.headers, 'th')}</tr>"
     rows = "\n".join(f"<tr>{cells(r, 'td')}</tr>" for r in table.rows)
-    return Markup(f'<table id="{table.key}"><caption>{html.escape(table.title)}</caption>\n'
-                  f"<thead>{heads}</thead>\n<tbody>\n{rows}\n</tbody></table>\n"
+    return Markup(f'<div class="scroll"><table id="{table.key}"><caption>{html.escape(table.title)}</caption>\n'
+                  f"<thead>{heads}</thead>\n<tbody>\n{rows}\n</tbody></table></div>\n"
                   f'<p class="note">{html.escape(table.note)}</p>')  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""Write a `Report` out: Markdown, CSV, LaTeX, PNG figures and one self-contained HTML page."""
+"""Write a `Report` out: Markdown, CSV, LaTeX, figures (PNG, and SVG beside each of the report's own) and one
+self-contained HTML page."""
 
 from __future__ import annotations
 
@@ -36,9 +37,14 @@ from pdmctl.report.tables import (
 
 @dataclass(frozen=True)
 class FigureFile:
-    name: str  # file name under figures/
+    name: str  # the PNG's file name under figures/
     caption: str
     png: bytes
+    svg: bytes | None = None  # the same figure as SVG, beside the PNG (the direction analysis draws PNG only)
+
+    @property
+    def svg_name(self) -> str | None:
+        return None if self.svg is None else self.name.removesuffix(".png") + ".svg"
 
 
 def slug(text: str) -> str:
@@ -72,7 +78,7 @@ def figures(report: Report) -> list[FigureFile]:
             out.append(FigureFile(f"curves_{slug(curves.setting)}.png",
                                   f"{curves.setting}: held-out avg@16 ({sets}) against step; line = mean over "
                                   f"seeds, band = {band} (Methods).{note}",
-                                  plots.curve_figure(curves, band, report.names)))  # fmt: skip
+                                  *plots.curve_figure(curves, band, report.names)))  # fmt: skip
         if curves.mismatch_panels and "mismatch" in kinds:
             metrics = "; ".join(f"{label}: {', '.join(names)}" for label, names in curves.mismatch_metrics.items()
                                 if label in curves.mismatch_panels)  # fmt: skip
@@ -80,12 +86,12 @@ def figures(report: Report) -> list[FigureFile]:
                                   f"{curves.setting}: the rollout/trainer mismatch over training, per mask and "
                                   f"setting ({metrics}; each run's first of the panel's metrics that it logged); "
                                   f"line = mean over seeds, band = {band} (Methods).{note}",
-                                  plots.mismatch_figure(curves, band)))  # fmt: skip
+                                  *plots.mismatch_figure(curves, band)))  # fmt: skip
         if curves.dynamics_panels and "dynamics" in kinds:
             out.append(FigureFile(f"dynamics_{slug(curves.setting)}.png",
                                   f"{curves.setting}: training dynamics ({', '.join(curves.dynamics_panels)}); "
                                   f"line = mean over seeds, band = {band} (Methods).{note}",
-                                  plots.dynamics_figure(curves, band)))  # fmt: skip
+                                  *plots.dynamics_figure(curves, band)))  # fmt: skip
     if report.analysis is not None and report.analysis.get("disagreement_tokens"):  # analyses before: no data
         from pdmctl.analysis.figures import render as render_analysis
         from pdmctl.analysis.results import AnalysisResult
@@ -119,6 +125,8 @@ def write_report(report: Report, out_dir: Path) -> list[Path]:
 
     for fig in figs:
         put(f"figures/{fig.name}", fig.png)
+        if fig.svg is not None:
+            put(f"figures/{fig.svg_name}", fig.svg)
     put("results.csv", results_csv(report))
     put("seeds.csv", seeds_csv(report))
     put("comparison.csv", comparison_csv(report))
@@ -151,19 +159,29 @@ def markdown_page(report: Report, grids: list[TextTable], figs: list[FigureFile]
     title, meta = _header(report)
     parts = [f"# {title}", "", _provenance_line(report), "", meta, ""]
     parts += [to_markdown(t) for t in grids]
-    parts += [f"![{fig.caption}](figures/{fig.name})\n\n*{fig.caption}*\n" for fig in figs]
+    parts += [f"![{fig.caption}](figures/{fig.name})\n\n*{fig.caption}*"
+              + (f" [SVG](figures/{fig.svg_name})" if fig.svg_name else "") + "\n" for fig in figs]  # fmt: skip
     parts += ["## Methods", "", *(f"{p}\n" for p in methods(report))]
     return "\n".join(parts)
 
 
 def latex_tables(report: Report, grids: list[TextTable]) -> str:
-    """Every table (booktabs), after a Methods paragraph that their notes refer to."""
+    """Every table (booktabs), after a Methods paragraph that their notes refer to; each value and its interval
+    in one column (`35.0 [22.6, 47.4]`), one column per held-out set."""
     head = [f"% {tex(_provenance_line(report))}", r"\paragraph{Methods}", *(tex(p) + "\n" for p in methods(report))]
-    return "\n".join([*head, *(to_latex(t) for t in grids)])
+    interval = f"{100 * report.definition.confidence.level:g}% CI"
+    return "\n".join([*head, *(to_latex(t, interval) for t in grids)])
+
+
+def figure_links(fig: FigureFile) -> dict[str, str | None]:
+    """A figure as the page shows it: the PNG embedded, and the paths of its PNG and SVG files beside the page."""
+    return {"data": base64.b64encode(fig.png).decode("ascii"), "caption": fig.caption, "png": f"figures/{fig.name}",
+            "svg": f"figures/{fig.svg_name}" if fig.svg_name else None}  # fmt: skip
 
 
 def html_page(report: Report, grids: list[TextTable], figs: list[FigureFile]) -> str:
-    """One file, nothing fetched: the figures are embedded as base64 data URIs (templates/report.html.j2)."""
+    """One file, nothing fetched: the figures are embedded as base64 data URIs (templates/report.html.j2),
+    each with links to its PNG and SVG files beside the page."""
     title, meta = _header(report)
     by_key = {t.key: t for t in grids}
     sections = [
@@ -181,7 +199,7 @@ def html_page(report: Report, grids: list[TextTable], figs: list[FigureFile]) ->
         generated=_generated(),
         meta=meta,
         sections=[(heading, tables) for heading, tables in present if tables],
-        figures=[{"data": base64.b64encode(f.png).decode("ascii"), "caption": f.caption} for f in figs],
+        figures=[figure_links(f) for f in figs],
         methods=methods(report),
         provenance=to_html(by_key["provenance"]) if "provenance" in by_key else None,
         cost=to_html(by_key["cost"]) if "cost" in by_key else None,
