@@ -85,14 +85,14 @@ def _text(value: Any) -> str:
 
 
 def check_priority(items: Any, where: str) -> tuple[str, ...]:
-    """A sweep file's `priority:`: a list of `key=value` texts (else ValueError naming the first bad one)."""
+    """A sweep file's `priority:`: a list of `key=value` texts (else SpecError naming the first bad one)."""
     if isinstance(items, str):
         items = [items]
     if not isinstance(items, list) or not items:
-        raise ValueError(f"{where}: a list of key=value items (model=qwen3-4b-base), got {items!r}")
+        raise SpecError(f"{where}: a list of key=value items (model=qwen3-4b-base), got {items!r}")
     for item in items:
         if not isinstance(item, str) or "=" not in item or not item.split("=", 1)[0].strip():
-            raise ValueError(f"{where}: {item!r} is not key=value (model=qwen3-4b-base)")
+            raise SpecError(f"{where}: {item!r} is not key=value (model=qwen3-4b-base)")
     return tuple(item.replace(" ", "") for item in items)
 
 

@@ -185,7 +185,7 @@ def plan_json(plan: Any, ctx: Any, executor: Any, order: str, ledger_unread: str
     """The dry run's plan as JSON data (PLAN_FORMAT): every run in array order with its cost, per setting and for
     the runs the sweep would submit."""
     from pdmctl.backends.registry import flat_config, get_backend
-    from pdmctl.orchestrate import replicates
+    from pdmctl.order import replicates
 
     specs = plan.specs
     estimates = estimate_specs(specs, ctx, executor, calibration)
