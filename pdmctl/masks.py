@@ -56,7 +56,7 @@ from pdmctl.mask_rows import (  # noqa: F401  (re-exported: masks.VocabShard, ma
 EPS = 1e-12  # clamp for tail masses (MATH.md: clamp both to >= ε)
 _MAX_LOG_RATIO = 80.0  # exp(80) < float32 max: the ratio stays finite for any valid input
 _LOGPROB_TOL = 1e-4  # engines round log-probabilities; a probability of 1 may come back as +1e-7
-_VERL_LOG_RATIO = 20.0  # VeRL's vanilla loss clamps log r to ±20 (no gradient beyond)
+_VERL_RATIO = (math.exp(-20.0), math.exp(20.0))  # VeRL's PPO clip clamps log r to ±20: no gradient beyond
 
 
 # ---------------------------------------------------------------------------
@@ -124,7 +124,7 @@ class MethodSpec:
     masked: Callable[[MaskInputs], torch.Tensor]  # bool [N]: True where the gradient is dropped
     uses_divergence: bool
     uses_ddot: bool
-    clipped_surrogate: bool = False  # the loss is VeRL's PPO clip (`token_loss`), not −A·sg(min(r, C))·M·log π_k
+    clipped_surrogate: bool = False  # its loss: VeRL's PPO clip, not the masked score (`token_loss`)
 
 
 FAMILIES: dict[str, DivergenceFamily] = {}
@@ -259,10 +259,10 @@ def _q_tail_exact(s: Support, tail_sum_sq: torch.Tensor | None) -> torch.Tensor:
 
 @register_method("grpo", uses_divergence=False, uses_ddot=False, clipped_surrogate=True)
 def _grpo(t: MaskInputs) -> torch.Tensor:
-    # where VeRL's clipped surrogate has no gradient: A>0 ∧ r>1+ε_high, A<0 ∧ r<1−ε_low, A<0 ∧ r>C (dual clip)
-    a, r = t.advantages, t.ratio
-    clipped = ((a > 0) & (r > 1 + t.eps_high)) | ((a < 0) & (r < 1 - t.eps_low))
-    return clipped if t.ratio_cap is None else clipped | ((a < 0) & (r > t.ratio_cap))
+    # no gradient in VeRL's PPO clip: A>0 ∧ r>1+ε_high, A<0 ∧ r<1−ε_low, A<0 ∧ r>C (dual clip), |log r|>20
+    a, r, cap = t.advantages, t.ratio, math.inf if t.ratio_cap is None else t.ratio_cap
+    beyond = (a != 0) & ((r < _VERL_RATIO[0]) | (r > _VERL_RATIO[1]))
+    return beyond | ((a > 0) & (r > 1 + t.eps_high)) | ((a < 0) & ((r < 1 - t.eps_low) | (r > cap)))
 
 
 @register_method("dppo", uses_divergence=True, uses_ddot=False)
@@ -345,12 +345,13 @@ def compute_mask(
     delta_low: float | None = None,
     eps_low: float = 0.2,
     eps_high: float = 0.28,
+    ratio_cap: float | None = None,
 ) -> MaskResult:
     """The keep mask of one method, with the token quantities it used (see MATH.md)."""
     d = token_diagnostics(
         logits, sampled_ids, rollout_topk_ids, rollout_topk_logprobs, rollout_sampled_logprobs, advantages,
         method=method, divergence=divergence, estimator=estimator, delta=delta, delta_low=delta_low,
-        eps_low=eps_low, eps_high=eps_high,
+        eps_low=eps_low, eps_high=eps_high, ratio_cap=ratio_cap,
     )  # fmt: skip
     spec = METHODS[method]
     return MaskResult(
@@ -376,14 +377,16 @@ def token_diagnostics(
     delta_low: float | None = None,
     eps_low: float = 0.2,
     eps_high: float = 0.28,
+    ratio_cap: float | None = None,
     shard: VocabShard | None = None,
 ) -> Diagnostics:
     """D, Ḋ, r and the keep mask for every token, computed whatever the method.
 
-    With `shard`, `logits` is this process's slice of a vocabulary-parallel row
-    (ids stay global) and the result is the whole vocabulary's, on every process.
+    `ratio_cap` C (None or inf: none) enters GRPO's mask only (the dual clip). With `shard`, `logits` is this
+    process's slice of a vocabulary-parallel row (ids stay global) and the result is the whole vocabulary's.
     """
     _check_names(method, divergence, estimator)
+    cap = finite_cap(ratio_cap)
     if shard is not None:
         _check_shard(logits, shard)
     vocab = logits.shape[-1] if shard is None else shard.vocab_size
@@ -407,7 +410,7 @@ def token_diagnostics(
         delta_neg = float(delta if delta_low is None else delta_low)
         # A = 0 takes δ_high and no method masks it (MATH.md, "At A = 0"; VeRL's DPPO takes the A < 0 branch)
         delta_t = torch.where(adv < 0, torch.full_like(adv, delta_neg), torch.full_like(adv, delta_high))
-        inputs = MaskInputs(adv, ratio, d_value, ddot, delta_t, eps_low, eps_high)
+        inputs = MaskInputs(adv, ratio, d_value, ddot, delta_t, eps_low, eps_high, cap)
         masked = METHODS[method].masked(inputs)
         out = d_value > delta_t
         disagree = out & ((adv * (ratio - 1) > 0) != (adv * ddot > 0))
@@ -441,16 +444,15 @@ def policy_loss(
     loss_agg_mode: str = "token-mean",
     ratio_cap: float | None = 10.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """L = −A · sg(min(r, C)) · M · log π_k, aggregated; gradient through log π_k only.
-    `ratio_cap` None: no cap, L = −A · sg(r) · M · log π_k (the paper's loss, arXiv 2607.10848, §2).
+    """`token_loss` of every token, aggregated (DPPO, PDM: −A · sg(min(r, C)) · M · log π_k, `ratio_cap` None:
+    no cap, the paper's loss, arXiv 2607.10848, §2; GRPO: VeRL's PPO clip, dual clip at C).
 
     Token tensors are [B, T] (sequence modes aggregate over T) or [N] (one
     sequence); `logits` has one more trailing dimension, the vocabulary.
     """
     if loss_agg_mode not in AGGREGATIONS:
         raise ValueError(f"loss_agg_mode: unknown {loss_agg_mode!r}; choose from {sorted(AGGREGATIONS)}")
-    if ratio_cap is not None and not ratio_cap > 0:
-        raise ValueError(f"ratio_cap: must be > 0, got {ratio_cap}")
+    finite_cap(ratio_cap)
     shape = sampled_ids.shape
     if response_mask.shape != shape:
         raise ValueError(f"response_mask: shape {tuple(response_mask.shape)} != sampled_ids {tuple(shape)}")
@@ -461,23 +463,45 @@ def policy_loss(
         logits.detach().reshape(-1, vocab), flat_ids, rollout_topk_ids.reshape(-1, k),
         rollout_topk_logprobs.reshape(-1, k), rollout_sampled_logprobs.reshape(-1), advantages.reshape(-1),
         method=method, divergence=divergence, estimator=estimator, delta=delta, delta_low=delta_low,
-        eps_low=eps_low, eps_high=eps_high,
+        eps_low=eps_low, eps_high=eps_high, ratio_cap=ratio_cap,
     )  # fmt: skip
     # the gradient's log π_k: a float32 log-softmax is exact enough for e_k − π, not for 1 − π_k (the mask's)
     log_probs = torch.log_softmax(logits.reshape(-1, vocab), dim=-1, dtype=_work_dtype(logits))
     log_pi_k = log_probs.gather(-1, flat_ids.unsqueeze(-1)).squeeze(-1)
-    weight = (
-        advantages.reshape(-1).float() * capped(d.ratio, ratio_cap) * d.keep.float()
-    )  # A·sg(min(r,C))·M
     per_seq = shape if len(shape) > 1 else (1, -1)  # a flat batch aggregates as one sequence
-    token_loss = (-weight * log_pi_k).reshape(per_seq)
-    loss = AGGREGATIONS[loss_agg_mode](token_loss, response_mask.reshape(per_seq).to(token_loss.dtype))
+    losses = token_loss(method, log_pi_k, d.ratio, advantages.reshape(-1).float(), d.keep,
+                        ratio_cap=ratio_cap, eps_low=eps_low, eps_high=eps_high).reshape(per_seq)  # fmt: skip
+    loss = AGGREGATIONS[loss_agg_mode](losses, response_mask.reshape(per_seq).to(losses.dtype))
     return loss, update_metrics(d, response_mask.reshape(-1).bool())
 
 
-def capped(ratio: torch.Tensor, ratio_cap: float | None) -> torch.Tensor:
-    """min(r, C); r itself where there is no cap (C = None)."""
-    return ratio if ratio_cap is None else ratio.clamp(max=ratio_cap)
+def token_loss(method: str, log_prob: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor,
+               *, ratio_cap: float | None, eps_low: float, eps_high: float) -> torch.Tensor:  # fmt: skip
+    """Each token's loss (MATH.md, "The loss"), differentiable through `log_prob` (log π_k) only; `ratio`
+    r = π_k/μ_k (μ the rollout's), a value; `keep` M; `ratio_cap` C (None or inf: none).
+    DPPO, PDM: −A · sg(min(r, C)) · M · log π_k. GRPO: VeRL 0.9.1's `compute_policy_loss_vanilla` in value
+    and gradient (∂r/∂log π_k = r, 0 where VeRL clamps log r to ±20): max(−A r, −A clip(r, 1 − ε_low,
+    1 + ε_high)), and where A < 0 the dual clip min(−A C, that)."""
+    cap = finite_cap(ratio_cap)
+    if not METHODS[method].clipped_surrogate:
+        weight = advantages * (ratio if cap is None else ratio.clamp(max=cap)) * keep.to(advantages.dtype)
+        return -weight.detach() * log_prob
+    value = ratio.detach().to(log_prob.dtype)
+    inside = ((value >= _VERL_RATIO[0]) & (value <= _VERL_RATIO[1])).to(log_prob.dtype)
+    r = value.clamp(*_VERL_RATIO) * (1 + inside * (log_prob - log_prob.detach()))  # value: exactly clamp(r)
+    clipped = torch.maximum(-advantages * r, -advantages * r.clamp(1 - eps_low, 1 + eps_high))
+    if cap is None:
+        return clipped
+    return torch.where(advantages < 0, torch.minimum(-advantages * cap, clipped), clipped)
+
+
+def finite_cap(ratio_cap: float | None) -> float | None:
+    """C as a float; None where there is no cap (None, or inf as VeRL's `clip_ratio_c` says it)."""
+    if ratio_cap is None or ratio_cap == math.inf:
+        return None
+    if not ratio_cap > 0:
+        raise ValueError(f"ratio_cap: must be > 0, got {ratio_cap}")
+    return float(ratio_cap)
 
 
 def update_metrics(d: Diagnostics, response_mask: torch.Tensor) -> dict[str, float]:

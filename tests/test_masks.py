@@ -328,8 +328,9 @@ def loop_reference(z, sampled, ids, lps, slp, adv, *, method, divergence, estima
         r = pi[kt] / mu_k_sampled
         a = float(adv[t])
         dl = delta if (a >= 0 or delta_low is None) else delta_low
-        if method == "grpo":
-            masked = (a > 0 and r > 1 + eps[1]) or (a < 0 and r < 1 - eps[0])
+        if method == "grpo":  # no cap here; VeRL's clamp of log r to ±20 leaves no gradient beyond
+            beyond = a != 0 and not math.exp(-20) <= r <= math.exp(20)
+            masked = beyond or (a > 0 and r > 1 + eps[1]) or (a < 0 and r < 1 - eps[0])
         elif method == "dppo":
             masked = d > dl and a * (r - 1) > 0
         else:
@@ -412,6 +413,9 @@ def test_masks_reduce_to_each_other():
 @pytest.mark.parametrize("mode", sorted(AGGREGATIONS))
 @pytest.mark.parametrize("method", ["grpo", "dppo", "pdm"])
 def test_loss_gradient_is_weighted_score(mode, method):
+    """The gradient is −A·min(r, C)·M·(e_k − π) per token, normalised as the mode says: DPPO's and PDM's
+    loss by definition; GRPO's PPO clip too, with M its mask at the same C (the dual clip A < 0 ∧ r > C
+    and the clipped tokens have none; a kept token has r ≤ C)."""
     b, t, vocab, k, cap = 3, 7, 25, 4, 1.3
     z, sampled, ids, lps, slp, adv = make_batch(n=b * t, vocab=vocab, k=k, seed=2, drift=1.0)
     mask = (torch.rand(b, t, generator=torch.Generator().manual_seed(1)) > 0.3).double()
@@ -422,7 +426,9 @@ def test_loss_gradient_is_weighted_score(mode, method):
         adv.reshape(b, t), mask, method=method, delta=0.02, loss_agg_mode=mode, ratio_cap=cap,
     )  # fmt: skip
     loss.backward()
-    res = compute_mask(z, sampled, ids, lps, slp, adv, method=method, delta=0.02)
+    res = compute_mask(z, sampled, ids, lps, slp, adv, method=method, delta=0.02, ratio_cap=cap)
+    if method == "grpo":  # the batch has dual-clipped tokens, so this checks the dual clip
+        assert bool(((adv < 0) & (res.ratio > cap) & ~res.keep).any())
     # ∇ log π_k = e_k − π; the token weight is A·min(r, C)·M, then the aggregation's normaliser
     weight = (adv * res.ratio.double().clamp(max=cap) * res.keep.double()).reshape(b, t) * mask
     norm = {
@@ -453,6 +459,39 @@ def test_gradient_flows_only_through_log_pi_k():
     res = compute_mask(z, sampled, ids, lps, slp, adv, delta=1e6)
     score = torch.nn.functional.one_hot(sampled, 20).double() - torch.softmax(z, -1)
     torch.testing.assert_close(grad, -(adv * res.ratio.double() / 10)[:, None] * score, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("cap", [10.0, None, math.inf])
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_past_the_cap_grpo_dual_clips_a_negative_advantage_and_dppo_and_pdm_truncate_it(method, cap):
+    """A = −1, r = π_k/μ_k = 20 (μ the rollout's), C = 10: GRPO's dual clip (VeRL's) makes the token's loss the
+    constant −A·C = 10, no gradient, and masks it; DPPO and PDM keep it (δ above its D) and weight it by
+    min(r, C): ∂L/∂log π_k = −A·min(r, C) = 10. Without a cap (None, or VeRL's inf) GRPO's loss is −A·r,
+    ∂L/∂log π_k = 20, and DPPO's and PDM's weight is r = 20."""
+    k = 2
+    z = torch.tensor([[0.3, -0.2, 0.5, 0.1, -1.0, 0.0]], dtype=torch.float64)
+    log_pi = torch.log_softmax(z, -1)
+    slp = log_pi[:, k] - math.log(20.0)
+    sampled, adv = torch.tensor([k]), torch.tensor([-1.0], dtype=torch.float64)
+    logits = z.clone().requires_grad_(True)
+    loss, metrics = policy_loss(logits, sampled, sampled[:, None], slp[:, None], slp, adv, torch.ones(1),
+                                method=method, delta=1e6, ratio_cap=cap)  # fmt: skip
+    loss.backward()
+    res = compute_mask(
+        z, sampled, sampled[:, None], slp[:, None], slp, adv, method=method, delta=1e6, ratio_cap=cap
+    )
+    assert float(res.ratio[0]) == pytest.approx(20.0, rel=1e-6)
+    score = torch.nn.functional.one_hot(sampled, 6).double() - torch.softmax(z, -1)
+    weight = 20.0 if cap in (None, math.inf) else 10.0  # ∂L/∂log π_k where the token has a gradient
+    if method == "grpo" and weight == 10.0:
+        assert float(loss.detach()) == pytest.approx(10.0)  # −A·C
+        assert torch.equal(logits.grad, torch.zeros_like(z))
+        assert not bool(res.keep[0]) and metrics["mask_frac"] == 1.0
+        return
+    assert bool(res.keep[0]) and metrics["mask_frac"] == 0.0
+    value = 20.0 if method == "grpo" else weight * float(log_pi[0, k])  # −A·r, or −A·min(r, C)·log π_k
+    assert float(loss.detach()) == pytest.approx(value, rel=1e-6)
+    torch.testing.assert_close(logits.grad, weight * score, rtol=1e-6, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------
@@ -659,6 +698,11 @@ def test_bad_loss_arguments():
         policy_loss(**args, response_mask=torch.ones(4), loss_agg_mode="sum")
     with pytest.raises(ValueError, match=r"^response_mask:"):
         policy_loss(**args, response_mask=torch.ones(5))
+    for cap in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match=r"^ratio_cap:"):
+            policy_loss(**args, response_mask=torch.ones(4), ratio_cap=cap)
+        with pytest.raises(ValueError, match=r"^ratio_cap:"):
+            compute_mask(**args, ratio_cap=cap)
 
 
 # ---------------------------------------------------------------------------

@@ -43,7 +43,13 @@ def diagnostics(
 
 
 def flat_diagnostics(
-    logits: torch.Tensor, batch: Rollout, advantages: torch.Tensor, cfg: ToyConfig, *, method: str, estimator: str
+    logits: torch.Tensor,
+    batch: Rollout,
+    advantages: torch.Tensor,
+    cfg: ToyConfig,
+    *,
+    method: str,
+    estimator: str,
 ) -> masks.Diagnostics:
     """`masks.token_diagnostics` of every generated token of `batch` ([B*T] each) under `cfg`'s δ and
     divergence, with `method` and `estimator` as given."""
@@ -61,4 +67,5 @@ def flat_diagnostics(
         delta_low=cfg.delta_low,
         eps_low=cfg.eps_low,
         eps_high=cfg.eps_high,
+        ratio_cap=cfg.ratio_cap,  # GRPO's mask: its dual clip, so M is where its gradient is
     )

@@ -74,7 +74,6 @@ def _profile(started: float, rows: int) -> None:
         fh.write(line + "\n")
 
 
-
 @dataclass(frozen=True)
 class MaskSettings:
     """What `token_diagnostics` needs besides tensors, read off VeRL's ActorConfig."""
@@ -220,7 +219,7 @@ def diagnose_rows(
                 tokens.topk_logprobs[chunk], tokens.sampled_logprobs[chunk], tokens.advantages[chunk],
                 method=settings.method, divergence=settings.divergence, estimator=settings.estimator,
                 delta=settings.delta, delta_low=settings.delta_low, eps_low=settings.eps_low,
-                eps_high=settings.eps_high, shard=shard,
+                eps_high=settings.eps_high, ratio_cap=settings.ratio_cap, shard=shard,
             )  # fmt: skip
             for name in DIAGNOSTIC_KEYS:
                 outputs[name][rows[chunk]] = getattr(d, name).float()

@@ -47,7 +47,7 @@ class PdmPolicyLossConfig(PolicyLossConfig):
 
     ε_low/ε_high (GRPO) and the ratio cap C come from VeRL's own actor fields
     `clip_ratio_low`, `clip_ratio_high` and `clip_ratio_c`, which mean the same there (`clip_ratio_c`
-    inf: no cap).
+    inf: no cap; for GRPO it is VeRL's dual clip).
     """
 
     topk: int = 20  # K: vLLM's default max_logprobs, DPPO's choice
@@ -79,10 +79,13 @@ def _make_loss(method: str) -> Callable[..., tuple[torch.Tensor, dict[str, Any]]
         **_: Any,  # VeRL's call site and type comment disagree on the last keyword; accept both
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         d = actor_loss.current_diagnostics()
-        # MATH.md: L = −A · sg(min(r, C)) · M · log π_k; the gradient flows through log π_k only
-        # C = clip_ratio_c; inf (or null): no cap, the paper's loss
-        weight = (advantages * masks.capped(d.ratio, config.clip_ratio_c) * d.keep.to(advantages.dtype)).detach()
-        token_loss = -weight * log_prob
+        # MATH.md, "The loss": DPPO, PDM −A · sg(min(r, C)) · M · log π_k; GRPO VeRL's PPO clip with the
+        # dual clip at C. r is to the rollout's log-probs (the diagnostics'), not VeRL's `old_log_prob`;
+        # C = clip_ratio_c, inf (or null): no cap
+        token_loss = masks.token_loss(
+            method, log_prob, d.ratio, advantages, d.keep, ratio_cap=config.clip_ratio_c,
+            eps_low=config.clip_ratio_low, eps_high=config.clip_ratio_high,
+        )  # fmt: skip
         if rollout_is_weights is not None:
             token_loss = token_loss * rollout_is_weights
         loss = agg_loss(token_loss, response_mask, loss_agg_mode, **config.global_batch_info)
