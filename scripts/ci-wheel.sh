@@ -7,6 +7,11 @@ set -euo pipefail
 # --no-compile: pip compiles every installed file's bytecode at install otherwise (torch's and MLflow's:
 # minutes of CPU here); Python writes what the commands below import, at their first import
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+# the login node's environment: `du -sm` of the virtualenv right after `pip install --no-compile` of the wheel
+# without extras. 386 MB with MLflow's skinny client (667 MB with the full mlflow, whose server brings pyarrow,
+# pandas and scikit-learn); about 250 MB of it is what `pdmctl report` needs itself (scipy, numpy, matplotlib).
+# The limit fails the run where MLflow's server stack, or another package of its size, comes back.
+LOGIN_NODE_MAX_MB=420
 WORK="${1:-$(mktemp -d /tmp/pdmctl-wheel.XXXXXX)}"
 mkdir -p "$WORK"
 rm -rf "$WORK/clone" "$WORK/dist" "$WORK/proj" "$WORK/empty"
@@ -21,6 +26,13 @@ python3 -m venv "$WORK/proj/.venv"
 # first without PyTorch, as a login node that only plans and submits has it: the dry runs work, a testbed
 # run is refused in one line naming the extra
 "$WORK/proj/.venv/bin/pip" install -q --no-compile "$WORK"/dist/pdmctl-*.whl
+LOGIN_NODE_MB="$(du -sm "$WORK/proj/.venv" | cut -f1)"
+echo "ci-wheel: the login node's environment (pip install pdmctl, no extras): ${LOGIN_NODE_MB} MB (limit ${LOGIN_NODE_MAX_MB} MB)"
+if [ "$LOGIN_NODE_MB" -gt "$LOGIN_NODE_MAX_MB" ]; then
+  echo "ci-wheel: the login node's environment is over ${LOGIN_NODE_MAX_MB} MB; its largest packages:"
+  du -sm "$WORK"/proj/.venv/lib/python3*/site-packages/* | sort -rn | head -15
+  exit 1
+fi
 mkdir "$WORK/empty"
 cd "$WORK/empty"
 export PATH="$WORK/proj/.venv/bin:$PATH"

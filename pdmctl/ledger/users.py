@@ -16,17 +16,33 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 from collections.abc import Iterator, Sequence
 
 from pdmctl.ledger.records import TAG_OWNER, TAG_SHARED, LedgerError, login_list, tracking_login
 from pdmctl.ledger.server import CERT_ENV, PASSWORD_ENV, USER_ENV, ServerSettings, healthy
 
 
+def _auth_client_class(command: str) -> type:
+    """MLflow's AuthServiceClient. It is imported with MLflow's auth app (Flask, Flask-WTF), which the full
+    `mlflow` brings (the [server] extra) and pdmctl's own `mlflow-skinny` does not: one line naming the extra."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():  # its server's modules, imported with it, warn of their own dependencies
+            warnings.simplefilter("ignore")
+            from mlflow.server.auth.client import AuthServiceClient
+    except ImportError as exc:
+        raise LedgerError(f"{command}: MLflow's auth client comes with its server, not installed in "
+                          f"{sys.executable} ({exc}): pip install 'pdmctl[server]'") from None  # fmt: skip
+    return AuthServiceClient
+
+
 @contextlib.contextmanager
 def _admin(settings: ServerSettings, admin: tuple[str, str]) -> Iterator[object]:
     """MLflow's auth client for the server, logged in as its admin (the login in this process's environment,
     as MLflow's client reads it), trusting the server's certificate where it serves HTTPS."""
-    from mlflow.server.auth.client import AuthServiceClient
+    auth_client = _auth_client_class("pdmctl server user")
 
     if not healthy(settings.url, cafile=settings.cert):
         raise LedgerError(f"pdmctl server: nothing answers at {settings.url}: start the server first "
@@ -36,7 +52,7 @@ def _admin(settings: ServerSettings, admin: tuple[str, str]) -> Iterator[object]
     if settings.cert is not None:
         os.environ[CERT_ENV] = str(settings.cert)
     try:
-        yield AuthServiceClient(settings.url)
+        yield auth_client(settings.url)
     finally:
         for name, value in saved.items():
             if value is None:
@@ -92,17 +108,12 @@ def share(uri: str, sweep: str, logins: Sequence[str], edit: bool = True) -> lis
     EDIT on its experiment, and their names in `pdmctl.shared_with`, which pdmctl's owner check reads); READ
     takes a login's writing back. Only the sweep's MANAGErs (its owner, the admin) may: MLflow refuses others.
     One line per login (LedgerError, one line, where nothing can be shared)."""
-    import warnings
-
     from mlflow.exceptions import MlflowException
 
     from pdmctl.ledger.client import ClientLedger
     from pdmctl.ledger.uris import _first_line, _redact, is_database_uri
 
-    with warnings.catch_warnings():  # its server's modules, imported with it, warn of their own dependencies
-        warnings.simplefilter("ignore")
-        from mlflow.server.auth.client import AuthServiceClient
-
+    auth_client = _auth_client_class("pdmctl server share")
     login = tracking_login()
     if is_database_uri(uri):
         raise LedgerError(f"pdmctl server share: {_redact(uri)} is a database store, which has no logins: sharing "
@@ -115,7 +126,7 @@ def share(uri: str, sweep: str, logins: Sequence[str], edit: bool = True) -> lis
         raise LedgerError(f"pdmctl server share: no sweep {sweep!r} on {_redact(uri)}")
     owner = exp.tags.get(TAG_OWNER) or login
     permission = "EDIT" if edit else "READ"
-    client = AuthServiceClient(uri)
+    client = auth_client(uri)
     lines = []
     for name in dict.fromkeys(logins):
         if name == owner:

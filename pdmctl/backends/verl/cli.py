@@ -59,6 +59,12 @@ def prepare(
     """Write dapo_math_17k.parquet, aime24.parquet, aime25.parquet and manifest.json (sources, filter, rows in
     and out, each output's SHA-256, and the digest a run carries) for VeRL."""
     console = Console()
+    try:  # VeRL's environment has it; pdmctl's core install does not
+        import pyarrow  # noqa: F401
+    except ImportError:
+        print(f"error: pdmctl data prepare reads and writes parquet with pyarrow, not installed in {sys.executable}: "
+              "pip install pyarrow (and datasets, to read from the hub)", file=sys.stderr)  # fmt: skip
+        raise typer.Exit(2) from None
     chosen = DataFilter(dedupe=dedupe, answer_format=answer_format, max_prompt_chars=max_prompt_chars,
                         max_prompt_tokens=max_prompt_tokens, tokenizer=tokenizer,
                         ids_file=None if ids is None else str(ids))

@@ -220,17 +220,16 @@ def _tensor_data_problem(path: str, size: int, data_start: int, data_end: int) -
 
 
 def _parquet_problem(path: str) -> str | None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from pdmctl.backends.verl.parquet_footer import read_footer  # no pyarrow on a login node
 
     try:
-        meta = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError, ValueError) as exc:
+        footer = read_footer(path)
+    except (OSError, ValueError) as exc:
         return f"is not a parquet file ({' '.join(str(exc).split())[:120]})"
-    names = set(meta.schema_arrow.names)
+    names = set(footer.names)
     lacking = [c for c in PARQUET_COLUMNS if c not in names]
     if lacking:
         return f"lacks the column(s) VeRL reads: {', '.join(lacking)} (has {', '.join(sorted(names)) or 'none'})"
-    if meta.metadata.num_rows < 1:
+    if footer.num_rows < 1:
         return "has no rows"
     return None
