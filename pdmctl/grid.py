@@ -157,9 +157,8 @@ def expand(
 
 
 def _cross(parsed: Sequence) -> list[list[str]]:
-    """One setting's jobs, each a list of `key=value` overrides: the product of every key's values, the
-    first key varying slowest. A key given twice keeps its first place and its last values (Hydra's
-    multirun semantics), through the public override API (`sweep_string_iterator`)."""
+    """One setting's jobs (lists of `key=value`): the product of every key's values, the first varying slowest;
+    a key given twice keeps its first place and its last values, as Hydra's multirun does."""
     choices: dict[str, list[str]] = {}
     for override in parsed:
         key = override.get_key_element()  # with its prefix: `+key`, `++key`, `~key`
@@ -538,12 +537,9 @@ class _hydra:
         GlobalHydra.instance().clear()
         _compose_groups.cache_clear()
         _hydra_compose.cache_clear()
-        # Hydra 1.4 warns that version_base goes away in 1.5; "1.3" is still honoured there
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # Hydra 1.4 warns that version_base goes in 1.5; "1.3" is honoured
             warnings.filterwarnings("ignore", message="The version_base parameter is deprecated")
-            self._ctx = initialize_config_dir(
-                config_dir=str(config_dir()), version_base="1.3", job_name="pdmctl"
-            )
+            self._ctx = initialize_config_dir(config_dir=str(config_dir()), version_base="1.3", job_name="pdmctl")
             self._ctx.__enter__()
         return self
 
