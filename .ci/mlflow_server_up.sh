@@ -71,7 +71,8 @@ ts "PostgreSQL $PG_VERSION/pdmctl on $HOST:$PG_PORT, database mlflow"
 # ---------- mlflow server ----------
 URL="http://$HOST:$MLFLOW_PORT"
 # One caller at a time (the suite's lanes and the engine's tests call this concurrently): a second caller
-# waits for the first one's server instead of starting its own beside it.
+# waits for the first one's server instead of starting its own beside it. The server itself does not
+# inherit the lock (9>&- below), or every later caller would wait on it for good.
 mkdir -p "$STATE"
 exec 9>"$STATE/start.lock"
 flock 9
@@ -85,7 +86,7 @@ if ! healthy "$URL"; then
   mkdir -p "$STATE/artifacts"
   # setsid: its own process group, so `stop` ends the workers with it
   setsid "$MLFLOW" server --backend-store-uri "$PG_URI" --artifacts-destination "$STATE/artifacts" \
-    --host "$HOST" --port "$MLFLOW_PORT" --workers 4 >>"$STATE/server.log" 2>&1 </dev/null &
+    --host "$HOST" --port "$MLFLOW_PORT" --workers 4 >>"$STATE/server.log" 2>&1 </dev/null 9>&- &
   echo $! >"$PIDFILE"
   for _ in $(seq 240); do healthy "$URL" && break; alive || break; sleep 0.5; done
   healthy "$URL" || { echo "mlflow server did not come up" >&2; tail -30 "$STATE/server.log" >&2; exit 1; }
