@@ -2,7 +2,9 @@
 
 configs/, sweeps/, clusters/ and reports/ stay at the repository's top level (where a checkout and an
 editable install read them); a wheel carries them as `pdmctl/_data/<folder>` (pdmctl.resources finds them
-there). A wheel also carries `pdmctl/_commit.json`, the commit it was built from and whether the tree was
+there), and with them the files pdmctl's help and messages name: the Markdown of docs/ and the engine
+environment's script with its locks, as `pdmctl/_data/docs/...` and `pdmctl/_data/scripts/...`
+(pdmctl.shipped; `pdmctl docs PATH` prints where each is). A wheel also carries `pdmctl/_commit.json`, the commit it was built from and whether the tree was
 dirty then (pdmctl.provenance reads it: an installed package asks git nothing, since the git project around
 site-packages is the user's, not pdmctl's); an sdist carries the same file for the wheel built from it.
 Everything else about the package is declared in pyproject.toml.
@@ -21,6 +23,8 @@ from setuptools.command.sdist import sdist
 ROOT = Path(__file__).resolve().parent
 # the same folders and patterns as pdmctl.resources.PATTERNS (reports/ also holds rendered reports)
 DATA = {"configs": "**/*.yaml", "sweeps": "*.yaml", "clusters": "*.yaml", "reports": "*.yaml"}
+# the same folders and patterns as pdmctl.shipped.SHIPPED
+SHIPPED = {"docs": ("**/*.md",), "scripts": ("engine-env.sh", "engine-cuda.lock", "engine-cuda12.lock")}
 COMMIT_FILE = "_commit.json"  # pdmctl.provenance.COMMIT_FILE's name
 
 
@@ -66,7 +70,9 @@ class BuildWithData(build_py):
         super().run()
         if getattr(self, "editable_mode", False):  # an editable install reads the checkout's folders
             return
-        for folder, pattern in DATA.items():
+        patterns = list(DATA.items())
+        patterns += [(folder, pattern) for folder, names in SHIPPED.items() for pattern in names]
+        for folder, pattern in patterns:
             source = ROOT / folder
             for path in sorted(source.glob(pattern)):
                 if path.is_file():

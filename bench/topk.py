@@ -52,9 +52,9 @@ protocol 5 and a buffer callback, as Ray sends it; the bytes in band and out of 
 the driver concatenates the shares and balances the batch (`DataProto.concat`, `reorder`), converts it
 (`to_tensordict`, `left_right_2_no_padding` does not touch the top-K) and sends one chunk per data-
 parallel rank (--dp; `chunk_tensordict`, pickled the same way), and one rank reads its rows back for
-the mask (`topk.carried_rows`; before: `padded[valid]`). Reported: the carried bytes (exact, from the
+the mask (`topk.carried_rows`; the padded layout: `padded[valid]`). Reported: the carried bytes (exact, from the
 arrays), the seconds of each stage, and the process's peak memory above its baseline over the whole
-carry (Linux's VmHWM, reset before each layout). The old layout is 2.1 GB at 4B scale and 16.9 GB at
+carry (Linux's VmHWM, reset before each layout). The padded layout is 2.1 GB at 4B scale and 16.9 GB at
 30B before any copy, and its path copies it several times (DataProto's torch.save, concat, a whole
 storage pickled per rank): it does not fit beside the CI on a 24 GiB machine, so its size is computed,
 and its time and peak are measured on --before-sample responses of the batch (times scaled to the

@@ -10,7 +10,7 @@ On a CUDA device the pass is one fused Triton kernel (`pdmctl.mask_kernel`: the 
 statistics in one read of the logits) where Triton imports; `PDMCTL_MASK_KERNEL` chooses: `torch` (the
 default: this module's blocked pass everywhere), `auto` (the kernel for CUDA logits where Triton imports)
 or `triton` (the kernel everywhere; on CPU only under `TRITON_INTERPRET=1`, as CI tests it). The kernel is
-opt-in until `scripts/device-check.sh` has passed on a GPU: it has run only under Triton's interpreter.
+opt-in: the test suite runs it under Triton's interpreter only, and `scripts/device-check.sh` checks it on a GPU.
 
 With a `VocabShard` (Megatron's vocabulary-parallel logits) the row maximum and the sums are
 all-reduced over the shard's process group, and every rank gets the whole vocabulary's values.

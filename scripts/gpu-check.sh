@@ -32,7 +32,7 @@
 #    and 8 held-out sums under each of the aime24/aime25 names, in VeRL's layout through
 #    `pdmctl data prepare`; validation at 2 samples a problem. Then `pdmctl status`.
 #
-# Every step prints its time. Nothing here has run yet: no GPU has been available to this project.
+# Every step prints its time. The test suite does not run this script (its CI has no GPU): run it by hand.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T0=$SECONDS

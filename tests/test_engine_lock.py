@@ -111,23 +111,18 @@ def test_the_driver_check_fails_in_one_line_without_a_gpu(tmp_path: Path) -> Non
     ]
 
 
+ENV_USAGE = "usage: bash scripts/engine-env.sh [--cuda | --cuda12] [--pdmctl WHEEL] DIR"
+
+
 @pytest.mark.parametrize(
     ("args", "line"),
     [
-        ([], "engine-env.sh: no DIR (usage: bash scripts/engine-env.sh [--cuda | --cuda12] DIR)"),
-        (
-            ["--gpu", "x"],
-            "engine-env.sh: unknown option '--gpu' (usage: bash scripts/engine-env.sh [--cuda | --cuda12] DIR)",
-        ),
-        (
-            ["a", "b"],
-            "engine-env.sh: more than one DIR ('a', 'b') (usage: bash scripts/engine-env.sh [--cuda | --cuda12] DIR)",
-        ),
-        (
-            ["--cuda", "--cuda12", "x"],
-            "engine-env.sh: --cuda and --cuda12 (two locks): give one (usage: bash scripts/engine-env.sh "
-            "[--cuda | --cuda12] DIR)",
-        ),
+        ([], f"engine-env.sh: no DIR ({ENV_USAGE})"),
+        (["--gpu", "x"], f"engine-env.sh: unknown option '--gpu' ({ENV_USAGE})"),
+        (["a", "b"], f"engine-env.sh: more than one DIR ('a', 'b') ({ENV_USAGE})"),
+        (["--cuda", "--cuda12", "x"], f"engine-env.sh: --cuda and --cuda12 (two locks): give one ({ENV_USAGE})"),
+        (["x", "--pdmctl"], f"engine-env.sh: --pdmctl needs a wheel or sdist of pdmctl ({ENV_USAGE})"),
+        (["--pdmctl", "no.whl", "x"], f"engine-env.sh: --pdmctl no.whl: no such file ({ENV_USAGE})"),
     ],
 )
 def test_engine_env_refuses_bad_arguments_before_anything_is_written(tmp_path: Path, args, line) -> None:
@@ -135,6 +130,43 @@ def test_engine_env_refuses_bad_arguments_before_anything_is_written(tmp_path: P
                           cwd=tmp_path, timeout=60)  # fmt: skip
     assert (proc.returncode, proc.stderr.strip().splitlines()) == (2, [line])
     assert list(tmp_path.iterdir()) == []
+
+
+
+def test_the_copy_an_installed_pdmctl_carries_takes_pdmctl_from_its_wheel(tmp_path: Path) -> None:
+    """A wheel ships scripts/engine-env.sh with its locks as pdmctl/_data/scripts/ (`pdmctl docs
+    scripts/engine-env.sh`), with no clone beside it to install pdmctl from: without --pdmctl it says so in one
+    line; with it, it goes on to the node's needs and the lock beside it (refused here at the glibc check,
+    before anything is written)."""
+    import shutil
+
+    data = tmp_path / "site-packages" / "pdmctl" / "_data"
+    (data / "scripts").mkdir(parents=True)
+    for name in ("engine-env.sh", "engine-cuda.lock"):
+        shutil.copy2(REPO / "scripts" / name, data / "scripts" / name)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "cat", "awk", "sort", "head", "dirname", "basename"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    (bin_dir / "getconf").write_text(f"#!{shutil.which('bash')}\necho 'glibc 2.28'\n")
+    (bin_dir / "getconf").chmod(0o755)
+    wheel = tmp_path / "pdmctl-0.1.0-py3-none-any.whl"
+    wheel.write_bytes(b"")
+    target = tmp_path / "env"
+
+    def env_sh(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(bin_dir / "bash"), str(data / "scripts" / "engine-env.sh"), *args],
+                              capture_output=True, text=True, timeout=60, env={"PATH": str(bin_dir)})  # fmt: skip
+
+    alone = env_sh("--cuda", str(target))
+    assert (alone.returncode, alone.stderr.strip().splitlines()) == (2, [
+        "engine-env.sh: this copy came with an installed pdmctl, with no clone to install pdmctl from: give its "
+        f"wheel, --pdmctl FILE ({ENV_USAGE})"]), alone  # fmt: skip
+    with_wheel = env_sh("--cuda", "--pdmctl", str(wheel), str(target))
+    assert with_wheel.returncode == 2 and with_wheel.stdout.startswith("engine-env.sh --cuda needs"), with_wheel
+    assert with_wheel.stderr.strip() == "engine-env.sh: glibc 2.28 here, and --cuda needs glibc >= 2.31 " \
+                                        "(llguidance 1.7.6's wheels)"  # fmt: skip
+    assert not target.exists()
 
 
 @pytest.mark.parametrize(

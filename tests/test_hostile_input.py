@@ -17,6 +17,16 @@ from pdmctl.grid import expand, load_sweep_file
 from tests.test_bad_input import refused, store  # noqa: F401 (a fixture)
 
 SYN = ["backend=synthetic", "model=synthetic"]
+SHIPPED_ANALYSES = Path(__file__).resolve().parents[1] / "docs" / "results" / "analysis"
+
+
+def shipped_analysis(preset: str) -> dict:
+    """A preset's `analyze --json` result as docs/results keeps it (gzipped)."""
+    import gzip
+    import json
+
+    with gzip.open(SHIPPED_ANALYSES / preset / "analysis.json.gz", "rt", encoding="utf-8") as f:
+        return json.load(f)
 
 
 # -- 3: an empty or falsy grid ----------------------------------------------------------------------
@@ -994,8 +1004,7 @@ def test_report_refuses_an_analysis_that_is_not_whole(workdir: Path, analysis, n
     import json
 
     if analysis == "without seeds":
-        shipped = Path(__file__).resolve().parents[1] / "docs" / "results" / "analysis" / "toy-small" / "analysis.json"
-        analysis = {k: v for k, v in json.loads(shipped.read_text()).items() if k != "seeds"}
+        analysis = {k: v for k, v in shipped_analysis("toy-small").items() if k != "seeds"}
     (workdir / "a.json").write_text(json.dumps(analysis))
     refused(workdir, ["report", "--analysis", "a.json"], f"--analysis: a.json {needle}")
 
@@ -1163,8 +1172,7 @@ def test_a_failed_final_write_of_analyze_is_one_line_and_keeps_the_result(
     from pdmctl.analysis.cli import _kept_on_failure
     from pdmctl.analysis.results import AnalysisResult
 
-    shipped = Path(__file__).resolve().parents[1] / "docs" / "results" / "analysis" / "toy-llm" / "analysis.json"
-    result = AnalysisResult.from_dict(json.loads(shipped.read_text()))
+    result = AnalysisResult.from_dict(shipped_analysis("toy-llm"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(typer.Exit) as ended, _kept_on_failure(result) as writing:
         writing[0] = "--json /dev/full"

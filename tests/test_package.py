@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from pdmctl import resources
+from pdmctl import resources, shipped
 from tests.conftest import pdmctl
+from tests.test_docs import cited_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_FOLDERS = ("configs", "sweeps", "clusters", "reports")
@@ -65,8 +66,23 @@ def test_the_wheel_carries_every_tracked_yaml_file_as_package_data(wheel: Path) 
     assert {"pdmctl/_data/configs/run.yaml", "pdmctl/_data/clusters/local.yaml",
             "pdmctl/_data/sweeps/paper-main.yaml", "pdmctl/_data/reports/default.yaml"} <= want  # fmt: skip
     assert want <= names, sorted(want - names)
-    assert {n for n in names if n.startswith("pdmctl/_data/")} == want  # nothing else (no rendered reports)
+    docs = {f"pdmctl/_data/{p}" for p in _tracked("docs", "scripts")
+            if p.endswith(".md") or p.removeprefix("scripts/") in shipped.SHIPPED["scripts"]}  # fmt: skip
+    # nothing else (no rendered reports, no results data): the YAML, the Markdown of docs/ and the engine's script
+    assert {n for n in names if n.startswith("pdmctl/_data/")} == want | docs
     assert "pdmctl/resources.py" in names
+
+
+def test_the_wheel_carries_every_file_help_and_messages_name(wheel: Path) -> None:
+    """A wheel's user reads what help texts and messages name (`pdmctl docs PATH` prints where): each docs/… and
+    scripts/… path they cite is in the wheel as pdmctl/_data/<path>, engine-env.sh with the locks it reads."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    cited = set(cited_paths())
+    assert {"docs/CLUSTER.md", "scripts/engine-env.sh"} <= cited
+    missing = sorted(p for p in cited if f"pdmctl/_data/{p}" not in names)
+    assert not missing, missing
+    assert {"pdmctl/_data/scripts/engine-cuda.lock", "pdmctl/_data/scripts/engine-cuda12.lock",
+            "pdmctl/_data/docs/results/stress.md", "pdmctl/shipped.py"} <= names  # fmt: skip
 
 
 def test_the_wheel_carries_the_commit_it_was_built_from(wheel: Path, wheel_source: Path) -> None:

@@ -1,6 +1,6 @@
 """The tables of `pdmctl analyze`, as Markdown, from its JSON (how docs/results/analysis.md's tables were made).
 
-    python docs/results/analysis/markdown.py docs/results/analysis/toy-small/analysis.json [OTHER.json[.gz] ...]
+    python docs/results/analysis/markdown.py docs/results/analysis/toy-small/analysis.json.gz [OTHER.json[.gz] ...]
 
 With several files: each one's tables, then the primary metric of each, the primary test over them (Holm over
 their sign-flip p's), and the secondary comparisons of
