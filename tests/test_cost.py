@@ -16,7 +16,7 @@ import yaml
 from pdmctl.budget import cost, costing
 from pdmctl.executors import load_profile, make_executor
 from pdmctl.grid import expand, load_sweep_file
-from pdmctl.orchestrate import Context, describe_runs, plan
+from pdmctl.orchestrate import Context, describe_runs, expected_seconds, plan
 from tests.conftest import pdmctl, stage_model
 
 ROOT = Path(__file__).parents[1]
@@ -28,35 +28,119 @@ def _shape(**changes) -> cost.VerlShape:
     return cost.VerlShape(**{**fields, **changes})
 
 
+def _by_hand(shape: cost.VerlShape, end: str, at_cap: bool = False) -> float:
+    """One run's seconds at one end of the stated assumptions (no time limit: one attempt), as docs/CLUSTER.md,
+    "Cost", writes the model."""
+    a = cost.ASSUMPTIONS[shape.model]
+    pick = {name: getattr(getattr(a, name), end) for name in ("response_fraction", "tail_fraction", "tail_decode",
+            "startup_s", "write_gb_s", "step_fixed_s", "rollout_rate", "train_rate")}  # fmt: skip
+    mean = (1.0 if at_cap else pick["response_fraction"]) * shape.response
+    tail = 0.0 if at_cap else (pick["tail_fraction"] * shape.response - mean) / pick["tail_decode"]
+    rollout_rate, train_rate = 4200 * pick["rollout_rate"] * shape.gpus, 2000 * pick["train_rate"] * shape.gpus
+    forward = 1 + a.log_prob_share if shape.log_prob_recompute else 1
+    step = (shape.batch * shape.group * mean / rollout_rate + tail
+            + shape.batch * shape.group * mean / train_rate * forward + pick["step_fixed_s"])  # fmt: skip
+    validation = shape.held_out * mean / rollout_rate + tail
+    writes = shape.saves * shape.checkpoint_bytes / (pick["write_gb_s"] * 1e9)
+    return shape.steps * step + shape.validations * validation + writes + pick["startup_s"]
+
+
 def test_the_expected_cost_is_the_stated_model_and_its_range_lies_under_the_upper_bound() -> None:
-    shape, a = _shape(), cost.ASSUMPTIONS["qwen3-4b-base"]
-    estimate = cost.verl_estimate(shape, 3000, 1000, {"time": 2880})
+    """The expected figure, the low end (every assumption at its cheap end: short responses, fast rates, short
+    fixed time) and the high end (every one at its dear end) are the stated model's; the upper bound takes
+    every response at the cap and every other assumption at its dear end."""
+    shape = _shape()
+    estimate = cost.verl_estimate(shape, 4200, 2000, {"time": 2880})
     assert estimate is not None
-    mean = a.response_fraction.expected * 8192
-    tail = (a.tail_fraction.expected * 8192 - mean) / a.tail_decode.expected
-    step = 128 * 8 * mean / (3000 * 32) + tail + 128 * 8 * mean / (1000 * 32)
-    validation = 960 * mean / (3000 * 32) + tail
-    writes = 30 * 48e9 / (a.write_gb_s.expected * 1e9)
-    work = 300 * step + 31 * validation + writes
-    attempts = math.ceil(work / (2880 * 60 - a.startup_s.expected))
-    assert estimate.seconds.expected == pytest.approx(work + attempts * a.startup_s.expected)
-    assert estimate.attempts == attempts == 1 and estimate.devices == 32 and estimate.unit == "GPU"
-    at_cap = 300 * (128 * 8 * 8192 / (3000 * 32) + 128 * 8 * 8192 / (1000 * 32)) + 31 * 960 * 8192 / (3000 * 32)
-    upper = at_cap + 30 * 48e9 / (a.write_gb_s.high * 1e9) + a.startup_s.high
-    assert estimate.upper_s == pytest.approx(upper)
     s = estimate.seconds
+    for end in ("expected", "low", "high"):
+        assert getattr(s, end) == pytest.approx(_by_hand(shape, end)), end
+    assert estimate.upper_s == pytest.approx(_by_hand(shape, "high", at_cap=True))
+    assert estimate.attempts == 1 and estimate.devices == 32 and estimate.unit == "GPU"
     assert s.low < s.expected < s.high <= estimate.upper_s
     assert estimate.hours.expected == pytest.approx(s.expected * 32 / 3600)
-    assert "not measurements" in estimate.rests_on and "mean response 33% of the cap" in estimate.assumptions
+    a = cost.ASSUMPTIONS["qwen3-4b-base"]
+    assert estimate.parts["step_fixed"] == 300 * a.step_fixed_s.expected and estimate.parts["requeues"] == 0
+    assert sum(estimate.parts.values()) == pytest.approx(s.expected)
+    said = estimate.assumptions
+    assert "not measurements" in estimate.rests_on and "mean response 33% of the cap" in said
+    assert "rollout rate x 1 (0.5-1.3) and train rate x 1 (0.7-1.3)" in said and "30 s fixed a step (15-60" in said
+
+
+def test_the_range_holds_the_rates_uncertainty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the rates' factors pinned at 1, the low end is dearer and the high end cheaper than with their
+    stated spread; the expected figure is the same."""
+    stated = cost.verl_estimate(_shape(), 4200, 2000, {})
+    one = cost.Span(1, 1, 1)
+    pinned = dataclasses.replace(cost.ASSUMPTIONS["qwen3-4b-base"], rollout_rate=one, train_rate=one)
+    monkeypatch.setitem(cost.ASSUMPTIONS, "qwen3-4b-base", pinned)
+    fixed_rates = cost.verl_estimate(_shape(), 4200, 2000, {})
+    assert stated is not None and fixed_rates is not None
+    assert stated.seconds.expected == pytest.approx(fixed_rates.seconds.expected)
+    assert stated.seconds.low < fixed_rates.seconds.low and stated.seconds.high > fixed_rates.seconds.high
 
 
 def test_a_run_longer_than_the_time_limit_pays_a_start_up_for_every_attempt() -> None:
-    one = cost.verl_estimate(_shape(), 3000, 1000, {})
-    short = cost.verl_estimate(_shape(), 3000, 1000, {"time": 120})  # two hours an attempt
+    one = cost.verl_estimate(_shape(), 4200, 2000, {})
+    short = cost.verl_estimate(_shape(), 4200, 2000, {"time": 120})  # two hours an attempt
     assert one is not None and short is not None and one.attempts == 1
     assert short.attempts == math.ceil((one.seconds.expected - 600) / (7200 - 600)) > 1
     assert short.seconds.expected == pytest.approx(one.seconds.expected + (short.attempts - 1) * 600)
-    assert cost.verl_estimate(_shape(model="qwen3-tiny"), 3000, 1000, {}) is None  # no stated assumptions
+    assert cost.verl_estimate(_shape(model="qwen3-tiny"), 4200, 2000, {}) is None  # no stated assumptions
+
+
+def test_a_requeue_redoes_half_a_save_interval_unless_the_run_saves_on_the_way_out() -> None:
+    """Without save_grace_s a requeue loses the steps since the last checkpoint (save_freq / 2 on average) and
+    the next attempt redoes them; with it the trainer checkpoints its step before the requeue, so a requeue
+    costs that checkpoint's write and no step. Either way each attempt pays its start-up, and the attempts hold
+    the redone work."""
+    shape = _shape(save_freq=10)
+    one = cost.verl_estimate(shape, 4200, 2000, {})
+    redo = cost.verl_estimate(shape, 4200, 2000, {"time": 120})
+    saved = cost.verl_estimate(shape, 4200, 2000, {"time": 120, "save_grace_s": 600})
+    assert one is not None and redo is not None and saved is not None
+    p = one.parts
+    step = (p["rollout"] + p["train"] + p["step_fixed"]) / 300
+    write, work = p["checkpoint_writes"] / 30, one.seconds.expected - 600
+    assert redo.attempts == math.ceil((work - 5 * step) / (6600 - 5 * step)) > 1
+    assert redo.seconds.expected == pytest.approx(work + (redo.attempts - 1) * 5 * step + redo.attempts * 600)
+    assert redo.parts["requeues"] == pytest.approx((redo.attempts - 1) * 5 * step)
+    assert saved.attempts == math.ceil((work - write) / (6600 - write)) > 1
+    assert saved.seconds.expected == pytest.approx(work + (saved.attempts - 1) * write + saved.attempts * 600)
+    assert saved.seconds.expected < redo.seconds.expected
+    assert "a requeue redoes 5 steps on average (save_freq 10, no save_grace_s)" in redo.assumptions
+    assert "a requeue saves on the way out (save_grace_s): no step redone" in saved.assumptions
+    assert "requeue" not in one.assumptions  # no time limit: one attempt
+
+
+def test_a_command_that_recomputes_the_old_log_probs_pays_one_more_forward_and_says_so() -> None:
+    """Without algorithm.rollout_correction.bypass_mode=true VeRL recomputes the old log-probs with a forward
+    over the batch each step: a third of the update's forward and backward (a quarter for 30B-A3B, whose update
+    recomputes its activations), at the train rate, and the cost line says which."""
+    for model, share in (("qwen3-4b-base", 1 / 3), ("qwen3-30b-a3b-base", 1 / 4)):
+        plain = cost.verl_estimate(_shape(model=model), 4200, 2000, {})
+        again = cost.verl_estimate(_shape(model=model, log_prob_recompute=True), 4200, 2000, {})
+        assert plain is not None and again is not None
+        assert again.parts["train"] == pytest.approx(plain.parts["train"] * (1 + share))
+        assert again.parts["rollout"] == plain.parts["rollout"]
+        assert f"old log-probs recomputed by a forward each step (+{share:.0%} of the update" in again.assumptions
+        assert "old log-probs the rollout's (algorithm.rollout_correction.bypass_mode=true)" in plain.assumptions
+
+
+def test_a_preflights_measured_steps_take_precedence_over_the_stated_model_and_say_so() -> None:
+    """A setting its preflight measured is costed from the measured step, start-up, save and validation (they
+    hold the rates, the fixed time and any recompute), the stated model's high end and upper bound kept."""
+    shape, cluster = _shape(save_freq=10), {"time": 120, "save_grace_s": 600}
+    stated = cost.verl_estimate(shape, 4200, 2000, cluster)
+    measured = cost.StepCalibration(cost.Span(100, 90, 120), cost.Span(500, 400, 600), cost.Span(30, 25, 40),
+                                    "preflight p's 3 run(s) of this setting", cost.Span(200, 180, 220))  # fmt: skip
+    e = cost.measured_verl_estimate(shape, stated, measured, cluster)
+    work = 300 * 100 + 31 * 200 + 30 * 30
+    assert e.attempts == math.ceil((work - 30) / (7200 - 500 - 30))
+    assert e.seconds.expected == pytest.approx(work + (e.attempts - 1) * 30 + e.attempts * 500)
+    assert stated is not None and e.seconds.high == max(stated.seconds.high, e.seconds.expected)
+    assert e.upper_s == stated.upper_s and e.rests_on == "preflight p's 3 run(s) of this setting"
+    assert "take precedence over the stated rates, fixed time and recompute" in e.assumptions
 
 
 def test_the_sweeps_wall_time_places_the_runs_in_order_on_the_slots() -> None:
@@ -99,9 +183,10 @@ def _staged_h20(tmp_path: Path, **changes) -> Path:
     return path
 
 
-def _paper_main(tmp_path: Path, max_concurrent: int, small_on: int | None = None):
+def _paper_main(tmp_path: Path, max_concurrent: int, small_on: int | None = None, order: str = "seed"):
     """paper-main's plan on the staged h20 profile; `small_on`: its 4B and 8B settings on that many nodes
-    (`backend.nnodes` in their settings), the 30B ones on the preset's 4."""
+    (`backend.nnodes` in their settings), the 30B ones on the preset's 4; in `order` (answers: as the dry run
+    orders them, by their expected cost)."""
     profile = load_profile(str(_staged_h20(tmp_path, max_concurrent=max_concurrent)))
     ctx = Context(profile, f"sqlite:///{tmp_path / 'none.db'}")
     executor = make_executor(profile)
@@ -113,7 +198,104 @@ def _paper_main(tmp_path: Path, max_concurrent: int, small_on: int | None = None
                 setting["backend.nnodes"] = small_on
         sweep = str(tmp_path / "paper-main-packed.yaml")
         Path(sweep).write_text(yaml.safe_dump(fields))
-    return ctx, executor, plan(expand([], load_sweep_file(sweep)), ctx, order="seed")
+    specs = expand([], load_sweep_file(sweep))
+    seconds = expected_seconds(specs, ctx, executor) if order == "answers" else None
+    return ctx, executor, plan(specs, ctx, order=order, run_seconds=seconds)
+
+
+# A first-principles estimate of a paper-main run, from the H20's figures and the models' shapes, not from the
+# cost model or the profile's rates (docs/CLUSTER.md, "Cost", states every assumption). Each range: expected,
+# then the cheap end, then the dear end.
+H20_BF16, H20_FP8, H20_BYTES_S = 148e12, 296e12, 4.0e12  # dense FLOP/s; HBM3 bytes/s
+GPUS, STEPS, VALIDATIONS, HELD_OUT, SAVES, ATTEMPT_S = 32, 300, 31, 60 * 16, 30, 2 * 86400
+PROMPT, ATTENTION_WIDTH = 200, 32 * 128  # tokens a prompt; heads x head dim, every model
+BANDWIDTH = {"expected": 0.60, "low": 0.75, "high": 0.40}  # decode's share of 4.0 TB/s
+DECODE_FLOPS = {"expected": 0.50, "low": 0.65, "high": 0.30}  # decode's share of the peak
+ITERATION_S = {"expected": 1.5e-3, "low": 0.5e-3, "high": 3e-3}  # scheduling, sampling, launches, all-reduces
+WRITE_B_S = {"expected": 2e9, "low": 5e9, "high": 0.5e9}  # checkpoint writes (as the model states them)
+_DENSE_LENGTH = {"expected": 0.33, "low": 0.2, "high": 0.6}  # mean response / cap (as the model states them)
+_MOE_LENGTH = {"expected": 0.23, "low": 0.12, "high": 0.5}
+
+
+def _span(expected: float, low: float, high: float) -> dict[str, float]:
+    return {"expected": expected, "low": low, "high": high}
+
+
+_4B = dict(active=4.0e9, layers=36, kv_heads=8, weight_bytes=4.022e9 * 2, tp=1, batch=128, group=8, cap=8192,
+           length=_DENSE_LENGTH, passes=3, train_peak=H20_BF16, mfu=_span(0.35, 0.45, 0.25), decode_peak=H20_BF16,
+           fixed_s=_span(30, 15, 60), startup_s=_span(600, 300, 1200), checkpoint_bytes=4.022e9 * 14)  # fmt: skip
+_30B = dict(active=3.3e9, layers=48, kv_heads=4, weight_bytes=30.53e9, tp=4, batch=256, group=16, cap=16384,
+            length=_MOE_LENGTH, passes=4, decode_peak=H20_FP8, fixed_s=_span(90, 45, 180),
+            startup_s=_span(1200, 600, 2400), checkpoint_bytes=30.53e9 * 14)  # fmt: skip
+FIRST_PRINCIPLES = {  # the dry run's setting: (the docs' label, the setting's constants)
+    "verl: qwen3-4b-base bf16 on megatron": ("4B bf16", _4B),
+    "verl: qwen3-8b-base bf16 on megatron": ("8B bf16", {**_4B, "active": 8.2e9, "weight_bytes": 8.19e9 * 2, "tp": 2,
+                                                         "fixed_s": _span(40, 20, 80), "checkpoint_bytes": 8.19e9 * 14}),
+    "verl: qwen3-30b-a3b-base fp8_e2e on megatron": ("30B-A3B fp8_e2e", {**_30B, "train_peak": H20_FP8,
+                                                                         "mfu": _span(0.12, 0.16, 0.08)}),
+    "verl: qwen3-30b-a3b-base fp8_rollout on megatron": ("30B-A3B fp8_rollout", {**_30B, "train_peak": H20_BF16,
+                                                                                 "mfu": _span(0.20, 0.30, 0.12)}),
+}  # fmt: skip
+
+
+def _first_principles(c: dict, end: str = "expected", recompute: bool = False) -> dict[str, float]:
+    """A run's seconds a step (rollout, training) and GPU-hours: FLOPs per token 2 x active parameters + the
+    attention's 4 x layers x width x context, training 3 forwards' worth (4 with activation recompute, one more
+    for an old-log-prob forward) at an MFU; decode per iteration of an engine the slower of bytes over the
+    bandwidth and FLOPs over the peak, for the weights and for the attention, plus a latency; the bulk at the
+    mean length with every sequence in flight, the slowest response alone to the cap."""
+    mean = c["length"][end] * c["cap"]
+    bandwidth, flops, latency = H20_BYTES_S * BANDWIDTH[end], DECODE_FLOPS[end], ITERATION_S[end]
+    kv_bytes = 2 * c["layers"] * c["kv_heads"] * 128 * 2  # K and V, bf16, a token
+    context = PROMPT + mean / 2
+    weights_s = c["weight_bytes"] / c["tp"] / bandwidth
+
+    def decode(sequences: int) -> float:
+        engine = sequences / (GPUS / c["tp"])  # sequences an engine holds
+        matmuls = max(weights_s, engine * 2 * c["active"] / c["tp"] / (c["decode_peak"] * flops))
+        attention = max(engine * kv_bytes * context / c["tp"] / bandwidth,
+                        engine * 4 * c["layers"] * ATTENTION_WIDTH * context / c["tp"] / (H20_BF16 * flops))
+        return mean * (matmuls + attention + latency) + (c["cap"] - mean) * (weights_s + latency)
+
+    trained = PROMPT + mean
+    forward = 2 * c["active"] + 4 * c["layers"] * ATTENTION_WIDTH * trained / 2
+    train = (c["batch"] * c["group"] * trained * (c["passes"] + recompute) * forward
+             / (GPUS * c["train_peak"] * c["mfu"][end]))  # fmt: skip
+    rollout, write, startup = decode(c["batch"] * c["group"]), c["checkpoint_bytes"] / WRITE_B_S[end], c["startup_s"][end]
+    work = STEPS * (rollout + train + c["fixed_s"][end]) + VALIDATIONS * decode(HELD_OUT) + SAVES * write
+    attempts = max(1, math.ceil((work - write) / (ATTEMPT_S - startup - write)))  # a save on the way out each requeue
+    seconds = work + (attempts - 1) * write + attempts * startup
+    return {"rollout": rollout, "train": train, "fixed": c["fixed_s"][end], "gpu_hours": seconds * GPUS / 3600}
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["bypass", "old-log-prob-forward"])
+def test_paper_mains_expected_gpu_hours_lie_within_a_quarter_of_a_first_principles_estimate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recompute: bool) -> None:  # fmt: skip
+    """Each paper-main setting's expected GPU-hours a run, from the shipped h20 profile's dry run, within 25% of
+    the first-principles estimate above, which lies inside the model's range; with the commands as pdmctl writes
+    them (the old log-probs the rollout's) and with the old-log-prob forward of a command without
+    algorithm.rollout_correction.bypass_mode=true, whose cost line says so."""
+    from pdmctl.backends.verl import launch
+
+    written = launch.verl_overrides
+
+    def overrides(*args, **kwargs) -> list[str]:
+        out = [o for o in written(*args, **kwargs) if not o.startswith(f"{cost.BYPASS}=")]
+        return out if recompute else [*out, f"{cost.BYPASS}=true"]
+
+    monkeypatch.setattr(launch, "verl_overrides", overrides)
+    ctx, executor, sweep_plan = _paper_main(tmp_path, max_concurrent=4)
+    data = costing.plan_json(sweep_plan, ctx, executor, "seed")
+    assert [s["setting"] for s in data["settings"]] == list(FIRST_PRINCIPLES)
+    for setting in data["settings"]:
+        runs = [r for r in data["runs"] if r["setting"] == setting["setting"]]
+        c = runs[0]["cost"]
+        model = setting["cost"]["expected"] / setting["runs"]
+        estimate = _first_principles(FIRST_PRINCIPLES[setting["setting"]][1], recompute=recompute)["gpu_hours"]
+        assert abs(model - estimate) <= 0.25 * estimate, (setting["setting"], model, estimate)
+        assert c["low"] <= estimate <= c["high"], (setting["setting"], c, estimate)
+        said = "old log-probs recomputed by a forward each step" if recompute else "no recompute forward"
+        assert all(said in r["cost"]["assumptions"] for r in runs), c["assumptions"]
 
 
 def test_paper_main_on_four_nodes_has_an_expected_cost_per_run_under_its_upper_bound_seed_zero_first(
@@ -196,19 +378,70 @@ def test_json_without_a_dry_run_is_refused_in_one_line(workdir: Path) -> None:
 
 
 def test_the_cost_figures_in_docs_cluster_are_the_shipped_profiles_dry_run(tmp_path: Path) -> None:
-    """docs/CLUSTER.md, "Cost", quotes the paper-main sweep's expected GPU-hours, range, upper bound and wall days
-    on the shipped h20 profile (max_concurrent 4: 16 nodes) and on a 4-node partition (max_concurrent 1)."""
+    """docs/CLUSTER.md, "Cost", quotes the dry run of paper-main on the shipped h20 profile: a run of each setting,
+    each setting's sum, the sweep's expected GPU-hours, range, upper bound and wall days on 16 nodes
+    (max_concurrent 4) and on a 4-node partition (max_concurrent 1), with the 4B and 8B settings on four nodes
+    and on one, the 4B and 8B first complete comparison days on 4 nodes, and the cross-check table: the model's
+    figures a run and a step beside the first-principles estimate's."""
     doc = (ROOT / "docs" / "CLUSTER.md").read_text()
-    section = doc[doc.index("### Cost"):]
+    section = " ".join(doc[doc.index("### Cost"):doc.index("### Network settings")].split())
+
+    def quoted(text: str) -> None:
+        assert " ".join(text.split()) in section, text
+
+    run_line = re.compile(r"([\d,]+) GPU-hours a run expected \(([\d,]+)-([\d,]+)\), upper bound ([\d,]+); (.+?) a run "
+                          r"expected")  # fmt: skip
+    setting_line = re.compile(r"  setting cost: 12 run\(s\), ([\d,]+) GPU-hours expected .*?\((\d+) attempt\(s\)")
+    per_setting: dict[tuple[int, int | None], list[str]] = {}
     for slots, small_on in ((4, None), (1, None), (4, 1), (1, 1)):
-        ctx, executor, sweep_plan = _paper_main(tmp_path / f"{slots}-{small_on}", slots, small_on)
-        line = describe_runs(sweep_plan.to_submit, ctx, executor)[-1]
+        ctx, executor, sweep_plan = _paper_main(tmp_path / f"{slots}-{small_on}", slots, small_on, order="answers")
+        lines = describe_runs(sweep_plan.to_submit, ctx, executor)
         figures = re.match(r"sweep cost: 48 run\(s\), (.+?); (.+?) of wall time expected \((.+?); upper bound (.+?)\)",
-                           line)  # fmt: skip
-        assert figures is not None, line
+                           lines[-1])  # fmt: skip
+        assert figures is not None, lines[-1]
         hours, days, spread, upper = figures.groups()
-        quoted = f"{hours}; {days} expected ({spread}; upper bound {upper}) at max_concurrent {slots}"
-        assert quoted in section, quoted
+        quoted(f"{hours}; {days} expected ({spread}; upper bound {upper}) at max_concurrent {slots}")
+        per_setting[slots, small_on] = [m[1] for m in map(setting_line.match, lines) if m]
+        runs = [m for m in (run_line.search(line) for line in lines if line.startswith("    cost: ")) if m]
+        if (slots, small_on) == (4, None):
+            four, eight, e2e, rollout = runs
+            for label, m in (("4B", four), ("8B", eight), ("each 30B setting", e2e)):
+                quoted(f"{label}: {m[1]} GPU-hours a run expected ({m[2]}-{m[3]}), upper bound {m[4]}; {m[5]} a run")
+            attempts = [m[2] for m in map(setting_line.match, lines) if m]
+            quoted(f"{m[5]} a run, {attempts[2]} attempts of the profile's 2 days")
+            data = costing.plan_json(sweep_plan, ctx, executor, "answers")
+            model = {s["setting"]: next(r["cost"] for r in data["runs"] if r["setting"] == s["setting"])
+                     for s in data["settings"]}  # fmt: skip
+            printed = dict(zip(FIRST_PRINCIPLES, (four, eight, e2e, rollout), strict=True))
+        if (slots, small_on) == (4, 1):
+            quoted(f"a 4B run takes {runs[0][5]} on its 8 GPUs")
+        if (slots, small_on) == (1, None):
+            days = costing.first_answers(sweep_plan, ctx, executor)
+            four_b, eight_b = (days[f"verl: qwen3-{m}-base bf16 on megatron"] for m in ("4b", "8b"))
+            quoted(f"the 4B comparison is in on day {four_b.expected:.1f} ({four_b.low:.1f}-{four_b.high:.1f}) and the "
+                   f"8B on day {eight_b.expected:.1f} ({eight_b.low:.1f}-{eight_b.high:.1f})")  # fmt: skip
+    whole, packed = per_setting[4, None], per_setting[4, 1]
+    quoted(f"per setting of 12 runs {whole[0]} GPU-hours expected (4B), {whole[1]} (8B) and {whole[2]} (each 30B)")
+
+    def value(figure: str) -> float:
+        return float(figure.replace(",", ""))
+
+    sweep = sum(map(value, whole))
+    quoted(f"The 30B runs hold {(value(whole[2]) + value(whole[3])) / sweep:.0%} of the hours (2 x {whole[2]} of "
+           f"{sweep:,.0f})")  # fmt: skip
+    small = (value(packed[0]) + value(packed[1])) / (value(whole[0]) + value(whole[1]))
+    quoted(f"the 4B and 8B runs cost {1 - small:.0%} fewer GPU-hours ({packed[0]} + {packed[1]} for their settings on "
+           f"one node against {whole[0]} + {whole[1]} on four)")  # fmt: skip
+    for setting, (label, constants) in FIRST_PRINCIPLES.items():
+        ours = _first_principles(constants)
+        low, high = (_first_principles(constants, end)["gpu_hours"] for end in ("low", "high"))
+        c, m = model[setting], printed[setting]
+        step = [c["parts_s"][part] / 300 for part in ("rollout", "train", "step_fixed")]
+        quoted(f"| {label} | {ours['rollout']:.1f} s | {ours['train']:.1f} s | {ours['fixed']:g} s | "
+               f"{ours['gpu_hours']:,.0f} ({low:,.0f}-{high:,.0f}) | {m[1]} ({m[2]}-{m[3]}); a step {step[0]:.1f} + "
+               f"{step[1]:.1f} + {step[2]:g} s | {c['expected'] / ours['gpu_hours']:.2f} |")  # fmt: skip
+    again = [_first_principles(constants, recompute=True)["gpu_hours"] for _, constants in FIRST_PRINCIPLES.values()]
+    quoted("principles give {:,.0f}, {:,.0f}, {:,.0f} and {:,.0f} GPU-hours a run".format(*again))
 
 
 def test_the_time_spent_is_every_attempts_wall_time_to_the_next_attempt_or_the_runs_end() -> None:

@@ -280,7 +280,7 @@ def test_a_laptop_without_slurm_plans_paper_main_with_its_cost(tmp_path: Path) -
     assert plan.stdout.splitlines()[0] == (
         "cluster h20: not checked against SLURM (no sinfo here): its partition site-partition and 4 node(s) a job "
         "are taken as the profile states them; the weights and data on its storage are not looked for")  # fmt: skip
-    assert "sweep cost: 48 run(s), 109,328 GPU-hours expected" in plan.stdout
+    assert "sweep cost: 48 run(s), 63,325 GPU-hours expected" in plan.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bin", "h20.yaml"]
 
 

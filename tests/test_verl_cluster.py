@@ -280,6 +280,7 @@ def test_the_paper_sweeps_dry_run_shows_every_command_every_run_and_the_cost(tmp
     shown (the 30B Megatron FP8 one whole), every run under its command, GPU-hours and wall time per run,
     setting and sweep from batch x n x response length and the profile's throughput, the storage."""
     from pdmctl.backends.verl.describe import Throughput
+    from pdmctl.budget import cost
     from pdmctl.grid import load_sweep_file
     from pdmctl.orchestrate import describe_runs, plan
 
@@ -310,11 +311,15 @@ def test_the_paper_sweeps_dry_run_shows_every_command_every_run_and_the_cost(tmp
         steps, rate, gpus = launch.PAPER_STEPS, rates[model], 32  # fixed, not the data's (DAPO's 300)
         validations = 1 + steps // 10 + (steps % 10 > 0)  # before training, every 10 steps, the last
         tokens, held_out = batch * n * response, 60 * 16 * response
-        seconds = steps * (tokens / (rate.rollout * gpus) + tokens / (rate.train * gpus)) + validations * held_out / (rate.rollout * gpus)
+        dear = cost.ASSUMPTIONS[model]  # the rates and the fixed time a step at their dear end
+        rollout, train = rate.rollout * dear.rollout_rate.high * gpus, rate.train * dear.train_rate.high * gpus
+        seconds = (steps * (tokens / rollout + tokens / train + dear.step_fixed_s.high)
+                   + validations * held_out / rollout)  # fmt: skip
         assert f"{steps} steps of {tokens / 1e6:.2f} M tokens generated and trained, {validations} validations" in text
         total_hours += 12 * seconds * gpus / 3600
         run_seconds += [seconds] * 12
-    # the upper bound: every response at the cap, plus start-ups and checkpoint writes at their dear end
+    # the upper bound: every response at the cap, every rate and the fixed time at their dear end, plus start-ups
+    # and checkpoint writes at their dear end
     at_cap = [12 * seconds * gpus / 3600 for seconds in run_seconds[::12]]
     uppers = [float(line.split("upper bound ")[1].split(";")[0].replace(",", ""))
               for line in lines if line.startswith("  setting cost: 12 run(s), ")]  # fmt: skip

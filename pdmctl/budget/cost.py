@@ -1,24 +1,29 @@
 """What a run, a setting and a sweep are expected to cost: GPU-hours (VeRL) or CPU-hours (the testbed), an
 expected figure with a low-high range from stated assumptions, and the upper bound beside it.
 
-VeRL (docs/CLUSTER.md, "Cost"). The upper bound is every response at its length cap, the rollout and the
-training step at the profile's tokens per second per GPU (`throughput:`). The expected cost replaces the cap
-by a mean response length and adds what the bound leaves out:
+VeRL (docs/CLUSTER.md, "Cost"). The expected cost takes a mean response length and the profile's tokens per
+second per GPU (`throughput:`, derived at that length), each rate times a stated factor:
 
     mean response      = response_fraction x max_response_length
     rollout of a step  = batch x n x mean / (rollout rate x GPUs)                     (the bulk, at full batch)
                          + (tail_fraction x max_response_length - mean) / tail_decode  (the straggler tail: the
                                                                         slowest response decodes alone at the end)
-    training of a step = batch x n x mean / (train rate x GPUs)
+    training of a step = batch x n x mean / (train rate x GPUs)      (the update's forward and backward)
+                         x (1 + log_prob_share)   where the command recomputes the old log-probs (no
+                                                  algorithm.rollout_correction.bypass_mode=true): one more forward
+    fixed, per step    = step_fixed_s (weight sync to vLLM, offload and reload, vLLM's wake and sleep)
     one validation     = held-out problems x val_kwargs.n x mean / (rollout rate x GPUs) + the same tail
     checkpoint writes  = saves x checkpoint bytes / write_gb_s
     start-up           = startup_s per attempt (Ray, weights, vLLM and the trainer up; a resume's load),
                          attempts = the run's time over the profile's `time` per attempt
+    each requeue       = with a save on the way out (the profile's save_grace_s, pdmctl.wayout): that
+                         checkpoint's write, no step redone; without: save_freq / 2 steps redone on average
 
 The assumptions are per model (`ASSUMPTIONS`): an expected value and a low-high range each; the low end of
-the cost takes every one at its cheap end, the high end every one at its dear end (clipped to the upper
-bound, which takes the cap, the dear start-up and the slow writes). Until runs have been measured on the
-cluster they are assumptions, not measurements, and the estimate says so (`RESTS_ON`).
+the cost takes every one at its cheap end, the high end every one at its dear end. The upper bound takes every
+response at its cap and every other assumption at its dear end. Until runs have been measured on the cluster
+they are assumptions, not measurements, and the estimate says so (`RESTS_ON`); a setting that its preflight
+measured is costed from the measured steps instead (`measured_verl_estimate`), which take precedence.
 
 The testbed (its rates in TOY_ROLLOUT_S, TOY_STARTUP_S): a run's rollouts (steps x prompts_per_step x group_size) at a stated CPU time per rollout (the
 default toy-small run: 40 steps of 1,024 rollouts in about 9 s of one core on a quiet machine, 32 s under
@@ -52,32 +57,56 @@ class Span:
 
 @dataclass(frozen=True)
 class Assumptions:
-    """A model's stated assumptions for the expected cost of its VeRL runs (each: expected, low, high)."""
+    """A model's stated assumptions for the expected cost of its VeRL runs (each: expected, low, high; for the
+    rates and write_gb_s the low end is the cheap one, the larger value)."""
 
     response_fraction: Span  # the mean response's length as a share of max_response_length
     tail_fraction: Span  # the slowest response of a step (or a validation), as a share of max_response_length
     tail_decode: Span  # tokens per second one sequence decodes at once the batch has drained (the tail)
     startup_s: Span  # seconds from a job's start to its first step, per attempt (resume's load included)
     write_gb_s: Span  # GB per second a run writes its checkpoint to the shared filesystem
+    step_fixed_s: Span  # seconds a step spends beyond its tokens: weight sync, offload and reload, vLLM wake/sleep
+    rollout_rate: Span  # a factor on the profile's rollout rate (its uncertainty)
+    train_rate: Span  # a factor on the profile's train rate
+    log_prob_share: float = 1 / 3  # an old-log-prob forward, as a share of the update's forward and backward
 
     def describe(self) -> str:
         r, t, d, s, w = self.response_fraction, self.tail_fraction, self.tail_decode, self.startup_s, self.write_gb_s
+        f, ro, tr = self.step_fixed_s, self.rollout_rate, self.train_rate
         return (f"mean response {r.expected:.0%} of the cap ({r.low:.0%}-{r.high:.0%}), slowest {t.expected:.0%} "
                 f"({t.low:.0%}-{t.high:.0%}) decoding alone at {d.expected:g} tokens/s ({min(d.low, d.high):g}-"
-                f"{max(d.low, d.high):g}), start-up {s.expected / 60:g} min an attempt ({s.low / 60:g}-{s.high / 60:g}), "
-                f"checkpoints written at {w.expected:g} GB/s ({min(w.low, w.high):g}-{max(w.low, w.high):g})")  # fmt: skip
+                f"{max(d.low, d.high):g}), the profile's rollout rate x {ro.expected:g} ({_spread(ro)}) and train "
+                f"rate x {tr.expected:g} ({_spread(tr)}), {f.expected:g} s fixed a step "
+                f"({f.low:g}-{f.high:g}: weight sync, offload and reload, vLLM wake and sleep), start-up "
+                f"{s.expected / 60:g} min an attempt ({s.low / 60:g}-{s.high / 60:g}), checkpoints written at "
+                f"{w.expected:g} GB/s ({min(w.low, w.high):g}-{max(w.low, w.high):g})")  # fmt: skip
 
 
-_DENSE = dict(tail_fraction=Span(1.0, 0.75, 1.0), startup_s=Span(600, 300, 1200), write_gb_s=Span(2.0, 5.0, 0.5))
+def _spread(span: Span) -> str:
+    return f"{min(span.low, span.high):g}-{max(span.low, span.high):g}"
+
+
+_DENSE = dict(tail_fraction=Span(1.0, 0.75, 1.0), startup_s=Span(600, 300, 1200), write_gb_s=Span(2.0, 5.0, 0.5),
+              tail_decode=Span(150, 250, 80), rollout_rate=Span(1.0, 1.3, 0.5), train_rate=Span(1.0, 1.3, 0.7))
 # Mean lengths: DAPO-style training of a Qwen3 base model averages about a third of an 8k cap (dense) and under a
 # quarter of a 16k cap (30B-A3B); some responses reach the cap in nearly every step, so the slowest is the cap.
-# Tail decode: a third of one sequence's bandwidth bound on an H20 (4.0 TB/s over the bytes read per token).
-# For write_gb_s the "low" cost is the fast filesystem: the low and high ends are of the cost, not the value.
+# Tail decode: about a third of one sequence's bandwidth bound on an H20 (4.0 TB/s over the 7.6-8.2 GB a GPU
+# reads per token: each model's share of its rollout weights), for the per-iteration latencies.
+# Rate factors: the profile's rates are derived from FLOPs and bandwidth at an assumed efficiency (docs/CLUSTER.md,
+# "Cost"); the factors span the efficiencies' ranges, and further down, where systems fall short of them.
+# Fixed a step: the weight sync from Megatron to vLLM (and FP8 quantisation for the 30B rollout), the
+# parameters, gradients and optimizer offloaded and reloaded over PCIe, vLLM's wake (KV cache reallocated) and
+# sleep, the reward and advantage on the CPU; estimates, not measured.
+# For write_gb_s and the rates the "low" cost is the fast end: the low and high ends are of the cost, not the value.
+# The old-log-prob forward: a third of the update's forward and backward; a quarter for 30B-A3B, whose update
+# recomputes every layer's activations (a forward, a recomputed forward and a backward of two).
 ASSUMPTIONS: dict[str, Assumptions] = {
-    "qwen3-4b-base": Assumptions(Span(0.33, 0.2, 0.6), tail_decode=Span(150, 250, 80), **_DENSE),
-    "qwen3-8b-base": Assumptions(Span(0.33, 0.2, 0.6), tail_decode=Span(90, 150, 50), **_DENSE),
-    "qwen3-30b-a3b-base": Assumptions(Span(0.23, 0.12, 0.5), Span(1.0, 0.75, 1.0), tail_decode=Span(100, 150, 50),
-                                      startup_s=Span(1200, 600, 2400), write_gb_s=Span(2.0, 5.0, 0.5)),
+    "qwen3-4b-base": Assumptions(Span(0.33, 0.2, 0.6), step_fixed_s=Span(30, 15, 60), **_DENSE),
+    "qwen3-8b-base": Assumptions(Span(0.33, 0.2, 0.6), step_fixed_s=Span(40, 20, 80), **_DENSE),
+    "qwen3-30b-a3b-base": Assumptions(Span(0.23, 0.12, 0.5), Span(1.0, 0.75, 1.0), tail_decode=Span(150, 250, 80),
+                                      startup_s=Span(1200, 600, 2400), write_gb_s=Span(2.0, 5.0, 0.5),
+                                      step_fixed_s=Span(90, 45, 180), rollout_rate=Span(1.0, 1.3, 0.5),
+                                      train_rate=Span(1.0, 1.5, 0.6), log_prob_share=1 / 4),
 }
 RESTS_ON = "the stated assumptions (pdmctl/budget/cost.py; docs/CLUSTER.md, \"Cost\"), not measurements"
 
@@ -134,6 +163,28 @@ class VerlShape:
     gpus: int
     checkpoint_bytes: int
     saves: int
+    save_freq: int = 0  # trainer.save_freq: steps between checkpoints (what a requeue without a save redoes)
+    log_prob_recompute: bool = False  # the old log-probs recomputed by a forward (no bypass_mode=true)
+
+
+LOG_PROB_SHARE = 1 / 3  # the old-log-prob forward's share for a model without stated assumptions (its cost at the cap)
+BYPASS = "algorithm.rollout_correction.bypass_mode"  # true: the old log-probs are the rollout's, none recomputed
+
+
+def attempts_needed(work: float, per_requeue: float, startup: float, limit_s: float | None) -> int:
+    """The fewest attempts of `limit_s` seconds that hold `work`, each attempt's start-up and each requeue's
+    `per_requeue` (the steps it redoes, or its save on the way out); 1 without a limit."""
+    if not limit_s or limit_s <= startup:
+        return 1
+    room = limit_s - startup
+    if per_requeue >= room:  # a requeue that redoes an attempt's worth never ends: counted without its redo
+        return max(1, math.ceil(work / room))
+    return max(1, math.ceil((work - per_requeue) / (room - per_requeue)))
+
+
+def saves_on_the_way_out(cluster: Mapping[str, Any]) -> bool:
+    """Whether the profile gives the trainer a grace to checkpoint before a requeue (save_grace_s: pdmctl.wayout)."""
+    return bool(cluster.get("save_grace_s"))
 
 
 def verl_estimate(shape: VerlShape, rollout_rate: float, train_rate: float, cluster: Mapping[str, Any]) -> Estimate | None:
@@ -142,28 +193,44 @@ def verl_estimate(shape: VerlShape, rollout_rate: float, train_rate: float, clus
     if a is None:
         return None
     limit_s = 60 * float(cluster["time"]) if cluster.get("time") else None
+    way_out = saves_on_the_way_out(cluster)
     s = shape
+    recompute = 1 + a.log_prob_share if s.log_prob_recompute else 1.0
 
-    def run(fraction: float, tail: float, decode: float, startup: float, write: float) -> tuple[float, int, dict]:
-        mean = fraction * s.response
-        straggler = max(0.0, tail * s.response - mean) / decode if decode > 0 else 0.0
-        rollout = s.batch * s.group * mean / (rollout_rate * s.gpus) + straggler
-        train = s.batch * s.group * mean / (train_rate * s.gpus)
-        validation = s.held_out * mean / (rollout_rate * s.gpus) + straggler
-        writes = s.saves * s.checkpoint_bytes / (write * 1e9)
-        work = s.steps * (rollout + train) + s.validations * validation + writes
-        attempts = max(1, math.ceil(work / (limit_s - startup))) if limit_s and limit_s > startup else 1
-        parts = {"rollout": s.steps * rollout, "train": s.steps * train, "validation": s.validations * validation,
-                 "checkpoint_writes": writes, "startup": attempts * startup}  # fmt: skip
-        return work + attempts * startup, attempts, parts
+    def run(end: str, at_cap: bool = False) -> tuple[float, int, dict]:
+        def at(span: Span) -> float:
+            return getattr(span, end)
 
-    r, t, d, st, w = a.response_fraction, a.tail_fraction, a.tail_decode, a.startup_s, a.write_gb_s
-    upper, _, _ = run(1.0, 1.0, 0.0, st.high, w.high)  # every response at the cap: no tail beyond the batch
-    expected, attempts, parts = run(r.expected, t.expected, d.expected, st.expected, w.expected)
-    low, _, _ = run(r.low, t.low, d.low, st.low, w.low)
-    high, _, _ = run(r.high, t.high, d.high, st.high, w.high)
+        mean = (1.0 if at_cap else at(a.response_fraction)) * s.response
+        decode = at(a.tail_decode)
+        straggler = 0.0 if at_cap else max(0.0, at(a.tail_fraction) * s.response - mean) / decode
+        rollout_gpus = rollout_rate * at(a.rollout_rate) * s.gpus
+        rollout = s.batch * s.group * mean / rollout_gpus + straggler
+        train = s.batch * s.group * mean / (train_rate * at(a.train_rate) * s.gpus) * recompute
+        fixed = at(a.step_fixed_s)
+        validation = s.held_out * mean / rollout_gpus + straggler
+        write = s.checkpoint_bytes / (at(a.write_gb_s) * 1e9)
+        work = s.steps * (rollout + train + fixed) + s.validations * validation + s.saves * write
+        per_requeue = write if way_out else max(0, s.save_freq) / 2 * (rollout + train + fixed)
+        startup = at(a.startup_s)
+        attempts = attempts_needed(work, per_requeue, startup, limit_s)
+        parts = {"rollout": s.steps * rollout, "train": s.steps * train, "step_fixed": s.steps * fixed,
+                 "validation": s.validations * validation, "checkpoint_writes": s.saves * write,
+                 "requeues": (attempts - 1) * per_requeue, "startup": attempts * startup}  # fmt: skip
+        return work + (attempts - 1) * per_requeue + attempts * startup, attempts, parts
+
+    upper, _, _ = run("high", at_cap=True)  # every response at the cap: no tail beyond the batch
+    expected, attempts, parts = run("expected")
+    low, _, _ = run("low")
+    high, _, _ = run("high")
+    said = a.describe() + "; " + (
+        f"old log-probs recomputed by a forward each step (+{a.log_prob_share:.0%} of the update: the command "
+        f"has no {BYPASS}=true)" if s.log_prob_recompute else
+        f"old log-probs the rollout's ({BYPASS}=true): no recompute forward") + (
+        "" if not limit_s else "; a requeue saves on the way out (save_grace_s): no step redone" if way_out else
+        f"; a requeue redoes {s.save_freq / 2:g} steps on average (save_freq {s.save_freq}, no save_grace_s)")  # fmt: skip
     return Estimate("GPU", s.gpus, Span(min(expected, upper), min(low, upper), min(high, upper)), upper, attempts,
-                    RESTS_ON, a.describe(), parts)  # fmt: skip
+                    RESTS_ON, said, parts)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -181,35 +248,41 @@ class StepCalibration:
 def measured_verl_estimate(shape: VerlShape, stated: Estimate | None, measured: StepCalibration,
                            cluster: Mapping[str, Any]) -> Estimate:
     """One VeRL run's cost from what its setting's preflight measured: its steps, start-ups, checkpoint writes
-    and validations at the measured times. The preflight measures a run's first steps, whose responses are the
-    shortest of the run: where the stated model (`stated`) has an estimate, its high end and upper bound stay."""
+    and validations at the measured times, in place of the stated rates, fixed time and recompute (the measured
+    step holds them all). The preflight measures a run's first steps, whose responses are the shortest of the
+    run: where the stated model (`stated`) has an estimate, its high end and upper bound stay."""
     limit_s = 60 * float(cluster["time"]) if cluster.get("time") else None
     if measured.validation_s is not None:
         validation = shape.validations * measured.validation_s.expected
     else:
         validation = stated.parts.get("validation", 0.0) if stated is not None else 0.0
     if measured.save_s is not None:
-        saves = shape.saves * measured.save_s.expected
+        save = measured.save_s.expected
+    elif stated is not None and shape.saves:
+        save = stated.parts.get("checkpoint_writes", 0.0) / shape.saves
     else:
-        saves = stated.parts.get("checkpoint_writes", 0.0) if stated is not None else 0.0
+        save = 0.0
+    way_out = saves_on_the_way_out(cluster)
 
-    def total(step: float, startup: float) -> tuple[float, int]:
-        work = shape.steps * step + validation + saves
-        attempts = max(1, math.ceil(work / (limit_s - startup))) if limit_s and limit_s > startup else 1
-        return work + attempts * startup, attempts
+    def total(step: float, startup: float) -> tuple[float, int, float]:
+        work = shape.steps * step + validation + shape.saves * save
+        per_requeue = save if way_out else max(0, shape.save_freq) / 2 * step
+        attempts = attempts_needed(work, per_requeue, startup, limit_s)
+        return work + (attempts - 1) * per_requeue + attempts * startup, attempts, (attempts - 1) * per_requeue
 
-    expected, attempts = total(measured.step_s.expected, measured.startup_s.expected)
-    low, _ = total(measured.step_s.low, measured.startup_s.low)
-    high, _ = total(measured.step_s.high, measured.startup_s.high)
+    expected, attempts, requeues = total(measured.step_s.expected, measured.startup_s.expected)
+    low, _, _ = total(measured.step_s.low, measured.startup_s.low)
+    high, _, _ = total(measured.step_s.high, measured.startup_s.high)
     high = max(high, stated.seconds.high) if stated is not None else high
     upper = max(stated.upper_s, high) if stated is not None else high
     s = measured.step_s
     said = (f"measured a step of {s.expected:.3g} s ({s.low:.3g}-{s.high:.3g}) and a start-up of "
-            f"{measured.startup_s.expected:.3g} s an attempt on the preflight's first steps"
+            f"{measured.startup_s.expected:.3g} s an attempt on the preflight's first steps (these take precedence "
+            "over the stated rates, fixed time and recompute)"
             + ("; the stated model's high end kept (later steps have longer responses)" if stated is not None
                else "; no stated model for this setting: the measured range alone"))  # fmt: skip
-    parts = {"steps": shape.steps * s.expected, "validation": validation, "checkpoint_writes": saves,
-             "startup": attempts * measured.startup_s.expected}  # fmt: skip
+    parts = {"steps": shape.steps * s.expected, "validation": validation, "checkpoint_writes": shape.saves * save,
+             "requeues": requeues, "startup": attempts * measured.startup_s.expected}  # fmt: skip
     return Estimate("GPU", shape.gpus, Span(expected, min(low, expected), max(high, expected)), upper, attempts,
                     measured.rests_on, said, parts)  # fmt: skip
 

@@ -286,6 +286,7 @@ class SlurmExecutor(Executor):
                 "nccl_timeout": opts.nccl_timeout, "network_interface": opts.network_interface,
                 "env": dict(opts.env), "network": dict(opts.network), "time": opts.time,
                 "max_timeouts": opts.max_timeouts, "max_node_losses": opts.max_node_losses,
+                "save_grace_s": opts.save_grace_s,  # a save on the way out: the cost's requeues redo no step
                 "throughput": {model: {"rollout": r, "train": t} for model, r, t in opts.throughput}}  # fmt: skip
 
     @property

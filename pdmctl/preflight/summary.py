@@ -89,12 +89,12 @@ def _checkpoint_bytes(checkpoints: Path) -> int | None:
 
 
 def predicted_step_seconds(estimate: Any, flat: Mapping[str, Any]) -> float | None:
-    """The cost model's seconds a step of this run (its rollout and training, without start-up, evaluations
-    and checkpoint writes), or None where it has no estimate."""
+    """The cost model's seconds a step of this run (its rollout, training and fixed time, without start-up,
+    evaluations and checkpoint writes), or None where it has no estimate."""
     if estimate is None or isinstance(estimate, str):
         return None
     steps = flat.get("steps") or flat.get("total_training_steps")
-    work = sum(v for k, v in estimate.parts.items() if k in ("rollout", "train", "training", "steps"))
+    work = sum(v for k, v in estimate.parts.items() if k in ("rollout", "train", "step_fixed", "training", "steps"))
     return work / int(steps) if steps and work > 0 else None
 
 
