@@ -288,7 +288,7 @@ def test_the_paper_sweeps_dry_run_shows_every_command_every_run_and_the_cost(tmp
     _parquet(data, train_rows=17_408)
     profile = load_profile(_h20(tmp_path, models_dir=str(models), data_dir=str(data)))
     ctx = Context(profile, f"sqlite:///{tmp_path / 'none.db'}")
-    ordered = plan(expand([], load_sweep_file("paper-main")), ctx).to_submit
+    ordered = plan(expand([], load_sweep_file("paper-main")), ctx, order="seed").to_submit
     assert len(ordered) == 48
     settings = [(s.config["model"]["name"], s.config["precision"]["name"]) for s in ordered]
     assert settings[:4] == [("qwen3-4b-base", "bf16"), ("qwen3-8b-base", "bf16"),

@@ -141,14 +141,16 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineSweep]:
 
 
 def _runs(uri: str, experiment: str | None = None) -> list:
-    """The runs in the store (of one experiment: a shared server holds other tests' too)."""
+    """The runs in the store (of one experiment: a shared server holds other tests' too), not the sweeps'
+    parent runs."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
+    runs_only = "tags.`pdmctl.sweep` LIKE '%'"
     if experiment is not None:
-        return client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+        return client.search_runs([client.get_experiment_by_name(experiment).experiment_id], runs_only)
     experiments = [e.experiment_id for e in client.search_experiments()]
-    return client.search_runs(experiments)
+    return client.search_runs(experiments, runs_only)
 
 
 def _history(uri: str, run_id: str, name: str) -> dict[int, float]:
@@ -169,6 +171,11 @@ def test_sweep_trains_both_masks_and_fills_the_ledger(sweep: EngineSweep) -> Non
         assert run.info.status == "FINISHED", (run.data.tags, _job_logs(sweep.root))
         names = set(run.data.metrics)
         assert any(n.startswith("actor/") for n in names), sorted(names)  # VeRL's own actor metrics
+        # no recompute forward of old log-probs (bypass_mode): VeRL times its steps but logs no such phase
+        assert "timing_s/gen" in names and "timing_s/update_actor" in names, sorted(names)
+        assert "timing_s/old_log_prob" not in names and "actor/entropy" not in names, sorted(names)
+        gap = _history(sweep.uri, run.info.run_id, "train/rollout_probs_diff_mean")  # the loss's, in its place
+        assert sorted(gap) == [1, 2, 3] and all(0.0 <= v < 1.0 for v in gap.values()), gap
         mask_frac = _history(sweep.uri, run.info.run_id, "train/mask_frac")
         assert sorted(mask_frac) == [1, 2, 3]
         assert all(0.0 <= v <= 1.0 for v in mask_frac.values())

@@ -179,6 +179,8 @@ def verl_overrides(
         f"trainer.use_v1={str(v1).lower()}",  # V0 unless PDMCTL_VERL_TRAINER=v1
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=false",
+        # pdmctl's losses read the rollout's log-probs, never VeRL's recomputed old ones: no recompute forward
+        "algorithm.rollout_correction.bypass_mode=true",
         # data
         f"data.train_files={quoted(data_dir / preset.train_file)}",
         f"data.val_files=[{','.join(quoted(data_dir / f) for f in VAL_FILES)}]",
@@ -313,6 +315,7 @@ PDMCTL_KEYS: dict[str, str] = {
     "actor_rollout_ref.rollout.name": "to vllm (the top-K log-probs come from vLLM)",
     "actor_rollout_ref.rollout.temperature": "from backend.temperature (the masks divide by it); set that instead",
     "actor_rollout_ref.rollout.calculate_log_probs": "on: the masks read the rollout's log-probs",
+    "algorithm.rollout_correction.bypass_mode": "on: the losses read the rollout's log-probs, not recomputed ones",
     "actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs": "from k; set that instead",
     "actor_rollout_ref.rollout.val_kwargs.n": "from backend.val_n; set that instead",
     "actor_rollout_ref.rollout.val_kwargs.temperature": "from backend.temperature; set that instead",

@@ -18,6 +18,7 @@ TRAIN_METRICS = {
     "actor/pdmctl/out_of_region_frac": "train/out_of_region_frac",
     "actor/pdmctl/mean_divergence": "train/mean_divergence",
     "actor/pdmctl/disagreement_count": "train/disagreement_count",
+    "actor/pdmctl/rollout_probs_diff_mean": "train/rollout_probs_diff_mean",  # plugin.rollout_gap
 }
 
 

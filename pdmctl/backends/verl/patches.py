@@ -62,6 +62,7 @@ def install(k: int | None = None) -> None:
         return
     _K[0] = k
     _patch_actor_worker()
+    _patch_bypass()
     _patch_agent_loop()
     _patch_agent_loop_tq()
     _patch_vllm_server()
@@ -127,6 +128,32 @@ def _patch_actor_worker() -> None:
     engine_workers.ActorRolloutRefWorker.init_model = init_model
     engine_workers.TrainingWorker.train_batch = train_batch
     _INSTALLED.add("actor")
+
+
+def _patch_bypass() -> None:
+    """VeRL's V0 trainer, with `algorithm.rollout_correction.bypass_mode` (every pdmctl run: its losses read
+    the rollout's log-probs, never a recomputed `old_log_probs`), takes `old_log_probs` from the rollout and
+    skips the recompute forward, and also renames the loss mode to its own `bypass_mode` loss. Where the loss
+    is pdmctl's, only the first is done: the loss stays pdmctl's (V1's trainer renames nothing)."""
+    if "bypass" in _INSTALLED:
+        return
+    try:
+        from verl.trainer.ppo import rollout_corr_helper
+    except ImportError:  # a process without VeRL's trainer (a vLLM worker)
+        return
+    original = rollout_corr_helper.apply_bypass_mode
+
+    @functools.wraps(original)
+    def apply_bypass_mode(batch: Any, rollout_corr_config: Any = None, policy_loss_config: Any = None) -> None:
+        if policy_loss_config is not None and is_pdmctl_loss(str(policy_loss_config.get("loss_mode", ""))):
+            if "rollout_log_probs" not in batch.batch:
+                raise ValueError("bypass_mode: the batch holds no rollout_log_probs (rollout.calculate_log_probs)")
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+            return None
+        return original(batch, rollout_corr_config=rollout_corr_config, policy_loss_config=policy_loss_config)
+
+    rollout_corr_helper.apply_bypass_mode = apply_bypass_mode
+    _INSTALLED.add("bypass")
 
 
 def _patch_agent_loop() -> None:

@@ -93,7 +93,7 @@ def _make_loss(method: str) -> Callable[..., tuple[torch.Tensor, dict[str, Any]]
             "loss", loss=loss.detach(), token_loss=token_loss.detach(), log_prob=log_prob.detach(),
             response_mask=response_mask, advantages=advantages, keep=d.keep, ratio=d.ratio,
         )  # fmt: skip
-        return loss, verl_metrics(d, response_mask)
+        return loss, {**verl_metrics(d, response_mask), **rollout_gap(log_prob, d.log_ratio, response_mask)}
 
     loss_fn.__name__ = f"compute_policy_loss_{loss_name(method)}"
     loss_fn.__doc__ = f"pdmctl's `{method}` mask (pdmctl.masks.METHODS[{method!r}]) as a VeRL policy loss."
@@ -108,6 +108,18 @@ def verl_metrics(d: masks.Diagnostics, response_mask: torch.Tensor) -> dict[str,
     out["actor/pg_clipfrac"] = metrics["mask_frac"]
     out["actor/ppo_kl"] = metrics["ppo_kl"]
     return out
+
+
+def rollout_gap(log_prob: torch.Tensor, log_ratio: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
+    """The rollout/trainer gap, mean |π_θ(k) − μ(k)| over the response tokens, as VeRL's
+    `training/rollout_probs_diff_mean` defines it. VeRL computes it only beside its recompute of old log-probs,
+    which pdmctl's runs skip (`algorithm.rollout_correction.bypass_mode`): here it is each micro-batch's own
+    forward, so the step's first mini-batch gives VeRL's figure and its later ones include the step's updates."""
+    mask = response_mask.reshape(-1).to(torch.float64)
+    pi = log_prob.detach().reshape(-1).to(torch.float64)
+    mu = pi - log_ratio.detach().reshape(-1).to(torch.float64)
+    gap = (pi.exp() - mu.exp()).abs()
+    return {"actor/pdmctl/rollout_probs_diff_mean": float((gap * mask).sum() / mask.sum().clamp_min(1))}
 
 
 for _method in masks.METHODS:
