@@ -157,7 +157,9 @@ def main() -> None:
     finally:
         log.unlink(missing_ok=True)
         t0 = time.perf_counter()
-        subprocess.run([*PDMCTL, "cancel", *common], env=env, cwd=work, capture_output=True, check=False)
+        subprocess.run(
+            [*PDMCTL, "cancel", "--yes", *common], env=env, cwd=work, capture_output=True, check=False
+        )
         rows.append(
             ("pdmctl cancel (both sweeps, CLI)", f"{time.perf_counter() - t0:.2f} s", _fmt(calls(log)), "")
         )

@@ -6,18 +6,20 @@ import math
 import os
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from rich.text import Text
 
 from pdmctl import usage
 from pdmctl.grid import MAX_RUNS
+from pdmctl.shell import complete
+from pdmctl.shell.status import STATE_STYLE
+from pdmctl.shell.status import status_rows as _status_rows  # noqa: F401 (the engine's tests read the rows here)
+from pdmctl.shell.status import status_table as _status_table
+from pdmctl.shell.waiting import wait as _wait
 from pdmctl.terminal import console, fail, tail
 from pdmctl.terminal import guard as _guard
 from pdmctl.usage import OverridesCommand
@@ -50,7 +52,8 @@ def _root(
 
 
 ClusterOpt = Annotated[
-    str, typer.Option("--cluster", "-c", help="Cluster profile under clusters/ (or a path).")
+    str, typer.Option("--cluster", "-c", help="Cluster profile under clusters/ (or a path).",
+                      autocompletion=complete.clusters)
 ]
 TrackingOpt = Annotated[
     str | None,
@@ -58,12 +61,6 @@ TrackingOpt = Annotated[
         "--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, the profile's, ./mlflow.db)."
     ),
 ]
-
-STATE_STYLE = {
-    "finished": "green", "running": "cyan", "queued": "blue", "not started": "dim", "new": "dim",
-    "failed": "red", "lost": "red", "cancelled": "yellow", "timeout": "magenta", "preempted": "magenta",
-    "pruned": "yellow", "stopped": "yellow",
-}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -74,10 +71,12 @@ STATE_STYLE = {
 @app.command(cls=OverridesCommand, context_settings={"ignore_unknown_options": True})
 def sweep(
     overrides: Annotated[
-        list[str] | None, typer.Argument(help="Grid overrides: delta=0.05,0.15 k=10,20 seeds=3")
+        list[str] | None, typer.Argument(help="Grid overrides: delta=0.05,0.15 k=10,20 seeds=3",
+                                         autocompletion=complete.overrides)
     ] = None,
     file: Annotated[
-        str | None, typer.Option("--file", "-f", help="A sweep file (sweeps/NAME.yaml or NAME).")
+        str | None, typer.Option("--file", "-f", help="A sweep file (sweeps/NAME.yaml or NAME).",
+                                 autocompletion=complete.sweep_files)
     ] = None,
     name: Annotated[
         str | None, typer.Option("--name", "-n", help="Sweep name (default: the file's, or 'default').")
@@ -108,7 +107,7 @@ def sweep(
                            "found): the profile's partition and nodes taken as stated.")
     ] = False,
     calibrated_on: Annotated[
-        str | None, typer.Option("--calibrated-on", metavar="SWEEP", help="With --dry-run: estimate the testbed's "
+        str | None, typer.Option("--calibrated-on", metavar="SWEEP", autocompletion=complete.sweeps, help="With --dry-run: estimate the testbed's "
                                  "runs at the rate SWEEP's finished runs of the same setting measured.")
     ] = None,
 ) -> None:
@@ -176,7 +175,7 @@ def sweep(
         console.print("some runs ended badly: [bold]pdmctl resume[/] brings them back from their checkpoints")
     if wait:
         with _guard():  # a tracking server that stops answering meanwhile: one line
-            _wait(ctx, sweep_name)
+            _wait(ctx, sweep_name, cluster=cluster)
     else:
         console.print(f"follow with [bold]pdmctl status {sweep_name}[/] (or --watch)", highlight=False)
 
@@ -231,117 +230,9 @@ def _print_plan(plan, ctx, executor, unread: str | None = None) -> None:
                       "submit until the server answers)", highlight=False, markup=False, soft_wrap=True)
 
 
-def _wait(ctx, sweep_name: str | None, poll: float = 2.0) -> None:
-    from pdmctl import orchestrate
-    from pdmctl.ledger import sqlite_path
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as progress:  # fmt: skip
-        task = progress.add_task("runs", total=None)
-        away_since: float | None = None
-        failed = 0  # reads that failed in a row while the server answered /health: a dropped connection, a hiccup
-        while True:
-            try:
-                views = orchestrate.status(ctx, sweep_name)
-            except Exception:
-                # the tracking server went away a while (the jobs keep what it does not confirm and train on):
-                # wait for it, as the jobs do; a read that fails where the server answers is tried again a few
-                # times, then raised
-                why = orchestrate.ledger_unreachable(ctx)
-                failed = 0 if why is not None else failed + 1
-                if why is None and (failed > 3 or sqlite_path(ctx.tracking_uri) is not None):
-                    raise
-                if why is None:
-                    time.sleep(poll)
-                    continue
-                if away_since is None:
-                    away_since = time.monotonic()
-                    progress.console.print(f"{why}; waiting for it (Ctrl-C stops waiting, the runs go on)",
-                                           highlight=False, markup=False, soft_wrap=True)  # fmt: skip
-                progress.update(task, description=f"tracking server not answering for "
-                                f"{time.monotonic() - away_since:.0f} s")  # fmt: skip
-                time.sleep(max(poll, 5.0))
-                continue
-            failed = 0
-            if away_since is not None:
-                progress.console.print(f"the tracking server answers again after {time.monotonic() - away_since:.0f} s",
-                                       highlight=False, markup=False)  # fmt: skip
-                away_since = None
-            counts = Counter(v.state for v in views)
-            done = sum(n for s, n in counts.items() if s not in orchestrate.ACTIVE)
-            desc = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-            progress.update(task, total=len(views), completed=done, description=desc)
-            if views and done == len(views):
-                break
-            time.sleep(poll)
-    final = (orchestrate.RunState.FINISHED, orchestrate.RunState.STOPPED)  # stopped: by its declared collapse rule
-    bad = [v for v in views if v.state not in final]
-    if bad:
-        console.print(
-            f"{len(bad)} run(s) did not finish: see [bold]pdmctl status[/], then [bold]pdmctl resume[/]"
-        )
-        raise typer.Exit(1)
-
-
 # ---------------------------------------------------------------------------
-# status / resume / cancel / logs
+# status / resume / cancel / logs (their tables and prompts: pdmctl.shell)
 # ---------------------------------------------------------------------------
-
-
-STATUS_COLUMNS = (("sweep", "left"), ("key", "left"), ("config", "left"), ("state", "left"), ("step", "right"),
-                  ("avg@16 %", "right"), ("attempts", "right"), ("job", "left"))  # fmt: skip
-RICH_TABLE_MAX_ROWS = 200  # rich lays out every cell; beyond this, aligned plain rows render 10x faster
-
-
-def _status_rows(views) -> list[tuple[list[str], str]]:
-    from pdmctl.orchestrate import ACTIVE
-
-    rows = []
-    for v in sorted(views, key=lambda v: (v.sweep, v.summary)):
-        r = v.record
-        state = str(v.state)
-        note = (r.reason if v.state != "finished" else None) or r.notice if r else None
-        if r is not None and r.status == "FAILED" and v.state in ACTIVE:  # its job lives on (orchestrate.run_state)
-            note = f"its job lives on; attempt {r.attempt} failed: {r.reason or 'no reason given'}"
-        if note:
-            state += f" ({note[:100]})"
-        step, avg = (r.step, r.avg16) if r else (None, None)
-        cells = [v.sweep, v.key, v.summary, state, "" if step is None else str(step),
-                 "" if avg is None else f"{100 * avg:.1f}", str(r.attempt if r else 0), (r.job_id or "") if r else ""]  # fmt: skip
-        rows.append((cells, STATE_STYLE.get(str(v.state), "")))
-    return rows
-
-
-def _status_table(views, title: str):
-    counts = Counter(v.state for v in views)
-    caption = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no runs"
-    rows = _status_rows(views)
-    if len(rows) > RICH_TABLE_MAX_ROWS:
-        return _plain_table(rows, title, caption)
-    table = Table(title=title, caption=caption)
-    for col, justify in STATUS_COLUMNS:
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    for cells, style in rows:
-        table.add_row(*cells[:3], Text(cells[3], style=style), *cells[4:])
-    return table
-
-
-def _plain_table(rows: list[tuple[list[str], str]], title: str, caption: str) -> Text:
-    widths = [max(len(h), *(len(c[i]) for c, _ in rows)) for i, (h, _) in enumerate(STATUS_COLUMNS)]
-
-    def line(cells: list[str]) -> list[str]:
-        return [c.rjust(w) if j == "right" else c.ljust(w) for c, w, (_, j) in zip(cells, widths, STATUS_COLUMNS,
-                                                                                    strict=True)]  # fmt: skip
-
-    out = Text(f"{title}\n", style="bold")
-    out.append("  ".join(line([h for h, _ in STATUS_COLUMNS])).rstrip() + "\n", style="bold")
-    for cells, style in rows:
-        parts = line(cells)
-        out.append("  ".join(parts[:3]) + "  ")
-        out.append(parts[3], style=style)
-        out.append(("  " + "  ".join(parts[4:])).rstrip() + "\n")
-    out.append(caption)
-    return out
 
 
 MIN_INTERVAL_S = 0.5  # --watch polls the store and the executor: not in a busy loop
@@ -350,7 +241,8 @@ MIN_INTERVAL_S = 0.5  # --watch polls the store and the executor: not in a busy 
 @app.command()
 def status(
     sweep_name: Annotated[
-        str | None, typer.Argument(metavar="[SWEEP]", help="Sweep name (default: all).")
+        str | None, typer.Argument(metavar="[SWEEP]", help="Sweep name (default: all).",
+                                   autocompletion=complete.sweeps)
     ] = None,
     cluster: ClusterOpt = "local",
     tracking_uri: TrackingOpt = None,
@@ -358,27 +250,27 @@ def status(
         bool, typer.Option("--watch", help="Refresh every few seconds until every run ends.")
     ] = False,
     interval: Annotated[float, typer.Option(help="Seconds between refreshes with --watch.")] = 3.0,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="The runs as one JSON document on stdout (docs/JSON.md); the lines "
+                           "under the table go to stderr.")
+    ] = False,
 ) -> None:
     """Where each run stands: state, step, latest avg@16, attempts, job id."""
     from pdmctl import orchestrate
+    from pdmctl.shell.status import print_status
 
     with _guard():
         if not (math.isfinite(interval) and interval >= MIN_INTERVAL_S):
             fail(f"--interval: must be a number of seconds >= {MIN_INTERVAL_S:g}, got {interval:g}")
+        if as_json and watch:
+            fail("--json: prints the runs once; --watch refreshes a table: give one")
         ctx = orchestrate.make_context(cluster, tracking_uri)
         views = orchestrate.status(ctx, sweep_name)
         if sweep_name and not views:
             usage.check_sweep(ctx, sweep_name)
         title = f"pdmctl status — {sweep_name or 'all sweeps'}"
         if not watch:
-            console.print(_status_table(views, title))
-            from pdmctl.budget.spent import status_output
-
-            for part in [*usage.owner_notes(views), *status_output(views, ctx)]:  # whose sweeps; hours spent
-                if isinstance(part, str):
-                    console.print(part, highlight=False, markup=False, soft_wrap=True)
-                else:
-                    console.print(part)
+            print_status(views, ctx, title, as_json, sweep_name)
             return
         with Live(_status_table(views, title), console=console, refresh_per_second=2) as live:
             while any(v.state in orchestrate.ACTIVE for v in views):
@@ -390,7 +282,8 @@ def status(
 @app.command()
 def resume(
     sweep_name: Annotated[
-        str | None, typer.Argument(metavar="[SWEEP]", help="Sweep name (default: all).")
+        str | None, typer.Argument(metavar="[SWEEP]", help="Sweep name (default: all).",
+                                   autocompletion=complete.sweeps)
     ] = None,
     cluster: ClusterOpt = "local",
     tracking_uri: TrackingOpt = None,
@@ -417,23 +310,32 @@ def resume(
                       f"attempt {(v.record.attempt if v.record else 0) + 1}", highlight=False)  # fmt: skip
     console.print(f"{len(chosen)} run(s) {'to resume' if dry_run else 'resubmitted'}", highlight=False)
     if wait and job_ids:
-        _wait(ctx, sweep_name)
+        _wait(ctx, sweep_name, cluster=cluster)
 
 
 @app.command()
 def cancel(
     target: Annotated[
-        str | None, typer.Argument(metavar="[SWEEP|RUN]", help="A sweep, or a run key / run id.")
+        str | None, typer.Argument(metavar="[SWEEP|RUN]", help="A sweep, or a run key / run id.",
+                                   autocompletion=complete.sweeps_and_runs)
     ] = None,
     cluster: ClusterOpt = "local",
     tracking_uri: TrackingOpt = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Cancel without asking first.")] = False,
 ) -> None:
-    """Cancel the queued and running runs of a sweep or one run (neither: of each sweep you may change)."""
+    """Cancel the queued and running runs of a sweep or one run (neither: of each sweep you may change). Asks
+    first, naming how many runs, unless --yes."""
     from pdmctl import orchestrate
+    from pdmctl.shell.confirm import cancellable, confirm_cancel, nothing_line
 
     with _guard():
         ctx = orchestrate.make_context(cluster, tracking_uri)
         usage.check_target(ctx, target)
+        live = cancellable(ctx, target)
+        if not live:
+            console.print(nothing_line(target), highlight=False, markup=False, soft_wrap=True)
+            return
+        confirm_cancel(live, target, yes)
         cancelled = orchestrate.cancel(ctx, target)
     for v in cancelled:
         console.print(f"cancelled {v.key} ({v.summary})", highlight=False)
@@ -442,7 +344,8 @@ def cancel(
 
 @app.command()
 def logs(
-    run: Annotated[str, typer.Argument(metavar="RUN", help="Run key (or a prefix) or MLflow run id.")],
+    run: Annotated[str, typer.Argument(metavar="RUN", help="Run key (or a prefix) or MLflow run id.",
+                                       autocompletion=complete.runs)],
     follow: Annotated[bool, typer.Option("--follow", "-F", help="Keep printing as the log grows.")] = False,
     attempt: Annotated[int | None, typer.Option(help="Which attempt (default: the latest).")] = None,
     cluster: ClusterOpt = "local",
@@ -467,9 +370,11 @@ def logs(
 @app.command(cls=OverridesCommand, context_settings={"ignore_unknown_options": True})
 def doctor(
     overrides: Annotated[
-        list[str] | None, typer.Argument(help="Grid overrides of the sweep whose paths and checkpoints to check.")
+        list[str] | None, typer.Argument(help="Grid overrides of the sweep whose paths and checkpoints to check.",
+                                         autocompletion=complete.overrides)
     ] = None,
-    file: Annotated[str | None, typer.Option("--file", "-f", help="A sweep file: its runs' paths and checkpoints.")] = None,
+    file: Annotated[str | None, typer.Option("--file", "-f", help="A sweep file: its runs' paths and checkpoints.",
+                                             autocompletion=complete.sweep_files)] = None,
     cluster: ClusterOpt = "local",
     tracking_uri: TrackingOpt = None,
     on_node: Annotated[

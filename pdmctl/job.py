@@ -31,6 +31,7 @@ from pdmctl.budget.collapse import Collapsed, rule_tracker
 from pdmctl.ledger import FAILED, FINISHED, KILLED, RunLogger
 from pdmctl.preflight import STARTED_ENV
 from pdmctl.spec import RunSpec
+from pdmctl.steplines import StepLines, metrics_text
 from pdmctl.tune.trial import Pruned, trial_tracker
 
 
@@ -90,14 +91,15 @@ def run(job_file: Path) -> int:
         logger.finish(FAILED, reason=f"job start-up: {type(exc).__name__}: {exc}".splitlines()[0])
         return 1
     signal.signal(signal.SIGTERM, _on_sigterm)
-    os.environ[STARTED_ENV] = f"{time.time():.3f}"  # the backends' time to their first step (pdmctl.preflight)
+    # the backends' time to their first step (pdmctl.preflight)
+    os.environ[STARTED_ENV] = f"{time.time():.3f}"
     logger.start(attempt=attempt, job_id=job_id_from_env(), executor=job.executor, submission=job.submission)
     print(f"pdmctl job: run {spec.key} ({spec.summary}) attempt {attempt} in {job.run_dir}", flush=True)
     try:
         backend = get_backend(spec.backend)
         record_provenance(logger, spec, backend, job, attempt)
-        tracker = rule_tracker(trial_tracker(logger, Path(job.run_dir)), spec.config)
-        final = backend.run(flat_config(spec.config), Path(job.run_dir), tracker)
+        with StepLines(rule_tracker(trial_tracker(logger, Path(job.run_dir)), spec.config)) as tracker:
+            final = backend.run(flat_config(spec.config), Path(job.run_dir), tracker)  # a line per step
     except Collapsed as exc:  # its declared collapse rule ended it: final, like a finished run
         logger.finish(KILLED, reason=str(exc))
         print(f"pdmctl job: {exc}", flush=True)
@@ -121,7 +123,7 @@ def run(job_file: Path) -> int:
         logger.finish(FAILED, reason=f"{type(exc).__name__}: {exc}".splitlines()[0])
         return 1
     logger.finish(FINISHED)
-    print(f"pdmctl job: finished {json.dumps(dict(final), default=float)}", flush=True)
+    print(f"pdmctl job: finished: {metrics_text(final)}", flush=True)
     return 0
 
 
@@ -132,10 +134,10 @@ def record_provenance(logger: RunLogger, spec: RunSpec, backend, job: JobFile, a
 
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     try:
-        fields = provenance.collect(spec.config, lambda: backend.provenance(flat_config(spec.config), Path(job.run_dir)))
+        fields = provenance.collect(spec.config, lambda: backend.provenance(flat_config(spec.config), Path(job.run_dir)))  # fmt: skip
         logger.record_provenance(attempt, job_id_from_env(), fields, executor=job.executor, requeues=restarts)
     except Exception as exc:
-        print(f"pdmctl job: provenance not recorded ({type(exc).__name__}: {exc})".splitlines()[0], flush=True)
+        print(f"pdmctl job: provenance not recorded ({type(exc).__name__}: {exc})".splitlines()[0], flush=True)  # fmt: skip
 
 
 MAX_NODE_LOSSES_ENV = "PDMCTL_MAX_NODE_LOSSES"  # the SLURM profile's max_node_losses

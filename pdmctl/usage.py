@@ -231,11 +231,14 @@ def _classic_type_names() -> None:
 
 
 def _add_examples(typer_app: typer.Typer, prefix: tuple[str, ...] = ()) -> None:
-    """Each command's examples, by its words under `pdmctl` (`server status` is not `status`)."""
+    """Each command's exit codes (pdmctl.shell.exits) and examples, by its words under `pdmctl` (`server status`
+    is not `status`)."""
+    from pdmctl.shell.exits import help_text
+
     for info in typer_app.registered_commands:
         name = " ".join((*prefix, info.name or (info.callback.__name__ if info.callback else "")))
         if name in EXAMPLES and info.epilog is None:
-            info.epilog = "Examples:\n" + "\n".join(EXAMPLES[name])
+            info.epilog = help_text(name) + "Examples:\n" + "\n".join(EXAMPLES[name])
     for group in typer_app.registered_groups:
         if group.typer_instance is not None:
             words = group.name or group.typer_instance.info.name

@@ -165,7 +165,7 @@ def test_a_known_sweep_still_resumes_and_cancels(store: Path) -> None:
     resumed = pdmctl("resume", "paper-main", "--dry-run", cwd=store)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "1 run(s) to resume" in resumed.stdout
-    cancelled = pdmctl("cancel", "paper-main", cwd=store)
+    cancelled = pdmctl("cancel", "paper-main", "--yes", cwd=store)
     assert cancelled.returncode == 0 and "run(s) cancelled" in cancelled.stdout, cancelled.stderr
 
 

@@ -236,7 +236,7 @@ def test_cancel_and_logs(workdir: Path):
     (run,) = ledger.runs("stop")
     logs = pdmctl("logs", run.key[:6], cwd=workdir)
     assert logs.returncode == 0 and f"run {run.key}" in logs.stdout
-    out = pdmctl("cancel", "stop", cwd=workdir)
+    out = pdmctl("cancel", "stop", "--yes", cwd=workdir)
     assert out.returncode == 0 and "1 run(s) cancelled" in out.stdout
     wait_until(lambda: states(workdir, "stop")[run.key] == RunState.CANCELLED, timeout=60)
     assert not subprocess.run(["pgrep", "-f", f"pdmctl.job {workdir}"], capture_output=True).stdout

@@ -22,6 +22,8 @@ from typing import Annotated, Any
 
 import typer
 
+from pdmctl.shell import complete
+
 MAX_SEEDS = 10  # default cap on a row's seeds in all
 
 
@@ -181,19 +183,44 @@ def _fmt(x: float | None) -> str:
 
 
 def seeds(
-    sweep: Annotated[str | None, typer.Argument(metavar="SWEEP", help="The sweep (default: the ledger's only one).")] = None,
+    sweep: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="SWEEP", help="The sweep (default: the ledger's only one).", autocompletion=complete.sweeps
+        ),
+    ] = None,
     definition: Annotated[
-        str, typer.Option("--report", "--definition", "-d", help="Report definition: reports/NAME.yaml or a path.")
+        str,
+        typer.Option(
+            "--report",
+            "--definition",
+            "-d",
+            help="Report definition: reports/NAME.yaml or a path.",
+            autocompletion=complete.report_definitions,
+        ),
     ] = "default",
     submit: Annotated[bool, typer.Option("--submit", help="Register and submit the proposed seeds as runs.")] = False,
     max_seeds: Annotated[
         int, typer.Option("--max-seeds", help="At most this many seeds per row in all (finished or not).")
     ] = MAX_SEEDS,
-    cluster: Annotated[str, typer.Option("--cluster", "-c", help="Cluster profile under clusters/ (or a path).")] = "local",
+    cluster: Annotated[
+        str,
+        typer.Option(
+            "--cluster", "-c", help="Cluster profile under clusters/ (or a path).", autocompletion=complete.clusters
+        ),
+    ] = "local",
     tracking_uri: Annotated[
         str | None,
         typer.Option("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, the profile's, ./mlflow.db)."),
     ] = None,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="The look as one JSON document on stdout (docs/JSON.md), with --submit the runs it submitted; "
+            "its messages go to stderr.",
+        ),
+    ] = False,
 ) -> None:
     """Per comparison with the baseline: whether it is resolved, the seeds that would resolve it, their cost;
     --submit adds them (marked as added after this look; the report then uses a group-sequential interval)."""
@@ -203,7 +230,15 @@ def seeds(
     from pdmctl.report.cli import _choose_sweeps
     from pdmctl.report.collect import collect
     from pdmctl.report.definition import ReportError, load_definition
-    from pdmctl.terminal import console, fail, guard
+    from pdmctl.terminal import console, err, fail, guard
+
+    out = err if as_json else console  # the document alone on stdout
+
+    def done(submitted: dict | None = None) -> None:
+        if as_json:
+            from pdmctl.shell import print_document
+
+            print_document(look_document(chosen[0], data, look, submitted))
 
     with guard():
         if max_seeds < 2:
@@ -226,12 +261,13 @@ def seeds(
         if submit and look.unfinished:
             left = submit_left(data, look, ctx)
             if left:
-                console.print(f"look {look.look - 1}: submitted {len(left)} run(s) of seeds added after that "
+                done({"look": look.look - 1, "runs": len(left), "run_ids": None})
+                out.print(f"look {look.look - 1}: submitted {len(left)} run(s) of seeds added after that "
                               "look that an interrupted --submit had registered but not submitted; follow with "
                               f"pdmctl status {chosen[0]}", highlight=False, markup=False)  # fmt: skip
                 return
             fail(f"sweep {chosen[0]}: {look.unfinished} run(s) have not ended; look again when they have")
-        for p in look.proposals:
+        for p in [] if as_json else look.proposals:
             where = f"{p.setting} {p.mask} vs {p.baseline} on {p.column}"
             state = "resolved" if p.resolved else (
                 f"needs {p.needed} seeds (+{p.extra}) at stage {p.stages + 1}'s level"
@@ -240,23 +276,43 @@ def seeds(
             console.print(f"{where}: {_fmt(p.difference)} pp (sd {p.spread:.1f}) over {p.n} seeds, stage {p.stages}, "
                           f"interval [{_fmt(p.low)}, {_fmt(p.high)}]: {state}", highlight=False, markup=False,
                           soft_wrap=True)  # fmt: skip
-        for where in look.unpaired:
+        for where in [] if as_json else look.unpaired:
             console.print(f"{where}: unpaired (no seed in common), left as it is", highlight=False, markup=False)
         if not look.proposals:
-            console.print("no paired comparison with the baseline among the finished runs", highlight=False)
+            out.print("no paired comparison with the baseline among the finished runs", highlight=False)
         if not look.additions:
-            console.print("nothing to add", highlight=False)
+            done()
+            out.print("nothing to add", highlight=False)
             return
         adds = ", ".join(f"{row.setting} {row.label} +{n}" for row, n in look.additions.items())
-        console.print(f"look {look.look} proposes: {adds}; {cost_text(data, look)}", highlight=False, markup=False,
-                      soft_wrap=True)  # fmt: skip
+        if not as_json:
+            console.print(f"look {look.look} proposes: {adds}; {cost_text(data, look)}", highlight=False,
+                          markup=False, soft_wrap=True)  # fmt: skip
         if not submit:
-            console.print("add them with --submit", highlight=False)
+            done()
+            out.print("add them with --submit", highlight=False)
             return
         specs = new_specs(data, look)
         run_ids = submit_marked(specs, ctx, look.look)
-    console.print(f"look {look.look}: submitted {len(run_ids)} run(s) of seeds added after this look; "
+    done({"look": look.look, "runs": len(run_ids), "run_ids": run_ids})
+    out.print(f"look {look.look}: submitted {len(run_ids)} run(s) of seeds added after this look; "
                   f"follow with pdmctl status {chosen[0]}", highlight=False, markup=False)  # fmt: skip
+
+
+def look_document(sweep: str, data, look: Look, submitted: dict | None) -> dict[str, Any]:
+    """`seeds --json`: each comparison's proposal, the seeds each row would get and their cost, and what
+    --submit submitted (null without it). Differences in percentage points (docs/JSON.md)."""
+    from pdmctl.shell import number
+
+    proposals = [{"setting": p.setting, "mask": p.mask, "baseline": p.baseline, "column": p.column, "n": p.n,
+                  "stage": p.stages, "difference_pp": number(p.difference), "spread_pp": number(p.spread),
+                  "low_pp": number(p.low), "high_pp": number(p.high), "resolved": p.resolved,
+                  "seeds_needed": p.needed, "extra": p.extra, "fixed_sweep_seeds": p.fixed} for p in look.proposals]  # fmt: skip
+    additions = [{"setting": row.setting, "row": row.label, "has": len(look.seeds_of.get(row, [])), "add": n}
+                 for row, n in look.additions.items()]  # fmt: skip
+    return {"command": "seeds", "sweep": sweep, "look": look.look, "unfinished": look.unfinished,
+            "comparisons": proposals, "unpaired": list(look.unpaired), "additions": additions,
+            "cost": cost_text(data, look) if look.additions else None, "submitted": submitted}  # fmt: skip
 
 
 def submit_marked(specs: list, ctx, look: int) -> list[str]:

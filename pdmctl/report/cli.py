@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from pdmctl.shell import complete
+
 
 def register(app: typer.Typer) -> None:
     app.command(name="report")(report)
@@ -15,7 +17,11 @@ def register(app: typer.Typer) -> None:
 def report(
     sweeps: Annotated[
         list[str] | None,
-        typer.Argument(metavar="SWEEP", help="Sweeps to report on (default: the ledger's only sweep)."),
+        typer.Argument(
+            metavar="SWEEP",
+            help="Sweeps to report on (default: the ledger's only sweep).",
+            autocompletion=complete.sweeps,
+        ),
     ] = None,
     at: Annotated[
         str | None,
@@ -23,7 +29,11 @@ def report(
     ] = None,
     baseline: Annotated[
         str | None,
-        typer.Option("--baseline", help="Mask to compare against (default: the definition's, dppo_topk_kl)."),
+        typer.Option(
+            "--baseline",
+            help="Mask to compare against (default: the definition's, dppo_topk_kl).",
+            autocompletion=complete.masks,
+        ),
     ] = None,
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Output directory (default: reports/<sweep>/).")
@@ -49,7 +59,13 @@ def report(
         ),
     ] = None,
     definition: Annotated[
-        str, typer.Option("--definition", "-d", help="Report definition: reports/NAME.yaml or a path.")
+        str,
+        typer.Option(
+            "--definition",
+            "-d",
+            help="Report definition: reports/NAME.yaml or a path.",
+            autocompletion=complete.report_definitions,
+        ),
     ] = "default",
     analysis: Annotated[
         Path | None,
@@ -61,7 +77,13 @@ def report(
         str | None, typer.Option("--tune", help="A study of pdmctl tune: trials, history, importances.")
     ] = None,
     cluster: Annotated[
-        str, typer.Option("--cluster", "-c", help="Cluster profile under clusters/ (or a path).")
+        str,
+        typer.Option(
+            "--cluster",
+            "-c",
+            help="Cluster profile under clusters/ (or a path).",
+            autocompletion=complete.clusters,
+        ),
     ] = "local",
     tracking_uri: Annotated[
         str | None,
@@ -69,6 +91,14 @@ def report(
             "--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, the profile's, ./mlflow.db)."
         ),
     ] = None,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="The tables as one JSON document on stdout (docs/JSON.md); the report is "
+            "written as without it, and its lines go to stderr.",
+        ),
+    ] = False,
 ) -> None:
     """Tables of avg@16 with seed confidence intervals, comparisons with the baseline, learning curves."""
     from rich.text import Text
@@ -91,6 +121,10 @@ def report(
 
     if tune is not None:  # a study's page (pdmctl.tune.page), not a sweep report
         from pdmctl.tune.cli import report_study
+
+        if as_json:
+            with guard():
+                fail("--json: prints a sweep report's tables; a study's page (--tune) has none")
 
         report_study(tune, out, cluster, tracking_uri)
         return
@@ -123,6 +157,9 @@ def report(
     if baseline is not None and not result.baseline_present:
         fail(f"--baseline: mask {baseline!r} has no runs in {', '.join(chosen)}")
     written = write_report(result, out_dir)
+    if as_json:
+        _print_json(result, out_dir, written, records)
+        return
     console.print(to_rich(results_table(result)))
     console.print(to_rich(comparison_table(result)))
     if result.comparisons:
@@ -137,6 +174,20 @@ def report(
     for line in login_notes(records, tracking_login()):  # runs another login than their sweep's owner wrote
         console.print(line, highlight=False, markup=False, soft_wrap=True)
     console.print(f"wrote {len(written)} files to {out_dir}/ — open {written[-1]}", highlight=False)
+
+
+def _print_json(result, out_dir: Path, written: list[Path], records) -> None:
+    """The tables as one document on stdout; the lines the report prints besides them, on stderr."""
+    from pdmctl.ledger import login_notes, tracking_login
+    from pdmctl.report.document import report_document
+    from pdmctl.shell import print_document
+    from pdmctl.terminal import err
+
+    print_document(report_document(result, out_dir, written))
+    for line in login_notes(records, tracking_login()):
+        err.print(line, highlight=False, markup=False, soft_wrap=True)
+    err.print(f"wrote {len(written)} files to {out_dir}/ — open {written[-1]}", highlight=False, markup=False,
+              soft_wrap=True)  # fmt: skip
 
 
 def with_cost(result, records, ctx):

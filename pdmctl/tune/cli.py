@@ -7,6 +7,8 @@ from typing import Annotated, Any
 
 import typer
 
+from pdmctl.shell import complete
+
 _FILE_OPTIONS = ("trials", "parallel", "objective", "direction", "at", "sampler", "pruner",
                  "seeds_per_trial", "max_attempts", "seed")  # fmt: skip
 _INT_OPTIONS = ("trials", "parallel", "seeds_per_trial", "max_attempts", "seed")
@@ -26,7 +28,10 @@ def tune(
         ),  # fmt: skip
     ] = None,
     file: Annotated[
-        str | None, typer.Option("--file", "-f", help="A sweep file with a tune: section.")
+        str | None,
+        typer.Option(
+            "--file", "-f", help="A sweep file with a tune: section.", autocompletion=complete.sweep_files
+        ),
     ] = None,
     trials: Annotated[int | None, typer.Option(help="Trials in the study, all invocations together.")] = None,
     parallel: Annotated[
@@ -53,7 +58,10 @@ def tune(
         typer.Option("--name", "-n", help="Study (and sweep) name (default: the file's, or 'tune')."),
     ] = None,
     cluster: Annotated[
-        str, typer.Option("--cluster", "-c", help="Cluster profile under clusters/.")
+        str,
+        typer.Option(
+            "--cluster", "-c", help="Cluster profile under clusters/.", autocompletion=complete.clusters
+        ),
     ] = "local",
     tracking_uri: Annotated[str | None, typer.Option("--tracking-uri", help="MLflow store.")] = None,
     storage: Annotated[
@@ -125,7 +133,23 @@ def tune(
             result = driver.run(stay, _progress_printer())
         except tune_study.TuneError as exc:
             fail(str(exc))
+        except KeyboardInterrupt:  # the trials in flight are runs of their own: they go on
+            _interrupted(plan.name, ctx, cluster)
     _print_summary(plan.name, plan.storage, ctx, result, stay)
+
+
+def _interrupted(study: str, ctx, cluster: str) -> None:
+    """A Ctrl-C while driving a study: one line (its trials in flight go on; no new one starts until `pdmctl
+    tune` drives the study again), exit 130."""
+    import sys
+
+    from pdmctl.shell.waiting import EXIT_INTERRUPTED, follow_options
+
+    where = follow_options(ctx, cluster)
+    print(f"pdmctl: stopped driving study {study}; its trials in flight go on (pdmctl status {study}{where} "
+          "--watch follows them), and the same pdmctl tune command again continues the study", file=sys.stderr,
+          flush=True)  # fmt: skip
+    sys.exit(EXIT_INTERRUPTED)
 
 
 def _read_file(path_or_name: str) -> tuple[str, list[str], dict[str, Any]]:
