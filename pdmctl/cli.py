@@ -93,9 +93,10 @@ def sweep(
         int, typer.Option("--max-runs", help="Refuse a grid of more runs than this (a guard against typos).")
     ] = MAX_RUNS,
     order: Annotated[
-        str | None, typer.Option("--order", help="The array's order: seed (default: replicate 0 of every arm of "
-                                 "every setting, then replicate 1, ...) or setting (setting by setting); "
-                                 "a sweep file's order: otherwise.")
+        str | None, typer.Option("--order", help="The array's order: answers (default: replicate 0 of every "
+                                 "setting, then replicate 1, ...; inside one, setting by setting, the cheapest "
+                                 "first), seed (the settings take turns arm by arm) or setting (one run of "
+                                 "each setting, then grid order); a sweep file's order: otherwise.")
     ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="With --dry-run: the plan as JSON (every run in array order, its "
@@ -110,6 +111,15 @@ def sweep(
         str | None, typer.Option("--calibrated-on", metavar="SWEEP", autocompletion=complete.sweeps, help="With --dry-run: estimate the testbed's "
                                  "runs at the rate SWEEP's finished runs of the same setting measured.")
     ] = None,
+    days: Annotated[
+        float | None, typer.Option("--days", min=0, help="With --dry-run: also propose the largest part of the grid "
+                                   "(its cheapest settings, seeds an arm) expected to end within N days on the "
+                                   "profile's slots, and what it can resolve; the grid is not changed.")
+    ] = None,
+    budget: Annotated[
+        float | None, typer.Option("--budget", min=0, metavar="HOURS", help="With --dry-run: the same within HOURS "
+                                   "GPU-hours (CPU-hours on the testbed).")
+    ] = None,
 ) -> None:
     """Expand a grid into runs, register them in MLflow and submit the ones not yet served."""
     from pdmctl import grid, orchestrate
@@ -122,10 +132,17 @@ def sweep(
             fail("--offline: plans without SLURM; give --dry-run too")
         if calibrated_on is not None and not dry_run:
             fail("--calibrated-on: calibrates the estimates of a dry run; give --dry-run too")
+        for flag, value in (("--days", days), ("--budget", budget)):
+            if value is not None and as_json:
+                fail(f"{flag}: its proposal is part of the text plan, not of --json")
+            if value is not None and (not dry_run or not math.isfinite(value) or value <= 0):
+                fail(f"{flag}: proposes a design in a dry run: give --dry-run and a finite number > 0, got {value}")
         sweep_file = grid.load_sweep_file(file) if file else None
-        chosen = grid.check_order(order, "--order") if order is not None else (sweep_file and sweep_file.order) or "seed"
+        chosen = grid.check_order(order, "--order") if order is not None else (sweep_file and sweep_file.order) or "answers"
+        priority = sweep_file.priority if sweep_file else ()
         ctx = orchestrate.make_context(cluster, tracking_uri)
-        orchestrate.check_placeholders(ctx.profile)  # before a grid whose checks may take seconds
+        if not dry_run:  # before a grid whose checks may take seconds; a plan says it beside the plan
+            orchestrate.check_placeholders(ctx.profile)
         specs = grid.expand(overrides or [], sweep_file, name, max_runs=max_runs)
         specs = orchestrate.pin_data(specs, ctx)  # the data's digest into each run's config (and key)
         if dry_run:
@@ -133,12 +150,14 @@ def sweep(
 
             check_environment()  # what the submission would refuse
             executor, unchecked = costing.plan_profile(ctx, offline)
-            orchestrate.check_runs(specs, ctx, executor)
+            orchestrate.check_runs(specs, ctx, executor, storage=unchecked is None)
             unread = orchestrate.ledger_unreachable(ctx)
-            plan = orchestrate.plan(specs, ctx, read_only=True, read_ledger=unread is None, order=chosen)
             calibration = _calibration(ctx, calibrated_on) if calibrated_on is not None else None
             if unread is None:  # VeRL settings the sweep's preflight measured: their cost from its steps
                 calibration = {**costing.preflight_calibration(ctx, specs[0].sweep), **(calibration or {})} or None
+            seconds = orchestrate.expected_seconds(specs, ctx, executor, calibration) if chosen == "answers" else None
+            plan = orchestrate.plan(specs, ctx, read_only=True, read_ledger=unread is None, order=chosen,
+                                    run_seconds=seconds, priority=priority)  # fmt: skip
             if as_json:
                 import json
 
@@ -150,8 +169,9 @@ def sweep(
             if unchecked:
                 console.print(unchecked, highlight=False, markup=False, soft_wrap=True)
             _print_plan(plan, ctx, executor, unread)
-            console.print(orchestrate.describe_order(plan.specs, chosen), highlight=False, markup=False,
-                          soft_wrap=True)
+            for line in [orchestrate.describe_order(plan.specs, chosen), *costing.first_answers_lines(
+                    plan, ctx, executor, calibration)]:  # fmt: skip
+                console.print(line, highlight=False, markup=False, soft_wrap=True)
             for line in orchestrate.describe_runs(plan.to_submit, ctx, executor, calibration):
                 console.print(line, highlight=False, markup=False, soft_wrap=True)
             from pdmctl.budget.costing import testbed_line
@@ -159,8 +179,13 @@ def sweep(
             testbed = testbed_line(plan.to_submit, ctx, executor, calibration)
             if testbed is not None:
                 console.print(testbed, highlight=False, markup=False, soft_wrap=True)
+            if days is not None or budget is not None:
+                from pdmctl.budget.design import design_lines
+
+                for line in design_lines(plan, ctx, executor, days, budget, calibration):
+                    console.print(line, highlight=False, markup=False, soft_wrap=True)
             return
-        plan, job_ids = orchestrate.sweep(specs, ctx, order=chosen)
+        plan, job_ids = orchestrate.sweep(specs, ctx, order=chosen, priority=priority)
     counts = plan.counts()
     sweep_name = specs[0].sweep
     console.print(
