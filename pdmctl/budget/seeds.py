@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import typer
@@ -49,6 +49,8 @@ class Proposal:
     needed: int | None  # matched seeds for 80% power at the next stage's level; None: more than power.MAX_SEEDS
     extra: int  # seeds to add (0 when resolved or out of reach)
     fixed: int | None = None  # the same for a new sweep of fixed size, at the whole α (the report's power table)
+    values: tuple[float, ...] = ()  # the per-seed differences (fractions) and each one's stage
+    stage_of: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class Look:
     look: int  # the number of this look (1 + the looks already recorded on the sweep's runs)
     unfinished: int  # runs of the sweep that have not ended
     unpaired: list[str]  # comparisons without a seed in common (nothing to add to)
+    waiting: list[tuple[str, int]] = field(default_factory=list)  # (comparison, runs of its setting not ended)
 
 
 def propose(data, definition, max_seeds: int) -> Look:
@@ -67,12 +70,23 @@ def propose(data, definition, max_seeds: int) -> Look:
     from pdmctl.report import power
     from pdmctl.report.build import _run_values, comparisons, held_out_names
     from pdmctl.report.sequential import run_look, sequential_interval, stage_alpha
+    from pdmctl.report.sequential import stages as stage_numbers
 
     labels = tuple(c.label for c in definition.columns) + ((definition.average,) if definition.average else ())
     alpha = 1 - definition.confidence.level
     proposals, additions, unpaired = [], defaultdict(int), []
     names = held_out_names(data, definition)
+    keys, seed_of, _ = _row_keys(data)
+    open_in: dict[str, int] = defaultdict(int)  # setting -> its runs that have not ended
+    for run_id, row in keys.items():
+        open_in[row.setting] += data.records[run_id].status not in TERMINAL
+    waiting, waited = [], []
     for comparison in comparisons(data, definition, labels):
+        if open_in[comparison.row.setting]:  # not looked at before every run of its setting ended
+            waiting.append((f"{comparison.row.setting} {comparison.row.label} vs {comparison.baseline.label}",
+                            open_in[comparison.row.setting]))  # fmt: skip
+            waited.append(comparison.row)
+            continue
         if not comparison.seeds:  # no seed in common: nothing to add to
             unpaired.append(f"{comparison.row.setting} {comparison.row.label} vs {comparison.baseline.label}")
             continue
@@ -85,6 +99,7 @@ def propose(data, definition, max_seeds: int) -> Look:
             d = [_run_values(mine[s], labels, definition.average)[label]
                  - _run_values(theirs[s], labels, definition.average)[label] for s in comparison.seeds]  # fmt: skip
             interval, _, stages = sequential_interval(d, looks, definition.confidence.level)
+            stage_of = tuple(stage_numbers(looks))
             diff = sum(d) / len(d)
             spread = float(_sd(d))
             resolved = interval is not None and (interval.low > 0 or interval.high < 0)
@@ -99,19 +114,56 @@ def propose(data, definition, max_seeds: int) -> Look:
                                       len(d), stages, 100 * diff, 100 * spread,
                                       None if interval is None else 100 * interval.low,
                                       None if interval is None else 100 * interval.high, resolved, needed, extra,
-                                      fixed))  # fmt: skip
+                                      fixed, tuple(d), stage_of))  # fmt: skip
         for row in (comparison.row, comparison.baseline):
             additions[row] = max(additions[row], wanted)
     seeds_of: dict[Any, set[int]] = defaultdict(set)
-    keys, seed_of, _ = _row_keys(data)
     for run_id, row in keys.items():
         seeds_of[row].add(seed_of[run_id])
     for row in list(additions):
         additions[row] = max(0, min(additions[row], max_seeds - len(seeds_of[row])))
+    told = {row.setting for row in waited}  # the settings with no comparison collected yet are listed too
+    waiting += [(setting, n) for setting, n in sorted(open_in.items()) if n and setting not in told]
     looks = [run_look(r) for r in data.records.values()]
     unfinished = sum(1 for r in data.records.values() if r.status not in TERMINAL)
     return Look(proposals, {r: n for r, n in additions.items() if n}, {r: sorted(s) for r, s in seeds_of.items()},
-                max(looks, default=0) + 1, unfinished, unpaired)  # fmt: skip
+                max(looks, default=0) + 1, unfinished, unpaired, waiting)  # fmt: skip
+
+
+def expected_course(look: Look, level: float, max_seeds: int) -> dict[Any, float]:
+    """row -> the matched seeds at which the rule is expected to stop (`seeds_rule.simulate_rule` at each
+    unresolved comparison's observed difference and spread, the most of its columns), for the rows this
+    look adds to."""
+    from pdmctl.budget.seeds_rule import simulate_rule
+
+    by_pair: dict[tuple[str, str], float] = defaultdict(float)
+    for p in look.proposals:
+        key = (p.setting, p.mask)
+        if p.resolved or not p.extra or not p.spread > 0:
+            by_pair[key] = max(by_pair[key], p.n)
+            continue
+        mean = sum(p.values) / len(p.values)
+        run = simulate_rule(p.values, mean, p.spread / 100, 1 - level, max_seeds, stages=p.stage_of)
+        by_pair[key] = max(by_pair[key], run.seeds)
+        by_pair[(p.setting, p.baseline)] = max(by_pair[(p.setting, p.baseline)], run.seeds)
+    return {row: by_pair.get((row.setting, row.label), float(len(look.seeds_of.get(row, []))))
+            for row in look.additions}  # fmt: skip
+
+
+def course_text(look: Look, course: dict[Any, float], costs: dict[Any, tuple[str, float]]) -> tuple[str, dict[str, float]]:
+    """The expectation in words, and its cost (device -> hours) where every row's is known."""
+    from pdmctl.budget.seeds_rule import DRAWS
+
+    total: dict[str, float] = defaultdict(float)
+    for row, final in course.items():
+        if row not in costs:
+            total.clear()
+            break
+        total[costs[row][0]] += max(0.0, final - len(look.seeds_of.get(row, []))) * costs[row][1]
+    seeds = ", ".join(f"{row.setting} {row.label} {final:.1f}" for row, final in course.items())
+    cost = " + ".join(f"{h:.3g} {u}-hours" for u, h in sorted(total.items())) if total else "cost unknown"
+    return (f"the rule is expected to stop at about {seeds} seeds ({DRAWS} seeded draws at the observed "
+            f"difference and spread, --max-seeds the cap), adding {cost} in all"), dict(total)  # fmt: skip
 
 
 def _sd(values: Sequence[float]) -> float:
@@ -159,22 +211,59 @@ def row_hours(data) -> dict[Any, float]:
     return {row: sum(h) / len(h) for row, h in spent.items()}
 
 
-def cost_text(data, look: Look) -> str:
-    """What the extra runs would cost: CPU-hours for the testbed (one core a run) from the rows' recorded
-    durations; "unknown" where a backend's devices or a row's durations are not known here."""
+def model_hours(data, look: Look, ctx) -> dict[Any, tuple[str, float]]:
+    """row -> (device, hours) of one added run by the cost model (`budget.costing.estimate_specs`, the dry
+    run's), for the rows whose cost `cost_text` cannot take from measured durations (VeRL's; a testbed row
+    without recorded ones). Empty where the model cannot be read here."""
+    from pdmctl.budget.cost import Estimate
+    from pdmctl.budget.costing import estimate_specs
+    from pdmctl.executors import make_executor
+
     hours = row_hours(data)
+    specs = {row: spec for row, spec in _row_specs(data).items()
+             if row in look.additions and (spec.backend != "toy" or row not in hours)}  # fmt: skip
+    if not specs:
+        return {}
+    try:
+        estimates = estimate_specs(list(specs.values()), ctx, make_executor(ctx.profile))
+    except Exception:
+        return {}
+    return {row: (e.unit, e.hours.expected) for row, spec in specs.items()
+            if isinstance(e := estimates.get(spec.key), Estimate)}  # fmt: skip
+
+
+def _row_specs(data) -> dict[Any, Any]:
     keys, _, _ = _row_keys(data)
-    backend_of = {row: data.records[run_id].spec.backend for run_id, row in keys.items() if data.records[run_id].spec}
-    total, unknown = 0.0, []
+    return {row: data.records[run_id].spec for run_id, row in keys.items() if data.records[run_id].spec}
+
+
+def run_costs(data, look: Look, modelled: dict[Any, tuple[str, float]] | None = None) -> dict[Any, tuple[str, float]]:
+    """row -> (device, hours) of one more run: the testbed's measured durations (one core a run), else the
+    cost model's (`modelled`); rows with neither are left out."""
+    hours, backend_of = row_hours(data), {row: spec.backend for row, spec in _row_specs(data).items()}
+    out = {row: ("CPU", hours[row]) for row in look.additions if backend_of.get(row) == "toy" and row in hours}
+    return {**{r: v for r, v in (modelled or {}).items() if r not in out}, **out}
+
+
+def cost_text(data, look: Look, modelled: dict[Any, tuple[str, float]] | None = None) -> str:
+    """What the extra runs would cost: CPU-hours for the testbed (one core a run) from the rows' recorded
+    durations, the cost model's expected device-hours (`model_hours`) for the others; "unknown" where
+    neither is known here."""
+    costs = run_costs(data, look, modelled)
+    total: dict[str, float] = defaultdict(float)
+    unknown = []
     for row, extra in look.additions.items():
-        if backend_of.get(row) != "toy" or row not in hours:
+        if row not in costs:
             unknown.append(row.label)
             continue
-        total += extra * hours[row]
+        total[costs[row][0]] += extra * costs[row][1]
     runs = sum(look.additions.values())
     if unknown:
-        return f"{runs} run(s); cost unknown (no recorded testbed durations for {', '.join(sorted(set(unknown)))})"
-    return f"{runs} run(s), about {total:.3g} CPU-hours (the rows' finished runs' recorded durations, one core a run)"
+        return f"{runs} run(s); cost unknown (no recorded testbed durations or cost model for {', '.join(sorted(set(unknown)))})"
+    sources = "the cost model" if modelled and set(modelled) & set(look.additions) else ""
+    if any(costs[r][0] == "CPU" and r not in (modelled or {}) for r in look.additions):
+        sources = "the rows' finished runs' recorded durations, one core a run" + (" and " + sources if sources else "")
+    return f"{runs} run(s), about {' + '.join(f'{h:.3g} {u}-hours' for u, h in sorted(total.items()))} ({sources})"
 
 
 def _fmt(x: float | None) -> str:
@@ -203,6 +292,11 @@ def seeds(
     max_seeds: Annotated[
         int, typer.Option("--max-seeds", help="At most this many seeds per row in all (finished or not).")
     ] = MAX_SEEDS,
+    max_hours: Annotated[
+        float | None,
+        typer.Option("--max-hours", help="Submit nothing when this look's added runs are expected to cost more "
+                     "device-hours than this (or their cost is unknown)."),
+    ] = None,
     cluster: Annotated[
         str,
         typer.Option(
@@ -233,16 +327,19 @@ def seeds(
     from pdmctl.terminal import console, err, fail, guard
 
     out = err if as_json else console  # the document alone on stdout
+    modelled: dict[Any, tuple[str, float]] = {}  # row -> the cost model's hours of one added run
 
     def done(submitted: dict | None = None) -> None:
         if as_json:
             from pdmctl.shell import print_document
 
-            print_document(look_document(chosen[0], data, look, submitted))
+            print_document(look_document(chosen[0], data, look, submitted, modelled))
 
     with guard():
         if max_seeds < 2:
             fail(f"--max-seeds: must be at least 2, got {max_seeds}")
+        if max_hours is not None and not (math.isfinite(max_hours) and max_hours > 0):
+            fail(f"--max-hours: must be a positive number of hours, got {max_hours}")
         try:
             spec = load_definition(definition)
         except ReportError as exc:
@@ -266,7 +363,9 @@ def seeds(
                               "look that an interrupted --submit had registered but not submitted; follow with "
                               f"pdmctl status {chosen[0]}", highlight=False, markup=False)  # fmt: skip
                 return
-            fail(f"sweep {chosen[0]}: {look.unfinished} run(s) have not ended; look again when they have")
+        if look.waiting and not look.proposals and not look.unpaired:
+            fail(f"sweep {chosen[0]}: nothing to look at yet: {look.unfinished} run(s) have not ended and no "
+                 "setting has all its runs ended; look again when one has")  # fmt: skip
         for p in [] if as_json else look.proposals:
             where = f"{p.setting} {p.mask} vs {p.baseline} on {p.column}"
             state = "resolved" if p.resolved else (
@@ -278,6 +377,8 @@ def seeds(
                           soft_wrap=True)  # fmt: skip
         for where in [] if as_json else look.unpaired:
             console.print(f"{where}: unpaired (no seed in common), left as it is", highlight=False, markup=False)
+        for where, n in [] if as_json else look.waiting:
+            console.print(f"{where}: waiting: {n} run(s) of this setting not ended", highlight=False, markup=False)
         if not look.proposals:
             out.print("no paired comparison with the baseline among the finished runs", highlight=False)
         if not look.additions:
@@ -285,9 +386,19 @@ def seeds(
             out.print("nothing to add", highlight=False)
             return
         adds = ", ".join(f"{row.setting} {row.label} +{n}" for row, n in look.additions.items())
+        modelled = model_hours(data, look, ctx)
+        costs = run_costs(data, look, modelled)
+        course, _ = course_text(look, expected_course(look, spec.confidence.level, max_seeds), costs)
         if not as_json:
-            console.print(f"look {look.look} proposes: {adds}; {cost_text(data, look)}", highlight=False,
+            console.print(f"look {look.look} proposes: {adds}; {cost_text(data, look, modelled)}", highlight=False,
                           markup=False, soft_wrap=True)  # fmt: skip
+            console.print(course, highlight=False, markup=False, soft_wrap=True)
+        if max_hours is not None:
+            now = sum(n * costs[row][1] for row, n in look.additions.items() if row in costs)
+            over = any(row not in costs for row in look.additions) or now > max_hours
+            if over and submit:
+                fail(f"--max-hours {max_hours:g}: this look's runs cost {'an unknown number of' if any(row not in costs for row in look.additions) else f'about {now:.3g}'} "
+                     "device-hours, over the cap; nothing submitted (lower --max-seeds, or raise the cap)")  # fmt: skip
         if not submit:
             done()
             out.print("add them with --submit", highlight=False)
@@ -299,7 +410,8 @@ def seeds(
                   f"follow with pdmctl status {chosen[0]}", highlight=False, markup=False)  # fmt: skip
 
 
-def look_document(sweep: str, data, look: Look, submitted: dict | None) -> dict[str, Any]:
+def look_document(sweep: str, data, look: Look, submitted: dict | None,
+                  modelled: dict[Any, tuple[str, float]] | None = None) -> dict[str, Any]:  # fmt: skip
     """`seeds --json`: each comparison's proposal, the seeds each row would get and their cost, and what
     --submit submitted (null without it). Differences in percentage points (docs/JSON.md)."""
     from pdmctl.shell import number
@@ -312,7 +424,8 @@ def look_document(sweep: str, data, look: Look, submitted: dict | None) -> dict[
                  for row, n in look.additions.items()]  # fmt: skip
     return {"command": "seeds", "sweep": sweep, "look": look.look, "unfinished": look.unfinished,
             "comparisons": proposals, "unpaired": list(look.unpaired), "additions": additions,
-            "cost": cost_text(data, look) if look.additions else None, "submitted": submitted}  # fmt: skip
+            "cost": cost_text(data, look, modelled) if look.additions else None, "submitted": submitted,
+            "waiting": [{"comparison": where, "runs_not_ended": n} for where, n in look.waiting]}  # fmt: skip
 
 
 def submit_marked(specs: list, ctx, look: int) -> list[str]:
@@ -339,16 +452,15 @@ def submit_marked(specs: list, ctx, look: int) -> list[str]:
 
 
 def submit_left(data, look: Look, ctx) -> list[str]:
-    """Submit what an interrupted `seeds --submit` registered and marked but never submitted, when every run
-    of the sweep that has not ended is one the last look added: the job ids (none when those runs are
-    queued or running, or other runs have not ended)."""
+    """Submit what an interrupted `seeds --submit` registered and marked but never submitted: the runs a look
+    added that have not ended go through `orchestrate.sweep` (one live job per run), the job ids (none when
+    those runs are queued or running). Runs no look added (a setting still running) are left to `resume`."""
     from pdmctl import orchestrate
     from pdmctl.ledger import TERMINAL
     from pdmctl.report.sequential import run_look
 
-    last = look.look - 1  # the last look that added seeds (0: none did)
-    open_runs = [r for r in data.records.values() if r.status not in TERMINAL]
-    if last < 1 or not open_runs or any(run_look(r) != last or r.spec is None for r in open_runs):
+    open_runs = [r for r in data.records.values() if r.status not in TERMINAL and run_look(r) and r.spec]
+    if not open_runs:
         return []
     _, job_ids = orchestrate.sweep([r.spec for r in open_runs], ctx, order="seed")
     return job_ids

@@ -1,0 +1,155 @@
+"""`pdmctl seeds` per setting: the comparisons of a setting whose runs have all ended are looked at and
+extended while another setting of the sweep still runs; that setting's comparisons wait (no interval is
+shown, nothing is added to them, no look is spent on them). Before adding, the rule's expected final seeds
+and cost are stated; --max-hours caps what one look submits. The rule itself keeps the promised coverage.
+
+The sweep is a synthetic store (two precisions of the testbed, two masks, three seeds), the finished
+setting's values written, the other's runs left running; `seeds --submit` goes through the CLI with the
+local executor, whose worker is never started (each queued job file is one submission)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdmctl.ledger import open_ledger
+from tests.conftest import FAST, sqlite_uri
+
+sys.path.insert(0, str(Path(__file__).parent))  # the synthetic-sweep helpers beside this file
+from test_report_synthetic import finish, make_sweep, write_points
+from test_seeds_interrupted import _run, _submissions
+
+SWEEP = "twosettings"
+GRID = ["mask=pdm_agg,dppo_topk_kl", "seed=0,1,2", "precision=bf16,fp8_rollout", *FAST]
+GAINS = {0: (0.04, 0.10), 1: (0.08, 0.02), 2: (0.01, 0.07)}  # pdm_agg over the baseline: not yet resolved
+
+
+def _store(workdir: Path, running: str | None = "fp8_rollout") -> dict[str, str]:
+    """The sweep with seed 2 of precision `running` still running, its seeds 0 and 1 ended (none: all ended);
+    run id -> precision."""
+    sweep = make_sweep(sqlite_uri(workdir), SWEEP, GRID)
+    precision = {run_id: spec.config["precision"]["name"] for run_id, spec in sweep.specs.items()}
+    ended = [run_id for run_id, p in precision.items() if p != running or sweep.specs[run_id].seed < 2]
+    points = []
+    for run_id in ended:
+        spec = sweep.specs[run_id]
+        gain = GAINS[spec.seed] if spec.config["mask"]["name"] == "pdm_agg" else (0.0, 0.0)
+        points += [(run_id, "eval/toy24", 6, 0.3 + gain[0]), (run_id, "eval/toy25", 6, 0.4 + gain[1])]
+    write_points(sweep.ledger, points)
+    finish(sweep.ledger, ended)
+    finish(sweep.ledger, [r for r in precision if r not in ended], "RUNNING")
+    sweep.ledger.engine.dispose()
+    return precision
+
+
+def test_an_ended_setting_is_looked_at_and_extended_while_another_still_runs(workdir: Path) -> None:
+    precision = _store(workdir)
+    looked = _run(workdir, "seeds", SWEEP)
+    assert looked.returncode == 0, looked.stdout + looked.stderr
+    text = " ".join(looked.stdout.split())
+    assert "bf16 pdm_agg vs dppo_topk_kl on toy24" in text and "stage 1" in text
+    assert "fp8_rollout pdm_agg vs dppo_topk_kl: waiting: 2 run(s) of this setting not ended" in text
+    assert text.count("waiting:") == 1  # the comparison, not its setting again
+    assert "fp8_rollout pdm_agg vs dppo_topk_kl on" not in text  # no interval of a waiting setting
+    assert "look 1 proposes:" in text and "the rule is expected to stop at about" in text
+
+    added = _run(workdir, "seeds", SWEEP, "--submit", "--max-seeds", "5")
+    assert added.returncode == 0, added.stdout + added.stderr
+    assert "look 1: submitted 4 run(s)" in added.stdout, added.stdout
+    runs = open_ledger(sqlite_uri(workdir)).runs(SWEEP)
+    new = [r for r in runs if r.run_id not in precision]
+    assert len(new) == 4 and {r.spec.config["precision"]["name"] for r in new} == {"bf16"}
+    assert {r.spec.seed for r in new} == {3, 4} and all(r.provenance.get("look") == "1" for r in new)
+    assert set(_submissions(workdir)) == {r.run_id for r in new}  # the running setting's runs untouched
+    assert not list(workdir.glob("*.seeds.json"))  # the journal is gone once its marks are made
+
+    again = _run(workdir, "seeds", SWEEP, "--submit", "--max-seeds", "5")  # both settings now wait
+    assert again.returncode == 2 and "nothing to look at yet" in again.stderr, again.stdout + again.stderr
+    assert set(_submissions(workdir).values()) == {1}  # nothing went out twice
+
+
+def test_a_setting_extended_later_gets_its_own_stages(tmp_path: Path) -> None:
+    """A look per comparison: a setting extended at look 2 (after another setting's look 1) counts its
+    added seeds as its stage 2, as the report's group-sequential interval does."""
+    from pdmctl.added_seeds import mark
+    from pdmctl.budget.seeds import propose
+    from pdmctl.report.collect import collect
+    from pdmctl.report.definition import load_definition
+
+    precision = _store(tmp_path, running=None)
+    uri = sqlite_uri(tmp_path)
+    ledger = open_ledger(uri)
+    seed_of = {r.run_id: r.spec.seed for r in ledger.runs(SWEEP)}
+    mark(uri, [r for r, p in precision.items() if p == "bf16" and seed_of[r] == 2], 1)  # bf16's look 1
+    mark(uri, [r for r, p in precision.items() if p == "fp8_rollout" and seed_of[r] == 2], 2)  # fp8's, at look 2
+    definition = load_definition("default")
+    look = propose(collect(ledger, [SWEEP], definition), definition, max_seeds=10)
+    assert look.look == 3 and not look.waiting
+    stages = {(p.setting.split(" ")[-1], p.stages) for p in look.proposals}
+    assert stages == {("bf16", 2), ("fp8_rollout", 2)}  # each comparison's stages from its own looks
+
+
+def test_no_ended_setting_is_refused_in_one_line(workdir: Path) -> None:
+    _store(workdir, running="bf16")
+    open_ledger(sqlite_uri(workdir)).set_status(
+        [r.run_id for r in open_ledger(sqlite_uri(workdir)).runs(SWEEP)], "RUNNING")  # fmt: skip
+    looked = _run(workdir, "seeds", SWEEP)
+    lines = [line for line in looked.stderr.splitlines() if line.strip()]
+    assert looked.returncode == 2 and len(lines) == 1, looked.stdout + looked.stderr
+    assert "nothing to look at yet: 12 run(s) have not ended" in lines[0]
+
+
+@pytest.mark.parametrize("cap", ["0", "-1", "nan", "inf"])
+def test_a_cap_of_hours_not_positive_and_finite_is_refused_in_one_line(workdir: Path, cap: str) -> None:
+    from typer.testing import CliRunner
+
+    from pdmctl.cli import app
+
+    result = CliRunner().invoke(app, ["seeds", "--max-hours", cap])
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and "--max-hours" in lines[0], result.output
+
+
+def test_max_hours_below_the_looks_cost_submits_nothing(workdir: Path) -> None:
+    _store(workdir, running=None)
+    capped = _run(workdir, "seeds", SWEEP, "--submit", "--max-hours", "1e-9")
+    assert capped.returncode == 2 and "over the cap; nothing submitted" in capped.stderr, capped.stderr
+    assert len(open_ledger(sqlite_uri(workdir)).runs(SWEEP)) == 12 and _submissions(workdir) == {}
+
+
+def test_cost_model_prices_rows_without_measured_hours(tmp_path: Path) -> None:
+    """Rows whose runs have no recorded durations get the cost model's expected hours a run."""
+    from pdmctl.budget.cost import Estimate, Span
+    from pdmctl.budget.seeds import Look, cost_text, run_costs
+
+    precision = _store(tmp_path, running=None)
+    from pdmctl.report.collect import collect, row_keys
+    from pdmctl.report.definition import load_definition
+
+    definition = load_definition("default")
+    data = collect(open_ledger(sqlite_uri(tmp_path)), [SWEEP], definition)
+    keys, _, _ = row_keys(list(data.records.values()))
+    rows = sorted(set(keys.values()), key=str)[:2]
+    look = Look([], {rows[0]: 2, rows[1]: 2}, {r: [0, 1, 2] for r in rows}, 1, 0, [])
+    assert "cost unknown" in cost_text(data, look)  # the synthetic runs recorded no durations
+    estimate = Estimate("GPU", 8, Span(1800.0, 1500.0, 2400.0), 3600.0, 1, "test")
+    modelled = {row: (estimate.unit, estimate.hours.expected) for row in rows}
+    assert run_costs(data, look, modelled) == {row: ("GPU", 4.0) for row in rows}
+    assert "about 16 GPU-hours (the cost model)" in cost_text(data, look, modelled)
+    assert len(precision) == 12
+
+
+@pytest.mark.parametrize("first", [3, 4, 5])
+def test_the_rule_keeps_95_percent_coverage_from_three_to_five_first_seeds(first: int) -> None:
+    """Simulated under the rule `seeds` applies (power at the next stage's level, the project's
+    group-sequential interval and power functions), the final interval covers at least 95%."""
+    from pdmctl.budget.seeds_rule import simulate_rule
+
+    for effect in (0.3, 0.8):
+        run = simulate_rule(first, effect, 1.0, 0.05, 10, draws=3000, seed=1000 * first + int(10 * effect))
+        print(f"{first} first seeds, effect {effect}: stops at {run.seeds:.2f} seeds, covers {run.coverage:.4f}")
+        assert run.coverage >= 0.95
+        assert first < run.seeds <= 10 and math.isfinite(run.seeds)
