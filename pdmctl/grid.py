@@ -20,6 +20,7 @@ from functools import lru_cache
 from typing import Any
 
 from pdmctl import engine_bounds
+from pdmctl.plugins import config_node, names
 from pdmctl.resources import config_dir, search_path
 from pdmctl.spec import RunSpec, SpecError, validate
 from pdmctl.yamlfiles import YamlRefused, did_you_mean, load_named, read_text, refuse_bombs_under, safe_load
@@ -277,8 +278,8 @@ def expand_globs(overrides: Sequence[str]) -> list[str]:
 
 
 def group_options(group: str) -> list[str]:
-    """The options of a config group: its files under configs/ (and, for backend, the backends)."""
-    options = {p.stem for p in (config_dir() / group).glob("*.yaml")}
+    """A config group's options: its files under configs/, installed plugins' (pdmctl.plugins), the backends."""
+    options = {p.stem for p in (config_dir() / group).glob("*.yaml")} | names(group)
     if group == "backend":
         from pdmctl.backends.registry import BACKENDS
 
@@ -513,6 +514,8 @@ def _plain_option(group: str, option: str) -> dict[str, Any] | None:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
+    if (node := config_node(group, option)) is not None:  # an installed plugin's option (mask=mine)
+        return node
     try:
         stored = ConfigStore.instance().load(f"{group}/{option}.yaml")
     except Exception:
@@ -639,11 +642,6 @@ def _one_line(exc: BaseException, overrides: Iterable[str]) -> str:
     match = re.search(r"Could not find '([^']+)/([^']+)'", text)
     if match:
         group, option = match.groups()
-        options = sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
-        if group == "backend":
-            from pdmctl.backends.registry import BACKENDS
-
-            options = sorted(set(options) | set(BACKENDS))
-        return f"{group}: unknown option {option!r}; choose from {', '.join(options)}"
+        return f"{group}: unknown option {option!r}; choose from {', '.join(group_options(group))}"
     first = next((line for line in text.splitlines() if line.strip()), text)
     return f"overrides {' '.join(overrides)}: {first}"

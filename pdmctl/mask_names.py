@@ -3,7 +3,9 @@
 A grid's configs are checked and keyed before any run starts, in a process that may never train; these
 tuples let that name the built-in methods, divergences, estimators and loss aggregations without loading
 the masks themselves. A test holds them equal to the registries. A name registered at run time
-(`masks.register_method`, ...) is not here: for a name it does not hold, each function asks the registry.
+(`masks.register_method`, ...) is not here: for a name it does not hold, each function asks the registry,
+and for a method the registry does not hold either, an installed mask plugin of that name (pdmctl.plugins),
+which loading registers.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ def is_known(registry: str, value: object) -> bool:
         return True
     from pdmctl import masks
 
-    return value in getattr(masks, registry)
+    if value in getattr(masks, registry):
+        return True
+    return registry == "METHODS" and _plugin(value)
 
 
 def known(registry: str) -> list[str]:
@@ -35,9 +39,20 @@ def known(registry: str) -> list[str]:
 
 
 def uses_ddot(method: str) -> bool:
-    """Whether a method's mask reads Ḋ (a KeyError for a method no registry holds)."""
+    """Whether a method's mask reads Ḋ, and so a run's key keeps its estimator (pdmctl.spec). True for a method
+    no registry holds and for a mask plugin's whatever it reads: its runs keep their keys where the plugin is
+    not installed (`pdmctl status` and `pdmctl report` read them without it)."""
     if method in METHODS:
         return method in USES_DDOT
-    from pdmctl import masks
+    from pdmctl import masks, plugins
 
-    return masks.METHODS[method].uses_ddot
+    spec = masks.METHODS.get(method)
+    return spec is None or plugins.loaded("mask", method) or spec.uses_ddot
+
+
+def _plugin(method: object) -> bool:
+    """Whether an installed mask plugin is named `method` (loaded, and so registered, if so); PluginError where
+    one is and cannot be used."""
+    from pdmctl import plugins
+
+    return plugins.load("mask", method) is not None

@@ -84,10 +84,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from pdmctl.grid import GridError
     from pdmctl.ledger import LedgerError
     from pdmctl.orchestrate import RunDirError, RunNotFound
+    from pdmctl.plugins import PluginError
     from pdmctl.spec import SpecError
     from pdmctl.testhooks import TestHookError
 
-    return (GridError, SpecError, LedgerError, ExecutorError, RunNotFound, RunDirError, TestHookError)
+    return (GridError, SpecError, LedgerError, ExecutorError, RunNotFound, RunDirError, TestHookError, PluginError)
 
 
 @contextlib.contextmanager

@@ -95,6 +95,8 @@ def flat_config(config: Mapping[str, Any]) -> dict[str, Any]:
             if f in mask
         },  # fmt: skip
     }
+    if config["backend"]["name"] == "toy" and "data" in config:  # the testbed's task: a data plugin's, or the model's
+        flat["data"] = config["data"]["name"]
     flat.update({k: v for k, v in config["backend"].items() if k != "name"})
     return flat
 
@@ -105,7 +107,7 @@ def flat_config(config: Mapping[str, Any]) -> dict[str, Any]:
 def _toy_defaults() -> dict[str, Any]:
     from pdmctl.backends.toy import ToyConfig
 
-    return {f.name: f.default for f in dataclasses.fields(ToyConfig) if f.name not in SHARED_FIELDS}
+    return {f.name: f.default for f in dataclasses.fields(ToyConfig) if f.name not in (*SHARED_FIELDS, "data")}
 
 
 def _toy_validate(flat: Mapping[str, Any]) -> None:
@@ -113,7 +115,7 @@ def _toy_validate(flat: Mapping[str, Any]) -> None:
 
     cfg = ToyConfig.from_mapping(flat)
     try:  # the base model every job would start from: a bad source, a damaged file or an unusable cache
-        if shipped.base_source() == "shipped":  # fails here, not in 8 jobs
+        if shipped.source_of(cfg.model) == "shipped":  # fails here, not in 8 jobs
             shipped.check_shipped(cfg.model)  # its digest: no torch
         else:  # the warm-up's cache, whose key names the torch version
             from pdmctl.backends.toy import basemodel
@@ -134,13 +136,12 @@ def _toy_provenance(flat: Mapping[str, Any], run_dir: Path) -> dict[str, str]:
     import hashlib
 
     from pdmctl.backends.toy import ToyConfig
-    from pdmctl.backends.toy.tasks import task_of
-    from pdmctl.backends.toy.trainer import EVAL_SETS
+    from pdmctl.backends.toy.trainer import task_for
 
     cfg = ToyConfig.from_mapping(flat)
-    task = task_of(cfg.model)
+    task = task_for(cfg)
     h = hashlib.sha256(task.name.encode())
-    for name in EVAL_SETS:
+    for name in task.eval_sets:
         problems = task.heldout(name)
         h.update(name.encode() + problems.prompts.numpy().tobytes() + problems.answers.numpy().tobytes())
     return {"data": f"{task.name}:{h.hexdigest()[:16]}",

@@ -64,6 +64,7 @@ from pdmctl.backends.toy.shipped import (  # noqa: F401  (re-exported: basemodel
     recipe_of,
     sha256_of,
     shipped_path,
+    source_of,
 )
 from pdmctl.backends.toy.task import (
     FREE_LEN,
@@ -82,7 +83,7 @@ PROBE_SIZE = 1024
 
 def load_base_model(preset_name: str) -> TinyTransformer:
     """The base model of a preset: the shipped weights, or (PDMCTL_TOY_BASE=warmup) the warm-up's."""
-    if base_source() == "shipped":
+    if source_of(preset_name) == "shipped":
         return load_shipped(preset_name)
     return load_warmed_up(preset_name)
 
@@ -105,10 +106,10 @@ def load_shipped(preset_name: str, path: Path | None = None) -> TinyTransformer:
     return model
 
 
-def write_shipped(preset_name: str) -> tuple[Path, str, WarmUpReport]:
-    """Run the warm-up and write its weights as the shipped file; its path, digest and report."""
+def write_shipped(preset_name: str, path: Path | None = None) -> tuple[Path, str, WarmUpReport]:
+    """Run the warm-up and write its weights as the shipped file (or at `path`); its path, digest and report."""
     model, report = warm_up_with_report(preset_name)
-    path = shipped_path(preset_name)
+    path = path or shipped_path(preset_name)
     path.parent.mkdir(parents=True, exist_ok=True)
     entry = {
         "format": SHIPPED_FORMAT,
@@ -145,7 +146,7 @@ def check_base_model(preset_name: str) -> None:
     the base already or can take its build."""
     from pdmctl.cache import CacheError, check_writable_dir
 
-    if base_source() == "shipped":
+    if source_of(preset_name) == "shipped":
         check_shipped(preset_name)
         return
     path = base_model_path(preset_name)

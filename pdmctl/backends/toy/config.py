@@ -16,6 +16,7 @@ class ToyConfig:
     seed: int = 0
     model: str = "toy-small"
     precision: str = "bf16"
+    data: str = "toy"  # the model preset's own task, or a data plugin's (pdmctl.plugins)
     # the mask (pdmctl.masks): method, divergence, estimator, thresholds
     method: str = "pdm"
     divergence: str = "topk_kl"
@@ -91,10 +92,38 @@ def _mask_choice(name: str, value: str, registry: str) -> list[str]:
     return [f"{name}: unknown {value!r}; choose from {', '.join(mask_names.known(registry))}"]
 
 
+def _plugin_choice(name: str, value: str, choices: Mapping[str, object]) -> list[str]:
+    """`_choice`, where an installed plugin of that name (pdmctl.plugins) is a choice too (loading registers it)."""
+    if value not in choices:
+        from pdmctl import plugins
+
+        plugins.load(name, value)
+    return _choice(name, value, choices)
+
+
+def _data_choice(cfg: ToyConfig) -> list[str]:
+    """`toy` (the model preset's own task), or a data plugin's task in the layout of the model's."""
+    if cfg.data == "toy":
+        return []
+    from pdmctl import plugins
+
+    loaded = plugins.load("data", cfg.data)
+    if loaded is None or loaded.plugin.task is None:
+        what = "is not a data set" if loaded is None else f"({loaded.where}) has no task"
+        return [f"data: {cfg.data!r} {what} the testbed can train on: toy (the model's own task) or a data "
+                "plugin's task"]  # fmt: skip
+    model_task = getattr(MODEL_PRESETS.get(cfg.model), "task", "addition")
+    if loaded.plugin.base_task != model_task:
+        return [f"data: {cfg.data!r} is in the layout of the {loaded.plugin.base_task!r} task, and model "
+                f"{cfg.model!r} speaks {model_task!r}'s"]  # fmt: skip
+    return []
+
+
 def _problems(cfg: ToyConfig) -> list[str]:
     """Every invalid value, each as one line that names the field (the first is raised)."""
     found = [
-        *_choice("model", cfg.model, MODEL_PRESETS),
+        *_plugin_choice("model", cfg.model, MODEL_PRESETS),
+        *_data_choice(cfg),
         *_choice("precision", cfg.precision, PRECISION_NAMES),
         *_mask_choice("method", cfg.method, "METHODS"),
         *_mask_choice("divergence", cfg.divergence, "DIVERGENCES"),

@@ -27,6 +27,8 @@ SHIPPED_SHA256 = {
     "toy-fork": "aee862551f7a34f12baf61cd1a9fb717c989d232916baa67f483d156d2d6cada",
 }
 SOURCES = ("shipped", "warmup")  # PDMCTL_TOY_BASE
+# a model plugin's base model file (pdmctl.plugins registers it, and its digest in SHIPPED_SHA256)
+PLUGIN_WEIGHTS: dict[str, Path] = {}
 
 
 class BaseModelError(RuntimeError):
@@ -40,8 +42,15 @@ def base_source() -> str:
     return source
 
 
+def source_of(preset_name: str) -> str:
+    """Where a preset's base model comes from: `base_source()`, except for a preset with no recorded file (a
+    model plugin's without weights), whose base is always the warm-up's."""
+    source = base_source()
+    return source if preset_name in SHIPPED_SHA256 else "warmup"
+
+
 def shipped_path(preset_name: str) -> Path:
-    return WEIGHTS_DIR / f"{preset_name}.pt"
+    return PLUGIN_WEIGHTS.get(preset_name) or WEIGHTS_DIR / f"{preset_name}.pt"
 
 
 def sha256_of(path: Path) -> str:

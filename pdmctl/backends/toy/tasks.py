@@ -28,6 +28,7 @@ class Task:
     response_lengths: Callable[[torch.Tensor], torch.Tensor] = addition.response_lengths
     response_mask: Callable[[torch.Tensor], torch.Tensor] = addition.response_mask
     answer_ids: Callable[[torch.Tensor], torch.Tensor] = addition.answer_ids  # maj@k's votes (-1: none)
+    eval_sets: tuple[str, ...] = ("toy24", "toy25")  # the held-out sets `heldout` answers, evaluated in this order
 
 
 TASKS: dict[str, Task] = {

@@ -37,6 +37,16 @@ KEEP_CHECKPOINTS = 2
 _UPDATE_METRICS = ("mask_frac", "out_of_region_frac", "mean_divergence", "ppo_kl")  # token-weighted means
 
 
+def task_for(cfg: ToyConfig) -> Task:
+    """The task a run trains and evaluates on: its data plugin's (`data=<name>`, pdmctl.plugins), else its model
+    preset's."""
+    if cfg.data != "toy":
+        from pdmctl import plugins
+
+        return plugins.testbed_task(cfg.data)
+    return task_of(cfg.model)
+
+
 def masked_loss(logits, batch, advantages, resp_mask, cfg) -> tuple:
     """`masks.policy_loss` of a rollout batch with the run config's mask settings (MATH.md): the one
     loss the training step and the direction analysis's criteria take."""
@@ -75,7 +85,7 @@ class Learner:
     def from_base(cls, cfg: ToyConfig, device: torch.device | str | None = None) -> Learner:
         device = torch.device(device or "cpu")
         policy = load_base_model(cfg.model).to(device)
-        the_task = task_of(cfg.model)
+        the_task = task_for(cfg)
         return cls(
             policy=policy,
             optimizer=torch.optim.Adam(policy.parameters(), lr=cfg.lr),
@@ -194,7 +204,7 @@ def evaluate(learner: Learner, cfg: ToyConfig, step: int, tracker: Tracker) -> d
     learner.engine.sync(learner.policy)
     generator = torch.Generator().manual_seed(_eval_seed(cfg.seed, step))
     scores: dict[str, float] = {}
-    for name in EVAL_SETS:
+    for name in learner.task.eval_sets:
         problems = learner.task.heldout(name).repeat(cfg.eval_samples).to(learner.device)
         rollout = learner.engine.generate(problems.prompts, generator)
         correct = learner.task.score(problems, rollout.sampled_ids).view(-1, cfg.eval_samples)
@@ -293,6 +303,7 @@ def load_latest_checkpoint(directory: Path, tracker: Tracker) -> tuple[Path, dic
 def _check_same_run(cfg: ToyConfig, saved: Mapping[str, object], path: Path) -> None:
     """A checkpoint resumes only the run that wrote it; `steps` may grow (a longer run continues)."""
     current = dataclasses.asdict(cfg)
+    saved = {"data": "toy", **saved}  # a checkpoint from before the field: the model's own task
     changed = sorted(name for name in current if name != "steps" and saved.get(name) != current[name])
     if changed:
         raise ValueError(

@@ -4,7 +4,8 @@ Importing this module (VeRL does it on every `import verl` through the entry
 point; the job body also names it in `VERL_USE_EXTERNAL_MODULES` and
 `actor_rollout_ref.model.external_lib`, which raise on failure where the entry
 point only logs at DEBUG) registers one loss per method in `pdmctl.masks.METHODS`
-as `pdmctl_<method>`, and installs the top-K patch when `PDMCTL_VERL_TOPK` is set.
+as `pdmctl_<method>` (installed mask plugins' included: `pdmctl.plugins`), and installs the top-K patch when
+`PDMCTL_VERL_TOPK` is set.
 
 Select a loss with
 
@@ -28,7 +29,7 @@ import torch
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, register_policy_loss
 from verl.workers.config import PolicyLossConfig
 
-from pdmctl import masks
+from pdmctl import masks, plugins
 from pdmctl.backends.verl import actor_loss, patches, resume, safeload, topk
 from pdmctl.backends.verl.topk import LOSS_PREFIX, is_pdmctl_loss, loss_name, method_of_loss
 
@@ -122,6 +123,8 @@ def rollout_gap(log_prob: torch.Tensor, log_ratio: torch.Tensor, response_mask: 
     return {"actor/pdmctl/rollout_probs_diff_mean": float((gap * mask).sum() / mask.sum().clamp_min(1))}
 
 
+# installed mask plugins (pdmctl.plugins) are methods too; one that does not load is named where a run asks for it
+PLUGIN_PROBLEMS = plugins.load_all("mask")
 for _method in masks.METHODS:
     register_policy_loss(loss_name(_method))(_make_loss(_method))
 
@@ -147,6 +150,7 @@ def check_run_config(config: Mapping[str, Any] | Any) -> None:
         raise PluginCheckError(
             f"policy loss {name!r} is not registered with VeRL (registered: {sorted(POLICY_LOSS_REGISTRY)}); "
             f"is the pdmctl plugin ({PLUGIN_MODULE}) importable on this node?"
+            + "".join(f"; {problem}" for problem in PLUGIN_PROBLEMS)
         )
     if not is_pdmctl_loss(name):
         return
