@@ -128,7 +128,7 @@ def main() -> None:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()], "tags.`pdmctl.sweep` LIKE '%'")
     if run.info.status != "FINISHED":
         sys.exit(f"bench/engine.py: the run ended {run.info.status}; see {work}")
     rid = run.info.run_id

@@ -88,15 +88,14 @@ def marks_completed(ledger: Ledger, *, write: bool = True) -> Iterator[None]:
 
 
 def mark(uri: str, run_ids: Sequence[str], look: int) -> None:
-    """Tag each run as added after `look` (provenance field `look`)."""
+    """Tag each run as added after `look` (`pdmctl.look`, read as the provenance field `look`)."""
     if not run_ids:
         return
     from mlflow.entities import RunTag
     from mlflow.tracking import MlflowClient
 
-    from pdmctl.ledger import TAG_PROVENANCE
-    from pdmctl.report.sequential import LOOK_FIELD
+    from pdmctl.ledger import TAG_LOOK
 
     client = MlflowClient(uri)
     for run_id in run_ids:
-        client.log_batch(run_id, tags=[RunTag(f"{TAG_PROVENANCE}{LOOK_FIELD}", str(look))])
+        client.log_batch(run_id, tags=[RunTag(TAG_LOOK, str(look))])

@@ -1,6 +1,7 @@
 """What MLflow's own UI shows of a pdmctl sweep, read back through MLflow's client from a real store
 (embedded SQLite): the experiment's kind, each run's Source, commit and Description, its name, its
-tags (none empty, none repeated by another), and avg@16 as a metric (avg16) in the report's unit."""
+tags (none empty, none repeated by another), and avg@16 as a metric (heldout/avg16) in the unit of the
+held-out sets beside it (fractions)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def test_a_sweep_opens_in_the_training_view_with_source_commit_and_description(t
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("ui")
     assert experiment is not None and experiment.tags[EXPERIMENT_KIND_TAG] == TRAINING_KIND
-    runs = {r.info.run_id: r for r in client.search_runs([experiment.experiment_id])}
+    runs = {r.info.run_id: r for r in client.search_runs([experiment.experiment_id], "tags.`pdmctl.sweep` = 'ui'")}
     assert set(runs) == set(sweep.specs)
     for run_id, spec in sweep.specs.items():
         tags = runs[run_id].data.tags
@@ -52,7 +53,7 @@ def test_a_sweep_opens_in_the_training_view_with_source_commit_and_description(t
     assert {r.summary for r in sweep.ledger.runs("ui")} == {s.summary for s in sweep.specs.values()}
 
 
-def test_a_new_attempt_leaves_no_empty_tag_and_logs_avg16_in_percent(tmp_path: Path) -> None:
+def test_a_new_attempt_leaves_no_empty_tag_and_logs_avg16_as_a_fraction(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     sweep = make_sweep(uri, "attempts", ["mask=pdm_agg", "seed=0"])
     (run_id,) = sweep.specs
@@ -73,12 +74,15 @@ def test_a_new_attempt_leaves_no_empty_tag_and_logs_avg16_in_percent(tmp_path: P
     assert all(value.strip() for value in tags.values()), {k: v for k, v in tags.items() if not v.strip()}
     logger.record_provenance(2, "job-3", {"commit": "c" * 40, "dirty": "no", "data": ""})
     tags = client.get_run(run_id).data.tags
-    assert tags["mlflow.source.git.commit"] == "c" * 40 and "pdmctl.prov.data" not in tags
+    assert tags["mlflow.source.git.commit"] == "c" * 40 and not any(k.startswith("pdmctl.prov") for k in tags)
+    assert SqlLedger(uri).runs("attempts")[0].provenance["commit"] == "c" * 40
+    assert "data" not in SqlLedger(uri).runs("attempts")[0].provenance  # an empty field is not recorded
 
     logger.log_metrics({"eval/toy24": 0.5, "eval/toy25": 0.25, "train/reward": 0.1}, 4)
     logger.log_metrics({"train/reward": 0.2}, 5)  # no evaluation at this step: no avg16 either
     history = client.get_metric_history(run_id, AVG16_METRIC)
-    assert [(m.step, m.value) for m in history] == [(4, pytest.approx(37.5))]
+    assert AVG16_METRIC == "heldout/avg16" and [(m.step, m.value) for m in history] == [(4, pytest.approx(0.375))]
+    assert client.get_metric_history(run_id, "avg16") == []  # the older name, in %, is not logged any more
     record = SqlLedger(uri).runs("attempts")[0]
     assert record.avg16 == pytest.approx(0.375)  # status reads the held-out sets, not avg16 twice
 
@@ -99,7 +103,7 @@ def test_copied_evaluations_get_avg16_once_per_step_where_every_set_is_there(tmp
     for _ in range(2):
         RunLogger(uri, run_id).copy_metrics(rename)
     history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, AVG16_METRIC))
-    assert history == [(0, pytest.approx(40.0)), (3, pytest.approx(60.0))]
+    assert history == [(0, pytest.approx(0.4)), (3, pytest.approx(0.6))]
 
 
 def test_the_client_ledger_writes_the_same_tags_as_the_sql_one(tmp_path: Path) -> None:

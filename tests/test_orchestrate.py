@@ -75,7 +75,7 @@ def test_six_run_sweep_tracks_everything(workdir: Path):
     assert "submitted 6" in res.stdout
     client = MlflowClient(sqlite_uri(workdir))
     exp = client.get_experiment_by_name("six")
-    runs = client.search_runs([exp.experiment_id])
+    runs = client.search_runs([exp.experiment_id], "tags.`pdmctl.sweep` = 'six'")  # not the sweep's parent run
     assert len(runs) == 6
     for run in runs:
         assert run.info.status == "FINISHED"
@@ -94,7 +94,7 @@ def test_six_run_sweep_tracks_everything(workdir: Path):
     again = pdmctl("sweep", "--name", "six", "mask=grpo_clip_higher,dppo_topk_kl,pdm_agg", "seed=0,1", *FAST,
                    cwd=workdir)  # fmt: skip
     assert again.returncode == 0 and "submitted 0" in again.stdout and "6 finished" in again.stdout
-    assert len(client.search_runs([exp.experiment_id])) == 6
+    assert len(client.search_runs([exp.experiment_id], "tags.`pdmctl.sweep` = 'six'")) == 6
 
 
 def test_kill9_then_resume_continues_from_checkpoint(workdir: Path):

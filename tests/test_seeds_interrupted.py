@@ -231,8 +231,22 @@ def test_a_journal_not_as_pdmctl_writes_it_is_refused_in_one_line_and_nothing_is
     assert journal.exists() and not (workdir / "pdmctl-runs").exists()
 
 
-def test_the_mark_tag_is_the_provenance_look_field() -> None:
-    """The journal's marks are the tag the report reads (`pdmctl.prov.look`)."""
+def test_the_mark_tag_is_the_provenance_look_field(tmp_path: Path) -> None:
+    """The journal's marks are the tag the report reads (`pdmctl.look`, the provenance field `look`), and a
+    run marked in the older layout (`pdmctl.prov.look`) reads the same."""
+    from mlflow.entities import RunTag
+    from mlflow.tracking import MlflowClient
+
+    from pdmctl import grid
+    from pdmctl.added_seeds import mark
     from pdmctl.report.sequential import LOOK_FIELD
 
-    assert f"{TAG_PROVENANCE}{LOOK_FIELD}" == "pdmctl.prov.look"
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    ledger = open_ledger(uri)
+    specs = grid.expand(["seed=0,1", "backend=synthetic", "model=synthetic"], sweep="marks")
+    ids = ledger.register(specs, {s.key: str(tmp_path / s.key) for s in specs})
+    new, old = ids[specs[0].key], ids[specs[1].key]
+    mark(uri, [new], 2)
+    MlflowClient(uri).log_batch(old, tags=[RunTag(f"{TAG_PROVENANCE}{LOOK_FIELD}", "1")])
+    assert "pdmctl.look" in MlflowClient(uri).get_run(new).data.tags
+    assert {r.run_id: r.provenance.get(LOOK_FIELD) for r in ledger.runs("marks")} == {new: "2", old: "1"}

@@ -286,7 +286,7 @@ def test_sweep_wait_rides_out_a_tracking_server_outage(mlflow_server: str, tmp_p
         while run_id is None or len(_history(server, run_id, "train/reward")) < 2:
             assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
             exp = server.get_experiment_by_name(name)
-            runs = server.search_runs([exp.experiment_id]) if exp else []
+            runs = server.search_runs([exp.experiment_id], "tags.`pdmctl.sweep` LIKE '%'") if exp else []
             run_id = runs[0].info.run_id if runs else None
             time.sleep(0.5)
         relay.down()

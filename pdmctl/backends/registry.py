@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pdmctl.backends.base import Tracker
+from pdmctl.backends.datasets import log_datasets, toy_datasets, verl_datasets
 
 # run-config fields every backend receives, flattened: top-level ones and the mask group's
 SHARED_FIELDS = ("seed", "delta", "delta_low", "k", "model", "precision", "method", "divergence", "estimator",
@@ -128,6 +129,7 @@ def _toy_validate(flat: Mapping[str, Any]) -> None:
 def _toy_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mapping[str, float]:
     from pdmctl.backends.toy import ToyConfig, train
 
+    log_datasets(tracker, lambda: toy_datasets(flat))
     return train(ToyConfig.from_mapping(flat), run_dir, tracker)
 
 
@@ -281,6 +283,7 @@ def _verl_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mappi
     if uri is None or run_id is None:
         raise ValueError("backend: verl logs through MLflow itself and needs the job's ledger tracker")
     _verl_check_data(flat, run_dir)
+    log_datasets(tracker, lambda: _verl_datasets(flat, run_dir))
     cfg = {**_verl_job_config(flat, run_dir), "tracking_uri": uri, "mlflow_run_id": run_id}
     report = getattr(tracker, "report_evaluation", None)  # a tune trial's, a collapse rule's (pdmctl.budget.collapse)
     from pdmctl import wayout
@@ -310,6 +313,21 @@ def _verl_run(flat: Mapping[str, Any], run_dir: Path, tracker: Tracker) -> Mappi
 def _verl_provenance(flat: Mapping[str, Any], run_dir: Path) -> dict[str, str]:
     """The data the job trains and validates on (its manifest's digest, else the parquet files' digest), and
     the validation's sampling."""
+    cfg, preset, _, digest = _verl_data(flat, run_dir)
+    return {"data": digest,
+            "eval_sampling": f"n={cfg.get('val_n', 16)} temperature={cfg.get('temperature', 1.0)} top_p=1.0 "
+                             f"max_tokens={preset.max_response_length}"}  # fmt: skip
+
+
+def _verl_datasets(flat: Mapping[str, Any], run_dir: Path) -> list[dict[str, Any]]:
+    """The parquet files as MLflow inputs, with the digest the run config pinned (else the one found)."""
+    _, _, files, found = _verl_data(flat, run_dir)
+    return verl_datasets(files, str(flat.get("data_manifest") or found))
+
+
+def _verl_data(flat: Mapping[str, Any], run_dir: Path) -> tuple[dict[str, Any], Any, list[Path], str]:
+    """The job's config, its model preset, the parquet files it trains and validates on (the training file
+    first) and their digest: their manifest's, else the files' own."""
     from pdmctl.provenance import file_digest
 
     launch = _verl_module()
@@ -325,9 +343,7 @@ def _verl_provenance(flat: Mapping[str, Any], run_dir: Path) -> dict[str, str]:
         digest = data.read_manifest(data_dir, verify=False)["digest"]
     except (ValueError, OSError):
         digest = file_digest(files)
-    return {"data": digest,
-            "eval_sampling": f"n={cfg.get('val_n', 16)} temperature={cfg.get('temperature', 1.0)} top_p=1.0 "
-                             f"max_tokens={preset.max_response_length}"}  # fmt: skip
+    return cfg, preset, files, str(digest)
 
 
 def _verl_data_dir(flat: Mapping[str, Any], cluster: Mapping[str, Any]) -> Path:

@@ -1,13 +1,15 @@
 """The ledger: MLflow as the single source of truth for what runs exist and where they stand.
 
-One MLflow experiment per sweep, one MLflow run per RunSpec key in it. Tags
-carry the identity (`pdmctl.key`, `pdmctl.sweep`), the executor's job id, the
-attempt count and the spec itself; params carry the flattened config; the
-MLflow status is the run's own word on how it ended. On a tracking server with
-logins a sweep belongs to the login that created it (`pdmctl.owner`): another
-login's sweep, resume, cancel or seeds --submit on it is refused unless the owner
-shared it (`pdmctl server share`), and the runs a login other than the owner
-registered or submitted are named under `status` and `report` (`login_notes`).
+One MLflow experiment per sweep, one MLflow run per RunSpec key in it, each a child of the sweep's parent
+run (which holds `pdmctl report`'s files). A handful of readable tags say what a run is and where it stands
+(`pdmctl.sweep`, `pdmctl.key`, `pdmctl.mask`, `pdmctl.model`, `pdmctl.precision`, `pdmctl.seed`,
+`pdmctl.attempt`, `pdmctl.job_id`); one internal tag, `pdmctl.ledger`, holds the ledger's own record (the
+spec, the run's directory, the submission, the provenance: `records`); params carry the flattened config,
+the artifact `spec.json` the spec, MLflow's inputs the data sets; the MLflow status is the run's own word
+on how it ended. On a tracking server with logins a sweep belongs to the login that created it
+(`pdmctl.owner`): another login's sweep, resume, cancel or seeds --submit on it is refused unless the owner
+shared it (`pdmctl server share`), and the runs a login other than the owner registered or submitted are
+named under `status` and `report` (`login_notes`).
 
 One interface, two stores, as MLflow keeps its own (an abstract store, a SQLAlchemy store, a REST store):
 
@@ -36,6 +38,7 @@ from pdmctl.ledger.records import (
     SCHEDULED,
     STATUS_METRICS,
     TAG,
+    TAG_LOOK,
     TAG_PROVENANCE,
     TERMINAL,
     LedgerError,
@@ -43,10 +46,10 @@ from pdmctl.ledger.records import (
     Submission,
     SweepOwnerError,
     flatten,
+    ledger_tags,
     login_notes,
     metric_value,
     run_dir_of,
-    spec_tags,
     tracking_login,
 )
 from pdmctl.ledger.sql import SqlLedger
@@ -76,10 +79,10 @@ def check_owner(uri: str, sweep: str | None, write: bool = True) -> None:
 
 
 __all__ = [
-    "BUSY_ENV", "FAILED", "FINISHED", "HTTP_TIMEOUT_S", "KILLED", "RUNNING", "SCHEDULED", "STATUS_METRICS", "TAG", "TAG_PROVENANCE",
-    "TERMINAL", "ClientLedger", "Ledger", "LedgerError", "RunLogger", "RunRecord", "SqlLedger", "Submission",
-    "SweepOwnerError", "_file_lock", "_lock_path", "_redact", "busy_seconds", "check_owner", "check_reachable", "check_uri",
-    "close_stores", "default_tracking_uri", "flatten", "is_database_uri", "ledger_exists", "load_per_problem", "load_samples",
-    "login_notes", "metric_value", "open_ledger", "resolve_tracking_uri", "run_dir_of", "spec_tags", "sqlite_path",
-    "tracking_login", "uri_lock",
+    "BUSY_ENV", "FAILED", "FINISHED", "HTTP_TIMEOUT_S", "KILLED", "RUNNING", "SCHEDULED", "STATUS_METRICS", "TAG",
+    "TAG_LOOK", "TAG_PROVENANCE", "TERMINAL", "ClientLedger", "Ledger", "LedgerError", "RunLogger", "RunRecord",
+    "SqlLedger", "Submission", "SweepOwnerError", "_file_lock", "_lock_path", "_redact", "busy_seconds", "check_owner",
+    "check_reachable", "check_uri", "close_stores", "default_tracking_uri", "flatten", "is_database_uri",
+    "ledger_exists", "ledger_tags", "load_per_problem", "load_samples", "login_notes", "metric_value", "open_ledger",
+    "resolve_tracking_uri", "run_dir_of", "sqlite_path", "tracking_login", "uri_lock",
 ]  # fmt: skip

@@ -10,23 +10,24 @@ from concurrent.futures import ThreadPoolExecutor
 from pdmctl.ledger.base import Ledger
 from pdmctl.ledger.records import (
     EXPERIMENT_TAGS,
+    FINISHED,
     HTTP_TIMEOUT_S,
+    PARENT_TAG,
     READ_TAGS,
+    RUN_NAME_TAG,
     SCHEDULED,
+    SPEC_ARTIFACT,
     STATUS_METRICS,
     TAG,
     TAG_ATTEMPT,
-    TAG_EXECUTOR,
     TAG_JOB,
-    TAG_KEY,
+    TAG_LEDGER,
     TAG_LOGIN,
     TAG_OWNER,
     TAG_REASON,
-    TAG_RUN_DIR,
     TAG_SHARED,
-    TAG_SUBMISSION,
-    TAG_SUBMITTED,
     TAG_SWEEP,
+    TAG_SWEEP_RUN,
     TERMINAL,
     LedgerError,
     Submission,
@@ -34,11 +35,16 @@ from pdmctl.ledger.records import (
     _record,
     _tags_for,
     flatten,
+    ledger_state,
+    ledger_tags,
     login_list,
     metric_value,
     run_dir_of,
     run_name,
+    spec_artifact,
+    stale_ledger_parts,
     submitting_commit,
+    sweep_run_tags,
     tracking_login,
 )
 from pdmctl.ledger.store import _chunks, _mlflow_client
@@ -185,29 +191,56 @@ class ClientLedger(Ledger):
         return max((m.step for m in hist), default=0)
 
     @_server_call
-    def _create_runs(self, sweep, specs, run_dir):
+    def _create_runs(self, sweep, specs, run_dir, parent=None):
         from mlflow.entities import Param, RunTag
 
         exp_id = self._ensure_experiment(sweep)
         commit, login = submitting_commit(), tracking_login()
 
         def create(spec: RunSpec) -> tuple[str, str]:
-            tags = {k: v for k, v in _tags_for(spec, "", commit).items() if k != TAG_RUN_DIR}  # named by the run id
+            # the ledger's record names the run's directory, which is named by the run id: written once it is known
+            tags = {k: v for k, v in _tags_for(spec, "", commit, parent).items() if not k.startswith(TAG_LEDGER)}
             if login:
                 tags[TAG_LOGIN] = login
             run = self.client.create_run(exp_id, run_name=run_name(spec), tags=tags)
-            run_tags = [
-                RunTag(TAG_KEY, spec.key),
-                RunTag(TAG_RUN_DIR, run_dir_of(run_dir[spec.key], run.info.run_id)),
-            ]
+            record = {"spec": spec.to_json(), "run_dir": run_dir_of(run_dir[spec.key], run.info.run_id)}
+            run_tags = [RunTag(k, v) for k, v in ledger_tags(record).items()]
             params = [Param(k, v) for k, v in flatten(spec.config).items()]
             for chunk in _chunks(params, 100):
                 self.client.log_batch(run.info.run_id, params=chunk, tags=run_tags)
+            self.client.log_text(run.info.run_id, spec_artifact(spec.to_json()), SPEC_ARTIFACT)
             self.client.update_run(run.info.run_id, status=SCHEDULED)
             return spec.key, run.info.run_id
 
         with ThreadPoolExecutor(16) as pool:
             return dict(pool.map(create, specs))
+
+    @_server_call
+    def sweep_run(self, sweep, create=False):
+        from mlflow.entities import ViewType
+
+        exp = self._by_name(sweep)
+        if exp is not None and exp.lifecycle_stage == "active":
+            found = self.client.search_runs([exp.experiment_id], f"tags.`{TAG_SWEEP_RUN}` = '{sweep}'",
+                                            run_view_type=ViewType.ACTIVE_ONLY, max_results=1,
+                                            order_by=["attributes.start_time ASC"])  # fmt: skip
+            self.queries += 1
+            if found:
+                return found[0].info.run_id
+        if not create:
+            return None
+        exp_id = self._ensure_experiment(sweep)
+        tags = sweep_run_tags(sweep)
+        run = self.client.create_run(exp_id, run_name=tags[RUN_NAME_TAG], tags=tags)
+        self.client.set_terminated(run.info.run_id, status=FINISHED)
+        return run.info.run_id
+
+    @_server_call
+    def _adopt(self, parent, run_ids):
+        if parent is None or not run_ids:
+            return
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda run_id: self.client.set_tag(run_id, PARENT_TAG, parent), run_ids))
 
     def _ensure_experiment(self, sweep: str) -> str:
         """The sweep's experiment id, created where there is none, owned by this login (`pdmctl.owner`; MLflow
@@ -234,14 +267,9 @@ class ClientLedger(Ledger):
         from mlflow.entities import RunTag
 
         def mark(s: Submission) -> None:
-            tags = [RunTag(TAG_JOB, s.job_id), RunTag(TAG_EXECUTOR, s.executor), RunTag(TAG_ATTEMPT, str(s.attempt))]
-            if s.submission:
-                tags.append(RunTag(TAG_SUBMITTED, s.submission))
-            self.client.log_batch(s.run_id, tags=tags)
-            present = self.client.get_run(s.run_id).data.tags
-            for key in (TAG_REASON,) + (() if s.submission else (TAG_SUBMITTED,)):
-                if key in present:  # a tag no longer true is removed, never left empty
-                    self.client.delete_tag(s.run_id, key)
+            self.client.log_batch(s.run_id, tags=[RunTag(TAG_JOB, s.job_id), RunTag(TAG_ATTEMPT, str(s.attempt))])
+            if TAG_REASON in self.client.get_run(s.run_id).data.tags:  # a tag no longer true is removed, never left empty
+                self.client.delete_tag(s.run_id, TAG_REASON)
             self.client.update_run(s.run_id, status=SCHEDULED)
 
         with ThreadPoolExecutor(16) as pool:
@@ -255,10 +283,14 @@ class ClientLedger(Ledger):
 
         def mark(item: tuple[str, str]) -> None:
             run_id, submission = item
-            tags = [RunTag(TAG_SUBMISSION, submission), RunTag(TAG_EXECUTOR, executor)]
+            present = self.client.get_run(run_id).data.tags
+            state = {**ledger_state(present), "submission": submission, "executor": executor}
+            tags = [RunTag(k, v) for k, v in ledger_tags(state).items()]
             if login:  # who submits this attempt ("token:index:attempt"): its job writes under this login
                 tags.append(RunTag(f"{TAG_LOGIN}.{submission.rpartition(':')[2]}", login))
             self.client.log_batch(run_id, tags=tags)
+            for key in stale_ledger_parts(present, state):
+                self.client.delete_tag(run_id, key)
 
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(mark, submissions.items()))

@@ -1,5 +1,12 @@
 """What a job uses: log into its one run (metrics once per step across attempts, per-problem
-scores, notices, the end)."""
+scores, the data sets it reads, notices, the end).
+
+One unit for every evaluation metric: the held-out sets (`eval/NAME`) and their mean (`heldout/avg16`,
+`AVG16_METRIC`) are fractions in [0, 1]; the report, `status`, `tune` and `seeds` show avg@16 in % and
+compute it from the `eval/NAME` series themselves, never from the logged mean. Runs of an older pdmctl
+logged the mean in % as `avg16`: no reader reads it (nor `heldout/avg16`), so those runs read as before, and
+a run resumed under this version goes on with `heldout/avg16` (its `avg16` keeps the older steps, in %).
+"""
 
 from __future__ import annotations
 
@@ -17,12 +24,12 @@ from pdmctl.ledger.records import (
     COMMIT_TAG,
     RUNNING,
     TAG_ATTEMPT,
-    TAG_EXECUTOR,
     TAG_JOB,
     TAG_NOTICE,
-    TAG_PROVENANCE,
     TAG_REASON,
-    TAG_SUBMITTED,
+    ledger_state,
+    ledger_tags,
+    stale_ledger_parts,
 )
 from pdmctl.ledger.store import _chunks, _mlflow_client, _now_ms, _retry
 
@@ -41,13 +48,13 @@ class RunLogger:
         self.run_id = run_id
         self.last_logged: dict[str, int] = {}  # metric -> last step already in the run
 
-    def start(self, attempt: int, job_id: str, executor: str, submission: str = "") -> None:
+    def start(self, attempt: int, job_id: str, executor: str = "", submission: str = "") -> None:
+        """The attempt begins: its number and job id (which confirm its submission: the ledger knows its job id
+        even if the submitter was interrupted), the previous attempt's reason and notice removed. `executor` and
+        `submission` are the submitter's, already in the ledger's record."""
         from mlflow.entities import RunTag
 
-        # the job confirms its own submission: the ledger knows its id even if the submitter was interrupted
-        tags = [RunTag(TAG_ATTEMPT, str(attempt)), RunTag(TAG_JOB, job_id), RunTag(TAG_EXECUTOR, executor)]
-        if submission:
-            tags.append(RunTag(TAG_SUBMITTED, submission))
+        tags = [RunTag(TAG_ATTEMPT, str(attempt)), RunTag(TAG_JOB, job_id)]
         _retry(lambda: self.client.log_batch(self.run_id, tags=tags))
         # the previous attempt's reason and notice no longer hold: removed, never left as empty tags
         present = _retry(lambda: self.client.get_run(self.run_id)).data.tags
@@ -57,24 +64,55 @@ class RunLogger:
         _retry(lambda: self.client.update_run(self.run_id, status=RUNNING))
 
     def record_provenance(self, attempt: int, job_id: str, fields: Mapping[str, str], **about: Any) -> None:
-        """The attempt's provenance (pdmctl.provenance.collect) as `pdmctl.prov.*` tags: the fields (the
-        latest attempt's win) and a record of this attempt (job id, start, commit, `about`)."""
+        """The attempt's provenance (pdmctl.provenance.collect) into the ledger's record (`pdmctl.ledger`): the
+        fields (the latest attempt's win) and a record of this attempt (job id, start, commit, `about`); the
+        commit also as MLflow's Source commit. The job is the record's only writer while it runs."""
         from mlflow.entities import RunTag
 
         record = {"job_id": job_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                   **{k: fields[k] for k in ("commit", "dirty") if k in fields}, **about}  # fmt: skip
-        tags = [RunTag(f"{TAG_PROVENANCE}{k}", str(v)[:_TAG_VALUE_MAX]) for k, v in fields.items() if str(v)]
-        tags.append(RunTag(f"{TAG_PROVENANCE}attempt.{attempt}", json.dumps(record)[:_TAG_VALUE_MAX]))
+        present = _retry(lambda: self.client.get_run(self.run_id)).data.tags
+        state = ledger_state(present)
+        state["provenance"] = {**(state.get("provenance") or {}),
+                               **{k: str(v)[:_TAG_VALUE_MAX] for k, v in fields.items() if str(v)}}  # fmt: skip
+        state["attempts"] = {**(state.get("attempts") or {}), str(attempt): record}
+        tags = [RunTag(k, v) for k, v in ledger_tags(state).items()]
         if fields.get("commit") and fields["commit"] != "unknown":  # MLflow's Source: the commit the job ran
             tags.append(RunTag(COMMIT_TAG, str(fields["commit"])))
         _retry(lambda: self.client.log_batch(self.run_id, tags=tags))
+        for key in stale_ledger_parts(present, state):
+            _retry(lambda k=key: self.client.delete_tag(self.run_id, k))
+
+    def log_datasets(self, datasets: Sequence[Mapping[str, Any]]) -> None:
+        """The data sets the run reads, as MLflow inputs (`DatasetInput`, as `mlflow.log_input` logs them; MLflow
+        keeps one of each name and digest per run, so every attempt may log them again). Each: `name`,
+        `digest`, `context` (training, evaluation), and `uri` (a file it reads: a `local` source) or `tags`
+        (data made in code: a `code` source); `rows` where known."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        inputs = []
+        for d in datasets:
+            if d.get("uri"):
+                source_type, source = "local", {"uri": str(d["uri"])}
+            else:
+                source_type, source = "code", {"tags": {str(k): str(v) for k, v in (d.get("tags") or {}).items()}}
+            profile = json.dumps({"num_rows": int(d["rows"])}) if d.get("rows") is not None else None
+            digest = str(d["digest"])
+            dataset = Dataset(name=str(d["name"]), digest=digest[:36], source_type=source_type,  # MLflow keeps 36
+                              source=json.dumps(source), profile=profile)  # fmt: skip
+            tags = [InputTag("mlflow.data.context", str(d.get("context") or "training"))]
+            if len(digest) > 36:  # the whole digest, as the run config states it
+                tags.append(InputTag("pdmctl.digest", digest))
+            inputs.append(DatasetInput(dataset, tags=tags))
+        if inputs:
+            _retry(lambda: self.client.log_inputs(self.run_id, datasets=inputs))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """The metrics at `step`; where they hold held-out sets (`eval/NAME`, a backend logs an evaluation's
-        sets together), also `avg16`: their mean in % (avg@16 in the report's unit), the column to sort by in MLflow."""
+        sets together), also `heldout/avg16`: their mean, a fraction as they are, the column to sort by in MLflow."""
         held_out = [float(v) for k, v in metrics.items() if k.startswith("eval/")]
         if held_out and AVG16_METRIC not in metrics:
-            metrics = {**metrics, AVG16_METRIC: 100 * sum(held_out) / len(held_out)}
+            metrics = {**metrics, AVG16_METRIC: sum(held_out) / len(held_out)}
         self._log(metrics, step)
 
     def _log(self, metrics: Mapping[str, float], step: int) -> None:
@@ -122,7 +160,7 @@ class RunLogger:
         return final
 
     def _log_averages(self) -> None:
-        """`avg16` at each step where the run holds every one of its held-out sets (copied one by one)."""
+        """`heldout/avg16` at each step where the run holds every one of its held-out sets (copied one by one)."""
         names = [n for n in _retry(lambda: self.client.get_run(self.run_id)).data.metrics if n.startswith("eval/")]
         by_step: dict[int, list[float]] = defaultdict(list)
         for name in names:
@@ -130,7 +168,7 @@ class RunLogger:
                 by_step[m.step].append(m.value)
         for step in sorted(by_step):
             if len(by_step[step]) == len(names):
-                self._log({AVG16_METRIC: 100 * sum(by_step[step]) / len(names)}, step)
+                self._log({AVG16_METRIC: sum(by_step[step]) / len(names)}, step)
 
     def notice(self, message: str) -> None:
         print(f"pdmctl job: {message}", flush=True)  # the job's stdout is the run's log

@@ -1,5 +1,31 @@
 """What the ledger holds: its tags and statuses, a run's record, and the spec and config as MLflow
-tags and params."""
+tags and params.
+
+The tags of a run, as MLflow's UI shows them and a user filters on them (`tags.pdmctl.mask = 'pdm_agg'`):
+
+* MLflow's own: `mlflow.runName`, `mlflow.user`, `mlflow.source.name` (`pdmctl sweep NAME`),
+  `mlflow.source.type`, `mlflow.source.git.commit`, `mlflow.note.content` (the one-line summary) and
+  `mlflow.parentRunId` (the sweep's parent run);
+* what a run is: `pdmctl.sweep`, `pdmctl.key`, `pdmctl.mask`, `pdmctl.model`, `pdmctl.precision`,
+  `pdmctl.seed`;
+* where it stands (MLflow's status besides): `pdmctl.attempt`, `pdmctl.job_id`, and only while they hold,
+  `pdmctl.reason` (why it ended) and `pdmctl.notice` (what its attempt wants the user to know);
+  `pdmctl.look` on a seed added after that look (`pdmctl seeds`), `pdmctl.login` (`.N`) on a server with
+  logins;
+* `pdmctl.ledger`: the ledger's own record, JSON, read by pdmctl and by no one else: the spec, the run's
+  directory, the executor that runs its jobs, the submission about to go out (an intent the executor is
+  asked about where its job id never reached the ledger) and each attempt's provenance. A record longer
+  than MLflow's limit on a tag's value goes on in `pdmctl.ledger.1`, `pdmctl.ledger.2`, ... Its writers
+  follow one another: the registration, the submitter (under the ledger's lock, while no job of the run
+  lives) and the run's job (its provenance).
+
+The run's spec is also the artifact `spec.json`, and its config the params (`mask.method`, `delta`, ...).
+
+Runs recorded in the older layout, tag by tag (`pdmctl.spec` and its parts, `pdmctl.run_dir`,
+`pdmctl.executor`, `pdmctl.submission` with `pdmctl.submitted`, `pdmctl.prov.*`, `pdmctl.summary`), are read
+as before (`legacy_state`); what a newer pdmctl writes into such a run goes into `pdmctl.ledger` and is read
+over the older tags, field by field.
+"""
 
 from __future__ import annotations
 
@@ -16,20 +42,27 @@ from typing import Any
 from pdmctl.spec import RunSpec
 
 TAG = "pdmctl."
-TAG_SWEEP, TAG_KEY, TAG_BACKEND = "pdmctl.sweep", "pdmctl.key", "pdmctl.backend"
-TAG_JOB, TAG_EXECUTOR, TAG_ATTEMPT = "pdmctl.job_id", "pdmctl.executor", "pdmctl.attempt"
-TAG_SPEC, TAG_SUMMARY, TAG_RUN_DIR, TAG_REASON = (
+TAG_SWEEP, TAG_KEY = "pdmctl.sweep", "pdmctl.key"
+TAG_MASK, TAG_MODEL, TAG_PRECISION, TAG_SEED = "pdmctl.mask", "pdmctl.model", "pdmctl.precision", "pdmctl.seed"
+TAG_JOB, TAG_ATTEMPT = "pdmctl.job_id", "pdmctl.attempt"
+TAG_REASON = "pdmctl.reason"  # why the run ended as it did (cleared when a new attempt starts)
+TAG_NOTICE = "pdmctl.notice"  # what the current attempt wants the user to know (status shows it)
+TAG_LOOK = "pdmctl.look"  # a seed `pdmctl seeds --submit` added after that look (provenance field `look`)
+TAG_LEDGER = "pdmctl.ledger"  # the ledger's own record (JSON; see the module's docstring)
+# on a sweep's parent run (no pdmctl.sweep: never one of its runs): the sweep it holds
+TAG_SWEEP_RUN = "pdmctl.sweep_run"
+PARENT_TAG = "mlflow.parentRunId"
+# the older layout: read from runs recorded before `pdmctl.ledger`, never written
+TAG_BACKEND, TAG_EXECUTOR, TAG_SPEC, TAG_SUMMARY, TAG_RUN_DIR = (
+    "pdmctl.backend",
+    "pdmctl.executor",
     "pdmctl.spec",
     "pdmctl.summary",
     "pdmctl.run_dir",
-    "pdmctl.reason",
 )
-# a submission ("token:index:attempt") is recorded before its job goes out, and confirmed once the
-# ledger (or the job itself) knows the job id; one not confirmed is looked up in the executor
 TAG_SUBMISSION, TAG_SUBMITTED = "pdmctl.submission", "pdmctl.submitted"
-TAG_NOTICE = "pdmctl.notice"  # what the current attempt wants the user to know (status shows it)
-# provenance (pdmctl.provenance): `pdmctl.prov.<field>` the latest attempt's, `pdmctl.prov.attempt.<n>` each
-# attempt's job id, start and code (JSON)
+# provenance (pdmctl.provenance) in the older layout: `pdmctl.prov.<field>` the latest attempt's,
+# `pdmctl.prov.attempt.<n>` each attempt's job id, start and code (JSON); the look was `pdmctl.prov.look`
 TAG_PROVENANCE = "pdmctl.prov."
 RUN_NAME_TAG = "mlflow.runName"
 USER_TAG = "mlflow.user"
@@ -41,13 +74,17 @@ COMMIT_TAG, NOTE_TAG = "mlflow.source.git.commit", "mlflow.note.content"
 EXPERIMENT_KIND_TAG, TRAINING_KIND = "mlflow.experimentKind", "custom_model_development"
 EXPERIMENT_TAGS = {"pdmctl": "sweep", EXPERIMENT_KIND_TAG: TRAINING_KIND}
 # MLflow tags the ledger reads back beside its own pdmctl.* ones
-READ_TAGS = (NOTE_TAG,)
+READ_TAGS = (NOTE_TAG, PARENT_TAG)
 # on a tracking server with logins a sweep belongs to the login that created its experiment (`pdmctl.owner`),
 # which may share it (`pdmctl.shared_with`: a JSON list of the logins that may also write it); a run records
 # the login that registered it (`pdmctl.login`) and the one that submitted each attempt (`pdmctl.login.N`)
 TAG_OWNER, TAG_SHARED, TAG_LOGIN = "pdmctl.owner", "pdmctl.shared_with", "pdmctl.login"
 LOGIN_ENV = "MLFLOW_TRACKING_USERNAME"
-AVG16_METRIC = "avg16"  # avg@16 (MLflow allows no "@"): the mean of the held-out sets at an evaluation, in %
+# avg@16 (MLflow allows no "@"): the mean of the held-out sets at an evaluation, a fraction as eval/NAME is.
+# Runs of an older pdmctl logged it in % as `avg16`; no reader reads either (pdmctl.ledger.logger)
+AVG16_METRIC = "heldout/avg16"
+SPEC_ARTIFACT = "spec.json"  # the run's spec, for people (the ledger reads its copy in pdmctl.ledger)
+REPORT_ARTIFACTS = "report"  # where `pdmctl report` puts its files in the sweep's parent run
 
 # MLflow run statuses
 SCHEDULED, RUNNING, FINISHED, FAILED, KILLED = "SCHEDULED", "RUNNING", "FINISHED", "FAILED", "KILLED"
@@ -105,6 +142,7 @@ class RunRecord:
     owner: str | None = None  # the login its sweep belongs to (a tracking server with logins)
     shared_with: tuple[str, ...] = ()  # the logins its owner let write the sweep too
     logins: tuple[str, ...] = ()  # the logins that registered the run and submitted its attempts
+    parent: str | None = None  # its sweep's parent run (mlflow.parentRunId), where it has one
 
     @property
     def others(self) -> tuple[str, ...]:
@@ -177,8 +215,10 @@ def run_name(spec: RunSpec) -> str:
     return f"s{c['seed']} {c['mask']['name']}{delta} K{c['k']} · {c['precision']['name']} {c['model']['name']}"
 
 
-def _tags_for(spec: RunSpec, run_dir: str, commit: str | None = None) -> dict[str, str]:
-    """A new run's tags: MLflow's (name, user, source, commit, description) and pdmctl's, none empty."""
+def _tags_for(spec: RunSpec, run_dir: str, commit: str | None = None, parent: str | None = None) -> dict[str, str]:
+    """A new run's tags: MLflow's (name, user, source, commit, description, parent), what the run is, and the
+    ledger's record (its spec and directory); none empty."""
+    c = spec.config
     tags = {
         RUN_NAME_TAG: run_name(spec),
         USER_TAG: getpass.getuser(),
@@ -187,14 +227,30 @@ def _tags_for(spec: RunSpec, run_dir: str, commit: str | None = None) -> dict[st
         NOTE_TAG: spec.summary[:_TAG_VALUE_MAX],
         TAG_SWEEP: spec.sweep,
         TAG_KEY: spec.key,
-        TAG_BACKEND: spec.backend,
+        TAG_MASK: str(c["mask"]["name"]),
+        TAG_MODEL: str(c["model"]["name"]),
+        TAG_PRECISION: str(c["precision"]["name"]),
+        TAG_SEED: str(c["seed"]),
         TAG_ATTEMPT: "0",
-        **spec_tags(spec.to_json()),
-        TAG_RUN_DIR: run_dir,
+        **ledger_tags({"spec": spec.to_json(), "run_dir": run_dir}),
+        PARENT_TAG: parent or "",
     }
     if commit and commit != "unknown":
         tags[COMMIT_TAG] = commit
     return {k: v for k, v in tags.items() if v}
+
+
+def spec_artifact(spec_json: str) -> str:
+    """`spec.json`: the spec as people read it (indented); the ledger reads its own copy."""
+    return json.dumps(json.loads(spec_json), indent=2, sort_keys=True) + "\n"
+
+
+def sweep_run_tags(sweep: str) -> dict[str, str]:
+    """The tags of a sweep's parent run: no `pdmctl.sweep`, so no reader of the sweep's runs counts it."""
+    return {RUN_NAME_TAG: f"sweep {sweep}", USER_TAG: getpass.getuser(), SOURCE_NAME_TAG: f"pdmctl sweep {sweep}",
+            SOURCE_TYPE_TAG: "JOB", TAG_SWEEP_RUN: sweep,
+            NOTE_TAG: f"The sweep {sweep}: its runs are this run's children; `pdmctl report {sweep}` logs its "
+                      f"files here, under {REPORT_ARTIFACTS}/."}  # fmt: skip
 
 
 def submitting_commit() -> str | None:
@@ -205,22 +261,82 @@ def submitting_commit() -> str | None:
     return None if commit == "unknown" else commit
 
 
-def spec_tags(spec_json: str) -> dict[str, str]:
-    """A spec of any length as tags within MLflow's limit on a tag's value: `pdmctl.spec` holds the
-    first part, `pdmctl.spec.1`, `pdmctl.spec.2`, ... the rest (the config round-trips whole)."""
-    parts = [spec_json[i : i + _TAG_VALUE_MAX] for i in range(0, len(spec_json), _TAG_VALUE_MAX)] or [""]
-    return {TAG_SPEC if i == 0 else f"{TAG_SPEC}.{i}": part for i, part in enumerate(parts)}
+def _parts(tag: str, text: str) -> dict[str, str]:
+    """`text` of any length as tags within MLflow's limit on a tag's value: `tag` holds the first part,
+    `tag.1`, `tag.2`, ... the rest."""
+    parts = [text[i : i + _TAG_VALUE_MAX] for i in range(0, len(text), _TAG_VALUE_MAX)] or [""]
+    return {tag if i == 0 else f"{tag}.{i}": part for i, part in enumerate(parts)}
 
 
-def _spec_json(tags: Mapping[str, str]) -> str | None:
-    first = tags.get(TAG_SPEC)
+def _joined(tags: Mapping[str, str], tag: str) -> str | None:
+    first = tags.get(tag)
     if first is None:
         return None
     parts, i = [first], 1
-    while (part := tags.get(f"{TAG_SPEC}.{i}")) is not None:
+    while (part := tags.get(f"{tag}.{i}")) is not None:
         parts.append(part)
         i += 1
     return "".join(parts)
+
+
+def ledger_tags(state: Mapping[str, Any]) -> dict[str, str]:
+    """The ledger's record as its tags (`pdmctl.ledger`, then `pdmctl.ledger.1`, ... where it is long)."""
+    return _parts(TAG_LEDGER, json.dumps(dict(state), sort_keys=True, separators=(",", ":")))
+
+
+def ledger_state(tags: Mapping[str, str]) -> dict[str, Any]:
+    """The ledger's record a run's tags hold (`pdmctl.ledger`); {} where there is none, or none readable."""
+    text = _joined(tags, TAG_LEDGER)
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def stale_ledger_parts(tags: Mapping[str, str], state: Mapping[str, Any]) -> list[str]:
+    """The parts of the record in `tags` that a shorter `state` no longer fills (to delete)."""
+    kept = ledger_tags(state)
+    return [k for k in tags if k.startswith(f"{TAG_LEDGER}.") and k not in kept]
+
+
+def legacy_state(tags: Mapping[str, str]) -> dict[str, Any]:
+    """The ledger's record of a run recorded in the older layout, tag by tag (the module's docstring)."""
+    prov = {k.removeprefix(TAG_PROVENANCE): v for k, v in tags.items() if k.startswith(TAG_PROVENANCE)}
+    attempts = {k.removeprefix("attempt."): v for k, v in prov.items() if k.startswith("attempt.")}
+    state: dict[str, Any] = {
+        "spec": _joined(tags, TAG_SPEC), "run_dir": tags.get(TAG_RUN_DIR), "executor": tags.get(TAG_EXECUTOR),
+        "submission": tags.get(TAG_SUBMISSION), "submitted": tags.get(TAG_SUBMITTED),
+        "provenance": {k: v for k, v in prov.items() if not k.startswith("attempt.")},
+        "attempts": {n: _json_or_none(v) for n, v in attempts.items()},
+    }  # fmt: skip
+    return {k: v for k, v in state.items() if v}
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, TypeError):
+        return None
+
+
+def run_state(tags: Mapping[str, str]) -> dict[str, Any]:
+    """The ledger's record of a run, whichever layout recorded it: `pdmctl.ledger` read over the older tags,
+    field by field (provenance and attempts merged, the newer's winning)."""
+    old, new = legacy_state(tags), ledger_state(tags)
+    state = {**old, **new}
+    for name in ("provenance", "attempts"):
+        merged = {**(old.get(name) or {}), **(new.get(name) or {})}
+        if merged:
+            state[name] = merged
+    return state
+
+
+def _attempt_of(submission: str) -> int | None:
+    try:
+        return int(submission.rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return None
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -251,28 +367,43 @@ def _record(run_id: str, status: str, start: int | None, end: int | None, tags: 
     attempts = sorted((int(k.rpartition(".")[2]), v) for k, v in tags.items()
                       if k.startswith(f"{TAG_LOGIN}.") and k.rpartition(".")[2].isdigit())  # fmt: skip
     logins = tuple(dict.fromkeys(v for v in (tags.get(TAG_LOGIN), *(v for _, v in attempts)) if v))
+    state = run_state(tags)
+    attempt = int(tags.get(TAG_ATTEMPT) or 0)
+    submission = state.get("submission") or None
+    submitted = state.get("submitted") or None
+    # a submission is confirmed once the attempt it starts is recorded (with its job id, by the submitter or
+    # the job); the older layout also recorded it as `pdmctl.submitted`
+    wanted = _attempt_of(submission) if submission else None
+    if submission and wanted is not None and attempt >= wanted:
+        submitted = submission
+    provenance = {str(k): str(v) for k, v in (state.get("provenance") or {}).items()}
+    provenance.update({f"attempt.{n}": json.dumps(a) for n, a in (state.get("attempts") or {}).items() if a})
+    look = tags.get(TAG_LOOK)
+    if look:
+        provenance["look"] = look
     return RunRecord(
         run_id=run_id,
         sweep=tags.get(TAG_SWEEP, ""),
         key=tags.get(TAG_KEY, ""),
         status=status,
-        attempt=int(tags.get(TAG_ATTEMPT) or 0),
+        attempt=attempt,
         job_id=tags.get(TAG_JOB) or None,
-        executor=tags.get(TAG_EXECUTOR) or None,
-        spec_json=_spec_json(tags),
+        executor=state.get("executor") or None,
+        spec_json=state.get("spec") or None,
         summary=tags.get(TAG_SUMMARY) or tags.get(NOTE_TAG, ""),  # pdmctl.summary: ledgers before the note
-        run_dir=tags.get(TAG_RUN_DIR),
+        run_dir=state.get("run_dir") or None,
         reason=tags.get(TAG_REASON) or None,
         start_time=start,
         end_time=end,
         latest=latest,
-        submission=tags.get(TAG_SUBMISSION) or None,
-        submitted=tags.get(TAG_SUBMITTED) or None,
+        submission=submission,
+        submitted=submitted,
         notice=tags.get(TAG_NOTICE) or None,
-        provenance={k.removeprefix(TAG_PROVENANCE): v for k, v in tags.items() if k.startswith(TAG_PROVENANCE)},
+        provenance=provenance,
         owner=(sweep_tags or {}).get(TAG_OWNER) or None,
         shared_with=login_list((sweep_tags or {}).get(TAG_SHARED)),
         logins=logins,
+        parent=tags.get(PARENT_TAG) or None,
     )
 
 

@@ -9,10 +9,11 @@ import hashlib
 import logging
 import math
 import os
+import shutil
 import subprocess
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from pdmctl.ledger.records import LedgerError
@@ -187,6 +188,41 @@ def _chunks(items: list, size: int) -> Iterator[list]:
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
+
+
+def _local_root(location: str | None) -> Path | None:
+    """A run's artifact root as a directory of this machine (`file:` or a plain path), else None."""
+    from urllib.parse import unquote, urlparse
+
+    if not location:
+        return None
+    parsed = urlparse(location)
+    if parsed.scheme == "file":
+        return Path(unquote(parsed.path))
+    return Path(location) if parsed.scheme == "" else None
+
+
+def put_artifacts(uri: str, run_id: str, location: str | None, items: Sequence[tuple[str, str | Path]]) -> None:
+    """Write artifacts into a run: (path in the run, text or a local file) each. A root on this machine (the
+    embedded store's `mlartifacts/`) is written directly, as MLflow's local artifact repository writes it,
+    without importing MLflow; any other through MLflow's client (a server's artifact proxy, object storage)."""
+    root = _local_root(location)
+    if root is not None:
+        for name, content in items:
+            target = root / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(content, Path):
+                shutil.copyfile(content, target)
+            else:
+                target.write_text(content)
+        return
+    client = _mlflow_client(uri)
+    for name, content in items:
+        if isinstance(content, Path):
+            folder = str(Path(name).parent)
+            _retry(lambda c=content, f=folder: client.log_artifact(run_id, str(c), None if f == "." else f))
+        else:
+            _retry(lambda c=content, n=name: client.log_text(run_id, c, n))
 
 
 def _lock_path(uri: str) -> Path:

@@ -116,8 +116,8 @@ def report(
         results_table,
         to_rich,
     )
-    from pdmctl.report.write import write_report
-    from pdmctl.terminal import check_output, console, fail, guard
+    from pdmctl.report.write import log_to_sweep_run, write_report
+    from pdmctl.terminal import check_output, console, err, fail, guard
 
     if tune is not None:  # a study's page (pdmctl.tune.page), not a sweep report
         from pdmctl.tune.cli import report_study
@@ -157,8 +157,10 @@ def report(
     if baseline is not None and not result.baseline_present:
         fail(f"--baseline: mask {baseline!r} has no runs in {', '.join(chosen)}")
     written = write_report(result, out_dir)
+    logged = log_to_sweep_run(ledger, chosen, out_dir, written)  # its files into the sweep's parent run
     if as_json:
         _print_json(result, out_dir, written, records)
+        err.print(logged, highlight=False, markup=False, soft_wrap=True)
         return
     console.print(to_rich(results_table(result)))
     console.print(to_rich(comparison_table(result)))
@@ -173,6 +175,7 @@ def report(
         console.print(to_rich(excluded_table(result)))
     for line in login_notes(records, tracking_login()):  # runs another login than their sweep's owner wrote
         console.print(line, highlight=False, markup=False, soft_wrap=True)
+    console.print(logged, highlight=False, markup=False)
     console.print(f"wrote {len(written)} files to {out_dir}/ — open {written[-1]}", highlight=False)
 
 

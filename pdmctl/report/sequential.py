@@ -27,7 +27,7 @@ from scipy import stats as sps
 
 from pdmctl.report.stats import Interval, paired_p_value
 
-LOOK_FIELD = "look"  # provenance field (ledger tag pdmctl.prov.look) of a run added after that look
+LOOK_FIELD = "look"  # provenance field (ledger tag pdmctl.look; pdmctl.prov.look before) of a run added after that look
 
 
 def stage_alpha(stage: int, alpha: float) -> float:

@@ -206,3 +206,19 @@ def html_page(report: Report, grids: list[TextTable], figs: list[FigureFile]) ->
         excluded=to_html(excluded) if excluded.rows else None,
         excluded_note=excluded.note,
     )
+
+
+def log_to_sweep_run(ledger, sweeps: list[str], out_dir: Path, written: list[Path]) -> str:
+    """The report's files as artifacts of its sweep's parent run in MLflow (`report/`); the line that says
+    where they went, or why not: a report of several sweeps has no one parent run, and a store that refuses
+    (another login's sweep, an artifact store out of reach) leaves the files on disk only."""
+    from pdmctl.ledger import LedgerError
+
+    if len(sweeps) != 1:
+        return (f"MLflow: not logged: the report spans {len(sweeps)} sweeps and a sweep's parent run holds a "
+                "report of that sweep alone")  # fmt: skip
+    try:
+        run_id = ledger.log_report(sweeps[0], written, out_dir)
+    except LedgerError as exc:
+        return f"MLflow: not logged ({exc})"
+    return f"MLflow: {len(written)} files logged to run {run_id}, the parent run of sweep {sweeps[0]} (report/)"
