@@ -20,6 +20,7 @@ from functools import lru_cache
 from typing import Any
 
 from pdmctl import engine_bounds
+from pdmctl.order import check_priority
 from pdmctl.plugins import config_node, names
 from pdmctl.resources import config_dir, search_path
 from pdmctl.spec import RunSpec, SpecError, validate
@@ -77,14 +78,7 @@ def load_sweep_file(path_or_name: str) -> SweepFile:
     order = data.get("order")
     if order is not None:
         order = check_order(order, f"{where}: order")
-    priority: tuple[str, ...] = ()
-    if data.get("priority") is not None:
-        from pdmctl.order import check_priority
-
-        try:
-            priority = check_priority(data["priority"], f"{where}: priority")
-        except ValueError as exc:
-            raise GridError(str(exc)) from None
+    priority = check_priority(data["priority"], f"{where}: priority") if data.get("priority") is not None else ()
     return SweepFile(name=str(data.get("name") or path.stem), description=str(data.get("description") or ""),
                      grid=grid, settings=settings, order=order, priority=priority)  # fmt: skip
 
