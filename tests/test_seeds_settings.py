@@ -120,8 +120,10 @@ def test_max_hours_below_the_looks_cost_submits_nothing(workdir: Path) -> None:
     assert len(open_ledger(sqlite_uri(workdir)).runs(SWEEP)) == 12 and _submissions(workdir) == {}
 
 
-def test_cost_model_prices_rows_without_measured_hours(tmp_path: Path) -> None:
-    """Rows whose runs have no recorded durations get the cost model's expected hours a run."""
+def test_cost_model_prices_rows_without_measured_hours(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows whose runs have no recorded durations get the cost model's expected hours a run; recorded
+    durations, where a testbed row has them, come first."""
+    from pdmctl.budget import seeds as seeds_module
     from pdmctl.budget.cost import Estimate, Span
     from pdmctl.budget.seeds import Look, cost_text, run_costs
 
@@ -134,7 +136,10 @@ def test_cost_model_prices_rows_without_measured_hours(tmp_path: Path) -> None:
     keys, _, _ = row_keys(list(data.records.values()))
     rows = sorted(set(keys.values()), key=str)[:2]
     look = Look([], {rows[0]: 2, rows[1]: 2}, {r: [0, 1, 2] for r in rows}, 1, 0, [])
-    assert "cost unknown" in cost_text(data, look)  # the synthetic runs recorded no durations
+    measured = run_costs(data, look, {row: ("GPU", 99.0) for row in rows})
+    assert {unit for unit, _ in measured.values()} == {"CPU"}  # recorded durations first
+    monkeypatch.setattr(seeds_module, "row_hours", lambda data: {})  # as a row with no recorded durations
+    assert "cost unknown" in cost_text(data, look)
     estimate = Estimate("GPU", 8, Span(1800.0, 1500.0, 2400.0), 3600.0, 1, "test")
     modelled = {row: (estimate.unit, estimate.hours.expected) for row in rows}
     assert run_costs(data, look, modelled) == {row: ("GPU", 4.0) for row in rows}
