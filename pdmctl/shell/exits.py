@@ -35,7 +35,7 @@ EXIT_CODES: dict[str, list[tuple[int, str]]] = {
                   (2, "a setting failed (its line says why), or " + BAD_INPUT), (130, WAIT_INTERRUPTED)],
     "report": [(0, "the report was written"), (2, BAD_INPUT + "; no runs to report on"), (130, INTERRUPTED)],
     "seeds": [(0, "the look was printed (with --submit: its runs submitted)"),
-              (2, BAD_INPUT + "; --submit while runs of the sweep have not ended"), (130, INTERRUPTED)],
+              (2, BAD_INPUT + "; nothing to look at yet (no setting has all its runs ended)"), (130, INTERRUPTED)],
     "tune": [(0, "the study has its trials (on a cluster without --wait: this pass submitted what it could)"),
              (2, BAD_INPUT), (130, "Ctrl-C while driving the study: its trials in flight go on, and the same "
                                    "command again continues the study")],
