@@ -191,7 +191,7 @@ def test_signs_agree_above_the_float32_floor() -> None:
         e64 = counterfactual_effects(learner, batch, advantages, criteria, rows, cols, variants=variants)
 
     (the analysis's criteria and variants, run.py). Two float32 computations can each be that far off, in
-    opposite directions: twice it. Below the floor a sign is rounding; `pdmctl analyze` counts those tokens
+    opposite directions: twice it. Below the floor rounding can reach a sign; `pdmctl analyze` counts those tokens
     (CounterfactualCounts.below_floor)."""
     cfg = ToyConfig(model="toy-fork", precision="fp8_rollout", lr=2.5e-4, seed=1000, prompts_per_step=8)
     learner, batch, advantages = stale_batch(cfg)

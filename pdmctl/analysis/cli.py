@@ -120,6 +120,7 @@ def analyze(
         if spec.backend != "toy":
             fail("analyze: runs on the CPU testbed (backend=toy)")
         from pdmctl.analysis.protocols import PROTOCOLS
+        from pdmctl.analysis.regime import render_regime_table
         from pdmctl.analysis.run import default_jobs, run_analysis
         from pdmctl.analysis.tables import (
             render_analysis_table,
@@ -153,6 +154,7 @@ def analyze(
             exact_region=exact_region,
         )
     console.print(render_analysis_table(result))
+    console.print(render_regime_table(result))
     console.print(render_difference_table(result))
     if len(chosen) > 1:
         console.print(render_protocol_table(result))

@@ -27,7 +27,8 @@ alike). The region's mean is first order: one backward of the region's mean D at
 exactly (a forward of every out-of-region row), and `exact_region` takes every one so (the full forward
 for both D's). Beside the whole-step pair, a clip-held pair: the other member's raw gradient scaled by
 the criterion's own update's clip factor, not its own (`Effects.own_clip_held`). |own| below
-`SIGN_FLOOR` is float32 rounding (tests/test_counterfactual.py measures it). `counterfactual_effects_reference` takes every update the direct way (a loss with the
+`SIGN_FLOOR` is within float32 rounding's reach (tests/test_counterfactual.py measures it; a float64
+rerun keeps nearly every such sign, bench/sign_floor.py). `counterfactual_effects_reference` takes every update the direct way (a loss with the
 token's mask flipped, backward, clipping, `optimizer.step` on a copy of the optimizer) and is what the
 batched one is tested against (tests/test_counterfactual.py).
 """
@@ -57,7 +58,7 @@ from pdmctl.backends.toy.trainer import Learner
 
 CHUNK_VARIANTS = 32  # variants stacked per Adam step: [32, parameters] float32 × 4 (param, grad, m, v)
 CHUNK_GRADIENTS = 32  # per-token gradients per vmapped pass
-# |own| below which a sign is float32 rounding: twice the largest |own(float32) − own(float64)| measured
+# |own| below which float32 rounding can reach a sign: twice the largest |own(float32) − own(float64)| measured
 # (tests/test_counterfactual.py, test_signs_agree_above_the_float32_floor, says how), rounded up
 SIGN_FLOOR = 2e-5
 # variants per criterion whose region effect is also taken exactly, beside its first-order value

@@ -377,7 +377,8 @@ def channel_lines(result: AnalysisResult, *, resamples: int = RESAMPLES) -> list
 
 def floor_line(result: AnalysisResult) -> str | None:
     """How many disagreement tokens' own effects are below the float32 sign floor, per criterion and estimator
-    (their signs, and so their unsafe or corrective label, are rounding); None where not counted."""
+    (float32 rounding can reach their size, so their signs, and so their unsafe or corrective labels, are not
+    guaranteed; a float64 rerun keeps nearly all of them, bench/sign_floor.py); None where not counted."""
     from pdmctl.analysis.counterfactual import SIGN_FLOOR
 
     parts = []
@@ -390,7 +391,7 @@ def floor_line(result: AnalysisResult) -> str | None:
                 parts.append(f"{criterion}/{estimator} {below:,} of {n:,}")
     if not parts:
         return None
-    return (f"own effects below the float32 sign floor (|own| < {SIGN_FLOOR:g}, their signs are rounding), "
+    return (f"own effects below the float32 sign floor (|own| < {SIGN_FLOOR:g}, within float32 rounding's reach), "
             f"disagreement tokens: {', '.join(parts)}")
 
 

@@ -121,9 +121,38 @@ class CounterfactualCounts:
     region_up: list[int]
     region_down: list[int]
     # keeping raised the token's own D with the other member's gradient scaled by the criterion's own update's
-    # clipping factor (the clip-held channel); |own| below the float32 sign floor (its sign is rounding)
+    # clipping factor (the clip-held channel); |own| below the float32 sign floor (within rounding's reach)
     own_up_clip_held: list[int] = dataclasses.field(default_factory=list)
     below_floor: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Regime:
+    """The run's §4.2 regime beside the paper's (regime.py computes it from the run's own tokens): how much
+    of the batch leaves the region, how much of that the criteria disagree on (the primary estimator's
+    disagreement set) and how often the step training takes (`carried`) raises a kept token's D."""
+
+    response_tokens: int  # all seeds
+    out_of_region: int
+    out_of_region_share: float | None  # of the response tokens (None: no token)
+    estimator: str  # whose disagreement set
+    disagreements: int
+    disagreement_share: float | None  # of the out-of-region tokens
+    disagreements_median_per_seed: float | None
+    disagreements_mean_per_seed: float | None
+    realized_protocol: str | None  # the update the realized rates are taken after (None: not run)
+    # the realized unsafe-keep rate on the disagreement tokens each criterion keeps: the mean over seeds (the
+    # paper's aggregation; seeds where it keeps none left out) and pooled over tokens (None: not measured)
+    unsafe_keep_ratio: float | None
+    unsafe_keep_predictive: float | None
+    unsafe_keep_ratio_pooled: float | None
+    unsafe_keep_predictive_pooled: float | None
+    # the paper's figures (§4.2, MATH.md): per seed out of the region, disagreement tokens, unsafe keeps
+    paper_out_of_region_per_seed: int = 1435
+    paper_sequences_per_seed: int = 1024  # the rollout each seed's analysis takes
+    paper_disagreements_per_seed: int = 82
+    paper_unsafe_keep_ratio: float = 0.369
+    paper_unsafe_keep_predictive: float = 0.342
 
 
 @dataclass(frozen=True)
@@ -157,6 +186,7 @@ class AnalysisResult:
     # the counterfactual's region effect by first order against its exact value on a few variants per seed:
     # [first order, exact] each (empty: every variant taken exactly, or not measured)
     region_check: list[list[float]] = dataclasses.field(default_factory=list)
+    regime: Regime | None = None  # beside the paper's (regime.py; None in results written before it)
 
     def to_json(self) -> str:
         """The whole result; one line per field, the token lists each on one line (they are most of it)."""
@@ -182,7 +212,8 @@ class AnalysisResult:
         bands = [BandStats(**b) for b in data.get("bands", [])]  # results written before the bands: none
         tokens = [DisagreementTokens(**t) for t in data.get("disagreement_tokens", [])]  # written before: none
         counterfactual = [CounterfactualCounts(**c) for c in data.get("counterfactual", [])]
-        return cls(**{**data, "comparisons": comparisons, "estimator_differences": differences,
+        regime = Regime(**data["regime"]) if data.get("regime") else None
+        return cls(**{**data, "regime": regime, "comparisons": comparisons, "estimator_differences": differences,
                       "protocol_comparisons": by_protocol, "decomposition": decomposed,
                       "logit_assumption": assumption, "bands": bands,
                       "disagreement_tokens": tokens, "counterfactual": counterfactual,

@@ -46,6 +46,7 @@ from pdmctl.analysis.protocols import (
     snapshot,
     take_update_reference,
 )
+from pdmctl.analysis.regime import regime_of
 from pdmctl.analysis.results import ESTIMATORS, AnalysisResult, CounterfactualCounts, DisagreementTokens
 from pdmctl.backends.toy import task
 from pdmctl.backends.toy.config import ToyConfig
@@ -181,7 +182,7 @@ def _combine(
     decomposed = [r.parts for r in results]
     by_protocol = {p: [_compare(e, [s[p][e] for s in per_seed]) for e in ESTIMATORS] for p in protocols}
     comparisons = by_protocol[protocols[0]]
-    return AnalysisResult(
+    result = AnalysisResult(
         seeds=list(seeds),
         delta=cfg.delta,
         k=cfg.k,
@@ -214,6 +215,7 @@ def _combine(
             for e in ESTIMATORS
         ],
     )
+    return dataclasses.replace(result, regime=regime_of(result))
 
 
 def _counterfactual_rows(results: list[_SeedResult]) -> list[CounterfactualCounts]:
@@ -254,7 +256,7 @@ def _counterfactual_counts(delta, region, held, outside, in_sample, ratio_keep, 
     ones: the uniform sample, `in_sample`) and decision (kept, masked): how many tokens, and on how many keeping
     raised (lowered) the token's own D and the mean D of the region, against masking; on how many it raised
     the token's own D with the clip factor held (`held`), and on how many |own| is below the float32 sign
-    floor (counterfactual.SIGN_FLOOR: a sign there is rounding)."""
+    floor (counterfactual.SIGN_FLOOR: float32 rounding can reach a sign there)."""
     found = {}
     a = advantages.unsqueeze(1)
     for e in ESTIMATORS:
