@@ -155,7 +155,8 @@ def test_server_runs_as_a_user_with_a_login_per_user_and_a_job_logs_to_it_and_no
         assert status == 200
         exp = found["experiment"]["experiment_id"]
         req = urllib.request.Request(
-            url + "/api/2.0/mlflow/runs/search", data=json.dumps({"experiment_ids": [exp]}).encode(),
+            url + "/api/2.0/mlflow/runs/search",  # the sweep's runs, not its parent run (no pdmctl.sweep tag)
+            data=json.dumps({"experiment_ids": [exp], "filter": "tags.`pdmctl.sweep` = 'srv'"}).encode(),
             headers={"Content-Type": "application/json", "Authorization": "Basic " + base64.b64encode(
                 f"{LOGIN['MLFLOW_TRACKING_USERNAME']}:{LOGIN['MLFLOW_TRACKING_PASSWORD']}".encode()).decode()},
         )  # fmt: skip
