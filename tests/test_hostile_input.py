@@ -29,7 +29,7 @@ def shipped_analysis(preset: str) -> dict:
         return json.load(f)
 
 
-# -- 3: an empty or falsy grid ----------------------------------------------------------------------
+# -- an empty or falsy grid ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -49,7 +49,7 @@ def test_an_empty_or_falsy_grid_is_refused(store: Path, text: str, needle: str) 
     refused(store, ["sweep", "--file", "a.yaml"], needle)
 
 
-# -- 4: seeds=3 seed=7 -------------------------------------------------------------------------------
+# -- seeds=3 seed=7 -------------------------------------------------------------------------------
 
 
 def test_seeds_and_seed_together_are_refused(store: Path) -> None:  # noqa: F811
@@ -62,7 +62,7 @@ def test_seed_on_the_command_line_wins_over_seeds_in_the_file(tmp_path: Path) ->
     assert [s.seed for s in specs] == [7]
 
 
-# -- 13: config-group options are names in their group -------------------------------------------
+# -- config-group options are names in their group -------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -87,7 +87,7 @@ def test_an_option_outside_configs_is_never_read(store: Path, tmp_path: Path) ->
     refused(store, ["sweep", f"mask={outside / 'evil'}", *SYN], "mask: unknown option")
 
 
-# -- 14: files that are not UTF-8 ------------------------------------------------------------------
+# -- files that are not UTF-8 ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("command", [["sweep", "--file"], ["sweep", "--cluster"], ["report", "--definition"]])
@@ -100,7 +100,7 @@ def test_a_file_name_too_long_is_not_found(store: Path) -> None:  # noqa: F811
     refused(store, ["sweep", "--file", "f" * 300], "sweep file: 'ffff")
 
 
-# -- 16: interval() and glob() in a sweep ----------------------------------------------------------
+# -- interval() and glob() in a sweep ----------------------------------------------------------
 
 
 def test_interval_in_a_sweep_points_to_tune(store: Path) -> None:  # noqa: F811
@@ -122,7 +122,7 @@ def test_a_glob_that_selects_nothing_is_refused(store: Path, override: str, need
     refused(store, ["sweep", override], needle)
 
 
-# -- 11: an empty --tracking-uri -------------------------------------------------------------------
+# -- an empty --tracking-uri -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("command", [["sweep", "seed=0", *SYN], ["status"], ["resume"], ["report"]])
@@ -130,7 +130,7 @@ def test_an_empty_tracking_uri_is_refused(store: Path, command: list[str]) -> No
     refused(store, [*command, "--tracking-uri", ""], "--tracking-uri: empty (an unset variable?)")
 
 
-# -- 17: a symlink loop as the run root ------------------------------------------------------------
+# -- a symlink loop as the run root ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("command", [["sweep", "seed=0", *SYN], ["resume"], ["sweep", "seed=0", "--dry-run"]])
@@ -159,7 +159,7 @@ def test_analyze_checks_its_json_destination_before_the_analysis(workdir: Path) 
     refused(workdir, ["analyze", "--seeds", "1", "--json", "adir"], "--json adir: is a directory")
 
 
-# -- 20: status --watch --interval ---------------------------------------------------------------
+# -- status --watch --interval ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "0", "inf", "-inf"])
@@ -167,7 +167,7 @@ def test_watch_interval_must_be_a_pause(store: Path, value: str) -> None:  # noq
     refused(store, ["status", "--watch", "--interval", value], "--interval: must be a number of seconds >= 0.5")
 
 
-# -- 21: tune --storage ----------------------------------------------------------------------------
+# -- tune --storage ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -201,7 +201,7 @@ def test_usage_errors_are_one_line(workdir: Path, args: list[str], needle: str) 
     assert not list(workdir.iterdir())
 
 
-# -- 1: a long config round-trips whole ------------------------------------------------------------
+# -- a long config round-trips whole ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("size", ["one long value", "a thousand overrides"])
@@ -224,7 +224,7 @@ def test_a_long_config_runs_reports_and_resumes(workdir: Path, size: str) -> Non
     assert resumed.returncode == 0 and "0 run(s) resubmitted" in resumed.stdout, resumed.stdout
 
 
-# -- 2: a job that dies at start-up says why -------------------------------------------------------
+# -- a job that dies at start-up says why -------------------------------------------------------
 
 
 @pytest.mark.parametrize("log", ["a traceback", "nothing"])
@@ -261,7 +261,7 @@ def test_a_job_that_died_at_start_up_shows_its_error(workdir: Path, log: str) ->
         assert record.reason == "lost: the job process died"
 
 
-# -- 5: a non-finite evaluation is a failed run's data ---------------------------------------------
+# -- a non-finite evaluation is a failed run's data ---------------------------------------------
 
 
 @pytest.mark.parametrize("at", ["final", "last-2"])  # best skips non-finite steps (stats.select_steps)
@@ -293,7 +293,7 @@ def test_a_non_finite_evaluation_is_listed_never_averaged(workdir: Path, bad: fl
     assert "not finite" in excluded.reason
 
 
-# -- 6: the local queue's directory as a file, or read-only ----------------------------------------
+# -- the local queue's directory as a file, or read-only ----------------------------------------
 
 
 def test_the_local_queue_as_a_file_is_refused_before_anything_is_registered(store: Path) -> None:  # noqa: F811
@@ -347,7 +347,7 @@ def test_a_read_only_queue_is_refused(tmp_path: Path) -> None:
         shutil.rmtree(work)
 
 
-# -- 12: the worker-lock check cannot be fooled by the heartbeat file ------------------------------
+# -- the worker-lock check cannot be fooled by the heartbeat file ------------------------------
 
 
 def _hold_worker_lock(root: Path, seconds: int):
@@ -417,7 +417,7 @@ def test_a_worker_that_is_ending_is_not_taken_for_a_stray(workdir: Path, kernel:
         holder.wait()
 
 
-# -- 7: another writer holds the SQLite lock ------------------------------------------------------
+# -- another writer holds the SQLite lock ------------------------------------------------------
 
 
 def test_a_busy_store_is_one_line_naming_who_holds_it(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
@@ -450,7 +450,7 @@ def test_a_busy_store_is_one_line_naming_who_holds_it(store: Path, monkeypatch: 
     assert not (store / "pdmctl-runs").exists()
 
 
-# -- 8: committed pages still in the -wal are not a truncated store -------------------------------
+# -- committed pages still in the -wal are not a truncated store -------------------------------
 
 
 def test_pages_in_the_wal_are_not_truncation(store: Path) -> None:  # noqa: F811
@@ -542,7 +542,7 @@ def test_a_database_of_something_else_is_refused_and_left_as_it_is(tmp_path: Pat
     assert not list(tmp_path.glob("other.db.incomplete-*"))
 
 
-# -- 9: a tracking server whose API hangs or fails ------------------------------------------------
+# -- a tracking server whose API hangs or fails ------------------------------------------------
 
 
 class _Server:
@@ -612,7 +612,7 @@ def test_a_server_whose_api_fails_is_one_line_within_10_s(
     assert not (workdir / "pdmctl-runs").exists()
 
 
-# -- 10: a PostgreSQL URI with no server, or no driver --------------------------------------------
+# -- a PostgreSQL URI with no server, or no driver --------------------------------------------
 
 
 @pytest.mark.parametrize("driver", ["installed", "missing"])
@@ -636,7 +636,7 @@ def test_a_bare_postgresql_uri_is_one_line(
     assert not list(workdir.iterdir())
 
 
-# -- 22: VeRL's fields checked at submit ----------------------------------------------------------
+# -- VeRL's fields checked at submit ----------------------------------------------------------
 
 
 VERL = ["backend=verl", "model=qwen3-4b-base"]
@@ -668,7 +668,7 @@ def test_verl_fields_are_checked_against_verls_own_schema(store: Path, override:
 # == environment, paths and cluster inputs ==========================================================================
 
 
-# -- 1: a test's hook left in a user's shell ---------------------------------------------------------
+# -- a test's hook left in a user's shell ---------------------------------------------------------
 
 
 @pytest.mark.parametrize("hook", ["PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_TOY_FAIL_AT_STEP", "PDMCTL_TOY_LOSE_NODE_AT_STEP",
@@ -752,7 +752,7 @@ def test_every_sbatch_line_of_an_odd_but_valid_profile_comes_before_the_first_co
         assert any(option in lines[i] for i in sbatch), (option, script)
 
 
-# -- 3: analyze over a grid; 6, 12: --seeds and --first-seed bounded ----------------------------------
+# -- analyze over a grid; 6, 12: --seeds and --first-seed bounded ----------------------------------
 
 
 @pytest.mark.parametrize(
@@ -806,7 +806,7 @@ def test_the_lock_of_a_tracking_server_is_in_one_cache_whatever_the_directory(
         ledger._lock_path(uri)
 
 
-# -- 14: a killed analyze leaves no worker behind ------------------------------------------------------
+# -- a killed analyze leaves no worker behind ------------------------------------------------------
 
 
 def test_a_worker_ends_with_its_killed_parent(tmp_path: Path) -> None:
@@ -862,7 +862,7 @@ def test_logs_streams_a_log_and_follow_ends_when_the_log_is_removed(tmp_path: Pa
     assert capsys.readouterr().out == text
 
 
-# -- 18: Ctrl-C while pdmctl starts ------------------------------------------------------------------
+# -- Ctrl-C while pdmctl starts ------------------------------------------------------------------
 
 
 INTERRUPT_AT_IMPORT = """
@@ -893,7 +893,7 @@ def test_ctrl_c_while_pdmctl_starts_is_one_line(workdir: Path, module: str, comm
     assert not list(workdir.iterdir())
 
 
-# -- 5: a study storage Optuna cannot use, refused before anything is written -----------------------------
+# -- a study storage Optuna cannot use, refused before anything is written -----------------------------
 
 
 TUNE = ["tune", "delta=interval(0.05,0.3)", *SYN, "--trials", "1"]
@@ -929,7 +929,7 @@ def test_a_study_storage_optuna_cannot_use_is_refused_first(workdir: Path, stora
     assert not (workdir / "mlflow.db").exists()  # no ledger created
 
 
-# -- 10: a tune file's fields typed; glob() in a space (half-fixed) ------------------------------------
+# -- a tune file's fields typed; glob() in a space (half-fixed) ------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -956,7 +956,7 @@ def test_glob_in_a_tune_space_is_a_choice_of_the_options_it_matches(workdir: Pat
     refused(workdir, ["tune", "mask=glob(zz*)", *SYN, "--trials", "2", "--dry-run"], "sweeps over no values")
 
 
-# -- 15: two drivers on a new study at once ---------------------------------------------------------------
+# -- two drivers on a new study at once ---------------------------------------------------------------
 
 
 def _open_study_together(plan, options, barrier) -> None:
@@ -1051,7 +1051,7 @@ def test_a_path_too_long_for_the_file_system_is_one_line(workdir: Path, field: s
                       "--cluster", "p.yaml"], "/" + "d" * 59 + "...: File name too long")  # fmt: skip
 
 
-# -- round four: a checkpoint planted in a shared run directory ------------------------------------------
+# -- a checkpoint planted in a shared run directory ------------------------------------------
 
 
 class _Plant:
@@ -1085,7 +1085,7 @@ def test_a_planted_pickle_checkpoint_never_runs_and_the_run_resumes_from_its_own
     assert notice.startswith("resumed from step_00000001.pt: step_99999999.pt does not load")
 
 
-# -- round four: verl.* sizes, counts and fractions bounded before anything is written --------------------
+# -- verl.* sizes, counts and fractions bounded before anything is written --------------------
 
 
 @pytest.mark.parametrize(
@@ -1120,7 +1120,7 @@ def test_verl_values_within_their_bounds_pass(override: str) -> None:
     assert spec.key
 
 
-# -- round four: tune --storage that cannot hold a study, refused before any run is registered -------------
+# -- tune --storage that cannot hold a study, refused before any run is registered -------------
 
 
 @pytest.mark.parametrize(
@@ -1149,7 +1149,7 @@ def test_a_study_storage_that_cannot_hold_the_study_is_one_line(workdir: Path, s
     assert not list(workdir.iterdir())  # no ledger, no lock file, no run directory
 
 
-# -- round four: analyze's outputs checked first; a failed final write keeps the result ---------------------
+# -- analyze's outputs checked first; a failed final write keeps the result ---------------------
 
 
 @pytest.mark.parametrize(("where", "needle"), [("/proc/x", "--figures /proc/x: cannot be created in /proc"),
@@ -1211,7 +1211,7 @@ def test_analyze_family_reads_only_a_bounded_regular_file(workdir: Path, family:
     refused(workdir, ["analyze", "--seeds", "1", "--family", str(path)], needle)
 
 
-# -- round four: data prepare on damaged local files; a manifest nested or naming a file elsewhere ---------
+# -- data prepare on damaged local files; a manifest nested or naming a file elsewhere ---------
 
 
 @pytest.mark.parametrize(
@@ -1287,7 +1287,7 @@ def _sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-# -- round four: doctor's node check looks for the interface the job body will ------------------------------
+# -- doctor's node check looks for the interface the job body will ------------------------------
 
 
 @pytest.mark.parametrize(("interface", "needle"), [("nosuch0", "has no network interface 'nosuch0' (the profile's "
@@ -1308,7 +1308,7 @@ def test_doctor_on_the_node_looks_for_the_profiles_network_interface(tmp_path: P
             check()
 
 
-# -- round four: environment variables of the submitting shell ----------------------------------------------
+# -- environment variables of the submitting shell ----------------------------------------------
 
 
 def test_a_submitting_shells_slurm_restart_count_never_numbers_a_local_jobs_attempts(
@@ -1367,7 +1367,7 @@ def test_an_error_raised_while_a_ctrl_c_unwinds_is_still_one_line(workdir: Path)
     assert proc.returncode == 130 and lines == ["pdmctl: interrupted"], proc.stderr[-3000:]
 
 
-# -- round four, also seen: --at beyond any run's evaluations; a SQLite ledger in memory -------------------
+# -- --at beyond any run's evaluations; a SQLite ledger in memory -------------------
 
 
 def test_report_at_last_n_is_bounded(store: Path) -> None:  # noqa: F811

@@ -17,7 +17,7 @@ THIS = Path(__file__).resolve().relative_to(ROOT).as_posix()
 
 PROCESS_WORDS = re.compile(
     r"\b(?:issues? #?\d|issue-\d|issue's|the issue\b(?! tracking)|items? \d|stops? \d+(?![\d>])|review (?:item )?\d"
-    r"|round (?:two|three)\b|rehears|landed\b|landing\b|sessions?\b)",
+    r"|round (?:two|three|four|five)\b|rehears|landed\b|landing\b|sessions?\b)",
     re.IGNORECASE,
 )
 # "session" where it is the operating system's: a process session (setsid), as Ray's and vLLM's workers start
