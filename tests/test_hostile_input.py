@@ -139,7 +139,7 @@ def test_a_symlink_loop_as_the_run_root(store: Path, command: list[str]) -> None
     refused(store, command, "run directory pdmctl-runs: cannot be resolved (Symlink loop")
 
 
-# -- 18, 19: output paths checked first ------------------------------------------------------------
+# -- output paths checked first ------------------------------------------------------------
 
 
 def test_report_out_onto_a_file(store: Path) -> None:  # noqa: F811
@@ -700,7 +700,7 @@ def test_the_hooks_are_the_holds_and_the_failure_injection(monkeypatch: pytest.M
     testhooks.check_environment()
 
 
-# -- 2, 11: a profile's values reach the sbatch script: one line each, numbers finite ------------------
+# -- a profile's values reach the sbatch script: one line each, numbers finite ------------------
 
 
 SLURM_LOCAL = (Path(__file__).resolve().parents[1] / "clusters" / "slurm-local.yaml").read_text()
@@ -768,7 +768,7 @@ def test_analyze_refuses_a_grid_and_unbounded_seeds(workdir: Path, args: list[st
     refused(workdir, ["analyze", *args], needle)
 
 
-# -- 7, 8: PDMCTL_CACHE: the warm-up's cache, the tracking server's lock --------------------------------
+# -- PDMCTL_CACHE: the warm-up's cache, the tracking server's lock --------------------------------
 
 
 @pytest.mark.parametrize("cache", ["a file", "relative"])
@@ -838,7 +838,7 @@ def test_a_worker_ends_with_its_killed_parent(tmp_path: Path) -> None:
             os.kill(child, signal.SIGKILL)
 
 
-# -- 16, 17: logs: a removed log ends --follow; a big log streams ------------------------------------
+# -- logs: a removed log ends --follow; a big log streams ------------------------------------
 
 
 def test_logs_streams_a_log_and_follow_ends_when_the_log_is_removed(tmp_path: Path, capsys) -> None:
@@ -990,7 +990,7 @@ def test_two_drivers_creating_a_study_at_once_both_open_it(tmp_path: Path) -> No
     assert [s.study_name for s in optuna.get_all_study_summaries(plan.storage)] == ["st"]
 
 
-# -- 9, 13: report --analysis whole; an output directory that cannot be created ------------------------
+# -- report --analysis whole; an output directory that cannot be created ------------------------
 
 
 @pytest.mark.parametrize(
