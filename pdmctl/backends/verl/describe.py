@@ -324,12 +324,7 @@ def _number(x: float) -> str:
     return f"{x:,.0f}" if x >= 10 else f"{x:.2f}"
 
 
-def _duration(seconds: float) -> str:
-    if seconds >= 2 * 86400:
-        return f"{seconds / 86400:.1f} days"
-    if seconds >= 3600:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 60:.1f} min"
+_duration = costs.duration  # one wording of a duration for the whole plan
 
 
 def _bytes(n: float) -> str:
