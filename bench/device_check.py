@@ -4,7 +4,7 @@ paper's scale, and the toy testbed trained on the GPU. `scripts/device-check.sh`
     python bench/device_check.py OUT_DIR          a CUDA machine: V = 151,936, K = 20 (about 5 minutes)
     python bench/device_check.py OUT_DIR --cpu    the CPU half: the same code at small sizes (CI)
 
-It needs torch and numpy, and Triton for the fused kernel (`pdmctl.mask_kernel`), with pdmctl taken
+It needs torch and numpy, and Triton for the fused kernel (`pdmctl.masks.kernel`), with pdmctl taken
 from the working tree (PYTHONPATH); it checks that nothing else was imported. It writes
 OUT_DIR/device-check.json and OUT_DIR/device-check.txt, section by section, and exits 0 when every
 check passed, 1 when one failed, 2 on bad input (nothing written).
@@ -350,7 +350,7 @@ def timing_cases(torch, inputs: tuple, with_kernel: bool) -> dict:
         for est in ("agg", "uni", "exact"):
             cases[f"pdm {est} topk_{family}"] = mask("pdm", f"topk_{family}", est)
     if with_kernel:
-        from pdmctl import mask_kernel
+        from pdmctl.masks import kernel as mask_kernel
 
         ids = torch.cat([inputs[2], inputs[1][:, None]], -1)  # S = TopK ∪ {k}, as masks lays it out
         owned = torch.ones_like(ids, dtype=torch.bool)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from pdmctl import mask_names
 from pdmctl.budget import collapse
+from pdmctl.masks import names as mask_names
 
 KEY_LENGTH = 12
 MASK_FIELDS = ("method", "divergence", "estimator", "eps_low", "eps_high", "ratio_cap", "loss_agg_mode")

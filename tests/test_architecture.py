@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pdmctl"
-MAX_LINES = 650  # the longest today: masks.py, 614
+MAX_LINES = 650  # the longest today: masks/loss.py, 649
 
 
 def _modules() -> dict[str, Path]:

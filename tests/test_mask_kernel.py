@@ -1,4 +1,4 @@
-"""The fused Triton kernel of the masks' row statistics (pdmctl.mask_kernel) against the torch path.
+"""The fused Triton kernel of the masks' row statistics (pdmctl.masks.kernel) against the torch path.
 
 On CPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1): every program of the grid,
 one per row, executed in numpy, so the sizes here are small. What the interpreter cannot show, that
@@ -15,8 +15,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from pdmctl import mask_kernel, masks
-from pdmctl.masks import DIVERGENCES, ESTIMATORS, METHODS, token_diagnostics
+from pdmctl import masks
+from pdmctl.masks import DIVERGENCES, ESTIMATORS, METHODS, rows, token_diagnostics
+from pdmctl.masks import kernel as mask_kernel
 from tests.test_masks import confident_batch, make_batch
 
 
@@ -27,7 +28,7 @@ def interpreter(monkeypatch):
 
 def _layout(n: int, vocab: int, m: int, *, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Support ids [n, m] and which of them count: duplicates, the first and last columns, ids in
-    every block, padding slots that do not count (as `masks._tail_sums` builds them)."""
+    every block, padding slots that do not count (as `masks.rows._tail_sums` builds them)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(vocab, (n, m), generator=g)
     ids[0, :2] = torch.tensor([0, vocab - 1])
@@ -52,7 +53,7 @@ def test_row_stats_equal_the_torch_pass(monkeypatch, dtype):
     ids, owned = _layout(n, vocab, m, seed=2)
     ids[2, 0], owned[2, 0] = 150, True
     for top in (None, z.float().amax(-1) + 0.5):
-        want_top, want_z, want = masks._blocked_row_stats(z, ids, owned, True, top)
+        want_top, want_z, want = rows._blocked_row_stats(z, ids, owned, True, top)
         got_top, got_z, tail, tail_sq = mask_kernel.row_stats(z, ids, owned, True, top=top)
         assert torch.equal(got_top, want_top)
         assert torch.equal(got_z, want_z)

@@ -104,11 +104,12 @@ def _ddot64(z, sampled, top, sampled_lp, divergence, estimator):
 
 def test_kl_simplification_equals_general_formula():
     from pdmctl import masks
+    from pdmctl.masks import loss
 
     z, sampled, ids, lps, slp, _ = make_batch(n=32, vocab=50, k=6, seed=3)
     s, q_tail = masks.token_support(z, sampled, ids, lps, slp, "topk", need_tail_sum_sq=True)
     general = masks.ddot_from_gradient(s, -s.mu / s.pi, -s.mu_tail / s.pi_tail, q_tail)
-    torch.testing.assert_close(masks._ddot_kl(s, q_tail), general, rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(loss._ddot_kl(s, q_tail), general, rtol=1e-10, atol=1e-13)
 
 
 # ---------------------------------------------------------------------------
@@ -626,7 +627,7 @@ def test_no_vocab_sized_buffer():
     policy_loss allocates exactly one: the float32 log-softmax its gradient needs."""
     from torch.profiler import ProfilerActivity, profile
 
-    from pdmctl import masks
+    from pdmctl.masks import rows
 
     n, vocab = 512, 65536  # 128 MB of float32 logits: eight blocks of scratch
     z, sampled, ids, lps, slp, adv = make_batch(n=n, vocab=vocab, k=20, seed=1, dtype=torch.float32)
@@ -641,11 +642,11 @@ def test_no_vocab_sized_buffer():
 
     for estimator in ("agg", "exact"):
         sizes = big_allocations(lambda e=estimator: compute_mask(z, sampled, ids, lps, slp, adv, estimator=e))
-        assert sizes and all(size <= masks._CHUNK_ELEMENTS * 4 for size, _ in sizes), sizes
+        assert sizes and all(size <= rows._CHUNK_ELEMENTS * 4 for size, _ in sizes), sizes
     sizes = big_allocations(
         lambda: policy_loss(z, sampled, ids, lps, slp, adv, torch.ones(n), estimator="exact")
     )
-    assert [s for s in sizes if s[0] > masks._CHUNK_ELEMENTS * 4] == [
+    assert [s for s in sizes if s[0] > rows._CHUNK_ELEMENTS * 4] == [
         (n * vocab * 4, "aten::_log_softmax")
     ], sizes
 

@@ -220,7 +220,8 @@ def test_a_keep_decision_of_the_wrong_shape_in_training_is_one_line_naming_the_p
 def test_an_unloaded_plugin_methods_run_key_is_the_loaded_ones() -> None:
     """A plugin mask's key keeps its estimator whether or not the plugin is installed where the key is computed
     (status and report read its runs without it)."""
-    from pdmctl import mask_names, spec
+    from pdmctl import spec
+    from pdmctl.masks import names as mask_names
 
     config = {"seed": 0, "delta": 0.15, "k": 20, "data": {"name": "toy"},
               "mask": {"name": "gone", "method": "gone-plugin", "divergence": "topk_kl", "estimator": "uni"}}  # fmt: skip

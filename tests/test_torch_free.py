@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from pdmctl import mask_names, masks
+from pdmctl import masks
 from pdmctl.backends.toy import basemodel, llm_task, model, presets, shipped, task
 from pdmctl.backends.toy.config import ToyConfig
+from pdmctl.masks import names as mask_names
 
 # the CLI with torch not importable: every `import torch` raises as it does where torch is not installed, and
 # the attempt is told on stderr at exit
@@ -84,6 +85,26 @@ def test_the_mask_names_are_the_registries() -> None:
     assert tuple(masks.ESTIMATORS) == mask_names.ESTIMATORS
     assert tuple(masks.AGGREGATIONS) == mask_names.AGGREGATIONS
     assert tuple(name for name, spec in masks.METHODS.items() if spec.uses_ddot) == mask_names.USES_DDOT
+
+
+def test_the_masks_package_reads_its_names_without_torch_and_lends_every_public_name_of_its_loss() -> None:
+    """`pdmctl.spec`, `pdmctl.masks` and `pdmctl.masks.names` import no torch; each public name of
+    `pdmctl.masks.loss` (`rows`' among them) is read through `pdmctl.masks` as the very same object."""
+    code = ("import sys, pdmctl.spec, pdmctl.masks, pdmctl.masks.names\n"
+            "from pdmctl.masks import names\n"
+            "assert names.is_known('METHODS', 'pdm') and 'torch' not in sys.modules, sorted(sys.modules)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    from pdmctl.masks import loss, rows
+
+    imported = {"annotations", "dataclass", "Callable"}  # loss.py's own imports, no modules among the names
+    public = {name for name, value in vars(loss).items()
+              if not name.startswith("_") and not isinstance(value, type(loss)) and name not in imported}  # fmt: skip
+    assert {"VocabShard", "fused_row_stats", "kernel_choice"} <= public and rows.VocabShard is loss.VocabShard
+    assert public == set(masks._FROM_LOSS)
+    assert all(getattr(masks, name) is getattr(loss, name) for name in public)
+    with pytest.raises(AttributeError, match="no attribute 'bogus'"):
+        masks.bogus  # noqa: B018
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdmctl import mask_names
 from pdmctl.backends.toy.presets import MODEL_PRESETS, PRECISION_NAMES
+from pdmctl.masks import names as mask_names
 
 
 @dataclass(frozen=True)

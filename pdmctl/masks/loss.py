@@ -24,7 +24,7 @@ to float32 a block at a time). `policy_loss` takes its gradient through a
 log-softmax and its mask from the same pass as `compute_mask`, so both give the
 same `D` and `Ḋ`.
 
-The pass itself (in torch, or one fused Triton kernel on a CUDA device) is `pdmctl.mask_rows`.
+The pass itself (in torch, or one fused Triton kernel on a CUDA device) is `pdmctl.masks.rows`.
 
 Vocabulary-parallel logits (Megatron's tensor parallelism: each rank holds the
 columns `[start, start + V_local)`) go through the same code with a `VocabShard`:
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdmctl.mask_rows import (  # noqa: F401  (re-exported: masks.VocabShard, masks.fused_row_stats, ...)
+from pdmctl.masks.rows import (  # noqa: F401  (re-exported: masks.VocabShard, masks.fused_row_stats, ...)
     _CHUNK_ELEMENTS,
     KERNEL_CHOICES,
     KERNEL_ENV,

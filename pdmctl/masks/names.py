@@ -24,18 +24,18 @@ def is_known(registry: str, value: object) -> bool:
     "AGGREGATIONS")."""
     if value in getattr(sys.modules[__name__], registry):
         return True
-    from pdmctl import masks
+    from pdmctl.masks import loss
 
-    if value in getattr(masks, registry):
+    if value in getattr(loss, registry):
         return True
     return registry == "METHODS" and _plugin(value)
 
 
 def known(registry: str) -> list[str]:
     """Every name of `masks.<registry>`, sorted (for the error that names an unknown one; loads the masks)."""
-    from pdmctl import masks
+    from pdmctl.masks import loss
 
-    return sorted(getattr(masks, registry))
+    return sorted(getattr(loss, registry))
 
 
 def uses_ddot(method: str) -> bool:
@@ -44,9 +44,10 @@ def uses_ddot(method: str) -> bool:
     not installed (`pdmctl status` and `pdmctl report` read them without it)."""
     if method in METHODS:
         return method in USES_DDOT
-    from pdmctl import masks, plugins
+    from pdmctl import plugins
+    from pdmctl.masks import loss
 
-    spec = masks.METHODS.get(method)
+    spec = loss.METHODS.get(method)
     return spec is None or plugins.loaded("mask", method) or spec.uses_ddot
 
 

@@ -6,7 +6,7 @@ into `π`, `π_tail`, `Q_tail` in float64). The support's columns are zeroed in 
 sums, so the sums run over the unseen tokens alone, to float32's relative precision however small the
 tail is. Nothing of size [N, V] is allocated: bfloat16 logits are widened a block at a time.
 
-On a CUDA device the pass is one fused Triton kernel (`pdmctl.mask_kernel`: the same four row
+On a CUDA device the pass is one fused Triton kernel (`pdmctl.masks.kernel`: the same four row
 statistics in one read of the logits) where Triton imports; `PDMCTL_MASK_KERNEL` chooses: `torch` (the
 default: this module's blocked pass everywhere), `auto` (the kernel for CUDA logits where Triton imports)
 or `triton` (the kernel everywhere; on CPU only under `TRITON_INTERPRET=1`, as CI tests it). The kernel is
@@ -75,9 +75,9 @@ def _tail_sums(
                                                                  device=logits.device)  # fmt: skip
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=shard.group)
     if n and width and fused_row_stats(logits):
-        from pdmctl import mask_kernel
+        from pdmctl.masks import kernel
 
-        top, z_support, tail, tail_sq = mask_kernel.row_stats(logits, local, owned, need_sq, top=top)
+        top, z_support, tail, tail_sq = kernel.row_stats(logits, local, owned, need_sq, top=top)
         sums = torch.stack([tail, tail_sq], dim=-1)
     else:
         top, z_support, sums = _blocked_row_stats(logits, local, owned, need_sq, top)

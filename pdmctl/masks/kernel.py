@@ -3,7 +3,7 @@
 `pdmctl.masks` needs four things per row of logits `z` and support `S` (MATH.md, "Numerics"): the row
 maximum `max z`, `z` at the support's ids (the top-K gather), `Σ_{j∉S} e_j` (the tail mass, before
 the normaliser) and, for the `exact` estimator, `Σ_{j∉S} e_j²`, with `e_j = exp(z_j − max z)`. The
-torch path (`masks._tail_sums`) makes them with a handful of kernels per block of rows; this kernel
+torch path (`masks.rows._tail_sums`) makes them with a handful of kernels per block of rows; this kernel
 makes them in one read of the logits: one program per row walks its columns in blocks with an online
 maximum (the sums are rescaled when the maximum grows, as in a fused softmax), zeroes the support's
 columns in the blocks that hold one (so the sums run over the unseen tokens alone and keep float32's
@@ -11,7 +11,7 @@ relative precision however small the tail is: no `1 − Σ_S π_i`), and carries
 float64. The log-normaliser `max z + log(Σ_S e_i + Σ_{j∉S} e_j)` is then formed in float64 by
 `masks.token_support`, as on the torch path.
 
-`masks` calls `row_stats` when the logits are on a CUDA device and Triton imports
+`masks.rows` calls `row_stats` when the logits are on a CUDA device and Triton imports
 (`PDMCTL_MASK_KERNEL=torch` turns it off, `=triton` forces it). On CPU it runs only under Triton's
 interpreter (`TRITON_INTERPRET=1`), which is how CI tests it against the torch path.
 """
