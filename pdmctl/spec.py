@@ -101,6 +101,8 @@ def result_config(config: Mapping[str, Any]) -> dict[str, Any]:
     backend = cfg.get("backend")
     if isinstance(backend, dict) and backend.get("name") == "toy":  # the nodes its job holds: one process trains
         backend.pop("nnodes", None)
+    if isinstance(backend, dict) and backend.get("skip_old_log_prob") is True:  # the default: the key from before
+        backend.pop("skip_old_log_prob")  # the field was there (VeRL's recompute or not, the same loss)
     return cfg
 
 

@@ -183,10 +183,11 @@ def _staged_h20(tmp_path: Path, **changes) -> Path:
     return path
 
 
-def _paper_main(tmp_path: Path, max_concurrent: int, small_on: int | None = None, order: str = "seed"):
+def _paper_main(tmp_path: Path, max_concurrent: int, small_on: int | None = None, order: str = "seed",
+                overrides: list[str] | None = None):  # fmt: skip
     """paper-main's plan on the staged h20 profile; `small_on`: its 4B and 8B settings on that many nodes
     (`backend.nnodes` in their settings), the 30B ones on the preset's 4; in `order` (answers: as the dry run
-    orders them, by their expected cost)."""
+    orders them, by their expected cost); `overrides`: the command line's, over the sweep file's."""
     profile = load_profile(str(_staged_h20(tmp_path, max_concurrent=max_concurrent)))
     ctx = Context(profile, f"sqlite:///{tmp_path / 'none.db'}")
     executor = make_executor(profile)
@@ -198,7 +199,7 @@ def _paper_main(tmp_path: Path, max_concurrent: int, small_on: int | None = None
                 setting["backend.nnodes"] = small_on
         sweep = str(tmp_path / "paper-main-packed.yaml")
         Path(sweep).write_text(yaml.safe_dump(fields))
-    specs = expand([], load_sweep_file(sweep))
+    specs = expand(list(overrides or []), load_sweep_file(sweep))
     seconds = expected_seconds(specs, ctx, executor) if order == "answers" else None
     return ctx, executor, plan(specs, ctx, order=order, run_seconds=seconds)
 
@@ -270,21 +271,13 @@ def _first_principles(c: dict, end: str = "expected", recompute: bool = False) -
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["bypass", "old-log-prob-forward"])
 def test_paper_mains_expected_gpu_hours_lie_within_a_quarter_of_a_first_principles_estimate(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recompute: bool) -> None:  # fmt: skip
+        tmp_path: Path, recompute: bool) -> None:  # fmt: skip
     """Each paper-main setting's expected GPU-hours a run, from the shipped h20 profile's dry run, within 25% of
     the first-principles estimate above, which lies inside the model's range; with the commands as pdmctl writes
-    them (the old log-probs the rollout's) and with the old-log-prob forward of a command without
-    algorithm.rollout_correction.bypass_mode=true, whose cost line says so."""
-    from pdmctl.backends.verl import launch
-
-    written = launch.verl_overrides
-
-    def overrides(*args, **kwargs) -> list[str]:
-        out = [o for o in written(*args, **kwargs) if not o.startswith(f"{cost.BYPASS}=")]
-        return out if recompute else [*out, f"{cost.BYPASS}=true"]
-
-    monkeypatch.setattr(launch, "verl_overrides", overrides)
-    ctx, executor, sweep_plan = _paper_main(tmp_path, max_concurrent=4)
+    them (the old log-probs the rollout's) and with the old-log-prob forward of `backend.skip_old_log_prob=false`
+    (no algorithm.rollout_correction.bypass_mode=true), whose cost line says so."""
+    overrides = ["backend.skip_old_log_prob=false"] if recompute else []
+    ctx, executor, sweep_plan = _paper_main(tmp_path, max_concurrent=4, overrides=overrides)
     data = costing.plan_json(sweep_plan, ctx, executor, "seed")
     assert [s["setting"] for s in data["settings"]] == list(FIRST_PRINCIPLES)
     for setting in data["settings"]:

@@ -83,3 +83,56 @@ def test_the_rollout_gap_the_loss_reports_is_verls_own_figure_on_the_same_log_pr
     ours = rollout_gap(trainer, trainer - rollout, mask)
     assert ours["actor/pdmctl/rollout_probs_diff_mean"] == pytest.approx(
         theirs["training/rollout_probs_diff_mean"], rel=1e-6)
+
+
+def test_backend_skip_old_log_prob_false_keeps_verls_recompute_and_verl_composes_it() -> None:
+    """`backend.skip_old_log_prob` (default true) writes VeRL's bypass_mode: false gives VeRL's recompute of the
+    old log-probs back (VeRL's Hydra config takes it). The default keeps a run's key as it was before the field
+    existed; false is another run (another key); the VeRL key itself is refused, naming the field."""
+    from pdmctl.grid import GridError, expand
+    from pdmctl.spec import SpecError, run_key
+
+    base = ["backend=verl", "model=qwen3-4b-base", "mask=pdm_agg"]
+    (default,) = expand(base, None, "s")
+    (skip,) = expand([*base, "backend.skip_old_log_prob=true"], None, "s")
+    (recompute,) = expand([*base, "backend.skip_old_log_prob=false"], None, "s")
+    assert default.config["backend"]["skip_old_log_prob"] is True and skip.key == default.key
+    before = {**default.config, "backend": {k: v for k, v in default.config["backend"].items()
+                                            if k != "skip_old_log_prob"}}  # fmt: skip
+    assert run_key(before) == default.key
+    assert recompute.config["backend"]["skip_old_log_prob"] is False and recompute.key != default.key
+    run = {"checkpoint_dir": "/ckpt/run", "data_dir": "/data/verl", "model": "qwen3-4b-base", "method": "pdm",
+           "skip_old_log_prob": False}  # fmt: skip
+    overrides = launch.verl_overrides(run, environ={})
+    assert "algorithm.rollout_correction.bypass_mode=false" in overrides
+    config = launch.compose(overrides + launch.ray_env_overrides(launch.job_env(run)))
+    assert config.algorithm.rollout_correction.bypass_mode is False
+    assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "pdmctl_pdm"
+    with pytest.raises((GridError, SpecError), match=r"pdmctl sets it from backend\.skip_old_log_prob"):
+        expand([*base, "verl.algorithm.rollout_correction.bypass_mode=false"], None, "s")
+    with pytest.raises((GridError, SpecError), match=r"^backend\.skip_old_log_prob: must be true or false \(false: "
+                       r"VeRL recomputes the old log-probs, which no loss of pdmctl's reads\), got 'maybe'$"):
+        expand([*base, "backend.skip_old_log_prob=maybe"], None, "s")
+
+
+def test_the_dry_run_counts_the_recompute_forward_only_with_skip_old_log_prob_false(tmp_path) -> None:
+    """The same run's dry-run cost with the skip (the default) and without, in one grid: only the training part
+    differs, by the model's stated share of the old-log-prob forward, and the cost line says which the command does."""
+    import json
+
+    from pdmctl.budget import cost
+    from tests.conftest import pdmctl
+
+    result = pdmctl("sweep", "backend=verl", "model=qwen3-30b-a3b-base", "precision=fp8_e2e",
+                    "backend.skip_old_log_prob=true,false", "--dry-run", "--offline", "--json", "--cluster", "h20",
+                    cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    plans = {r["config"]["backend"]["skip_old_log_prob"]: r["cost"] for r in json.loads(result.stdout)["runs"]}
+    on, off = plans[True], plans[False]
+    share = cost.ASSUMPTIONS["qwen3-30b-a3b-base"].log_prob_share
+    assert off["parts_s"]["train"] == pytest.approx(on["parts_s"]["train"] * (1 + share), rel=1e-3)
+    assert {k: v for k, v in on["parts_s"].items() if k != "train"} == {
+        k: v for k, v in off["parts_s"].items() if k != "train"}  # fmt: skip
+    assert off["expected"] > on["expected"]
+    assert "no recompute forward" in on["assumptions"]
+    assert "old log-probs recomputed by a forward each step" in off["assumptions"]

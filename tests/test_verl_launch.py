@@ -470,7 +470,7 @@ def test_every_verl_key_pdmctl_sets_from_a_setting_of_its_own_is_refused_as_verl
                "divergence": "topk_tv", "estimator": "uni", "eps_low": 0.1, "eps_high": 0.2, "ratio_cap": 3.0,
                "loss_agg_mode": "seq-mean-token-mean", "precision": "fp8_e2e", "strategy": "fsdp2",
                "checkpoint_dir": "/elsewhere", "data_dir": "/d2", "model_path": "/m", "experiment": "e2",
-               "run_name": "r2", "nnodes": 1}  # fmt: skip
+               "run_name": "r2", "nnodes": 1, "skip_old_log_prob": False}  # fmt: skip
 
     def command(run: dict) -> dict[str, str]:
         return dict(o.lstrip("+").split("=", 1) for o in launch.verl_overrides(run))

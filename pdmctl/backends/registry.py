@@ -230,6 +230,8 @@ VERL_FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "total_training_steps": (lambda v: v is None or _count(v), "an integer >= 1 or null: the model's"),
     "data_dir": (lambda v: v is None or _path(v, absolute=True), "an absolute path or null: the profile's"),
     "val_before_train": (lambda v: isinstance(v, bool), "true or false (a validation before the first step)"),
+    "skip_old_log_prob": (lambda v: isinstance(v, bool), "true or false (false: VeRL recomputes the old log-probs, "
+                          "which no loss of pdmctl's reads)"),
     "data_manifest": (lambda v: v is None or (isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None),
                       "the 64-hex digest of a data manifest (pdmctl data prepare prints it) or null: the data_dir's"),
 }

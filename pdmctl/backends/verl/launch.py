@@ -91,6 +91,8 @@ def _resolved(run_config: Mapping[str, Any]) -> dict[str, Any]:
     nnodes = cfg["nnodes"]
     if nnodes is not None and (not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1):
         raise LaunchConfigError(f"nnodes: must be a whole number >= 1, got {nnodes!r}")
+    if not isinstance(cfg["skip_old_log_prob"], bool):
+        raise LaunchConfigError(f"skip_old_log_prob: must be true or false, got {cfg['skip_old_log_prob']!r}")
     if not isinstance(cfg["val_before_train"], bool):
         raise LaunchConfigError(f"val_before_train: must be true or false, got {cfg['val_before_train']!r}")
     if not isinstance(cfg.get("verl") or {}, Mapping):
@@ -180,7 +182,8 @@ def verl_overrides(
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=false",
         # pdmctl's losses read the rollout's log-probs, never VeRL's recomputed old ones: no recompute forward
-        "algorithm.rollout_correction.bypass_mode=true",
+        # (backend.skip_old_log_prob=false keeps VeRL's recompute: the same loss, VeRL's metrics of that forward)
+        f"algorithm.rollout_correction.bypass_mode={str(cfg['skip_old_log_prob']).lower()}",
         # data
         f"data.train_files={quoted(data_dir / preset.train_file)}",
         f"data.val_files=[{','.join(quoted(data_dir / f) for f in VAL_FILES)}]",
@@ -315,7 +318,8 @@ PDMCTL_KEYS: dict[str, str] = {
     "actor_rollout_ref.rollout.name": "to vllm (the top-K log-probs come from vLLM)",
     "actor_rollout_ref.rollout.temperature": "from backend.temperature (the masks divide by it); set that instead",
     "actor_rollout_ref.rollout.calculate_log_probs": "on: the masks read the rollout's log-probs",
-    "algorithm.rollout_correction.bypass_mode": "on: the losses read the rollout's log-probs, not recomputed ones",
+    "algorithm.rollout_correction.bypass_mode": "from backend.skip_old_log_prob (default true: the losses read the "
+                                                "rollout's log-probs, not recomputed ones); set that instead",
     "actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs": "from k; set that instead",
     "actor_rollout_ref.rollout.val_kwargs.n": "from backend.val_n; set that instead",
     "actor_rollout_ref.rollout.val_kwargs.temperature": "from backend.temperature; set that instead",

@@ -170,5 +170,6 @@ DEFAULTS: dict[str, Any] = {
     "nnodes": None,  # None: the preset's; the cluster profile's `nodes` must give exactly this many
     "max_ckpt_to_keep": 3,  # VeRL's trainer.max_actor_ckpt_to_keep (its recipes keep 3-5; VeRL: all)
     "total_training_steps": None,  # None: the preset's, else total_epochs over the train set
+    "skip_old_log_prob": True,  # VeRL's bypass_mode: no loss of pdmctl's reads a recomputed old_log_prob
     "data_manifest": None,  # the digest of data_dir's manifest.json, pinned at submit (in the run key)
 }
