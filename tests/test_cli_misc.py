@@ -45,6 +45,20 @@ def test_analyze_bad_input(workdir: Path):
         assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--protocols" in res.stderr
 
 
+def test_analyze_engine_bad_input_is_one_line(workdir: Path):
+    """`analyze --engine verl RUN_DIR --step N`: a wrong engine, a step without it, a missing run directory or a run
+    without that step's snapshot is refused in one line, exit 2, before any model is built."""
+    (workdir / "run" / "snapshots" / "step-2").mkdir(parents=True)
+    for args, said in (
+        (["--engine", "megatron", "run", "--step", "1"], "--engine"),
+        (["--step", "1", "run"], "--step"),
+        (["--engine", "verl", "--step", "1"], "one argument"),
+        (["--engine", "verl", "run", "--step", "1"], "no snapshot of step 1 (have: step-2)"),
+    ):
+        res = pdmctl("analyze", *args, cwd=workdir)
+        assert res.returncode == 2 and res.stderr.count("\n") == 1 and said in res.stderr, (args, res.stderr)
+
+
 def test_status_and_logs_on_an_empty_store(workdir: Path):
     res = pdmctl("status", cwd=workdir)
     assert res.returncode == 0 and "no runs" in res.stdout

@@ -81,10 +81,27 @@ def analyze(
             "precision alone (precision=bf16, fp8_rollout or fp8_e2e).",
         ),
     ] = False,
+    engine: Annotated[
+        str | None,
+        typer.Option(
+            help="verl: analyse a VeRL run's snapshot instead of the testbed (the one argument is the run's "
+            "directory; the run wrote its snapshot with PDMCTL_VERL_SNAPSHOT_STEP=N).",
+        ),
+    ] = None,
+    step: Annotated[int | None, typer.Option(help="With --engine: the snapshotted training step.")] = None,
+    model_dir: Annotated[
+        Path | None,
+        typer.Option("--model-dir", help="With --engine: the run's model directory, where it moved since the run."),
+    ] = None,
 ) -> None:
-    """The token-level direction analysis (MATH.md): ratio vs predictive direction, on the CPU testbed."""
+    """The token-level direction analysis (MATH.md): ratio vs predictive direction, on the CPU testbed or on a
+    VeRL run's snapshot (--engine verl RUN_DIR --step N)."""
     from pdmctl import grid
     from pdmctl.backends.registry import flat_config
+
+    if engine is not None or step is not None:
+        _engine_analysis(engine, overrides or [], step, model_dir, threads)
+        return
 
     with _guard():
         if not 1 <= seeds <= MAX_SEEDS:
@@ -199,6 +216,40 @@ def analyze(
 
             for path in write_figures(result, figures):
                 console.print(f"wrote {path}", highlight=False)
+
+
+def _engine_analysis(engine: str | None, args: list[str], step: int | None, model_dir: Path | None,
+                     threads: int | None) -> None:
+    """`analyze --engine verl RUN_DIR --step N` (pdmctl.analysis.engine)."""
+    with _guard():
+        if engine != "verl":
+            fail(f"--engine: {engine!r}: the snapshot analysis runs on VeRL runs (--engine verl)" if engine
+                 else "--step: goes with --engine verl RUN_DIR")  # fmt: skip
+        if len(args) != 1:
+            fail(f"analyze --engine verl: one argument, the run's directory; got {len(args)}")
+        if step is None or step < 1:
+            fail(f"--step: the snapshotted training step (an integer >= 1), got {step}")
+        run_dir = Path(args[0])
+        if not run_dir.is_dir():
+            fail(f"{run_dir}: not a run directory")
+        from pdmctl.analysis.engine.replay import SnapshotError, snapshot_paths
+
+        try:
+            snapshot_paths(run_dir, step)
+        except SnapshotError as exc:
+            fail(str(exc))
+    from pdmctl.analysis.engine.replay import SnapshotError
+    from pdmctl.analysis.engine.report import analyse_run, lines_of, regime_table
+
+    with _guard():
+        try:
+            with console.status(f"replaying step {step} of {run_dir.name} ..."):
+                analysis = analyse_run(run_dir, step, str(model_dir) if model_dir else None, threads)
+        except SnapshotError as exc:
+            fail(str(exc))
+    for line in lines_of(analysis):
+        console.print(line, highlight=False, markup=False)
+    console.print(regime_table(analysis))
 
 
 MAX_FAMILY_BYTES = 64 * 2**20  # an analyze --json is a few MB; a bigger --family is the wrong file

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pdmctl.backends.verl import snapshot
 from pdmctl.backends.verl.actor_loss import pdm_ppo_loss
 from pdmctl.backends.verl.topk import (
     FAIL_ENV,
@@ -93,6 +94,7 @@ def _patch_actor_worker() -> None:
 
     original_init_model = engine_workers.ActorRolloutRefWorker.init_model
     original_train_batch = engine_workers.TrainingWorker.train_batch
+    original_train_mini_batch = engine_workers.TrainingWorker.train_mini_batch
 
     @functools.wraps(original_init_model)
     def init_model(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -121,12 +123,18 @@ def _patch_actor_worker() -> None:
             from verl.utils import tensordict_utils as tu
 
             tu.assign_non_tensor(data, distillation_use_topk=True)
-        result = original_train_batch(self, data)
+        result = snapshot.train_batch(self, data, original_train_batch)  # PDMCTL_VERL_SNAPSHOT_STEP's step
         announce(f"actor {_actor_rank()} trained a batch")
         return result
 
+    @functools.wraps(original_train_mini_batch)
+    def train_mini_batch(self: Any, data: Any) -> Any:
+        snapshot.begin_step()  # one call per training step: the step its mini-batches belong to
+        return original_train_mini_batch(self, data)
+
     engine_workers.ActorRolloutRefWorker.init_model = init_model
     engine_workers.TrainingWorker.train_batch = train_batch
+    engine_workers.TrainingWorker.train_mini_batch = train_mini_batch
     _INSTALLED.add("actor")
 
 
