@@ -48,6 +48,7 @@ DUMP_ENV = "PDMCTL_VERL_DUMP_DIR"  # topk.DUMP_ENV
 FAIL_ENV = "PDMCTL_VERL_FAIL"  # topk.FAIL_ENV
 HOLD_ENV, HOLD_S_ENV = "PDMCTL_VERL_HOLD_AT_STEP", "PDMCTL_VERL_HOLD_S"  # resume.HOLD_ENV (a test's hold)
 PROFILE_ENV = "PDMCTL_VERL_PROFILE_DIR"  # topk.PROFILE_ENV
+SNAPSHOT_ENVS = ("PDMCTL_VERL_SNAPSHOT_STEP", "PDMCTL_VERL_SNAPSHOT_DIR")  # snapshot.STEP_ENV, DIR_ENV
 CPU_MODULE = "pdmctl.backends.verl.cpu"
 CHECKPOINT_DIR_ENV = "PDMCTL_CHECKPOINT_DIR"  # checkpoints.DIR_ENV
 
@@ -430,7 +431,7 @@ def job_env(run_config: Mapping[str, Any]) -> dict[str, str]:
         # VeRL's checkpoint rotation learns what earlier attempts kept there (checkpoints.install)
         CHECKPOINT_DIR_ENV: str(cfg["checkpoint_dir"]),
     }
-    for debug in (DUMP_ENV, FAIL_ENV, HOLD_ENV, HOLD_S_ENV, PROFILE_ENV, TRAINER_ENV, *OFFLINE_ENV):  # tests'; V1; an offline cluster
+    for debug in (DUMP_ENV, FAIL_ENV, HOLD_ENV, HOLD_S_ENV, PROFILE_ENV, TRAINER_ENV, *OFFLINE_ENV, *SNAPSHOT_ENVS):  # tests'; V1; an offline cluster
         if os.environ.get(debug):
             env[debug] = os.environ[debug]
     if cfg.get("tracking_uri"):
