@@ -416,8 +416,8 @@ def doctor(
     --job then runs --on-node on every node of a job of the profile's size: the driver against torch's CUDA
     build, the GPU count against the gres, vLLM, VeRL, Megatron (core and bridge), Transformer Engine, the paths
     and the tracking server from the node, the disk; then across the nodes: a file of the run root written on the
-    first and read on the others (the same models, data and environment), an all-reduce, Ray with every node
-    joined."""
+    first and read on the others (the same models, data and environment), an all-reduce (on one node: across
+    its own GPUs), Ray with every node joined."""
     from pdmctl import doctor as doc
     from pdmctl import grid, orchestrate
     from pdmctl.doctor import nodes as doctor_nodes
@@ -448,6 +448,9 @@ def doctor(
     if not doc.run_checks(checker, on_node, skip, say):
         raise typer.Exit(2)
     if task is not None and not doctor_nodes.run_checks(checker, task, skip, say):
+        raise typer.Exit(2)
+    if on_node and task is None and not doc.run_lines(  # one node: the all-reduce across its own GPUs
+            [("all-reduce", lambda: doctor_nodes.one_node_all_reduce(checker, os.uname().nodename))], skip, say, {}):
         raise typer.Exit(2)
     if not job:
         if not on_node and ctx.profile.executor == "slurm":

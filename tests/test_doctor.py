@@ -5,6 +5,7 @@ the CI's one-node SLURM."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -179,8 +180,12 @@ def test_doctor_runs_its_node_checks_in_a_job_of_the_ci_slurm(tmp_path: Path) ->
     out = result.stdout.strip().splitlines()
     assert result.returncode == 0, result.stdout + result.stderr
     on_node = out[next(i for i, ln in enumerate(out) if ln.startswith("pdmctl doctor: cluster h20, on the node ")):]
-    for check in ("shm", "memlock", "verl", "megatron", "paths", "tracking", "disk"):
+    for check in ("shm", "memlock", "verl", "megatron", "paths", "tracking", "disk", "all-reduce"):
         assert any(ln.startswith(f"ok    {check}: ") for ln in on_node), (check, out)
+    # a one-node job's all-reduce runs across the node's own processes (torch sees none of its 8 gres GPUs)
+    assert any(re.fullmatch(r"ok    all-reduce: gloo on \S+, 2 process\(es\): the sum came back 2; 4 MiB in \d+\.\d "
+                            r"ms: bus bandwidth \d+(\.\d)? [KMGT]?B/s, algorithm bandwidth \d+(\.\d)? [KMGT]?B/s \(2 "
+                            r"rank\(s\), gloo over TCP on the loopback, torch sees no GPU\)", ln) for ln in on_node), out  # fmt: skip
 
 
 def test_shm_is_checked_against_the_nodes_gpus_and_a_containers_default_fails() -> None:

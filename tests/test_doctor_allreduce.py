@@ -185,3 +185,48 @@ def test_without_gpus_one_rank_a_node_measures_over_gloo(tmp_path: Path) -> None
     assert re.fullmatch(r"gloo across 1 node\(s\) over lo: the sum came back 1; 4 MiB in \d+\.\d ms: bus bandwidth "
                         r"0 B/s, algorithm bandwidth \d+(\.\d)? [KMGT]?B/s \(1 rank\(s\), one a node; gloo over TCP\)",
                         line), line  # fmt: skip
+
+
+# one node of 8 GPUs (NCCL_DEBUG=INFO): the channels between its GPUs, no network between nodes
+ONE_NODE_LOG = """\
+n1:20714:20781 [0] NCCL INFO comm 0x5581e3a0c2d0 rank 0 nranks 8 cudaDev 0 nvmlDev 0 busId 18000 commId 0x1 - Init START
+n1:20714:20781 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read
+n1:20714:20781 [0] NCCL INFO Connected all rings
+"""
+
+
+def test_a_one_node_job_sums_across_its_own_processes_and_shows_the_bandwidth(tmp_path: Path) -> None:
+    """A job of one node has no node to sum with: its all-reduce runs across the node itself, here (no GPU)
+    two processes over gloo on the loopback, the sum right and the bandwidth shown."""
+    checker = _gpu_profile(tmp_path, gpus_per_node=0)
+    line = nodes.one_node_all_reduce(checker, "n1")
+    assert re.fullmatch(r"gloo on n1, 2 process\(es\): the sum came back 2; 4 MiB in \d+\.\d ms: bus bandwidth "
+                        r"\d+(\.\d)? [KMGT]?B/s, algorithm bandwidth \d+(\.\d)? [KMGT]?B/s \(2 rank\(s\), gloo over "
+                        r"TCP on the loopback\)", line), line  # fmt: skip
+
+
+def test_a_one_node_job_of_gpus_runs_a_rank_a_gpu_and_reads_the_transport_within_the_node(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """On a GPU node the one-node all-reduce runs a rank on each of the profile's GPUs (over NCCL, its
+    rendezvous on the loopback) and names the transport NCCL's log shows within the node; fewer GPUs than
+    the profile gives fail in one line before anything starts."""
+    import torch
+
+    checker = _gpu_profile(tmp_path)  # 8 GPUs a node
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    calls: list[tuple] = []
+
+    def run(*args, **kwargs):
+        calls.append(args[:5])
+        return allreduce.Measured(8.0, 8.0, 2e-3), allreduce.parse_transport(ONE_NODE_LOG)
+
+    monkeypatch.setattr(allreduce, "run_local_ranks", run)
+    assert nodes.one_node_all_reduce(checker, "n1") == (
+        "nccl on n1, 8 GPU(s): the sum came back 8; 64 MiB in 2.0 ms: bus bandwidth 58.7 GB/s, algorithm bandwidth "
+        "33.6 GB/s (8 rank(s), one a GPU; transport P2P/CUMEM within a node (NCCL's log))")  # fmt: skip
+    assert calls == [("nccl", 0, 1, 8, "127.0.0.1")]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 6)
+    lines: list[str] = []
+    assert not doctor.run_lines([("all-reduce", lambda: nodes.one_node_all_reduce(checker, "n1"))], [], lines.append, {})
+    assert lines == ["FAIL  all-reduce: torch sees 6 GPU(s) on n1, the profile gives 8 (gpus_per_node)"]

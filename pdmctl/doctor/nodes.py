@@ -13,7 +13,8 @@ tasks (one a node, `srun`), once that node's own checks have passed.
   node joined within the wait; each node's Ray ended afterwards.
 
 Each waits at most PDMCTL_DOCTOR_WAIT_S (300 s) for the others; one line per check and node, and the first that
-fails ends that node's checks (srun then ends the others).
+fails ends that node's checks (srun then ends the others). A job of one node runs the all-reduce alone, across
+its own GPUs (`one_node_all_reduce`).
 """
 
 from __future__ import annotations
@@ -355,6 +356,35 @@ def _measured(got: allreduce.Measured, ranks: int, size: int, how: str) -> str:
     return (f"the sum came back {ranks}; {size >> 20} MiB in {got.seconds * 1000:.1f} ms: bus bandwidth "
             f"{_bytes(allreduce.bus_bandwidth(size, got.seconds, ranks))}/s, algorithm bandwidth "
             f"{_bytes(size / got.seconds if got.seconds else 0)}/s ({ranks} rank(s), {how})")
+
+
+ONE_NODE_CPU_RANKS = 2  # a one-node job without GPUs: processes summing over gloo on the node's loopback
+
+
+def one_node_all_reduce(doctor: Doctor, node: str) -> str:
+    """The all-reduce of a one-node job: every GPU the profile gives the node, one rank a GPU, each a process
+    over NCCL (its rendezvous on the loopback), with the transport NCCL's log names within the node; without
+    GPUs, ONE_NODE_CPU_RANKS processes over gloo. Its line: the sum, the bus and algorithm bandwidth."""
+    import torch
+
+    opts = doctor.opts
+    local = opts.gpus_per_node if opts else 0
+    gpus = bool(local) and torch.cuda.is_available()
+    if gpus and torch.cuda.device_count() < local:
+        raise CheckFailed(f"torch sees {torch.cuda.device_count()} GPU(s) on {node}, the profile gives {local} "
+                          "(gpus_per_node)")  # fmt: skip
+    backend, ranks = ("nccl", local) if gpus else ("gloo", ONE_NODE_CPU_RANKS)
+    size, iterations = (allreduce.GPU_BYTES, allreduce.GPU_ITERATIONS) if gpus else (
+        allreduce.CPU_BYTES, allreduce.CPU_ITERATIONS)  # fmt: skip
+    head = f"{backend} on {node}, {ranks} {'GPU(s)' if gpus else 'process(es)'}"
+    try:
+        got, transport = allreduce.run_local_ranks(backend, 0, 1, ranks, "127.0.0.1", _free_port("127.0.0.1"),
+                                                   wait_s(), size, iterations)  # fmt: skip
+    except RuntimeError as exc:
+        raise CheckFailed(f"{head}: {' '.join(str(exc).split())[:300].rstrip('.')}") from None
+    how = (f"one a GPU; {transport.describe()}" if transport is not None else
+           "gloo over TCP on the loopback" + (", torch sees no GPU" if local else ""))  # fmt: skip
+    return f"{head}: {_measured(got, ranks, size, how)}"
 
 
 def _answers(host: str, port: int) -> bool:
