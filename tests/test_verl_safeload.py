@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -235,12 +236,24 @@ if __name__ == "__main__":
 def test_a_two_rank_megatron_checkpoint_as_verl_writes_it_loads_through_the_guards_equal_and_planted_rng_bytes_never_run(
     tmp_path: Path,
 ) -> None:
-    """Megatron-core on two gloo ranks saves what VeRL's Megatron engine saves: sharded weights, a
-    distributed optimizer's flat shares with its param groups, Transformer Engine's extra state per rank,
-    and the RNG states as a `ShardedObject` (stored as bytes inside the `.distcp` data, unpickled from a
-    stream by torch's load planner). Through the guards it loads equal to the unguarded load, as saved.
-    Bytes of the RNG object that hold a pickle naming a function run it when loaded unguarded (the control)
-    and, through the guards, are refused with pdmctl's line on every rank and never run."""
+    """Megatron-core on two gloo ranks (data parallel 2) saves what VeRL's Megatron engine saves: a real
+    megatron-core GPTModel's own `sharded_state_dict()` (its weights as ShardedTensors replicated across the
+    ranks, each layer's `_extra_state` as a ShardedObject), a distributed optimizer's flat shares with its
+    param groups, Transformer Engine's extra state per rank, and the RNG states with the RNG tracker's as a
+    `ShardedObject` (stored as bytes inside the `.distcp` data, unpickled from a stream by torch's load
+    planner). Through the guards it loads equal to the unguarded load, as saved. Bytes of the RNG object
+    that hold a pickle naming a function run it when loaded unguarded (the control) and, through the guards,
+    are refused with pdmctl's line on every rank and never run.
+
+    The optimizer's part is laid out as DistributedOptimizer's sharded state lays out each rank's share, not
+    written by one: megatron-core 0.16.1 builds no DistributedOptimizer on a CPU build of torch.
+    `get_megatron_optimizer(OptimizerConfig(optimizer="adam", use_distributed_optimizer=True), [ddp])` (ddp a
+    DistributedDataParallel of that GPTModel, which builds) raises in MixedPrecisionOptimizer.__init__, whose
+    `torch.tensor([0], dtype=torch.int, device='cuda')` fails with "Torch not compiled with CUDA enabled"; with
+    that tensor on the CPU (or bf16, which makes none), DistributedOptimizer._build_model_and_main_param_groups
+    refuses every parameter whose `type()` is not a torch.cuda one ("TypeError: Wrapped parameters must be one
+    of torch.cuda.FloatTensor, torch.cuda.HalfTensor, or torch.cuda.BFloat16Tensor. Received
+    torch.FloatTensor"). A checkpoint the real optimizer writes loads through the guard on a GPU node."""
     import subprocess
     import sys
 
@@ -255,6 +268,8 @@ def test_a_two_rank_megatron_checkpoint_as_verl_writes_it_loads_through_the_guar
         for line in ("control ran: True", "guarded equal: True", "as saved: True True", "planted: refused",
                      "payload ran: False"):  # fmt: skip
             assert f"rank {rank}: {line}" in out, out + err[-3000:]
+        # megatron-core's GPTModel: every weight back as saved, and its layers' extra state
+        assert re.search(rf"rank {rank}: model as saved: True \d+ tensor\(s\), [1-9]\d* extra state\(s\)", out), out
         refusal = f"pdmctl: {tmp_path / 'checkpoints' / 'global_step_2' / 'actor' / 'dist_ckpt'} (an object stored in it): refused: it names"
         assert refusal in err, err[-3000:]
     assert not (tmp_path / "payload-ran").exists()
@@ -278,20 +293,26 @@ class Payload:
         return (os.makedirs, (self.marker, 0o777, True))
 
 
-def state(rank, planted=None):
+def state(rank, model, planted=None):
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     torch.manual_seed(rank)
     random.seed(rank)
     np.random.seed(rank)
+    from megatron.core import tensor_parallel
+
+    # the RNG tracker's states (CUDA generators' on a GPU; the CPU generator's state here)
+    tensor_parallel.get_cuda_rng_tracker().set_states({"model-parallel-rng": torch.get_rng_state(),
+                                                       "expert-parallel-rng": torch.get_rng_state()})
     rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
            "torch_rng_state": torch.get_rng_state(),
-           "rng_tracker_states": {"model-parallel-rng": torch.get_rng_state(), "expert-parallel-rng": torch.get_rng_state()}}
+           "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
     if planted is not None:
         rng["np_rng_state"] = Payload(planted)
     weight = torch.arange(12.0).reshape(3, 4) + 100 * rank
     return {
+        "gpt": model.sharded_state_dict(),  # megatron-core's own: weights and each layer's extra state
         "model": {
             "decoder.layers.0.mlp.weight": ShardedTensor.from_rank_offsets("decoder.layers.0.mlp.weight", weight, (0, rank, 2)),
             # Transformer Engine's extra state: a tensor of bytes, one object per rank
@@ -310,11 +331,12 @@ def state(rank, planted=None):
     }
 
 
-def template(rank):
+def template(rank, model):
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     return {
+        "gpt": model.sharded_state_dict(),
         "model": {
             "decoder.layers.0.mlp.weight": ShardedTensor.from_rank_offsets("decoder.layers.0.mlp.weight", torch.zeros(3, 4), (0, rank, 2)),
             "decoder.layers.0.self_attention._extra_state": ShardedObject(
@@ -344,9 +366,24 @@ def main(root, rank):
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.current_device = lambda: "cpu"
     dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), 2), rank=rank, world_size=2)
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
 
     from pdmctl.backends.verl import safeload
+
+    parallel_state.initialize_model_parallel(1, 1)  # data parallel over the two ranks
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True,
+                               params_dtype=torch.float32)
+
+    def gpt(seed):
+        torch.manual_seed(seed)
+        return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=32,
+                        max_sequence_length=8)
+
+    model, blank = gpt(0), gpt(1)  # the saved model (the same on both data-parallel ranks), the one loaded into
 
     good = root / "checkpoints" / "global_step_1" / "actor" / "dist_ckpt"
     planted = root / "checkpoints" / "global_step_2" / "actor" / "dist_ckpt"
@@ -354,23 +391,27 @@ def main(root, rank):
     for where in (good, planted, control):
         where.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(state(rank), str(good))
-    dist_checkpointing.save(state(rank, planted=str(root / "payload-ran")), str(planted))
-    dist_checkpointing.save(state(rank, planted=str(root / "control-ran")), str(control))
+    dist_checkpointing.save(state(rank, model), str(good))
+    dist_checkpointing.save(state(rank, model, planted=str(root / "payload-ran")), str(planted))
+    dist_checkpointing.save(state(rank, model, planted=str(root / "control-ran")), str(control))
     dist.barrier()
-    unguarded = dist_checkpointing.load(template(rank), str(good))
-    dist_checkpointing.load(template(rank), str(control))  # without the guards, the planted bytes run
+    unguarded = dist_checkpointing.load(template(rank, blank), str(good))
+    dist_checkpointing.load(template(rank, blank), str(control))  # without the guards, the planted bytes run
     dist.barrier()
     print(f"rank {rank}: control ran: {(root / 'control-ran').exists()}", flush=True)
     safeload.install()
     safeload.install_dcp()
-    guarded = dist_checkpointing.load(template(rank), str(good))
+    guarded = dist_checkpointing.load(template(rank, blank), str(good))
     print(f"rank {rank}: guarded equal: {same(unguarded, guarded)}", flush=True)
+    weights = {k: v.data for k, v in model.sharded_state_dict().items() if isinstance(v, ShardedTensor)}
+    extra = sorted(k for k in guarded["gpt"] if k.endswith("._extra_state"))
+    print(f"rank {rank}: model as saved: {same(weights, {k: guarded['gpt'][k] for k in weights})} "
+          f"{len(weights)} tensor(s), {len(extra)} extra state(s)", flush=True)
     # one RNG object for the (pp, tp) rank, written by data-parallel replica 0: every rank reads rank 0's
-    print(f"rank {rank}: as saved: {same(guarded['rng_state'], state(0)['rng_state'].data)} "
-          f"{same(guarded['optimizer']['param_groups'], state(rank)['optimizer']['param_groups'])}", flush=True)
+    print(f"rank {rank}: as saved: {same(guarded['rng_state'], state(0, model)['rng_state'].data)} "
+          f"{same(guarded['optimizer']['param_groups'], state(rank, model)['optimizer']['param_groups'])}", flush=True)
     try:
-        dist_checkpointing.load(template(rank), str(planted))
+        dist_checkpointing.load(template(rank, blank), str(planted))
     except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         print(f"rank {rank}: planted: refused {type(exc).__name__}", flush=True)
     else:
