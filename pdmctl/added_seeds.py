@@ -23,6 +23,8 @@ from pathlib import Path
 
 from pdmctl.ledger import Ledger, LedgerError
 
+LOOK_FIELD = "look"  # provenance field (ledger tag pdmctl.look; pdmctl.prov.look before) of a run added after that look
+
 
 def journal_path(uri: str) -> Path:
     from pdmctl.ledger import _lock_path
@@ -58,8 +60,6 @@ def complete(ledger: Ledger, *, take_lock: bool = False) -> list[str]:
     if take_lock:
         with ledger.lock():
             return complete(ledger)
-    from pdmctl.report.sequential import LOOK_FIELD
-
     try:
         entry = json.loads(path.read_text())
         sweep, look, keys = str(entry["sweep"]), int(entry["look"]), set(map(str, entry["keys"]))

@@ -128,6 +128,10 @@ def report(sweeps: Sequence[Sweep | str] = (), *, out: str | Path | None = None,
     """`pdmctl report SWEEP...`: build the report (tables with seed intervals, comparisons with the baseline,
     figures) and write it to `out` (default reports/<sweep>+<sweep>/). Sweeps given as Sweep bring their cluster
     and tracking URI (the first one's), unless named here. No sweep: the ledger's only one."""
+    from pdmctl.extras import refusal
+
+    if (line := refusal("api.report", "report")) is not None:
+        raise BadInput(line)
     from pdmctl.budget.spent import sweep_costs
     from pdmctl.ledger import ledger_exists, open_ledger
     from pdmctl.orchestrate import make_context

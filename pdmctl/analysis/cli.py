@@ -103,6 +103,11 @@ def analyze(
         _engine_analysis(engine, overrides or [], step, model_dir, threads)
         return
 
+    from pdmctl.extras import refusal
+
+    needed = ("torch", "scipy", *(("matplotlib",) if figures is not None else ()))
+    if (line := refusal("pdmctl analyze", "testbed", needed)) is not None:
+        fail(line)  # the testbed's runs and the analysis's statistics
     with _guard():
         if not 1 <= seeds <= MAX_SEEDS:
             fail(f"--seeds: must be in [1, {MAX_SEEDS:,}], got {seeds}")

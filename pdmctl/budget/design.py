@@ -75,10 +75,10 @@ def design_lines(plan: Any, ctx: Any, executor: Any, days: float | None = None, 
                  calibration: Mapping[str, Any] | None = None) -> list[str]:
     """The dry run's lines for `--days` / `--budget`: the grid's own figure, the proposal, what it resolves
     and what it leaves out."""
+    from pdmctl import extras
     from pdmctl.backends.registry import flat_config, get_backend
     from pdmctl.budget.costing import estimate_specs, slots
     from pdmctl.order import setting_of
-    from pdmctl.report.power import resolvable
 
     limit = " and ".join(([f"{number(days)} days"] if days is not None else [])
                          + ([f"{number(hours)} device-hours"] if hours is not None else []))  # fmt: skip
@@ -106,12 +106,18 @@ def design_lines(plan: Any, ctx: Any, executor: Any, days: float | None = None, 
         lines.append(f"  proposed (the grid is not changed; give these seeds and settings to run it): "
                      f"{best.seeds} seed(s) an arm, {len(best.settings)} of {len(whole.settings)} setting(s), "
                      f"{best.runs} run(s), {_figure(best)}")  # fmt: skip
-    effect = resolvable(best.seeds)
     arms = {name: len({s.summary.rsplit(' seed=', 1)[0] for s in submit if setting_of(s) == name})
             for name in best.settings}  # fmt: skip
+    if extras.missing(("scipy",)):  # the power analysis is the [report] extra's; the design is not
+        effect = "the difference it detects: pip install 'pdmctl[report]'"
+    else:
+        from pdmctl.report.power import resolvable
+
+        effect = (f"a difference of {resolvable(best.seeds):.2f} seed SDs or more with 80% power (paired t-test, "
+                  f"α = 0.05)")  # fmt: skip
     for name in best.settings:
-        lines.append(f"  resolves: {name}: its {arms[name]} arm(s) compared pairwise on {best.seeds} seeds, a "
-                     f"difference of {effect:.2f} seed SDs or more with 80% power (paired t-test, α = 0.05)")
+        lines.append(f"  resolves: {name}: its {arms[name]} arm(s) compared pairwise on {best.seeds} seeds, "
+                     f"{effect}")
     for name in whole.settings[len(best.settings):]:
         lines.append(f"  cannot resolve: {name}: left out (its runs do not fit)")
     return lines

@@ -318,6 +318,11 @@ def seeds(
 ) -> None:
     """Per comparison with the baseline: whether it is resolved, the seeds that would resolve it, their cost;
     --submit adds them (marked as added after this look; the report then uses a group-sequential interval)."""
+    from pdmctl.extras import refusal
+    from pdmctl.terminal import fail
+
+    if (line := refusal("pdmctl seeds", "report", ("scipy",))) is not None:
+        fail(line)  # before the report's statistics, which import it
     from pdmctl import added_seeds
     from pdmctl.ledger import check_owner, ledger_exists, open_ledger
     from pdmctl.orchestrate import make_context

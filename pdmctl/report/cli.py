@@ -101,6 +101,11 @@ def report(
     ] = False,
 ) -> None:
     """Tables of avg@16 with seed confidence intervals, comparisons with the baseline, learning curves."""
+    from pdmctl.extras import REPORT, refusal
+    from pdmctl.terminal import fail
+
+    if (line := refusal("pdmctl report", "report", ("matplotlib",) if tune is not None else REPORT)) is not None:
+        fail(line)  # before the report's modules, which import them
     from rich.text import Text
 
     from pdmctl.ledger import ledger_exists, login_notes, open_ledger, tracking_login

@@ -25,9 +25,9 @@ from collections.abc import Sequence
 import numpy as np
 from scipy import stats as sps
 
+# LOOK_FIELD: defined beside the journal of added seeds, which `pdmctl status` reads without scipy
+from pdmctl.added_seeds import LOOK_FIELD
 from pdmctl.report.stats import Interval, paired_p_value
-
-LOOK_FIELD = "look"  # provenance field (ledger tag pdmctl.look; pdmctl.prov.look before) of a run added after that look
 
 
 def stage_alpha(stage: int, alpha: float) -> float:
