@@ -52,7 +52,7 @@ def test_analyze_engine_bad_input_is_one_line(workdir: Path):
     for args, said in (
         (["--engine", "megatron", "run", "--step", "1"], "--engine"),
         (["--step", "1", "run"], "--step"),
-        (["--engine", "verl", "--step", "1"], "one argument"),
+        (["--engine", "verl", "--step", "1"], "name the run directory"),
         (["--engine", "verl", "run", "--step", "1"], "no snapshot of step 1 (have: step-2)"),
     ):
         res = pdmctl("analyze", *args, cwd=workdir)

@@ -84,8 +84,8 @@ def analyze(
     engine: Annotated[
         str | None,
         typer.Option(
-            help="verl: analyse a VeRL run's snapshot instead of the testbed (the one argument is the run's "
-            "directory; the run wrote its snapshot with PDMCTL_VERL_SNAPSHOT_STEP=N).",
+            help="verl: analyse VeRL runs' snapshots instead of the testbed (the arguments are the runs' "
+            "directories, one run a seed; each wrote its snapshot with PDMCTL_VERL_SNAPSHOT_STEP=N).",
         ),
     ] = None,
     step: Annotated[int | None, typer.Option(help="With --engine: the snapshotted training step.")] = None,
@@ -230,30 +230,31 @@ def _engine_analysis(engine: str | None, args: list[str], step: int | None, mode
         if engine != "verl":
             fail(f"--engine: {engine!r}: the snapshot analysis runs on VeRL runs (--engine verl)" if engine
                  else "--step: goes with --engine verl RUN_DIR")  # fmt: skip
-        if len(args) != 1:
-            fail(f"analyze --engine verl: one argument, the run's directory; got {len(args)}")
+        if not args:
+            fail("analyze --engine verl: name the run directory (or several: one run a seed)")
         if step is None or step < 1:
             fail(f"--step: the snapshotted training step (an integer >= 1), got {step}")
-        run_dir = Path(args[0])
-        if not run_dir.is_dir():
-            fail(f"{run_dir}: not a run directory")
+        run_dirs = [Path(a) for a in args]
         from pdmctl.analysis.engine.replay import SnapshotError, snapshot_paths
 
-        try:
-            snapshot_paths(run_dir, step)
-        except SnapshotError as exc:
-            fail(str(exc))
+        for run_dir in run_dirs:
+            if not run_dir.is_dir():
+                fail(f"{run_dir}: not a run directory")
+            try:
+                snapshot_paths(run_dir, step)
+            except SnapshotError as exc:
+                fail(str(exc))
     from pdmctl.analysis.engine.replay import SnapshotError
-    from pdmctl.analysis.engine.report import analyse_run, lines_of, regime_table
+    from pdmctl.analysis.engine.report import analyse_runs, lines_of, regime_table
 
     with _guard():
         try:
-            with console.status(f"replaying step {step} of {run_dir.name} ..."):
-                analysis = analyse_run(run_dir, step, str(model_dir) if model_dir else None, threads)
+            with console.status(f"replaying step {step} of {len(run_dirs)} run(s) ..."):
+                analysis = analyse_runs(run_dirs, step, str(model_dir) if model_dir else None, threads)
         except SnapshotError as exc:
             fail(str(exc))
     for line in lines_of(analysis):
-        console.print(line, highlight=False, markup=False)
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     console.print(regime_table(analysis))
 
 

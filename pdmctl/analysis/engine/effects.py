@@ -42,6 +42,7 @@ class UpdateEffects:
     own_held: dict[str, torch.Tensor] = field(default_factory=dict)  # criterion -> [n dis] (float32)
     floor: float = math.nan
     check: ReplayCheck | None = None
+    run: str = ""  # the run's directory name
 
 
 def criteria_keeps(replay: Replay, precision: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:

@@ -237,7 +237,7 @@ class ReplayCheck:
 
 
 def _max_abs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[n].double() - b[n].double()).abs().max()) for n in a)
+    return max(float((a[n].detach().double() - b[n].detach().double()).abs().max()) for n in a)
 
 
 ULPS = 4  # float32 rounding's reach on one AdamW step: a handful of ulps of the weight (the step's own ops)

@@ -28,7 +28,8 @@ class EngineAnalysis:
     updates: list[UpdateEffects]
 
 
-def analyse_run(run_dir: Path, step: int, model_dir: str | None = None, threads: int | None = None) -> EngineAnalysis:
+def analyse_run(run_dir: Path, step: int, model_dir: str | None = None, threads: int | None = None,
+                model: object | None = None) -> EngineAnalysis:
     """Every snapshotted update of `step` in `run_dir` (SnapshotError: nothing to analyse)."""
     import torch
 
@@ -37,12 +38,29 @@ def analyse_run(run_dir: Path, step: int, model_dir: str | None = None, threads:
     paths = snapshot_paths(run_dir, step)
     first = load_snapshot(paths[0])
     where = model_dir or first["settings"]["model_path"]
-    model = build_model(where)
+    model = model if model is not None else build_model(where)
     updates = []
     for path in paths:
         snapshot = first if path == paths[0] else load_snapshot(path)
         updates.append(analyse_update(Replay(snapshot, model), int(snapshot["minibatch"])))
+        updates[-1].run = Path(run_dir).name
     return EngineAnalysis(Path(run_dir), step, str(where), updates)
+
+
+def analyse_runs(run_dirs: list[Path], step: int, model_dir: str | None = None,
+                 threads: int | None = None) -> EngineAnalysis:
+    """Several runs' snapshots of `step` (each its seed's rollout) as one analysis: every update a cluster."""
+    runs = []
+    model = None
+    for run_dir in run_dirs:
+        runs.append(analyse_run(run_dir, step, model_dir, threads, model))
+        if model is None and len(run_dirs) > 1:  # one model for every run (the weights come from each snapshot)
+            model = build_model(runs[-1].model_dir)
+    if len(runs) == 1:
+        return runs[0]
+    updates = [u for r in runs for u in r.updates]
+    name = Path(f"{len(runs)} runs ({runs[0].run_dir.name} ...)")
+    return EngineAnalysis(name, step, runs[0].model_dir, updates)
 
 
 def _e(x: float) -> str:
@@ -58,7 +76,7 @@ def replay_lines(analysis: EngineAnalysis) -> list[str]:
             continue
         ok = "within" if c.optimizer_diff <= c.bound else "ABOVE"
         lines += [
-            f"  update {u.index}: the run's own update replayed (every token as the run's mask decides) — VeRL's "
+            f"  update {u.run}/{u.index}: the run's own update replayed (every token as the run's mask decides) — VeRL's "
             f"gradients through the replay's clip and AdamW: max |Δw| {_e(c.optimizer_diff)} from VeRL's weights "
             f"after, {ok} float32 rounding's {_e(c.bound)}",
             f"    the replay's own forward (the actor's bf16): gradient {_e(c.grad_rel_diff)} from VeRL's (relative "

@@ -156,6 +156,9 @@ def train_batch(worker: Any, data: Any, original: Any) -> Any:
     if step is None or _STATE["step"] != step:
         return original(worker, data)
     engine = worker.engine
+    if not isinstance(getattr(engine, "module", None), torch.nn.Module):
+        raise RuntimeError(f"{STEP_ENV}: the snapshot is taken on VeRL's FSDP engine (backend.strategy=fsdp2); "
+                           f"this actor runs {type(engine).__name__}")  # fmt: skip
     rank = int(os.environ.get("RANK", "0"))
     before = _model_state(engine.module)
     optimizer = _optimizer_state(engine.module, engine.optimizer)
