@@ -27,6 +27,17 @@ def test_sequential_interval_covers_95_percent_when_seeds_are_added_until_resolv
     assert plain < sequential
 
 
+@pytest.mark.parametrize("effect", [0.0, 1.0])
+def test_sequential_interval_covers_95_percent_with_seeds_added_one_at_a_time_from_three_to_five(effect: float) -> None:
+    """The interval `report` and `seeds` both print for a sequentially extended comparison, at the seed counts a
+    testbed sweep has (3, a look, 4, a look, 5): at least 95% (about 97%), where the plain t interval over the
+    final seeds covers about 90% with no true difference."""
+    sequential, plain = simulate(effect, (3, 4, 5), 0.95, SIMS, np.random.default_rng(30 + int(effect)))
+    assert sequential >= 0.95 - 3 * SE
+    if effect == 0.0:
+        assert plain < 0.95 - 3 * SE
+
+
 def test_plain_t_interval_undercovers_under_the_same_design() -> None:
     """The reason for the sequential interval: with no true difference, stopping at the first look whose
     plain 95% t interval leaves out 0 leaves the final interval covering about 88%."""

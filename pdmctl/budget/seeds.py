@@ -51,6 +51,12 @@ class Proposal:
     fixed: int | None = None  # the same for a new sweep of fixed size, at the whole α (the report's power table)
     values: tuple[float, ...] = ()  # the per-seed differences (fractions) and each one's stage
     stage_of: tuple[int, ...] = ()
+    interval: str = ""  # what the interval is, in the report's words (report.intervals.sequential_label)
+    # the interval the report prints today where it differs (no seeds added to the sweep yet: fixed size)
+    report_interval: str = ""
+    report_low: float | None = None
+    report_high: float | None = None
+    last_look: int = 0  # the look after which its last seeds were added (0: none added to it)
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ def propose(data, definition, max_seeds: int) -> Look:
     from pdmctl.ledger import TERMINAL
     from pdmctl.report import power
     from pdmctl.report.build import _run_values, comparisons, held_out_names
+    from pdmctl.report.intervals import sequential_label, short_name
     from pdmctl.report.sequential import run_look, sequential_interval, stage_alpha
     from pdmctl.report.sequential import stages as stage_numbers
 
@@ -81,6 +88,7 @@ def propose(data, definition, max_seeds: int) -> Look:
     for run_id, row in keys.items():
         open_in[row.setting] += data.records[run_id].status not in TERMINAL
     waiting, waited = [], []
+    read_sequentially = any(run_look(r) for r in data.records.values())  # as report.sequential.apply reads it
     for comparison in comparisons(data, definition, labels):
         if open_in[comparison.row.setting]:  # not looked at before every run of its setting ended
             waiting.append((f"{comparison.row.setting} {comparison.row.label} vs {comparison.baseline.label}",
@@ -109,12 +117,19 @@ def propose(data, definition, max_seeds: int) -> Look:
                 fixed = power.seeds_needed(abs(diff) / spread, paired=True, alpha=alpha)
             extra = 0 if resolved or needed is None else max(1, needed - len(d))
             wanted = max(wanted, extra)
+            fixed_size = comparison.cells[label].difference.interval  # the report's until seeds are added
+            said = "" if read_sequentially else (
+                f"{short_name(definition.confidence)} interval over {len(d)} matched seeds (fixed size)")
             proposals.append(Proposal(comparison.row.setting, comparison.row.label, comparison.baseline.label,
                                       names.get(label, label),
                                       len(d), stages, 100 * diff, 100 * spread,
                                       None if interval is None else 100 * interval.low,
                                       None if interval is None else 100 * interval.high, resolved, needed, extra,
-                                      fixed, tuple(d), stage_of))  # fmt: skip
+                                      fixed, tuple(d), stage_of,
+                                      sequential_label(definition.confidence.level, len(d), stages, max(looks)),
+                                      said, None if said == "" or fixed_size is None else 100 * fixed_size.low,
+                                      None if said == "" or fixed_size is None else 100 * fixed_size.high,
+                                      max(looks)))  # fmt: skip
         for row in (comparison.row, comparison.baseline):
             additions[row] = max(additions[row], wanted)
     seeds_of: dict[Any, set[int]] = defaultdict(set)
@@ -266,6 +281,18 @@ def cost_text(data, look: Look, modelled: dict[Any, tuple[str, float]] | None = 
     return f"{runs} run(s), about {' + '.join(f'{h:.3g} {u}-hours' for u, h in sorted(total.items()))} ({sources})"
 
 
+def two_intervals(look: Look, level: float) -> str:
+    """One line on how this command's intervals stand to the report's: the same, or why they differ."""
+    if not any(p.report_interval for p in look.proposals):
+        return (f"intervals: the report prints these same ones (seeds were added to this sweep after look "
+                f"{look.look - 1}: every paired comparison is read as a group-sequential design)")  # fmt: skip
+    return (f"intervals: no seeds have been added to this sweep after looking, so the report prints the "
+            f"fixed-size {100 * level:g}% interval over the seeds it has; this look reads each comparison as stage "
+            f"1 of a group-sequential design, at {100 * (1 - (1 - level) / 2):g}%, so that adding seeds because of "
+            f"what it shows keeps {100 * level:g}% coverage; once seeds are added (--submit) the report prints the "
+            "group-sequential interval too")  # fmt: skip
+
+
 def _fmt(x: float | None) -> str:
     """A difference in points, within its range [−100, 100]."""
     return "n/a" if x is None or not math.isfinite(x) else f"{min(100.0, max(-100.0, x)):+.1f}"
@@ -338,7 +365,7 @@ def seeds(
         if as_json:
             from pdmctl.shell import print_document
 
-            print_document(look_document(chosen[0], data, look, submitted, modelled))
+            print_document(look_document(chosen[0], data, look, submitted, modelled, spec.confidence.level))
 
     with guard():
         if max_seeds < 2:
@@ -377,9 +404,13 @@ def seeds(
                 f"needs {p.needed} seeds (+{p.extra}) at stage {p.stages + 1}'s level"
                 + (f" (a new sweep of fixed size: {p.fixed}, the report's power table)" if p.fixed is not None else "")
                 if p.needed is not None else "out of reach (more than 1000 seeds)")
-            console.print(f"{where}: {_fmt(p.difference)} pp (sd {p.spread:.1f}) over {p.n} seeds, stage {p.stages}, "
-                          f"interval [{_fmt(p.low)}, {_fmt(p.high)}]: {state}", highlight=False, markup=False,
+            report = (f"; the report's {p.report_interval} [{_fmt(p.report_low)}, {_fmt(p.report_high)}]"
+                      if p.report_interval else "")  # fmt: skip
+            console.print(f"{where}: {_fmt(p.difference)} pp (sd {p.spread:.1f}); {p.interval} "
+                          f"[{_fmt(p.low)}, {_fmt(p.high)}]{report}: {state}", highlight=False, markup=False,
                           soft_wrap=True)  # fmt: skip
+        if look.proposals and not as_json:
+            console.print(two_intervals(look, spec.confidence.level), highlight=False, markup=False, soft_wrap=True)
         for where in [] if as_json else look.unpaired:
             console.print(f"{where}: unpaired (no seed in common), left as it is", highlight=False, markup=False)
         for where, n in [] if as_json else look.waiting:
@@ -416,14 +447,20 @@ def seeds(
 
 
 def look_document(sweep: str, data, look: Look, submitted: dict | None,
-                  modelled: dict[Any, tuple[str, float]] | None = None) -> dict[str, Any]:  # fmt: skip
+                  modelled: dict[Any, tuple[str, float]] | None = None, level: float = 0.95) -> dict[str, Any]:  # fmt: skip
     """`seeds --json`: each comparison's proposal, the seeds each row would get and their cost, and what
     --submit submitted (null without it). Differences in percentage points (docs/JSON.md)."""
     from pdmctl.shell import number
 
     proposals = [{"setting": p.setting, "mask": p.mask, "baseline": p.baseline, "column": p.column, "n": p.n,
                   "stage": p.stages, "difference_pp": number(p.difference), "spread_pp": number(p.spread),
-                  "low_pp": number(p.low), "high_pp": number(p.high), "resolved": p.resolved,
+                  "low_pp": number(p.low), "high_pp": number(p.high),
+                  "interval": {"kind": "group-sequential", "level": level, "stage": p.stages,
+                               "after_look": p.last_look or None, "label": p.interval},
+                  "report_interval": None if not p.report_interval else {
+                      "kind": "fixed", "label": p.report_interval, "low_pp": number(p.report_low),
+                      "high_pp": number(p.report_high)},
+                  "resolved": p.resolved,
                   "seeds_needed": p.needed, "extra": p.extra, "fixed_sweep_seeds": p.fixed} for p in look.proposals]  # fmt: skip
     additions = [{"setting": row.setting, "row": row.label, "has": len(look.seeds_of.get(row, [])), "add": n}
                  for row, n in look.additions.items()]  # fmt: skip

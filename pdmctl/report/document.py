@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pdmctl.report.collect import RowKey
-from pdmctl.report.intervals import short_name
+from pdmctl.report.intervals import comparison_interval, short_name
 from pdmctl.report.model import Report
 from pdmctl.report.stats import Estimate
 from pdmctl.shell import number
@@ -57,7 +57,8 @@ def report_document(report: Report, out_dir: Path, written: list[Path]) -> dict[
                 "p_holm": number(c.p_holm), "seeds_needed": c.seeds_needed, "resolvable_pp": _pct(c.resolvable),
             }  # fmt: skip
         comparisons.append({**_row(comp.row), "baseline": _row(comp.baseline), "paired": bool(comp.seeds),
-                            "seeds": list(comp.seeds), "values": values})  # fmt: skip
+                            "seeds": list(comp.seeds), "interval": comparison_interval(comp, d.confidence),
+                            "values": values})  # fmt: skip
     excluded = [{**(_row(e.row) if e.row else {"setting": None, "mask": None, "label": None, "dims": {}}),
                  "seed": e.seed, "status": e.status.lower(), "reason": e.reason, "run_id": e.run_id}
                 for e in report.excluded]  # fmt: skip

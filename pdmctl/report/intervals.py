@@ -71,3 +71,29 @@ def compare_unpaired(x: Sequence[float], baseline: Sequence[float], conf: Confid
         float(np.mean(x) - np.mean(baseline)), len(x), welch_interval(x, baseline, conf.level)
     )
     return Comparison(difference, probability_of_improvement(x, baseline), False, len(baseline))
+
+
+FIXED, SEQUENTIAL, UNPAIRED = "fixed", "group-sequential", "unpaired"  # what a difference's interval is
+
+
+def sequential_label(level: float, n: int, stage: int, last_look: int) -> str:
+    """`95% group-sequential t interval over 5 seeds, stage 2 (seeds added after look 1)`: what `seeds` and the
+    report both call the interval of a comparison read as a group-sequential design (`report.sequential`)."""
+    added = (f"seeds added after look {last_look}" if last_look else
+             f"at {100 * (1 - (1 - level) / 2):g}%: no seeds added to it after looking")  # fmt: skip
+    return f"{100 * level:g}% group-sequential t interval over {n} seeds, stage {stage} ({added})"
+
+
+def comparison_interval(comp, conf: Confidence) -> dict:
+    """Which interval a comparison's differences carry: `kind` (fixed, group-sequential, unpaired), `level`,
+    `stage` and `after_look` (group-sequential only, else None) and `label`, the words the tables use."""
+    first = next(iter(comp.cells.values()))
+    n = first.difference.n
+    if not comp.seeds:
+        kind, label = UNPAIRED, f"{describe_unpaired(conf)} over {n} and {first.n_baseline} runs (unpaired)"
+    elif comp.stages:
+        kind, label = SEQUENTIAL, sequential_label(conf.level, n, comp.stages, comp.last_look)
+    else:
+        kind, label = FIXED, f"{short_name(conf)} interval over {n} matched seeds (fixed size)"
+    return {"kind": kind, "level": conf.level, "stage": comp.stages or None,
+            "after_look": (comp.last_look or None) if comp.stages else None, "label": label}

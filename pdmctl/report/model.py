@@ -30,6 +30,8 @@ class ComparisonRow:
     baseline: RowKey
     seeds: tuple[int, ...]  # the matched seeds; empty when unpaired
     cells: dict[str, Comparison]
+    stages: int = 0  # the group-sequential interval's stages (report.sequential); 0: a fixed-size interval
+    last_look: int = 0  # the look after which its last seeds were added (0: none added to it)
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,7 @@ def apply(rows: list, data, definition, labels: Sequence[str]) -> tuple[list, di
             cells[label] = dataclasses.replace(old, difference=Estimate(old.difference.mean, old.difference.n, interval),
                                                p_value=p)  # fmt: skip
             staged[row.row] = count
-        out.append(dataclasses.replace(row, cells=cells))
+        out.append(dataclasses.replace(row, cells=cells, stages=count, last_look=max(looks)))
     adjusted = {label: holm([r.cells[label].p_value for r in out]) for label in labels}  # as build.with_holm
     out = [dataclasses.replace(r, cells={label: dataclasses.replace(c, p_holm=adjusted[label][i])
                                          for label, c in r.cells.items()}) for i, r in enumerate(out)]  # fmt: skip

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 
 from pdmctl.report.build import PROVENANCE_FIELDS, family_sizes, pooling_notes
 from pdmctl.report.collect import RowKey
-from pdmctl.report.intervals import describe, describe_unpaired, short_name
+from pdmctl.report.intervals import (
+    SEQUENTIAL,
+    UNPAIRED,
+    comparison_interval,
+    describe,
+    describe_unpaired,
+    sequential_label,
+    short_name,
+)
 from pdmctl.report.model import ProvenanceRow, Report
 from pdmctl.report.stats import Comparison, Estimate, format_p, pct, signed_pct
 
@@ -149,10 +157,44 @@ def comparison_table(report: Report) -> TextTable:
             previous = comp.row
     headers = ("setting", "mask", *report.dims, "baseline", "set", "Δ (pp)", "low", "high", "P", "p", "Holm",
                "seeds")  # fmt: skip
-    title = f"vs {report.definition.baseline}, {short_name(report.definition.confidence)} intervals"
-    if report.sequential:  # seeds added after looking: the stages' intersection (Methods)
-        title = f"vs {report.definition.baseline}, {100 * report.definition.confidence.level:g}% group-sequential t intervals (seeds added sequentially)"
-    return TextTable("comparison", title, headers, rows, comparison_note(report), 4 + len(report.dims))
+    return TextTable("comparison", comparison_title(report), headers, rows,
+                     f"{comparison_note(report)} {interval_note(report)}".strip(), 4 + len(report.dims))  # fmt: skip
+
+
+def comparison_title(report: Report) -> str:
+    """`vs B, 95% t intervals over the matched seeds (fixed size)`, or group-sequential where seeds were added
+    after looking (the stages' intersection: Methods); the unpaired comparisons' interval after it."""
+    conf = report.definition.confidence
+    kinds = [comparison_interval(comp, conf) for comp in report.comparisons]
+    looks = [k["after_look"] for k in kinds if k["kind"] == SEQUENTIAL and k["after_look"]]
+    if any(k["kind"] == SEQUENTIAL for k in kinds):
+        title = (f"vs {report.definition.baseline}, {100 * conf.level:g}% group-sequential t intervals (seeds added "
+                 f"after look {max(looks, default=0)}, the intervals pdmctl seeds gives)")  # fmt: skip
+    else:
+        title = f"vs {report.definition.baseline}, {short_name(conf)} intervals over the matched seeds (fixed size)"
+    if any(k["kind"] == UNPAIRED for k in kinds):
+        title += f"; unpaired: {describe_unpaired(conf)}"
+    return title
+
+
+def interval_note(report: Report) -> str:
+    """Which interval each comparison's differences carry, grouped: one sentence where all carry the same."""
+    conf = report.definition.confidence
+    groups: dict[str, list[str]] = {}
+    for comp in report.comparisons:
+        k = comparison_interval(comp, conf)
+        if k["kind"] == SEQUENTIAL:
+            said = sequential_label(conf.level, 0, k["stage"], k["after_look"] or 0).replace(" over 0 seeds", "")
+        elif k["kind"] == UNPAIRED:
+            said = f"{describe_unpaired(conf)} (unpaired)"
+        else:
+            said = f"{short_name(conf)} interval over the matched seeds (fixed size: no seeds added after looking)"
+        groups.setdefault(said, []).append(f"{comp.row.setting} {comp.row.label}")
+    if not groups:
+        return ""
+    if len(groups) == 1:
+        return f"Interval of every difference: the {next(iter(groups))}."
+    return "Intervals: " + "; ".join(f"the {said} for {', '.join(rows)}" for said, rows in groups.items()) + "."
 
 
 def _needed_cells(c: Comparison) -> tuple[str, str]:
@@ -215,7 +257,10 @@ def methods(report: Report) -> list[str]:
                    f"intersection of the stages' and p is min_j 2^j · p_j, which keeps coverage {100 * report.definition.confidence.level:g}% "
                    "whatever rule chose the seeds (group-sequential Bonferroni: Jennison & Turnbull, Group "
                    "Sequential Methods with Applications to Clinical Trials, 2000, §2; Lan & DeMets, Biometrika "
-                   "70, 1983). Seeds for 80% power are the fixed-design figures.")  # fmt: skip
+                   "70, 1983). pdmctl seeds prints this same interval; a plain t interval over the same seeds "
+                   "would be narrower and cover less than its level under this design. Seeds for 80% power are the "
+                   "fixed-design figures (a new sweep of fixed size); pdmctl seeds' counts are larger, each later "
+                   "stage testing at a smaller share of α.")  # fmt: skip
     if report.two_level:
         out.append(f"{TWO_LEVEL_MARK}: two-level percentile bootstrap — seeds with replacement, then problems with "
                    f"replacement within each drawn seed ({c.resamples} resamples, seed {c.seed}).")  # fmt: skip
