@@ -314,12 +314,20 @@ def test_paper_main_on_four_nodes_has_an_expected_cost_per_run_under_its_upper_b
     days = sweep["wall_days"]  # one run at a time: the runs' times end to end
     assert days["expected"] * 86400 == pytest.approx(sum(r["cost"]["wall_s"]["expected"] for r in runs), rel=1e-3)
     line = describe_runs(sweep_plan.to_submit, ctx, executor)[-1]
-    printed = re.match(r"sweep cost: 48 run\(s\), ([\d,]+) GPU-hours expected \(([\d,]+)-([\d,]+)\), upper bound ([\d,]+);",
-                       line)  # fmt: skip
+    printed = re.match(r"sweep cost: 48 run\(s\), ([\d,]+) GPU-hours expected \(([\d,]+)-([\d,]+); high: every stated "
+                       r"assumption at its dear end\), at the length cap ([\d,]+) \(every response at its cap", line)  # fmt: skip
     assert printed is not None, line
     for figure, key in zip(printed.groups(), ("expected", "low", "high", "upper_bound"), strict=True):
         assert float(figure.replace(",", "")) == pytest.approx(sweep[key], rel=1e-3), key
     assert "on the profile's 4 node(s) at max_concurrent 1" in line and "not measurements" in line
+    # each end of a range named by what it takes: the high end's values and requeues, the length cap's
+    four_b = next(r["cost"] for r in runs if r["config"]["model"]["name"] == "qwen3-4b-base")
+    dear = cost.ASSUMPTIONS["qwen3-4b-base"].dear_end()
+    assert four_b["high_assumes"].startswith(dear + ", ") and "requeue(s)" in four_b["high_assumes"]
+    assert four_b["upper_bound_assumes"].startswith("every response at its cap, the rest as at the high end")
+    printed_run = next(x for x in describe_runs(sweep_plan.to_submit, ctx, executor) if x.startswith("    cost: 300 "))
+    assert f"high: {four_b['high_assumes']}; at the length cap: {four_b['upper_bound_assumes']}" in printed_run
+    assert "upper bound" not in " ".join(describe_runs(sweep_plan.to_submit, ctx, executor))
 
 
 def test_paper_mains_4b_and_8b_on_one_node_pack_four_to_a_share_and_shorten_the_sweep(tmp_path: Path) -> None:
@@ -352,6 +360,7 @@ def test_the_testbeds_plan_is_json_in_cpu_hours_and_writes_nothing(workdir: Path
                           "config", "cost", "cost_missing"}  # fmt: skip
     assert first["cost"]["unit"] == "CPU-hours" and first["cost"]["devices"] == 1 and first["cost_missing"] is None
     assert first["config"]["k"] == 10 and first["state"] == "new" and first["action"] == "submit"
+    assert first["cost"]["high_assumes"] == first["cost"]["upper_bound_assumes"] == cost.TOY_DEAR_END  # a loaded machine
     rollouts = 40 * 128 * 8  # the default toy run
     expected_s = rollouts * cost.TOY_ROLLOUT_S.expected + cost.TOY_STARTUP_S.expected
     assert first["cost"]["wall_s"]["expected"] == pytest.approx(expected_s, rel=1e-3)
@@ -382,24 +391,26 @@ def test_the_cost_figures_in_docs_cluster_are_the_shipped_profiles_dry_run(tmp_p
     def quoted(text: str) -> None:
         assert " ".join(text.split()) in section, text
 
-    run_line = re.compile(r"([\d,]+) GPU-hours a run expected \(([\d,]+)-([\d,]+)\), upper bound ([\d,]+); (.+?) a run "
-                          r"expected")  # fmt: skip
+    run_line = re.compile(r"([\d,]+) GPU-hours a run expected \(([\d,]+)-([\d,]+)\), at the length cap ([\d,]+); (.+?) a "
+                          r"run expected")  # fmt: skip
     setting_line = re.compile(r"  setting cost: 12 run\(s\), ([\d,]+) GPU-hours expected .*?\((\d+) attempt\(s\)")
     per_setting: dict[tuple[int, int | None], list[str]] = {}
     for slots, small_on in ((4, None), (1, None), (4, 1), (1, 1)):
         ctx, executor, sweep_plan = _paper_main(tmp_path / f"{slots}-{small_on}", slots, small_on, order="answers")
         lines = describe_runs(sweep_plan.to_submit, ctx, executor)
-        figures = re.match(r"sweep cost: 48 run\(s\), (.+?); (.+?) of wall time expected \((.+?); upper bound (.+?)\)",
-                           lines[-1])  # fmt: skip
+        figures = re.match(r"sweep cost: 48 run\(s\), ([\d,]+ GPU-hours expected \([\d,]+-[\d,]+); high: every stated "
+                           r"assumption at its dear end\), at the length cap ([\d,]+) \([^)]+\); ([^;]+?) of wall time "
+                           r"expected \(([^;]+); at the length cap ([^)]+)\)", lines[-1])  # fmt: skip
         assert figures is not None, lines[-1]
-        hours, days, spread, upper = figures.groups()
-        quoted(f"{hours}; {days} expected ({spread}; upper bound {upper}) at max_concurrent {slots}")
+        hours, cap, days, spread, upper = figures.groups()
+        quoted(f"{hours}), at the length cap {cap}; {days} expected ({spread}; at the length cap {upper}) at "
+               f"max_concurrent {slots}")  # fmt: skip
         per_setting[slots, small_on] = [m[1] for m in map(setting_line.match, lines) if m]
         runs = [m for m in (run_line.search(line) for line in lines if line.startswith("    cost: ")) if m]
         if (slots, small_on) == (4, None):
             four, eight, e2e, rollout = runs
             for label, m in (("4B", four), ("8B", eight), ("each 30B setting", e2e)):
-                quoted(f"{label}: {m[1]} GPU-hours a run expected ({m[2]}-{m[3]}), upper bound {m[4]}; {m[5]} a run")
+                quoted(f"{label}: {m[1]} GPU-hours a run expected ({m[2]}-{m[3]}), at the length cap {m[4]}; {m[5]} a run")
             attempts = [m[2] for m in map(setting_line.match, lines) if m]
             quoted(f"{m[5]} a run, {attempts[2]} attempts of the profile's 2 days")
             data = costing.plan_json(sweep_plan, ctx, executor, "answers")

@@ -318,16 +318,16 @@ def test_the_paper_sweeps_dry_run_shows_every_command_every_run_and_the_cost(tmp
         assert f"{steps} steps of {tokens / 1e6:.2f} M tokens generated and trained, {validations} validations" in text
         total_hours += 12 * seconds * gpus / 3600
         run_seconds += [seconds] * 12
-    # the upper bound: every response at the cap, every rate and the fixed time at their dear end, plus start-ups
+    # at the length cap: every response at the cap, every rate and the fixed time at their dear end, plus start-ups
     # and checkpoint writes at their dear end
     at_cap = [12 * seconds * gpus / 3600 for seconds in run_seconds[::12]]
-    uppers = [float(line.split("upper bound ")[1].split(";")[0].replace(",", ""))
+    uppers = [float(line.split("at the length cap ")[1].split(" (")[0].replace(",", ""))
               for line in lines if line.startswith("  setting cost: 12 run(s), ")]  # fmt: skip
     assert len(uppers) == 4 and all(cap <= upper <= 1.1 * cap for cap, upper in zip(at_cap, uppers, strict=True))
     sweep = lines[-1]
-    upper = float(sweep.split("upper bound ")[1].split(";")[0].replace(",", ""))
+    upper = float(sweep.split("at the length cap ")[1].split(" (")[0].replace(",", ""))
     assert sweep.startswith("sweep cost: 48 run(s), ") and total_hours <= upper <= 1.1 * total_hours, sweep
-    days = float(sweep.split("; upper bound ")[1].split(" days")[0])
+    days = float(sweep.split("; at the length cap ")[1].split(" days")[0])
     assert sum(run_seconds) / 4 <= days * 86400 * 1.001 and days * 86400 <= 1.1 * (sum(run_seconds) / 4 + max(run_seconds))
     assert "at max_concurrent 4 (4 x 4 node(s) at a time)" in sweep
     # 12 runs x 3 kept per setting; every setting on Megatron: 14 bytes a parameter

@@ -70,6 +70,14 @@ class Assumptions:
     train_rate: Span  # a factor on the profile's train rate
     log_prob_share: float = 1 / 3  # an old-log-prob forward, as a share of the update's forward and backward
 
+    def dear_end(self) -> str:
+        """What the high end of the range takes, in words: every assumption at its dear end."""
+        r, t, d, s, w = self.response_fraction, self.tail_fraction, self.tail_decode, self.startup_s, self.write_gb_s
+        return (f"responses {r.high:.0%} of the cap on average, the slowest at {t.high:.0%} decoding alone at "
+                f"{d.high:g} tokens/s, the profile's rates x {self.rollout_rate.high:g} and x "
+                f"{self.train_rate.high:g}, {self.step_fixed_s.high:g} s fixed a step, {s.high / 60:g} min start-ups, "
+                f"writes at {w.high:g} GB/s")  # fmt: skip
+
     def describe(self) -> str:
         r, t, d, s, w = self.response_fraction, self.tail_fraction, self.tail_decode, self.startup_s, self.write_gb_s
         f, ro, tr = self.step_fixed_s, self.rollout_rate, self.train_rate
@@ -113,6 +121,9 @@ RESTS_ON = "the stated assumptions (pdmctl/budget/cost.py; docs/CLUSTER.md, \"Co
 # The testbed: CPU seconds per rollout (evaluations included) and start-up, per attempt (expected, low, high)
 TOY_ROLLOUT_S = Span(9.0 / 40_960, 6.0 / 40_960, 32.0 / 40_960)
 TOY_STARTUP_S = Span(5.0, 3.0, 15.0)
+TOY_DEAR_END = "a loaded machine's rate (the default toy-small run in 32 s of one core) and 15 s start-ups"
+HIGH = "every stated assumption at its dear end"  # what a total's high end takes where its runs' words differ
+AT_CAP = "every response at its cap, the rest as at the high end"  # what a VeRL run's upper bound takes
 TOY_ASSUMPTIONS = ("the default toy-small run's 40 steps of 1,024 rollouts in 9 s of one core (6-32 s), start-up "
                    "5 s an attempt (3-15)")  # fmt: skip
 
@@ -130,6 +141,8 @@ class Estimate:
     rests_on: str  # what the estimate rests on: RESTS_ON (assumptions) or the runs it was calibrated on
     assumptions: str = ""  # the values it took, in words
     parts: Mapping[str, float] = field(default_factory=dict)  # expected seconds by part (rollout, train, ...)
+    high_assumes: str = HIGH  # what the range's high end takes, in words
+    upper_assumes: str = ""  # what the upper bound takes, in words ("": it is the high end)
 
     @property
     def hours(self) -> Span:
@@ -146,7 +159,8 @@ class Estimate:
                 "wall_s": {"expected": _r(w.expected), "low": _r(w.low), "high": _r(w.high),
                            "upper_bound": _r(self.upper_s)},
                 "attempts": self.attempts, "parts_s": {k: _r(v) for k, v in self.parts.items()},
-                "rests_on": self.rests_on, "assumptions": self.assumptions}  # fmt: skip
+                "rests_on": self.rests_on, "assumptions": self.assumptions, "high_assumes": self.high_assumes,
+                "upper_bound_assumes": self.upper_assumes or self.high_assumes}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -219,10 +233,13 @@ def verl_estimate(shape: VerlShape, rollout_rate: float, train_rate: float, clus
                  "requeues": (attempts - 1) * per_requeue, "startup": attempts * startup}  # fmt: skip
         return work + (attempts - 1) * per_requeue + attempts * startup, attempts, parts
 
-    upper, _, _ = run("high", at_cap=True)  # every response at the cap: no tail beyond the batch
+    upper, upper_attempts, _ = run("high", at_cap=True)  # every response at the cap: no tail beyond the batch
     expected, attempts, parts = run("expected")
     low, _, _ = run("low")
-    high, _, _ = run("high")
+    high, high_attempts, _ = run("high")
+
+    def requeues(n: int) -> str:
+        return "" if not limit_s else f", {n - 1} requeue(s) ({duration(limit_s)} an attempt)"
     said = a.describe() + "; " + (
         f"old log-probs recomputed by a forward each step (+{a.log_prob_share:.0%} of the update: the command "
         f"has no {BYPASS}=true)" if s.log_prob_recompute else
@@ -230,7 +247,8 @@ def verl_estimate(shape: VerlShape, rollout_rate: float, train_rate: float, clus
         "" if not limit_s else "; a requeue saves on the way out (save_grace_s): no step redone" if way_out else
         f"; a requeue redoes {s.save_freq / 2:g} steps on average (save_freq {s.save_freq}, no save_grace_s)")  # fmt: skip
     return Estimate("GPU", s.gpus, Span(min(expected, upper), min(low, upper), min(high, upper)), upper, attempts,
-                    RESTS_ON, said, parts)  # fmt: skip
+                    RESTS_ON, said, parts, a.dear_end() + requeues(high_attempts),
+                    AT_CAP + requeues(upper_attempts))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -283,8 +301,11 @@ def measured_verl_estimate(shape: VerlShape, stated: Estimate | None, measured: 
                else "; no stated model for this setting: the measured range alone"))  # fmt: skip
     parts = {"steps": shape.steps * s.expected, "validation": validation, "checkpoint_writes": shape.saves * save,
              "requeues": requeues, "startup": attempts * measured.startup_s.expected}  # fmt: skip
+    slowest = "the slowest measured step and start-up"
+    stated_high = stated is not None and stated.seconds.high >= high
     return Estimate("GPU", shape.gpus, Span(expected, min(low, expected), max(high, expected)), upper, attempts,
-                    measured.rests_on, said, parts)  # fmt: skip
+                    measured.rests_on, said, parts, stated.high_assumes if stated_high else slowest,
+                    stated.upper_assumes if stated is not None and stated.upper_s >= high else "")  # fmt: skip
 
 
 def toy_rollouts(flat: Mapping[str, Any]) -> int:
@@ -299,14 +320,16 @@ def toy_estimate(flat: Mapping[str, Any], cluster: Mapping[str, Any]) -> Estimat
     cpus = int(cluster.get("cpus_per_task") or 1)
     measured = (cluster.get("calibration") or {}).get(f"toy: {flat['model']} {flat['precision']}")
     rate, startup, rests_on, assumptions = TOY_ROLLOUT_S, TOY_STARTUP_S, RESTS_ON, TOY_ASSUMPTIONS
+    dear = TOY_DEAR_END
     if measured is not None:
         rate, startup, rests_on = measured.per_rollout_s, measured.startup_s, measured.rests_on
+        dear = f"the slowest finished run's rate ({rate.high * 1e3:.3g} ms of one core a rollout), {startup.high:.3g} s start-up"
         assumptions = (f"measured {rate.expected * 1e3:.3g} ms of one core a rollout ({rate.low * 1e3:.3g}-"
                        f"{rate.high * 1e3:.3g}) and a start-up of {startup.expected:.3g} s ({measured.startup_basis})")
     work = rate.scaled(rollouts)
     seconds = Span(work.expected + startup.expected, work.low + startup.low, work.high + startup.high)
     return Estimate("CPU", cpus, seconds, seconds.high, 1, rests_on, assumptions,
-                    {"training": work.expected, "startup": startup.expected})  # fmt: skip
+                    {"training": work.expected, "startup": startup.expected}, dear)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -369,6 +392,8 @@ class Total:
     upper_hours: float
     wall_s: Span
     upper_wall_s: float
+    high_assumes: str = HIGH  # what the high end takes: its runs' words where they agree
+    upper_assumes: str = ""  # what the upper bound takes ("": it is the high end)
 
 
 def total(estimates: Sequence[Estimate], slots: int | None, nodes: Sequence[int] | None = None,
@@ -379,8 +404,12 @@ def total(estimates: Sequence[Estimate], slots: int | None, nodes: Sequence[int]
                  sum(e.hours.high for e in estimates))  # fmt: skip
     wall = Span(*(wall_seconds([getattr(e.seconds, k) for e in estimates], slots, nodes, slot_nodes)
                   for k in ("expected", "low", "high")))  # fmt: skip
+    highs = {e.high_assumes for e in estimates}
+    uppers = {e.upper_assumes for e in estimates}
     return Total(len(estimates), "/".join(sorted(units)) or "GPU", hours, sum(e.upper_hours for e in estimates), wall,
-                 wall_seconds([e.upper_s for e in estimates], slots, nodes, slot_nodes))  # fmt: skip
+                 wall_seconds([e.upper_s for e in estimates], slots, nodes, slot_nodes),
+                 highs.pop() if len(highs) == 1 else HIGH,
+                 uppers.pop() if len(uppers) == 1 else (AT_CAP if any(uppers) else ""))  # fmt: skip
 
 
 def total_json(t: Total) -> dict[str, Any]:
@@ -396,10 +425,17 @@ def _r(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def hours_text(hours: Span, upper: float, unit: str = "GPU") -> str:
-    """`79,000 GPU-hours expected (35,000-208,000), upper bound 397,384`."""
-    return (f"{number(hours.expected)} {unit}-hours expected ({number(hours.low)}-{number(hours.high)}), "
-            f"upper bound {number(upper)}")
+def hours_text(hours: Span, upper: float, unit: str = "GPU", high: str = HIGH, at_cap: str = "") -> str:
+    """`79,000 GPU-hours expected (35,000-208,000; high: every stated assumption at its dear end), at the length
+    cap 397,384 (every response at its cap, ...)`: each end named by what it takes. No length-cap figure where
+    the upper bound is the high end (the testbed's)."""
+    text = f"{number(hours.expected)} {unit}-hours expected ({number(hours.low)}-{number(hours.high)}; high: {high})"
+    return text + (f", at the length cap {number(upper)} ({at_cap})" if at_cap else "")
+
+
+def total_text(t: Total, unit: str | None = None) -> str:
+    """`hours_text` of a total, each end named by what its runs' estimates take."""
+    return hours_text(t.hours, t.upper_hours, unit or t.unit, t.high_assumes, t.upper_assumes)
 
 
 def number(x: float) -> str:

@@ -15,10 +15,10 @@ from pdmctl.budget.cost import (
     _r,
     duration,
     end_times,
-    hours_text,
     spent_seconds,
     total,
     total_json,
+    total_text,
     toy_rollouts,
 )
 
@@ -279,7 +279,7 @@ def first_answers_lines(plan: Any, ctx: Any, executor: Any,
         return []
     found = first_answers(plan, ctx, executor, calibration)
     lines = ["first complete comparison per setting (replicate 0 of every arm ended), days from the queue's "
-             "first start, expected (low-high), at the profile's runs at a time:"]  # fmt: skip
+             "first start, expected (low-high; high: every run at its cost's high end), at the profile's runs at a time:"]  # fmt: skip
     for name, when in found.items():
         if when is None:
             text = "in already (its replicate 0 has ended)"
@@ -300,6 +300,6 @@ def testbed_line(specs: Sequence[Any], ctx: Any, executor: Any,
     found = [e for e in estimate_specs(toy, ctx, executor, calibration).values() if isinstance(e, Estimate)]
     t = total(found, slots(ctx, executor))
     basis = sorted({e.rests_on for e in found})
-    return (f"testbed cost: {len(found)} run(s), {hours_text(t.hours, t.upper_hours, 'CPU')}; {duration(t.wall_s.expected)} "
-            f"of wall time expected ({duration(t.wall_s.low)}-{duration(t.wall_s.high)}) at {slots(ctx, executor)} at a "
-            f"time; rests on {'; '.join(basis)}")  # fmt: skip
+    return (f"testbed cost: {len(found)} run(s), {total_text(t, 'CPU')}; {duration(t.wall_s.expected)} "
+            f"of wall time expected ({duration(t.wall_s.low)}-{duration(t.wall_s.high)}, high at the same rate) at "
+            f"{slots(ctx, executor)} at a time; rests on {'; '.join(basis)}")  # fmt: skip

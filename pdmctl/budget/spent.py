@@ -25,10 +25,10 @@ from pdmctl.budget.cost import (
     Span,
     Total,
     duration,
-    hours_text,
     number,
     spent_seconds,
     total,
+    total_text,
     wall_seconds,
 )
 
@@ -266,11 +266,13 @@ def sweep_costs(records: Sequence[Any], ctx: Any, now: float, states: Mapping[st
 
 
 def predicted_cell(t: Total | None) -> str:
-    """`0.12 (0.08-0.4), upper 0.5`: a prediction's hours in a table cell."""
+    """`0.12 (0.08-0.4), at cap 0.5`: a prediction's hours in a table cell; the length-cap figure (every
+    response at its cap) only where it is not the high end (VeRL's)."""
     if t is None:
         return ""
     h = t.hours
-    return f"{number(h.expected)} ({number(h.low)}-{number(h.high)}), upper {number(t.upper_hours)}"
+    return f"{number(h.expected)} ({number(h.low)}-{number(h.high)})" + (
+        f", at cap {number(t.upper_hours)}" if t.upper_assumes else "")
 
 
 def sweep_line(cost: SweepCost) -> str:
@@ -285,8 +287,8 @@ def sweep_line(cost: SweepCost) -> str:
         f"started ({cost.source}: {how})"
     )
     if r.predicted is not None:
-        line += f", predicted {hours_text(r.predicted.hours, r.predicted.upper_hours, unit)}"
-    line += f"; the sweep's {r.runs} run(s): {hours_text(r.whole.hours, r.whole.upper_hours, unit)}"
+        line += f", predicted {total_text(r.predicted, unit)}"
+    line += f"; the sweep's {r.runs} run(s): {total_text(r.whole, unit)}"
     if cost.left is not None:
         line += f"; {left_text(cost.left, cost.slots)}"
     return f"{line}; the prediction rests on {RESTS_ON}"

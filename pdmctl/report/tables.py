@@ -366,7 +366,9 @@ def cost_table(report: Report) -> TextTable:
     sources = "; ".join(f"{c.sweep}: {c.source}" for c in costs)
     running = "".join(f" Sweep {c.sweep} still runs: {left_text(c.left, c.slots)}." for c in costs if c.left is not None)
     note = ("Hours spent by each setting's runs that started (" + sources + ") beside pdmctl.budget.cost's prediction "
-            "for the same runs and for all of them: expected (low-high), upper bound." + running
+            "for the same runs and for all of them: expected (low-high; the high end takes every stated assumption at "
+            "its dear end, the testbed's a loaded machine's rate), and at cap: every VeRL response at its length "
+            "cap. Neither is a bound: queue waits and a slower machine are not in them." + running
             + " The prediction rests on " + RESTS_ON + "." + "".join(f" {c}." for c in report.cost if isinstance(c, str)))  # fmt: skip
     headers = ("sweep", COLUMNS[0], "unit", *COLUMNS[1:])
     return TextTable("cost", "Cost: hours spent and predicted", headers, rows, note, 3)

@@ -20,8 +20,9 @@ old log-probs, without algorithm.rollout_correction.bypass_mode=true.) Every res
 (DAPO-Math's: a few hundred tokens) left out. The expected cost beside it (`pdmctl.budget.cost`) takes a mean
 response length, the straggler tail, a fixed time a step, the rates' uncertainty, start-up per attempt, each
 requeue (its save on the way out, or the steps it redoes: trainer.save_freq) and checkpoint writes from the
-model's stated assumptions, with a range and an upper bound (every response at the cap, every other assumption
-at its dear end); a setting its preflight measured is costed from the measured steps instead. Queue waits are
+model's stated assumptions, with a range (its high end: every assumption at its dear end, each line says which
+values) and the figure at the length cap (every response at the cap, every other assumption at its dear end;
+not a bound: queue waits and slower machines are not in it); a setting its preflight measured is costed from the measured steps instead. Queue waits are
 not counted. The sweep's wall time places the runs in array order on `max_concurrent` slots.
 """
 
@@ -126,7 +127,7 @@ def describe_jobs(jobs: Sequence[Job], nodes: int, environ: Mapping[str, str], c
             t = costs.total(estimates, cluster.get("max_concurrent"), [launch.run_nodes(j.config) for j in runs],
                             int(cluster.get("nodes") or 1))  # fmt: skip
             longest = max(estimates, key=lambda e: e.seconds.expected)
-            lines.append(f"  setting cost: {len(runs)} run(s), {costs.hours_text(t.hours, t.upper_hours)}; "
+            lines.append(f"  setting cost: {len(runs)} run(s), {costs.total_text(t)}; "
                          f"{_duration(longest.seconds.expected)} a run{_attempts(estimates, cluster)}")  # fmt: skip
         stored = [launch.checkpoint_bytes(job.config, cost.steps if cost else None) for job, cost in in_setting]
         size, kept, saves = stored[0]
@@ -274,9 +275,10 @@ def _cost_line(cost: RunCost) -> str:
         return head + (f"{_duration(cost.seconds)} and {_number(cost.gpu_hours)} GPU-hours a run at the cap, an upper "
                        "bound (pdmctl.budget.cost states no assumptions for this model: no expected cost)")  # fmt: skip
     h = e.hours
-    return head + (f"{_number(h.expected)} GPU-hours a run expected ({_number(h.low)}-{_number(h.high)}), upper "
-                   f"bound {_number(e.upper_hours)}; {_duration(e.seconds.expected)} a run expected "
-                   f"({_duration(e.seconds.low)}-{_duration(e.seconds.high)}), at most {_duration(e.upper_s)}; "
+    return head + (f"{_number(h.expected)} GPU-hours a run expected ({_number(h.low)}-{_number(h.high)}), at the "
+                   f"length cap {_number(e.upper_hours)}; {_duration(e.seconds.expected)} a run expected "
+                   f"({_duration(e.seconds.low)}-{_duration(e.seconds.high)}), at the length cap {_duration(e.upper_s)}; "
+                   f"high: {e.high_assumes}; at the length cap: {e.upper_assumes or 'the high end'}; "
                    f"rests on {e.rests_on}: {e.assumptions}")  # fmt: skip
 
 
@@ -289,7 +291,7 @@ def _attempts(estimates: Sequence[costs.Estimate], cluster: Mapping[str, Any]) -
     needed = max(e.attempts for e in estimates)
     upper = math.ceil(max(e.upper_s for e in estimates) / (60 * limit_min))
     if needed <= timeouts + 1 < upper:
-        return (f" ({needed} attempt(s) of the profile's {_duration(60 * limit_min)}; at the upper bound {upper}, "
+        return (f" ({needed} attempt(s) of the profile's {_duration(60 * limit_min)}; at the length cap {upper}, "
                 f"more than max_timeouts: {timeouts} allows)")  # fmt: skip
     if needed <= timeouts + 1:
         return f" ({needed} attempt(s) of the profile's {_duration(60 * limit_min)})"
@@ -309,8 +311,8 @@ def _sweep_line(per_run: Sequence[tuple[Job, RunCost | None]], cluster: Mapping[
     packed = sorted({n for n in run_nodes if n < nodes})
     side = "".join(f"; runs of {n} node(s) {nodes // n} side by side in a share" for n in packed)
     w = t.wall_s
-    return (f"sweep cost: {len(estimates)} run(s), {costs.hours_text(t.hours, t.upper_hours)}; "
-            f"{_duration(w.expected)} of wall time expected ({_duration(w.low)}-{_duration(w.high)}; upper bound "
+    return (f"sweep cost: {len(estimates)} run(s), {costs.total_text(t)}; "
+            f"{_duration(w.expected)} of wall time expected ({_duration(w.low)}-{_duration(w.high)}; at the length cap "
             f"{_duration(t.upper_wall_s)}) on the profile's {slots * nodes} node(s) at max_concurrent {slots} "
             f"({slots} x {nodes} node(s) at a time{side}), from the queue's first start; rests on {costs.RESTS_ON}; "
             f"{storage}")  # fmt: skip
