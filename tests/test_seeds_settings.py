@@ -5,18 +5,24 @@ and cost are stated; --max-hours caps what one look submits. The rule itself kee
 
 The sweep is a synthetic store (two precisions of the testbed, two masks, three seeds), the finished
 setting's values written, the other's runs left running; `seeds --submit` goes through the CLI with the
-local executor, whose worker is never started (each queued job file is one submission)."""
+local executor, whose worker is never started (each queued job file is one submission). On the CI's one-node
+SLURM, a testbed sweep does the same for real: its bf16 runs ended, its fp8_rollout runs running, `seeds --submit`
+sends bf16's next seed to SLURM."""
 
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pdmctl.ledger import open_ledger
-from tests.conftest import FAST, sqlite_uri
+from tests.conftest import FAST, pdmctl, sqlite_uri
+from tests.test_preflight import needs_slurm
 
 sys.path.insert(0, str(Path(__file__).parent))  # the synthetic-sweep helpers beside this file
 from test_report_synthetic import finish, make_sweep, write_points
@@ -158,3 +164,61 @@ def test_the_rule_keeps_95_percent_coverage_from_three_to_five_first_seeds(first
         print(f"{first} first seeds, effect {effect}: stops at {run.seeds:.2f} seeds, covers {run.coverage:.4f}")
         assert run.coverage >= 0.95
         assert first < run.seeds <= 10 and math.isfinite(run.seeds)
+
+
+@pytest.mark.slurm
+@needs_slurm
+def test_on_slurm_an_ended_setting_is_extended_while_another_still_runs(tmp_path: Path) -> None:
+    """On the CI's one-node SLURM, with the testbed: the bf16 setting's runs (two masks, seeds 0 and 1) ended,
+    the fp8_rollout setting's runs running (suspended by SLURM once started, so that they stay so and cost no
+    CPU). `pdmctl seeds` looks at bf16 and lets fp8_rollout's comparison wait; `--submit` sends bf16's next
+    seed to SLURM as two runs marked with the look, and leaves fp8_rollout's runs as they were (the same jobs,
+    one attempt each, still running)."""
+    from tests.test_slurm import write_profile
+
+    profile = write_profile(tmp_path, name="slurm-seeds", max_concurrent=4)
+    where = ["--name", "onslurm", "--cluster", profile, "--tracking-uri", sqlite_uri(tmp_path)]
+    masks = ["mask=pdm_agg,dppo_topk_kl", *FAST]
+    ended = pdmctl("sweep", *masks, "seed=0,1", "precision=bf16", *where, "--wait", cwd=tmp_path)
+    assert ended.returncode == 0, ended.stdout + ended.stderr
+    longer = [o if not o.startswith("backend.steps=") else "backend.steps=400" for o in masks]
+    started = pdmctl("sweep", *longer, "seed=0", "precision=fp8_rollout", *where, cwd=tmp_path)
+    assert started.returncode == 0, started.stdout + started.stderr
+    ledger = open_ledger(sqlite_uri(tmp_path))
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            fp8 = [r for r in ledger.runs("onslurm") if r.spec.config["precision"]["name"] == "fp8_rollout"]
+            if len(fp8) == 2 and all(r.status == "RUNNING" for r in fp8):
+                break
+            assert time.monotonic() < deadline, [(r.key, r.status) for r in fp8]
+            time.sleep(0.5)
+        jobs = {r.run_id: r.job_id for r in fp8}
+        for job in sorted(set(jobs.values())):
+            subprocess.run(["scontrol", "suspend", job], check=True, capture_output=True, timeout=60)
+
+        looked = pdmctl("seeds", "onslurm", *where[2:], cwd=tmp_path)
+        assert looked.returncode == 0, looked.stdout + looked.stderr
+        text = " ".join(looked.stdout.split())
+        assert "bf16 pdm_agg vs dppo_topk_kl on toy24" in text and "stage 1" in text, text
+        assert "fp8_rollout: waiting: 2 run(s) of this setting not ended" in text, text  # no values yet
+        assert text.count("waiting:") == 1 and "fp8_rollout pdm_agg vs dppo_topk_kl on" not in text, text
+        assert "look 1 proposes:" in text and "fp8_rollout dppo_topk_kl +" not in text, text
+
+        added = pdmctl("seeds", "onslurm", *where[2:], "--submit", "--max-seeds", "3", cwd=tmp_path)
+        assert added.returncode == 0, added.stdout + added.stderr
+        assert "look 1: submitted 2 run(s)" in added.stdout, added.stdout
+        runs = ledger.runs("onslurm")
+        new = [r for r in runs if r.spec.seed == 2]
+        assert len(runs) == 8 and len(new) == 2
+        assert {r.spec.config["precision"]["name"] for r in new} == {"bf16"}
+        assert all(r.provenance.get("look") == "1" and r.job_id for r in new), [(r.key, r.job_id) for r in new]
+        for job in {r.job_id.split("_")[0] for r in new}:  # SLURM's jobs, not the local executor's
+            shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=60)
+            named = f"JobName={yaml.safe_load(Path(profile).read_text())['job_name']}"
+            assert shown.returncode == 0 and named in shown.stdout, shown.stdout + shown.stderr
+        after = {r.run_id: r for r in runs if r.run_id in jobs}
+        assert {i: (r.job_id, r.attempt, r.status) for i, r in after.items()} == {
+            i: (job, 1, "RUNNING") for i, job in jobs.items()}  # fmt: skip
+    finally:
+        pdmctl("cancel", "onslurm", "--yes", *where[2:], cwd=tmp_path)
