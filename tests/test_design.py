@@ -78,3 +78,13 @@ def test_a_bad_limit_is_one_line_and_exit_2(workdir: Path) -> None:
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (args, result.stderr)
     assert list(workdir.iterdir()) == []
+
+
+def test_a_grid_of_one_seed_an_arm_gets_no_design_and_says_why(workdir: Path) -> None:
+    """`--days` on a grid of one seed an arm: the plan as always, then one line saying no design is proposed and
+    why (a design compares each arm on 2 seeds or more); exit 0, nothing written."""
+    result = pdmctl("sweep", "delta=0.05", "--dry-run", "--days", "3", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.rstrip().endswith("design for 3.00 days: not proposed: the grid has one seed an arm, and "
+                                           "a design compares each arm on 2 or more (seeds=2)")
+    assert list(workdir.iterdir()) == []

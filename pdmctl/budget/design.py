@@ -93,6 +93,9 @@ def design_lines(plan: Any, ctx: Any, executor: Any, days: float | None = None, 
     given = executor.nodes_per_job()
     nodes = {s.key: get_backend(s.backend).nodes(flat_config(s.config)) or given for s in submit}
     designs = candidates(submit, estimates, slots(ctx, executor), nodes, given)
+    if not designs:  # a design compares the arms on 2 seeds or more
+        return [f"design for {limit}: not proposed: the grid has one seed an arm, and a design compares each arm "
+                "on 2 or more (seeds=2)"]  # fmt: skip
     whole = designs[0]  # every setting, every seed: the grid as given
     lines = [f"design for {limit}: the grid as given is {whole.runs} run(s), {_figure(whole)}"]
     best = propose(designs, days, hours)
