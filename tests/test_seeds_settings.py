@@ -12,6 +12,7 @@ sends bf16's next seed to SLURM."""
 from __future__ import annotations
 
 import math
+import sqlite3
 import subprocess
 import sys
 import time
@@ -51,8 +52,26 @@ def _store(workdir: Path, running: str | None = "fp8_rollout") -> dict[str, str]
     return precision
 
 
-def test_an_ended_setting_is_looked_at_and_extended_while_another_still_runs(workdir: Path) -> None:
-    precision = _store(workdir)
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory):
+    """`_store(folder, running)` for the tests: each sweep built once in the module, then copied whole (SQLite's
+    backup) into the test's folder."""
+    built: dict[str | None, tuple[Path, dict[str, str]]] = {}
+
+    def copy(folder: Path, running: str | None = "fp8_rollout") -> dict[str, str]:
+        if running not in built:
+            where = tmp_path_factory.mktemp("store")
+            built[running] = (where / "mlflow.db", _store(where, running))
+        source, precision = built[running]
+        with sqlite3.connect(source) as src, sqlite3.connect(folder / "mlflow.db") as dst:
+            src.backup(dst)
+        return dict(precision)
+
+    return copy
+
+
+def test_an_ended_setting_is_looked_at_and_extended_while_another_still_runs(workdir: Path, store) -> None:
+    precision = store(workdir)
     looked = _run(workdir, "seeds", SWEEP)
     assert looked.returncode == 0, looked.stdout + looked.stderr
     text = " ".join(looked.stdout.split())
@@ -77,7 +96,7 @@ def test_an_ended_setting_is_looked_at_and_extended_while_another_still_runs(wor
     assert set(_submissions(workdir).values()) == {1}  # nothing went out twice
 
 
-def test_a_setting_extended_later_gets_its_own_stages(tmp_path: Path) -> None:
+def test_a_setting_extended_later_gets_its_own_stages(tmp_path: Path, store) -> None:
     """A look per comparison: a setting extended at look 2 (after another setting's look 1) counts its
     added seeds as its stage 2, as the report's group-sequential interval does."""
     from pdmctl.added_seeds import mark
@@ -85,7 +104,7 @@ def test_a_setting_extended_later_gets_its_own_stages(tmp_path: Path) -> None:
     from pdmctl.report.collect import collect
     from pdmctl.report.definition import load_definition
 
-    precision = _store(tmp_path, running=None)
+    precision = store(tmp_path, running=None)
     uri = sqlite_uri(tmp_path)
     ledger = open_ledger(uri)
     seed_of = {r.run_id: r.spec.seed for r in ledger.runs(SWEEP)}
@@ -98,8 +117,8 @@ def test_a_setting_extended_later_gets_its_own_stages(tmp_path: Path) -> None:
     assert stages == {("bf16", 2), ("fp8_rollout", 2)}  # each comparison's stages from its own looks
 
 
-def test_no_ended_setting_is_refused_in_one_line(workdir: Path) -> None:
-    _store(workdir, running="bf16")
+def test_no_ended_setting_is_refused_in_one_line(workdir: Path, store) -> None:
+    store(workdir, running="bf16")
     open_ledger(sqlite_uri(workdir)).set_status(
         [r.run_id for r in open_ledger(sqlite_uri(workdir)).runs(SWEEP)], "RUNNING")  # fmt: skip
     looked = _run(workdir, "seeds", SWEEP)
@@ -119,21 +138,22 @@ def test_a_cap_of_hours_not_positive_and_finite_is_refused_in_one_line(workdir: 
     assert result.exit_code == 2 and len(lines) == 1 and "--max-hours" in lines[0], result.output
 
 
-def test_max_hours_below_the_looks_cost_submits_nothing(workdir: Path) -> None:
-    _store(workdir, running=None)
+def test_max_hours_below_the_looks_cost_submits_nothing(workdir: Path, store) -> None:
+    store(workdir, running=None)
     capped = _run(workdir, "seeds", SWEEP, "--submit", "--max-hours", "1e-9")
     assert capped.returncode == 2 and "over the cap; nothing submitted" in capped.stderr, capped.stderr
     assert len(open_ledger(sqlite_uri(workdir)).runs(SWEEP)) == 12 and _submissions(workdir) == {}
 
 
-def test_cost_model_prices_rows_without_measured_hours(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cost_model_prices_rows_without_measured_hours(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        store) -> None:  # fmt: skip
     """Rows whose runs have no recorded durations get the cost model's expected hours a run; recorded
     durations, where a testbed row has them, come first."""
     from pdmctl.budget import seeds as seeds_module
     from pdmctl.budget.cost import Estimate, Span
     from pdmctl.budget.seeds import Look, cost_text, run_costs
 
-    precision = _store(tmp_path, running=None)
+    precision = store(tmp_path, running=None)
     from pdmctl.report.collect import collect, row_keys
     from pdmctl.report.definition import load_definition
 
