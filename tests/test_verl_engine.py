@@ -4,7 +4,7 @@ Run with the engine environment's Python (scripts/engine-env.sh; scripts/ci-engi
 
     DIR/bin/python -m pytest -m engine tests/test_verl_engine.py
 
-One sweep (a PDM and a DPPO run, the user's command with the debug dump on, tracked on the CI's MLflow
+One sweep (a PDM and a DPPO run, the user's command with the debug dump and step 1's snapshot on, tracked on the CI's MLflow
 server through a 60 s outage) serves the ledger, top-K, loss and outage checks; the V1 trainer's test and
 the failure test run one more job each; the SLURM test one through the job body on the CI's SLURM, which
 reaches its time limit mid-training and is requeued (two engine starts).
@@ -39,6 +39,7 @@ MODEL = os.environ.get("PDMCTL_ENGINE_MODEL", "qwen3-tiny")
 ON_CPU = MODEL == "qwen3-tiny"
 SWEEP_TIMEOUT_S = 3600  # two jobs, one after the other; one can take 15 min on a slow 2-core machine, mostly start-up
 SHM = Path("/dev/shm")
+SNAPSHOT_STEP = 1  # the sweep's runs snapshot this step's updates (the step whose batch has mixed rewards)
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,8 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineSweep]:
     uri = f"http://127.0.0.1:{relay.port}"
     name = f"engine-{int(time.time())}"
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    env.update({"COLUMNS": "200", "PDMCTL_VERL_DUMP_DIR": str(dump_dir), "PDMCTL_TINY_DIR": _tiny_dir(root)})
+    env.update({"COLUMNS": "200", "PDMCTL_VERL_DUMP_DIR": str(dump_dir), "PDMCTL_TINY_DIR": _tiny_dir(root),
+                "PDMCTL_VERL_SNAPSHOT_STEP": str(SNAPSHOT_STEP)})  # fmt: skip
     started = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdmctl.cli", "sweep", "backend=verl", f"model={MODEL}", "mask=pdm_agg,dppo_topk_kl",
@@ -351,6 +353,31 @@ def test_loss_inside_verl_equals_masks_policy_loss(sweep: EngineSweep) -> None:
                                        ratio_cap=s["ratio_cap"], loss_agg_mode="token-mean")  # fmt: skip
         offline_sum = offline.detach().double() * n
         torch.testing.assert_close(offline_sum, (weight * offline_lp).sum().double(), rtol=1e-5, atol=1e-6)
+
+
+def test_analyze_engine_replays_the_snapshot_and_lands_on_verls_update(sweep: EngineSweep) -> None:
+    """`pdmctl analyze --engine verl RUN_DIR --step 1` on the PDM run's snapshot: VeRL's own gradients through
+    the replay's clip and AdamW land on VeRL's weights after the step within a few float32 ulps of the largest
+    weight, on every update of the step; the counterfactual rerun in float64 gives every own effect above the
+    float32 floor the same sign; the primary metric, its channels and the regime table are printed."""
+    (run,) = [r for r in _runs(sweep.uri, sweep.name) if r.data.params.get("mask.method") == "pdm"]
+    run_dir = next((sweep.root / "pdmctl-runs").glob(f"{sweep.name}/*/{run.info.run_id}"))
+    started = time.monotonic()
+    result = pdmctl("analyze", "--engine", "verl", str(run_dir), "--step", str(SNAPSHOT_STEP), "--threads", "2",
+                    cwd=sweep.root, timeout=1800)  # fmt: skip
+    print(f"analyze --engine verl: {time.monotonic() - started:.0f} s\n{result.stdout}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    checks = re.findall(r"max \|Δw\| (\S+) from VeRL's weights after, (within|ABOVE) float32 rounding's (\S+)", result.stdout)
+    assert checks, result.stdout
+    for diff, _, bound in checks:
+        assert float(diff) <= float(bound), (diff, bound)
+    (agree, above), = re.findall(r"signs of own effects agree on (\d+)/(\d+) above the floor", result.stdout)
+    assert agree == above, result.stdout
+    for said in ("PRIMARY METRIC engine", "CHANNELS engine step 1", "whole step:", "clip held:",
+                 "The regime beside the paper's", "out of the region, of the response tokens"):  # fmt: skip
+        assert said in result.stdout, said
+    bad = pdmctl("analyze", "--engine", "verl", str(run_dir), "--step", "7", cwd=sweep.root)
+    assert bad.returncode == 2 and "no snapshot of step 7" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
 def _engine_processes(marker: str) -> list[int]:

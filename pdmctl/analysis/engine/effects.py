@@ -26,6 +26,9 @@ from pdmctl.analysis.engine.replay import Replay, ReplayCheck, check_replay
 
 ESTIMATOR = "exact"  # the primary metric's (inference.PRIMARY_ESTIMATOR)
 CRITERIA = ("ratio", "predictive")
+# out-of-region tokens per update whose pairs are taken beside the disagreement tokens (all where fewer): the
+# float64 check and the out-of-region sample's line read them
+SAMPLE = 4
 
 
 @dataclass
@@ -38,8 +41,9 @@ class UpdateEffects:
     disagree: torch.Tensor  # bool [N]
     keeps: dict[str, torch.Tensor]  # criterion -> bool [N] (its keep on the out-of-region tokens)
     realized: torch.Tensor  # float64 [N]: D after VeRL's update − D before
-    own: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)  # (criterion, precision) -> [n dis]
-    own_held: dict[str, torch.Tensor] = field(default_factory=dict)  # criterion -> [n dis] (float32)
+    pairs: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # the tokens of `own`
+    own: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)  # (criterion, precision) -> [pairs]
+    own_held: dict[str, torch.Tensor] = field(default_factory=dict)  # criterion -> [pairs] (float32)
     floor: float = math.nan
     check: ReplayCheck | None = None
     run: str = ""  # the run's directory name
@@ -86,7 +90,10 @@ def analyse_update(replay: Replay, index: int, check: bool = True) -> UpdateEffe
     before = replay.divergence(replay.weights("weights_before"), "float32")
     after = replay.divergence(replay.weights("weights_after"), "float32")
     found = UpdateEffects(index, replay.tokens, out, disagree, keeps, after - before)
-    tokens = disagree.nonzero().squeeze(1)
+    others = (out & ~disagree).nonzero().squeeze(1)
+    drawn = others[torch.randperm(len(others), generator=torch.Generator().manual_seed(index))[:SAMPLE]]
+    tokens = torch.cat([disagree.nonzero().squeeze(1), drawn.sort().values])
+    found.pairs = tokens
     errors = [0.0]
     done: dict[bytes, tuple] = {}  # criteria with the same mask on the batch take the same updates
     for criterion in CRITERIA:
@@ -128,9 +135,8 @@ def primary_counts(updates: list[UpdateEffects], held: bool = False):
     criterion keeps (float32's own effects; clip-held ones with `held`)."""
     counts: dict[str, tuple[list[int], list[int]]] = {c: ([], []) for c in CRITERIA}
     for u in updates:
-        tokens = u.disagree.nonzero().squeeze(1)
         for c in CRITERIA:
-            kept = u.keeps[c][tokens]
+            kept = u.keeps[c][u.pairs] & u.disagree[u.pairs]
             own = u.own_held[c] if held else u.own[c, "float32"]
             counts[c][0].append(int((own[kept] > 0).sum()))
             counts[c][1].append(int(kept.sum()))
@@ -148,4 +154,20 @@ def realized_rates(updates: list[UpdateEffects]) -> dict[str, tuple[float | None
             ns.append(int(kept.sum()))
         rates = [a / n for a, n in zip(ups, ns, strict=True) if n]
         found[c] = (sum(rates) / len(rates) if rates else None, sum(ups) / sum(ns) if sum(ns) else None)
+    return found
+
+
+def sample_counts(updates: list[UpdateEffects]) -> dict[str, tuple[int, int, int, int]]:
+    """criterion -> (kept, of them own > 0, masked, of them own < 0) on the out-of-region sample (float32)."""
+    found = {}
+    for c in CRITERIA:
+        kept = up = masked = down = 0
+        for u in updates:
+            sample = ~u.disagree[u.pairs]
+            k = u.keeps[c][u.pairs] & sample
+            own = u.own[c, "float32"]
+            kept, up = kept + int(k.sum()), up + int((own[k] > 0).sum())
+            m = ~u.keeps[c][u.pairs] & sample
+            masked, down = masked + int(m.sum()), down + int((own[m] < 0).sum())
+        found[c] = (kept, up, masked, down)
     return found

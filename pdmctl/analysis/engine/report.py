@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdmctl.analysis.engine.effects import (
+    SAMPLE,
     UpdateEffects,
     analyse_update,
     primary_counts,
     realized_rates,
+    sample_counts,
     sign_check,
 )
 from pdmctl.analysis.engine.replay import Replay, build_model, load_snapshot, snapshot_paths
@@ -84,6 +86,10 @@ def replay_lines(analysis: EngineAnalysis) -> list[str]:
             f"|Δw| {_e(c.full_diff)} (VeRL's step moved them up to {_e(c.step_size)}); a float32 forward keeps "
             f"{c.flipped} token(s) otherwise",
         ]  # fmt: skip
+    sample = sample_counts(analysis.updates)
+    lines.append("OUT-OF-REGION SAMPLE (up to " + str(SAMPLE) + " tokens an update, not disagreement tokens; the "
+                 "criteria decide them alike): own > 0 on the kept, own < 0 on the masked: " + ", ".join(
+                     f"{c} {up}/{kept} kept, {down}/{masked} masked" for c, (kept, up, masked, down) in sample.items()))  # fmt: skip
     s = sign_check(analysis.updates)
     lines.append(f"FLOAT64 the counterfactual rerun in float64: signs of own effects agree on {s.agree}/{s.above} "
                  f"above the floor {_e(s.floor)} (2 × the largest |D(float32) − D(float64)| after the criteria's own "
