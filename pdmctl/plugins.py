@@ -185,7 +185,7 @@ def load(group: str, name: object) -> Loaded | None:
     _refuse_builtin(group, name, where)
     try:
         plugin = ep.load()
-    except Exception as exc:  # ImportError, a SyntaxError, whatever its module raises at import
+    except (Exception, SystemExit) as exc:  # ImportError, a SyntaxError, whatever its module raises, exit() too
         raise PluginError(f"{where}: does not import: {_first_line(exc)}") from exc
     kind = KINDS[group]
     if not isinstance(plugin, kind):
@@ -323,7 +323,7 @@ def _masked(plugin: MaskPlugin, where: str) -> Callable[[Any], Any]:
         n = t.advantages.shape[0]
         try:
             keep = plugin.keep(t)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise PluginError(f"{where}: keep raised {_first_line(exc)} (on {n} tokens)") from exc
         if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or tuple(keep.shape) != (n,):
             got = (f"{keep.dtype} of shape {tuple(keep.shape)}" if isinstance(keep, torch.Tensor)

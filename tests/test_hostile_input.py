@@ -1500,3 +1500,31 @@ def test_yaml_with_ordinary_anchors_and_the_shipped_files_load_as_yaml_safe_load
     assert sweep.grid == {"backend": "synthetic", "model": "synthetic", "k": "10,20"}
     assert sweep.settings == [{"backend": "synthetic", "model": "synthetic", "delta": "0.1"},
                               {"delta": "0.2", "k": "10,20"}]  # fmt: skip
+
+
+# -- a mask plugin that calls exit(): at import, or in its keep decision -------------------------------
+
+
+def test_a_plugin_that_exits_at_import_is_refused_in_one_line_not_a_silent_success(workdir: Path) -> None:
+    """`raise SystemExit(0)` (or `sys.exit()`) in a plugin's module is a plugin that does not import: exit 2,
+    one line naming it, nothing written; never a sweep that ends at once with exit 0 and no word."""
+    from tests.conftest import pdmctl
+    from tests.test_plugins import error_line, install
+
+    env = install(workdir / "site", "exit-masks", {"quits": "raise SystemExit(0)\n"}, "[pdmctl.masks]\nsx = quits:MASK\n")
+    res = pdmctl("sweep", "mask=sx", "--dry-run", cwd=workdir, env=env)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "mask plugin 'sx' (quits:MASK in exit-masks 0.1): does not import: SystemExit: 0" in error_line(res)
+    assert sorted(p.name for p in workdir.iterdir()) == ["site"]
+
+
+def test_a_keep_decision_that_exits_is_the_plugins_error() -> None:
+    """A keep decision that calls exit() raises PluginError naming the plugin (the run's one-line reason)."""
+    from pdmctl import plugins
+
+    def keep(t):
+        raise SystemExit(3)
+
+    masked = plugins._masked(plugins.MaskPlugin("quitter", keep=keep), "mask plugin 'quitter'")
+    with pytest.raises(plugins.PluginError, match=r"^mask plugin 'quitter': keep raised SystemExit: 3 \(on 4 tokens\)"):
+        masked(plugins._probe())
