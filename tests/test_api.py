@@ -15,13 +15,13 @@ SYN = ["backend=synthetic", "model=synthetic", "backend.steps=2"]
 def test_a_sweep_from_python_runs_waits_and_reports(workdir: Path) -> None:
     """sweep(wait=True) returns once every run has ended; status gives one dict per run; report writes the
     page and returns the tables' data, the comparison against the baseline included."""
-    s = api.sweep([*SYN, "mask=pdm_agg,dppo_topk_kl", "seed=0,1"], name="nb", wait=True, timeout=300, poll=0.5)
-    assert (s.name, len(s.keys), len(s.job_ids), s.cluster) == ("nb", 4, 4, "local")
+    s = api.sweep([*SYN, "mask=pdm_agg,dppo_topk_kl", "seed=0"], name="nb", wait=True, timeout=300, poll=0.5)
+    assert (s.name, len(s.keys), len(s.job_ids), s.cluster) == ("nb", 2, 2, "local")
     rows = api.status(s)
-    assert [row["state"] for row in rows] == ["finished"] * 4
+    assert [row["state"] for row in rows] == ["finished"] * 2
     assert {row["key"] for row in rows} == set(s.keys)
-    assert all(row["step"] == 2 and row["avg16"] is not None and row["config"]["seed"] in (0, 1) for row in rows)
-    again = api.sweep([*SYN, "mask=pdm_agg,dppo_topk_kl", "seed=0,1"], name="nb")  # served: nothing submitted
+    assert all(row["step"] == 2 and row["avg16"] is not None and row["config"]["seed"] == 0 for row in rows)
+    again = api.sweep([*SYN, "mask=pdm_agg,dppo_topk_kl", "seed=0"], name="nb")  # served: nothing submitted
     assert again.keys == s.keys and again.job_ids == ()
     assert api.wait("nb", timeout=60) == api.status("nb")
 

@@ -20,7 +20,7 @@ from pdmctl.ledger.client import ClientLedger
 from pdmctl.ledger.records import PARENT_TAG, TAG_LEDGER, TAG_SWEEP_RUN, flatten
 from pdmctl.report.collect import collect
 from pdmctl.report.definition import load_definition
-from tests.conftest import FAST, pdmctl, sqlite_uri
+from tests.conftest import pdmctl, sqlite_uri
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_report_synthetic import finish, write_points
@@ -326,7 +326,8 @@ def test_a_testbed_run_end_to_end_as_mlflow_shows_it(workdir: Path) -> None:
     """A real run of the testbed through `pdmctl sweep --wait`: the job leaves the readable tags (its attempt and
     job id; no executor, submission or provenance tag of its own), its provenance in the ledger's record,
     `heldout/avg16` a fraction as its sets are, its data sets as inputs, a child of the sweep's parent run."""
-    made = pdmctl("sweep", "--name", "e2e", "mask=pdm_agg", "seed=0", *FAST, "--wait", cwd=workdir)
+    short = ["backend.steps=2", "backend.eval_every=2", "backend.checkpoint_every=2", "backend.prompts_per_step=8"]
+    made = pdmctl("sweep", "--name", "e2e", "mask=pdm_agg", "seed=0", *short, "--wait", cwd=workdir)
     assert made.returncode == 0, made.stdout + made.stderr
     client = MlflowClient(sqlite_uri(workdir))
     (run,) = _sweep_runs(client, "e2e")
