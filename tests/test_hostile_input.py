@@ -1528,3 +1528,32 @@ def test_a_keep_decision_that_exits_is_the_plugins_error() -> None:
     masked = plugins._masked(plugins.MaskPlugin("quitter", keep=keep), "mask plugin 'quitter'")
     with pytest.raises(plugins.PluginError, match=r"^mask plugin 'quitter': keep raised SystemExit: 3 \(on 4 tokens\)"):
         masked(plugins._probe())
+
+
+# -- analyze --engine verl: the testbed's options, a run named twice, --threads 0 ------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--json", "out.json"], "--json: an option of the testbed's analysis; the snapshot analysis (--engine verl)"),
+        (["--seeds", "3"], "--seeds: an option of the testbed's analysis"),
+        (["--csv", "rates.csv"], "--csv: an option of the testbed's analysis"),
+        (["--figures", "figs"], "--figures: an option of the testbed's analysis"),
+        (["--mismatch-only"], "--mismatch-only: an option of the testbed's analysis"),
+        (["--protocols", "sgd"], "--protocols: an option of the testbed's analysis"),
+        (["run", "--threads", "0"], "--threads: must be >= 1, got 0"),
+        (["run"], "run: named twice (as run too); each run directory is one seed, given once"),
+        (["./run/"], "run: named twice (as run too)"),
+    ],
+)
+def test_analyze_engine_refuses_what_it_would_ignore_or_count_twice(store: Path, extra: list[str], needle: str) -> None:  # noqa: F811
+    """The snapshot analysis never writes --json/--csv/--figures nor reads the testbed's seeds and protocols: each
+    is refused in one line, not ignored with exit 0; a run directory named twice would be two seeds of one run."""
+    (store / "run" / "snapshots" / "step-1").mkdir(parents=True)
+    refused(store, ["analyze", "--engine", "verl", "run", "--step", "1", *extra], needle)
+    assert not (store / "out.json").exists() and not (store / "figs").exists()
+
+
+def test_model_dir_without_engine_is_refused(store: Path) -> None:  # noqa: F811
+    refused(store, ["analyze", "--model-dir", "somewhere"], "--model-dir: goes with --engine verl RUN_DIR --step N")

@@ -14,6 +14,7 @@ from pdmctl.terminal import guard as _guard
 
 MAX_SEEDS = MAX_RUNS  # analyze --seeds: as many as a sweep may have runs
 MAX_SEED = 2**63 - 1  # torch.manual_seed takes a signed 64-bit seed
+DEFAULT_PROTOCOLS = "counterfactual,carried,fresh-adam,sgd,own-adam,own-grad"
 
 
 def register(app: typer.Typer) -> None:
@@ -37,7 +38,7 @@ def analyze(
             "with it kept against one with it masked: ΔD = D(keep) − D(mask)), carried (the Adam state the stale mini-batches left), "
             "fresh-adam, sgd, own-adam and own-grad (a token's own effect, first order; see docs/MATH.md)."
         ),
-    ] = "counterfactual,carried,fresh-adam,sgd,own-adam,own-grad",
+    ] = DEFAULT_PROTOCOLS,
     family: Annotated[
         list[Path] | None,
         typer.Option(
@@ -100,8 +101,17 @@ def analyze(
     from pdmctl.backends.registry import flat_config
 
     if engine is not None or step is not None:
+        testbed = {"--seeds": seeds != 20, "--first-seed": first_seed != 1000, "--json": json_out is not None,
+                   "--protocols": protocols != DEFAULT_PROTOCOLS, "--family": bool(family), "--csv": csv_out is not None,
+                   "--figures": figures is not None, "--jobs": jobs is not None, "--exact-region": exact_region,
+                   "--mismatch-only": mismatch_only}  # fmt: skip
+        if given := [name for name, set_ in testbed.items() if set_]:
+            fail(f"{given[0]}: an option of the testbed's analysis; the snapshot analysis (--engine verl) takes the "
+                 "run directories, --step, --model-dir and --threads, and prints its tables")  # fmt: skip
         _engine_analysis(engine, overrides or [], step, model_dir, threads)
         return
+    if model_dir is not None:
+        fail("--model-dir: goes with --engine verl RUN_DIR --step N")
 
     from pdmctl.extras import refusal
 
@@ -234,7 +244,13 @@ def _engine_analysis(engine: str | None, args: list[str], step: int | None, mode
             fail("analyze --engine verl: name the run directory (or several: one run a seed)")
         if step is None or step < 1:
             fail(f"--step: the snapshotted training step (an integer >= 1), got {step}")
+        if threads is not None and threads < 1:
+            fail(f"--threads: must be >= 1, got {threads}")
         run_dirs = [Path(a) for a in args]
+        named: dict[Path, Path] = {}
+        for run_dir in run_dirs:
+            if (first := named.setdefault(run_dir.resolve(), run_dir)) is not run_dir:
+                fail(f"{run_dir}: named twice (as {first} too); each run directory is one seed, given once")
         from pdmctl.analysis.engine.replay import SnapshotError, snapshot_paths
 
         for run_dir in run_dirs:
