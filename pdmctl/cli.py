@@ -112,12 +112,12 @@ def sweep(
                                  "runs at the rate SWEEP's finished runs of the same setting measured.")
     ] = None,
     days: Annotated[
-        float | None, typer.Option("--days", min=0, help="With --dry-run: also propose the largest part of the grid "
+        float | None, typer.Option("--days", help="With --dry-run: also propose the largest part of the grid "
                                    "(its cheapest settings, seeds an arm) expected to end within N days on the "
                                    "profile's slots, and what it can resolve; the grid is not changed.")
     ] = None,
     budget: Annotated[
-        float | None, typer.Option("--budget", min=0, metavar="HOURS", help="With --dry-run: the same within HOURS "
+        float | None, typer.Option("--budget", metavar="HOURS", help="With --dry-run: the same within HOURS "
                                    "GPU-hours (CPU-hours on the testbed).")
     ] = None,
 ) -> None:

@@ -1557,3 +1557,22 @@ def test_analyze_engine_refuses_what_it_would_ignore_or_count_twice(store: Path,
 
 def test_model_dir_without_engine_is_refused(store: Path) -> None:  # noqa: F811
     refused(store, ["analyze", "--model-dir", "somewhere"], "--model-dir: goes with --engine verl RUN_DIR --step N")
+
+
+# -- sweep --dry-run --days / --budget: NaN and negatives named as such; a huge limit printed short ----------
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--days", "nan"), ("--days", "-1"), ("--budget", "nan"), ("--budget", "-5")])
+def test_a_design_limit_that_is_nan_or_negative_is_named_as_such(store: Path, flag: str, value: str) -> None:  # noqa: F811
+    """NaN is no number below 0: the line says a finite number > 0 is wanted and shows what was given."""
+    line = refused(store, ["sweep", "delta=0.05", "seeds=3", "--dry-run", flag, value], "give --dry-run and a finite number > 0")
+    assert line.endswith(f"got {float(value)}")
+
+
+def test_a_huge_figure_prints_in_a_few_characters() -> None:
+    """`--days 1e308` is a limit, not a 400-digit number on the design's line."""
+    from pdmctl.budget.cost import number
+
+    assert number(1e308) == "1e+308"
+    assert number(30_474_921_083_727.4) == "30,474,921,083,727"
+    assert number(63_325.2) == "63,325"

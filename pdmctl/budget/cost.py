@@ -439,8 +439,9 @@ def total_text(t: Total, unit: str | None = None) -> str:
 
 
 def number(x: float) -> str:
-    """An hours figure as printed: whole above 10, two decimals above 1, two significant digits below."""
-    return f"{x:,.0f}" if x >= 10 else f"{x:.2f}" if x >= 1 else f"{x:.2g}"
+    """An hours figure as printed: whole above 10 (three significant digits from 1e15), two decimals above 1,
+    two significant digits below."""
+    return f"{x:.3g}" if x >= 1e15 else f"{x:,.0f}" if x >= 10 else f"{x:.2f}" if x >= 1 else f"{x:.2g}"
 
 
 def duration(seconds: float) -> str:
