@@ -189,6 +189,14 @@ def load_named(
         names = sorted({p.stem for d in directories for p in d.glob("*.yaml")})
         shown = name_or_path if len(name_or_path) <= 200 else f"{name_or_path[:200]}..."
         hint = did_you_mean(Path(name_or_path).stem, names) if len(name_or_path) <= 200 else ""
+        try:
+            is_dir, is_link = path.is_dir(), path.is_symlink()
+        except OSError:  # a name too long for the filesystem: not found
+            is_dir = is_link = False
+        if is_dir:
+            raise error(f"{what}: {shown!r} is a directory, not a YAML file")
+        if is_link:
+            raise error(f"{what}: {shown!r} is a link that leads to no file (broken, or a loop)")
         raise error(f"{what}: {shown!r} not found{hint} (known: {', '.join(names) or 'none'})")
     text = read_text(path, what, error)
     try:

@@ -1576,3 +1576,16 @@ def test_a_huge_figure_prints_in_a_few_characters() -> None:
     assert number(1e308) == "1e+308"
     assert number(30_474_921_083_727.4) == "30,474,921,083,727"
     assert number(63_325.2) == "63,325"
+
+
+# -- a sweep file that is a directory, or a link that leads nowhere ----------------------------------------
+
+
+def test_a_sweep_file_that_is_a_directory_or_a_link_loop_is_named_as_such(store: Path) -> None:  # noqa: F811
+    """Not 'not found' for a path that is there: a directory, or a symlink loop, says what it is."""
+    (store / "dir.yaml").mkdir()
+    (store / "loop1.yaml").symlink_to("loop2.yaml")
+    (store / "loop2.yaml").symlink_to("loop1.yaml")
+    refused(store, ["sweep", "--file", "dir.yaml", "--dry-run"], "sweep file: 'dir.yaml' is a directory, not a YAML file")
+    refused(store, ["sweep", "--file", "loop1.yaml", "--dry-run"],
+            "sweep file: 'loop1.yaml' is a link that leads to no file (broken, or a loop)")
