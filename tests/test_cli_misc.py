@@ -47,13 +47,17 @@ def test_analyze_bad_input(workdir: Path):
 
 def test_analyze_engine_bad_input_is_one_line(workdir: Path):
     """`analyze --engine verl RUN_DIR --step N`: a wrong engine, a step without it, a missing run directory or a run
-    without that step's snapshot is refused in one line, exit 2, before any model is built."""
+    without that step's snapshot, or a snapshot file that is not one, is refused in one
+    line, exit 2, before any model is built."""
     (workdir / "run" / "snapshots" / "step-2").mkdir(parents=True)
+    (workdir / "junk" / "snapshots" / "step-1").mkdir(parents=True)
+    (workdir / "junk" / "snapshots" / "step-1" / "minibatch-0.pt").write_text("junk\n")
     for args, said in (
         (["--engine", "megatron", "run", "--step", "1"], "--engine"),
         (["--step", "1", "run"], "--step"),
         (["--engine", "verl", "--step", "1"], "name the run directory"),
         (["--engine", "verl", "run", "--step", "1"], "no snapshot of step 1 (have: step-2)"),
+        (["--engine", "verl", "junk", "--step", "1"], "minibatch-0.pt: not a snapshot (not a file torch.save writes)"),
     ):
         res = pdmctl("analyze", *args, cwd=workdir)
         assert res.returncode == 2 and res.stderr.count("\n") == 1 and said in res.stderr, (args, res.stderr)

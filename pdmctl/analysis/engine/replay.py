@@ -47,10 +47,15 @@ def snapshot_paths(run_dir: Path, step: int) -> list[Path]:
 
 
 def load_snapshot(path: Path) -> dict[str, Any]:
+    import zipfile
+
+    if path.is_file() and not zipfile.is_zipfile(path):  # torch.save writes a zip archive; an older format or junk
+        raise SnapshotError(f"{path}: not a snapshot (not a file torch.save writes)")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise SnapshotError(f"{path}: not a snapshot ({(str(exc) or type(exc).__name__).splitlines()[0][:160]})") from None
+        said = (str(exc).splitlines() or [""])[0][:160]
+        raise SnapshotError(f"{path}: not a snapshot ({type(exc).__name__}{': ' + said if said else ''})") from None
 
 
 @dataclass(frozen=True)
