@@ -27,6 +27,9 @@ from tests.conftest import pdmctl
 
 SYN = ["backend=synthetic", "model=synthetic"]
 SLOW = [*SYN, "backend.steps=200", "backend.step_s=1"]  # runs that stay running until cancelled
+# how long a test waits for a job to start, a step to be logged or a process to exit: on a loaded 2-core machine
+# (CI's lanes side by side) a job's start alone can take minutes; a wait that ends early passes at once
+LOADED_S = 600.0
 SCRIPT = Path(sys.executable).with_name("pdmctl")
 
 
@@ -286,15 +289,15 @@ def test_ctrl_c_while_waiting_exits_130_the_runs_go_on_and_cancel_asks_naming_ho
         return {r["key"]: r["step"] or 0 for r in document["runs"]} if document else {}
 
     try:
-        _wait_for(lambda: max(steps().values(), default=0) >= 1)  # submitted, and training
+        _wait_for(lambda: max(steps().values(), default=0) >= 1, timeout=LOADED_S)  # submitted, and training
         os.killpg(proc.pid, signal.SIGINT)  # as a Ctrl-C at the terminal: to the whole foreground group
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=LOADED_S)
         assert proc.returncode == 130, err
         lines = err.strip().splitlines()
         assert len(lines) == 1 and "stopped waiting; the runs go on" in lines[0], err
         assert "pdmctl status slow --watch" in lines[0] and "pdmctl logs KEY --follow" in lines[0], err
         key, at_interrupt = max(steps().items(), key=lambda item: item[1])
-        _wait_for(lambda: steps()[key] > at_interrupt, timeout=60)  # still training after the Ctrl-C
+        _wait_for(lambda: steps()[key] > at_interrupt, timeout=LOADED_S)  # still training after the Ctrl-C
 
         keys = _live(workdir, "slow")
         assert len(keys) == 2
@@ -340,9 +343,9 @@ def test_ctrl_c_while_driving_a_study_exits_130_and_its_trial_goes_on(workdir: P
                             env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # fmt: skip
     try:
-        _wait_for(lambda: _registered(workdir, "study") and _live(workdir, "study") != [])
+        _wait_for(lambda: _registered(workdir, "study") and _live(workdir, "study") != [], timeout=LOADED_S)
         os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=LOADED_S)
         assert proc.returncode == 130, err
         assert "stopped driving study study; its trials in flight go on" in err.strip().splitlines()[-1], err
         assert "pdmctl status study --watch" in err, err
