@@ -29,7 +29,7 @@ SYN = ["backend=synthetic", "model=synthetic"]
 SLOW = [*SYN, "backend.steps=200", "backend.step_s=1"]  # runs that stay running until cancelled
 # how long a test waits for a job to start, a step to be logged or a process to exit: on a loaded 2-core machine
 # (CI's lanes side by side) a job's start alone can take minutes; a wait that ends early passes at once
-LOADED_S = 600.0
+LOADED_S = 300.0
 SCRIPT = Path(sys.executable).with_name("pdmctl")
 
 
@@ -58,27 +58,14 @@ def _one_line(res, code: int = 2) -> str:
     return lines[0]
 
 
-def _looked_at(folder: Path, sweep: str) -> dict | None:
-    """`pdmctl status SWEEP --json` in this process (typer's CliRunner), in `folder`: how the tests look at a
-    store they wait on (the commands under test run as processes); None while the sweep has no runs."""
-    here = Path.cwd()
-    os.chdir(folder)
-    try:
-        res = CliRunner().invoke(app, ["status", sweep, "--json"], env={"COLUMNS": "200"})
-    finally:
-        os.chdir(here)
-    return json.loads(res.stdout) if res.exit_code == 0 else None
-
-
 def _live(folder: Path, sweep: str) -> list[str]:
     """The keys of the sweep's queued, running and unstarted runs, in the table's order."""
-    document = _looked_at(folder, sweep)
-    assert document is not None, f"sweep {sweep}: no runs"
-    return [r["key"] for r in document["runs"] if r["state"] in ("running", "queued", "not started")]
+    runs = _document(pdmctl("status", sweep, "--json", cwd=folder))["runs"]
+    return [r["key"] for r in runs if r["state"] in ("running", "queued", "not started")]
 
 
 def _registered(folder: Path, sweep: str) -> bool:
-    return _looked_at(folder, sweep) is not None
+    return pdmctl("status", sweep, "--json", cwd=folder).returncode == 0
 
 
 def _wait_for(condition, timeout: float = 120.0, poll: float = 0.5) -> None:
@@ -269,36 +256,14 @@ def test_piped_output_takes_its_width_from_columns(finished: Path) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Ctrl-C while waiting, then cancel asks first
+# cancel asks first
 # ---------------------------------------------------------------------------
 
 
-def test_ctrl_c_while_waiting_exits_130_the_runs_go_on_and_cancel_asks_naming_how_many_first(
-    workdir: Path,
-) -> None:
-    """One sweep of two runs that stay running serves both: a Ctrl-C while `sweep --wait` waits exits 130 in one
-    line and the runs go on training; then `cancel` asks first, naming how many runs, and without a terminal (no
-    --yes) cancels nothing; declined, nothing; accepted for one run by its key, that run; with -y, the rest
-    without a question; then there is nothing to cancel and it exits 0."""
-    proc = subprocess.Popen([str(SCRIPT), "sweep", *SLOW, "seed=0,1", "--name", "slow", "--wait"], cwd=workdir,
-                            env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)  # fmt: skip
-
-    def steps() -> dict[str, int]:  # none before the sweep has registered its runs
-        document = _looked_at(workdir, "slow")
-        return {r["key"]: r["step"] or 0 for r in document["runs"]} if document else {}
-
+def test_cancel_asks_naming_how_many_runs_and_without_a_terminal_cancels_nothing(workdir: Path) -> None:
+    started = pdmctl("sweep", *SLOW, "seed=0,1", "--name", "slow", cwd=workdir)
+    assert started.returncode == 0, started.stdout + started.stderr
     try:
-        _wait_for(lambda: max(steps().values(), default=0) >= 1, timeout=LOADED_S)  # submitted, and training
-        os.killpg(proc.pid, signal.SIGINT)  # as a Ctrl-C at the terminal: to the whole foreground group
-        _, err = proc.communicate(timeout=LOADED_S)
-        assert proc.returncode == 130, err
-        lines = err.strip().splitlines()
-        assert len(lines) == 1 and "stopped waiting; the runs go on" in lines[0], err
-        assert "pdmctl status slow --watch" in lines[0] and "pdmctl logs KEY --follow" in lines[0], err
-        key, at_interrupt = max(steps().items(), key=lambda item: item[1])
-        _wait_for(lambda: steps()[key] > at_interrupt, timeout=LOADED_S)  # still training after the Ctrl-C
-
         keys = _live(workdir, "slow")
         assert len(keys) == 2
         line = _one_line(_run(["cancel", "slow"], workdir))  # stdin is no terminal, no --yes
@@ -319,8 +284,6 @@ def test_ctrl_c_while_waiting_exits_130_the_runs_go_on_and_cancel_asks_naming_ho
         again = _run(["cancel", "slow"], workdir)  # nothing left: no question, exit 0
         assert again.returncode == 0 and "nothing to cancel" in again.stdout, again.stdout + again.stderr
     finally:
-        if proc.poll() is None:
-            proc.kill()
         pdmctl("cancel", "slow", "--yes", cwd=workdir)
 
 
@@ -333,8 +296,34 @@ def test_cancel_of_nothing_says_so_in_one_line_and_exits_0(workdir: Path) -> Non
 
 
 # ---------------------------------------------------------------------------
-# Ctrl-C while driving a study
+# Ctrl-C while waiting
 # ---------------------------------------------------------------------------
+
+
+def test_ctrl_c_while_waiting_exits_130_and_the_runs_go_on(workdir: Path) -> None:
+    proc = subprocess.Popen([str(SCRIPT), "sweep", *SLOW, "seed=0", "--name", "waited", "--wait"], cwd=workdir,
+                            env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+
+    def steps() -> list[int]:  # none before the sweep has registered its run
+        res = pdmctl("status", "waited", "--json", cwd=workdir)
+        return [r["step"] or 0 for r in json.loads(res.stdout)["runs"]] if res.returncode == 0 else []
+
+    try:
+        _wait_for(lambda: steps() != [] and steps()[0] >= 1, timeout=LOADED_S)  # submitted, and training
+        os.killpg(proc.pid, signal.SIGINT)  # as a Ctrl-C at the terminal: to the whole foreground group
+        _, err = proc.communicate(timeout=LOADED_S)
+        assert proc.returncode == 130, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "stopped waiting; the runs go on" in lines[0], err
+        assert "pdmctl status waited --watch" in lines[0] and "pdmctl logs KEY --follow" in lines[0], err
+        at_interrupt = steps()[0]
+        _wait_for(lambda: steps()[0] > at_interrupt, timeout=LOADED_S)  # still training after the Ctrl-C
+        assert len(_live(workdir, "waited")) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        pdmctl("cancel", "waited", "--yes", cwd=workdir)
 
 
 def test_ctrl_c_while_driving_a_study_exits_130_and_its_trial_goes_on(workdir: Path) -> None:
