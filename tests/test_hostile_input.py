@@ -490,10 +490,11 @@ def _tables(db: Path) -> set[str]:
         conn.close()
 
 
-def test_a_store_whose_creation_a_full_disk_cut_short_is_created_afresh(tmp_path: Path) -> None:
-    """A real full disk (a 128 KiB tmpfs) while MLflow creates the schema leaves some of its tables and
-    a migration stamp MLflow itself cannot continue from; once space returns, the next command moves
-    that store (no run in it) aside and works (a full disk reproduced on a real filesystem)."""
+def test_a_store_whose_creation_a_full_disk_cut_short_is_created_afresh(tmp_path: Path, monkeypatch) -> None:
+    """A real full disk (a 128 KiB tmpfs) while MLflow creates the schema (its own creation: no cache for
+    pdmctl's copy of an empty store) leaves some of its tables and a migration stamp MLflow itself cannot
+    continue from; once space returns, the next command moves that store (no run in it) aside and works
+    (a full disk reproduced on a real filesystem)."""
     import os
     import subprocess
 
@@ -501,6 +502,8 @@ def test_a_store_whose_creation_a_full_disk_cut_short_is_created_afresh(tmp_path
         pytest.skip("mounting a tmpfs needs root")
     disk = tmp_path / "disk"
     disk.mkdir()
+    (tmp_path / "no-cache").write_text("")
+    monkeypatch.setenv("PDMCTL_CACHE", str(tmp_path / "no-cache" / "cache"))  # a file: no template
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(disk)], check=True)
     try:
         from pdmctl.ledger import LedgerError, SqlLedger

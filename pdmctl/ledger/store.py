@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from pdmctl.ledger.records import LedgerError
+from pdmctl.ledger.template import create_from_template
 from pdmctl.ledger.uris import _first_line, _redact, sqlite_path
 
 log = logging.getLogger(__name__)
@@ -34,17 +35,28 @@ def _mlflow_client(uri: str):
 def _mlflow_store(uri: str, locked: bool = False) -> None:
     """Let MLflow create (or migrate) the schema of a new database store (`locked`: the caller holds
     the creation lock)."""
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-
     path = sqlite_path(uri)
     root = (path.parent / "mlartifacts").as_uri() if path else "./mlartifacts"
-    logging.getLogger("mlflow").setLevel(logging.WARNING)  # importing mlflow resets it to INFO
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+
+    def create() -> None:
+        if path is not None and create_from_template(path, root, _mlflow_creates, _file_lock):
+            return  # a copy of the empty store MLflow made on this machine (pdmctl.ledger.template)
+        _mlflow_creates(uri, root)
+
     if locked:
-        SqlAlchemyStore(uri, root)
+        create()
         return
     with _file_lock(_lock_path(uri).with_suffix(".init")):
-        SqlAlchemyStore(uri, root)
+        create()
+
+
+def _mlflow_creates(uri: str, root: str = "./mlartifacts") -> None:
+    """MLflow's own creation of a store: its tables, by running every one of its migrations."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # importing mlflow resets it to INFO
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    SqlAlchemyStore(uri, root)
 
 
 def _mlflow_table_names() -> set[str]:
