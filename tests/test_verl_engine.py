@@ -5,9 +5,9 @@ Run with the engine environment's Python (scripts/engine-env.sh; scripts/ci-engi
     DIR/bin/python -m pytest -m engine tests/test_verl_engine.py
 
 One sweep (a PDM and a DPPO run, the user's command with the debug dump and step 1's snapshot on, tracked on the CI's MLflow
-server through a 60 s outage) serves the ledger, top-K, loss and outage checks; the V1 trainer's test and
-the failure test run one more job each; the SLURM test one through the job body on the CI's SLURM, which
-reaches its time limit mid-training and is requeued (two engine starts).
+server through a 60 s outage) serves the ledger, top-K, loss and outage checks; the failure test runs one
+more job; the SLURM test one through the job body on the CI's SLURM on VeRL's V1 trainer (TransferQueue),
+which reaches its time limit mid-training and is requeued (two engine starts).
 """
 
 from __future__ import annotations
@@ -553,18 +553,23 @@ def test_a_preflight_on_slurm_trains_requeues_through_usr2_and_resumes_the_engin
     checkpoint (read through the checkpoint guard) into the same MLflow run, every step logged once. The
     verdict says so with the measured times and the checkpoint's size. With 2 checkpoints a run
     (`backend.max_ckpt_to_keep=2`) and one after every step, the run ends with global_step_2 and _3, never
-    more than 2 on disk during the resumed attempt."""
+    more than 2 on disk during the resumed attempt. It runs VeRL 0.9.1's default trainer (V1, PDMCTL_VERL_TRAINER=v1),
+    which moves samples through TransferQueue, not a DataProto: the top-K travels as two per-sample fields
+    there (patches._patch_agent_loop_tq), and each attempt's first actor micro-batch holds vLLM's top-K and the
+    mask pdmctl.masks computes on it (δ = 1e-6: the bf16 forward's train/rollout gap alone, 1e-7..1e-5 per
+    token, puts most tokens out of the region, so the mask acts wherever the advantage is not zero)."""
     import yaml
 
     local = yaml.safe_load((Path(__file__).resolve().parents[1] / "clusters" / "slurm-local.yaml").read_text())
     profile = tmp_path / "slurm-verl.yaml"
     profile.write_text(yaml.safe_dump({**local, "name": "slurm-verl", "time": 30, "signal_delay_s": 120,
                                        "max_timeouts": 3}))  # fmt: skip
-    env = {"PDMCTL_TINY_DIR": _tiny_dir(tmp_path)}
+    dump_dir = tmp_path / "dump"
+    env = {"PDMCTL_TINY_DIR": _tiny_dir(tmp_path), "PDMCTL_VERL_TRAINER": "v1", "PDMCTL_VERL_DUMP_DIR": str(dump_dir)}
     uri = sqlite_uri(tmp_path)
     # 2 checkpoints a run across attempts: VeRL alone keeps 1, 2 and 3 here (its list of
     # what it saved starts empty in the resumed attempt)
-    args = ["backend=verl", f"model={MODEL}", "mask=pdm_agg", "k=5", "backend.max_ckpt_to_keep=2",
+    args = ["backend=verl", f"model={MODEL}", "mask=pdm_agg", "k=5", "delta=1e-6", "backend.max_ckpt_to_keep=2",
             "--name", "engine", "--cluster", str(profile), "--tracking-uri", uri]  # fmt: skip
     result = pdmctl("preflight", *args, cwd=tmp_path, env=env, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -597,10 +602,24 @@ def test_a_preflight_on_slurm_trains_requeues_through_usr2_and_resumes_the_engin
     # the resume read VeRL's checkpoint files as weights only (safeload), and nothing was refused
     assert "pdmctl: checkpoint files load as weights only (first: " in second and ": refused: " not in second, second[-3000:]
     assert "Initial validation metrics" not in first + second  # no validation before the first step
-    assert sorted(_history(uri, run.info.run_id, "train/mask_frac")) == [1, 2, 3]
+    mask_frac = _history(uri, run.info.run_id, "train/mask_frac")
+    assert sorted(mask_frac) == [1, 2, 3]
     assert set(_history(uri, run.info.run_id, "pdmctl/first_step_s")) == {1, 2}  # each attempt's start-up
     assert set(_history(uri, run.info.run_id, "eval/aime24")) == {3}  # the preflight evaluates at its end only
     _no_step_twice(uri, run.info.run_id)
+    # V1: both attempts ran VeRL's V1 trainer; the mask acted at every step whose batch had a non-zero advantage
+    # (the tiny model mostly fails every sample: a run with none would test no mask at all)
+    for log in (first, second):
+        assert "pdmctl: VeRL's V1 trainer (TransferQueue)" in log and "main_ppo_v0" not in log, "ran V0"
+    adv = {step: max(abs(v), abs(_history(uri, run.info.run_id, "critic/advantages/min")[step]))
+           for step, v in _history(uri, run.info.run_id, "critic/advantages/max").items()}  # fmt: skip
+    informative = [step for step in sorted(adv) if adv[step] > 0]
+    assert informative, ("no step had a non-zero advantage: the tiny model's rewards were all equal", adv)
+    assert all(mask_frac[step] > 0.0 for step in informative), (mask_frac, adv)
+    pairs = _dumps(dump_dir)
+    assert 1 <= len(pairs) <= 2, "an actor micro-batch per attempt"
+    _check_topk_from_vllm(pairs)
+    _check_mask_applied(pairs)
 
 
 @pytest.mark.engine_long
@@ -637,45 +656,6 @@ def test_a_failure_in_the_weight_sync_ends_the_job_in_bounded_time(tmp_path: Pat
     print(f"weight-sync failure: ended after {elapsed:.0f} s; reason: {reason}")
     if ON_CPU:
         assert _engine_processes(marker) == [], "engine processes outlived the job"
-
-
-def test_the_v1_trainer_carries_topk_through_transferqueue(tmp_path: Path) -> None:
-    """VeRL 0.9.1's default trainer (V1) moves samples through TransferQueue, not a DataProto: the top-K
-    travels as two per-sample fields there (patches._patch_agent_loop_tq). One PDM run with
-    PDMCTL_VERL_TRAINER=v1 trains its 3 steps, masks, and its actor's micro-batch holds vLLM's top-K."""
-    dump_dir = tmp_path / "dump"
-    env = {"PDMCTL_VERL_TRAINER": "v1", "PDMCTL_VERL_DUMP_DIR": str(dump_dir),
-           "PDMCTL_TINY_DIR": _tiny_dir(tmp_path)}  # fmt: skip
-    started = time.monotonic()
-    result = pdmctl(
-        # δ = 1e-6: the train/rollout gap of the bf16 forward alone (1e-7..1e-5 per token) puts most tokens out of
-        # the region, in the first mini-batch too, so the mask acts wherever the advantage is not zero. Only
-        # step 1 has a group with mixed rewards (the tiny model then fails everything); at δ = 0.001 the mask
-        # acted only if that group came after the first mini-batch's update (CI at 6916eec: it came first,
-        # and nothing was masked)
-        "sweep", "backend=verl", f"model={MODEL}", "mask=pdm_agg", "k=5", "delta=1e-6", "--wait",
-        "--tracking-uri", sqlite_uri(tmp_path), cwd=tmp_path, env=env, timeout=SWEEP_TIMEOUT_S,
-    )  # fmt: skip
-    print(f"engine V1 run: {time.monotonic() - started:.0f} s")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (run,) = _runs(sqlite_uri(tmp_path))
-    assert run.info.status == "FINISHED", (run.data.tags, _job_logs(tmp_path))
-    logs = "\n".join(p.read_text(errors="replace") for p in tmp_path.rglob("*.log"))
-    assert "pdmctl: VeRL's V1 trainer (TransferQueue)" in logs and "main_ppo_v0" not in logs, "ran V0"
-    mask_frac = _history(sqlite_uri(tmp_path), run.info.run_id, "train/mask_frac")
-    assert sorted(mask_frac) == [1, 2, 3], mask_frac
-    # the mask acts at every step whose batch has a non-zero advantage (at δ = 1e-6 most tokens are out of the
-    # region); in every run seen only step 1 had one, and a run with none would test no mask at all
-    adv = {step: max(abs(v), abs(_history(sqlite_uri(tmp_path), run.info.run_id, "critic/advantages/min")[step]))
-           for step, v in _history(sqlite_uri(tmp_path), run.info.run_id, "critic/advantages/max").items()}  # fmt: skip
-    informative = [step for step in sorted(adv) if adv[step] > 0]
-    assert informative, ("no step had a non-zero advantage: the tiny model's rewards were all equal", adv)
-    assert all(mask_frac[step] > 0.0 for step in informative), (mask_frac, adv)
-    assert {0, 3} <= set(_history(sqlite_uri(tmp_path), run.info.run_id, "eval/aime24"))
-    pairs = _dumps(dump_dir)
-    assert len(pairs) == 1, "one actor micro-batch"
-    _check_topk_from_vllm(pairs)
-    _check_mask_applied(pairs)
 
 
 def test_a_tracking_server_outage_during_training_loses_no_metric(sweep: EngineSweep) -> None:
