@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -212,3 +213,7 @@ def test_a_sweeps_dry_run_costs_the_settings_its_preflight_measured_from_those_m
     assert "measured a step of 500 s (400-600) and a start-up of 800 s an attempt" in text, result.stdout[-4000:]
     assert "rests on the stated assumptions" in text, result.stdout[-4000:]  # the 8B and 30B settings
     assert setting.startswith("qwen3-4b-base bf16")
+    # the sweep's total names both bases, with how many runs rest on measurements
+    total = text[text.index("sweep cost:"):]
+    measured = re.search(r"rests on measurements for (\d+) run\(s\) \(their settings' preflight runs", total)
+    assert measured and 0 < int(measured.group(1)) < 48 and f"and for {48 - int(measured.group(1))} on the stated assumptions" in total, total

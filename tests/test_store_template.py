@@ -17,10 +17,17 @@ from pdmctl.ledger.store import _mlflow_creates
 from pdmctl.ledger.template import template_path
 
 
+def _clauses(sql: str | None) -> list[str] | None:
+    """A CREATE statement as its set of clauses: MLflow's own creations order a table's CHECK constraints
+    differently from one to the next (its migrations rebuild `runs` from a set), the schema the same."""
+    return None if sql is None else sorted(line.strip().rstrip(",").strip() for line in sql.splitlines())
+
+
 def _schema(db: Path) -> tuple[list, list]:
     conn = sqlite3.connect(db)
     try:
-        ddl = sorted(row for row in conn.execute("SELECT type, name, sql FROM sqlite_master"))
+        rows = conn.execute("SELECT type, name, sql FROM sqlite_master")
+        ddl = sorted((kind, name, _clauses(sql)) for kind, name, sql in rows)
         return ddl, conn.execute("SELECT version_num FROM alembic_version").fetchall()
     finally:
         conn.close()

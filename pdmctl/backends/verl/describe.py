@@ -314,8 +314,20 @@ def _sweep_line(per_run: Sequence[tuple[Job, RunCost | None]], cluster: Mapping[
     return (f"sweep cost: {len(estimates)} run(s), {costs.total_text(t)}; "
             f"{_duration(w.expected)} of wall time expected ({_duration(w.low)}-{_duration(w.high)}; at the length cap "
             f"{_duration(t.upper_wall_s)}) on the profile's {slots * nodes} node(s) at max_concurrent {slots} "
-            f"({slots} x {nodes} node(s) at a time{side}), from the queue's first start; rests on {costs.RESTS_ON}; "
+            f"({slots} x {nodes} node(s) at a time{side}), from the queue's first start; {_rests_on(estimates)}; "
             f"{storage}")  # fmt: skip
+
+
+def _rests_on(estimates: Sequence[costs.Estimate]) -> str:
+    """What the sweep's total rests on: the stated assumptions, preflight measurements (each setting's line
+    names its runs), or some of each."""
+    assumed = sum(e.rests_on == costs.RESTS_ON for e in estimates)
+    if assumed == len(estimates):
+        return f"rests on {costs.RESTS_ON}"
+    if assumed == 0:
+        return "rests on measurements: each setting's preflight runs (its line names them)"
+    return (f"rests on measurements for {len(estimates) - assumed} run(s) (their settings' preflight runs, named on "
+            f"each line) and for {assumed} on {costs.RESTS_ON}")  # fmt: skip
 
 
 def _tokens(n: float) -> str:
