@@ -12,6 +12,8 @@ sends bf16's next seed to SLURM."""
 from __future__ import annotations
 
 import math
+import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -171,6 +173,49 @@ def test_cost_model_prices_rows_without_measured_hours(tmp_path: Path, monkeypat
     assert run_costs(data, look, modelled) == {row: ("GPU", 4.0) for row in rows}
     assert "about 16 GPU-hours (the cost model)" in cost_text(data, look, modelled)
     assert len(precision) == 12
+
+
+def test_a_verl_sweeps_added_seeds_are_priced_by_the_cost_model_without_slurm(tmp_path: Path) -> None:
+    """A VeRL sweep's look (the 4B setting on the h20 profile, its weights and data staged, no `sinfo` on the
+    PATH) prices the seeds it proposes with the dry run's cost model: GPU-hours, each added run at the
+    model's expected hours for its spec, the total said to come from the cost model."""
+    from pdmctl.budget.cost import Estimate
+    from pdmctl.budget.costing import estimate_specs
+    from pdmctl.executors import make_executor
+    from pdmctl.orchestrate import make_context
+    from tests.test_preflight import _staged_h20
+
+    profile = _staged_h20(tmp_path)
+    uri = sqlite_uri(tmp_path)
+    sweep = make_sweep(uri, "v4b", ["backend=verl", "model=qwen3-4b-base", "mask=pdm_agg,dppo_topk_kl", "seed=0,1,2"])
+    points = []
+    for run_id, spec in sweep.specs.items():
+        gain = GAINS[spec.seed] if spec.config["mask"]["name"] == "pdm_agg" else (0.0, 0.0)
+        points += [(run_id, "eval/aime24", 500, 0.3 + gain[0]), (run_id, "eval/aime25", 500, 0.2 + gain[1])]
+    write_points(sweep.ledger, points)
+    finish(sweep.ledger, list(sweep.specs))
+    sweep.ledger.engine.dispose()
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env.update(COLUMNS="200", PATH=str(Path(sys.executable).parent))  # this Python, and no SLURM command
+    looked = subprocess.run([sys.executable, "-m", "pdmctl.cli", "seeds", "v4b", "--cluster", str(profile),
+                             "--tracking-uri", uri], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert looked.returncode == 0, looked.stdout + looked.stderr
+    text = " ".join(looked.stdout.split())
+    proposes = re.search(r"look 1 proposes: (.*?); (\d+) run\(s\), about ([\d.,]+) GPU-hours \(the cost model\)", text)
+    assert proposes, text
+    added = [(label, int(n)) for label, n in re.findall(r"(\S+) \+(\d+)", proposes.group(1))]
+    assert added and sum(n for _, n in added) == int(proposes.group(2)), text
+    ctx = make_context(str(profile), uri)
+    one = {spec.config["mask"]["name"]: spec for spec in sweep.specs.values() if spec.seed == 0}
+    estimates = estimate_specs(list(one.values()), ctx, make_executor(ctx.profile))
+    hours = {mask: estimates[spec.key].hours.expected for mask, spec in one.items()
+             if isinstance(estimates.get(spec.key), Estimate)}  # fmt: skip
+    assert set(hours) == {"pdm_agg", "dppo_topk_kl"} and all(h > 1 for h in hours.values()), estimates
+    expected = sum(n * hours[label] for label, n in added if label in hours)
+    assert {label for label, _ in added} <= set(hours), added
+    assert float(proposes.group(3).replace(",", "")) == pytest.approx(expected, abs=0.5), (text, hours)
+    assert f"adding {proposes.group(3)} GPU-hours in all" in text  # the rule's expected course, the same hours
 
 
 @pytest.mark.parametrize("first", [3, 4, 5])

@@ -176,7 +176,7 @@ def course_text(look: Look, course: dict[Any, float], costs: dict[Any, tuple[str
             break
         total[costs[row][0]] += max(0.0, final - len(look.seeds_of.get(row, []))) * costs[row][1]
     seeds = ", ".join(f"{row.setting} {row.label} {final:.1f}" for row, final in course.items())
-    cost = " + ".join(f"{h:.3g} {u}-hours" for u, h in sorted(total.items())) if total else "cost unknown"
+    cost = " + ".join(f"{hours_text(h)} {u}-hours" for u, h in sorted(total.items())) if total else "cost unknown"
     return (f"the rule is expected to stop at about {seeds} seeds ({DRAWS} seeded draws at the observed "
             f"difference and spread, --max-seeds the cap), adding {cost} in all"), dict(total)  # fmt: skip
 
@@ -260,6 +260,11 @@ def run_costs(data, look: Look, modelled: dict[Any, tuple[str, float]] | None = 
     return {**{r: v for r, v in (modelled or {}).items() if r not in out}, **out}
 
 
+def hours_text(hours: float) -> str:
+    """Hours as people write them: three significant digits, whole hours with thousands separators from 1,000."""
+    return f"{hours:,.0f}" if hours >= 1000 else f"{hours:.3g}"
+
+
 def cost_text(data, look: Look, modelled: dict[Any, tuple[str, float]] | None = None) -> str:
     """What the extra runs would cost: CPU-hours for the testbed (one core a run) from the rows' recorded
     durations, the cost model's expected device-hours (`model_hours`) for the others; "unknown" where
@@ -278,7 +283,7 @@ def cost_text(data, look: Look, modelled: dict[Any, tuple[str, float]] | None = 
     sources = "the cost model" if modelled and set(modelled) & set(look.additions) else ""
     if any(costs[r][0] == "CPU" and r not in (modelled or {}) for r in look.additions):
         sources = "the rows' finished runs' recorded durations, one core a run" + (" and " + sources if sources else "")
-    return f"{runs} run(s), about {' + '.join(f'{h:.3g} {u}-hours' for u, h in sorted(total.items()))} ({sources})"
+    return f"{runs} run(s), about {' + '.join(f'{hours_text(h)} {u}-hours' for u, h in sorted(total.items()))} ({sources})"
 
 
 def two_intervals(look: Look, level: float) -> str:
@@ -433,7 +438,7 @@ def seeds(
             now = sum(n * costs[row][1] for row, n in look.additions.items() if row in costs)
             over = any(row not in costs for row in look.additions) or now > max_hours
             if over and submit:
-                fail(f"--max-hours {max_hours:g}: this look's runs cost {'an unknown number of' if any(row not in costs for row in look.additions) else f'about {now:.3g}'} "
+                fail(f"--max-hours {max_hours:g}: this look's runs cost {'an unknown number of' if any(row not in costs for row in look.additions) else f'about {hours_text(now)}'} "
                      "device-hours, over the cap; nothing submitted (lower --max-seeds, or raise the cap)")  # fmt: skip
         if not submit:
             done()

@@ -11,6 +11,7 @@ import math
 import os
 import shutil
 import subprocess
+import sys
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -161,7 +162,11 @@ def _read_header(path: Path) -> bytes:
     # process holds on it (SQLite's own and MLflow's connections included), and a WAL connection that
     # loses its shared lock lets another process reset the WAL under it ("database disk image is
     # malformed", seen with `sweep --wait`).
-    read = subprocess.run(["head", "-c", "100", "--", str(path)], capture_output=True, check=False)
+    # coreutils' head wherever PATH has it, else this Python (a PATH without /usr/bin, as a job's may be)
+    head = shutil.which("head", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/bin", "/bin"]))
+    command = [head, "-c", "100", "--", str(path)] if head else \
+        [sys.executable, "-c", "import sys; sys.stdout.buffer.write(open(sys.argv[1], 'rb').read(100))", str(path)]
+    read = subprocess.run(command, capture_output=True, check=False)
     if read.returncode != 0:
         why = (read.stderr.decode(errors="replace").strip().splitlines() or ["head failed"])[-1]
         raise LedgerError(f"tracking store {path}: cannot be read ({why})")
