@@ -579,3 +579,34 @@ def test_a_dry_run_calibrated_on_finished_testbed_runs_uses_their_measured_rate_
                           (["--calibrated-on", "calib"], "--calibrated-on: calibrates the estimates of a dry run")):  # fmt: skip
         bad = pdmctl("sweep", "seed=0", *args, cwd=workdir)
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and message in bad.stderr, bad.stderr
+
+
+def test_the_analysis_docs_one_gpu_command_costs_what_its_dry_run_prints(tmp_path: Path) -> None:
+    """docs/ANALYSIS.md's Qwen3-0.6B command on clusters/one-gpu.yaml (its weights and data staged, planned
+    without SLURM): the hours a run, the 61 runs' hours and the minutes a run the doc states are the dry run's."""
+    from pdmctl.backends.verl.data import prepare_data
+
+    stage_model(tmp_path / "models" / "Qwen3-0.6B-Base", "qwen3-0.6b-base")
+    source = tmp_path / "problems.jsonl"
+    source.write_text("".join(json.dumps({"problem": f"{i} + 1 = ?", "answer": str(i + 1)}) + "\n" for i in range(8)))
+    prepare_data(tmp_path / "data", str(source), str(source), str(source))
+    fields = yaml.safe_load((ROOT / "clusters" / "one-gpu.yaml").read_text().replace("CHANGE-ME", "site"))
+    fields.update(models_dir=str(tmp_path / "models"), data_dir=str(tmp_path / "data"))
+    (tmp_path / "one-gpu.yaml").write_text(yaml.safe_dump(fields))
+    doc = " ".join((ROOT / "docs" / "ANALYSIS.md").read_text().split())
+    command = re.search(r"(PDMCTL_VERL_SNAPSHOT_STEP=1 pdmctl sweep backend=verl model=qwen3-0\.6b-base .*?) --cluster one-gpu",
+                        doc.replace("\\ ", ""))  # fmt: skip
+    assert command, "the doc's command"
+    env, args = command.group(1).split(" pdmctl ", 1)
+    result = pdmctl(*[a.strip('"') for a in args.split()], "--cluster", str(tmp_path / "one-gpu.yaml"), "--dry-run",
+                    "--offline", cwd=tmp_path, env=dict([env.split("=", 1)]))  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = " ".join(result.stdout.split())
+    run = re.search(r"on 1 GPUs: ([\d.]+) GPU-hours a run expected \(([\d.]+)-([\d.]+)\), at the length cap ([\d.]+); "
+                    r"([\d.]+) min a run", text)  # fmt: skip
+    total = re.search(r"sweep cost: 61 run\(s\), ([\d.]+) GPU-hours expected \(([\d.]+)-([\d.]+);", text)
+    assert run and total, text[-3000:]
+    stated = (f"{run.group(1)} GPU-hours a run expected ({run.group(2)}-{run.group(3)}; {run.group(4)} at the length "
+              f"cap), {run.group(5)} min a run, {total.group(1)} GPU-hours for the 61 runs ({total.group(2)}-"
+              f"{total.group(3)};")  # fmt: skip
+    assert stated in doc, stated

@@ -265,3 +265,27 @@ def test_every_distinct_command_of_the_paper_sweeps_composes_and_builds_verls_co
         differ = sorted(set(tight[key]) ^ set(overrides))
         assert differ == ["+actor_rollout_ref.actor.policy_loss.delta=0.05",
                           "+actor_rollout_ref.actor.policy_loss.delta=0.15"], (key, differ)  # fmt: skip
+
+
+def test_qwen3_0_6b_on_one_gpu_composes_and_passes_verls_own_validation() -> None:
+    """The analysis's real LLM (docs/ANALYSIS.md): the one-GPU profile's setting composes through VeRL's
+    Hydra config, builds the FSDP actor and rollout as VeRL's dataclasses, and passes VeRL's own
+    `validate_config` with one node of one GPU (the profile's PDMCTL_GPUS_PER_NODE, not an H20 node's 8)."""
+    from verl.trainer.main_ppo import need_critic, need_reference_policy, validate_config
+
+    from pdmctl.executors.base import load_profile
+
+    environ = load_profile("one-gpu").options["env"]
+    run = {"checkpoint_dir": "/ckpt/run", "data_dir": "/data/verl", "seed": SEED, "model": "qwen3-0.6b-base",
+           "precision": "bf16", "method": "pdm", "delta": 0.15, "k": 20, "total_training_steps": 1,
+           "val_before_train": False}  # fmt: skip
+    overrides = launch.verl_overrides(run, environ=environ)
+    assert {"trainer.nnodes=1", "trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.strategy=fsdp2",
+            "data.train_batch_size=128", "actor_rollout_ref.rollout.n=8", "data.max_response_length=8192",
+            "trainer.total_training_steps=1"} <= set(overrides), overrides  # fmt: skip
+    assert "trainer.n_gpus_per_node=8" in launch.verl_overrides(run, environ={})  # an H20 node, by default
+    config = launch.compose(overrides + launch.ray_env_overrides(launch.job_env(run)))
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    omega_conf_to_dataclass(config.actor_rollout_ref.rollout)
+    assert type(actor).__name__ == "FSDPActorConfig" and actor.ppo_mini_batch_size == 32
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))

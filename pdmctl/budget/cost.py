@@ -108,7 +108,15 @@ _DENSE = dict(tail_fraction=Span(1.0, 0.75, 1.0), startup_s=Span(600, 300, 1200)
 # For write_gb_s and the rates the "low" cost is the fast end: the low and high ends are of the cost, not the value.
 # The old-log-prob forward: a third of the update's forward and backward; a quarter for 30B-A3B, whose update
 # recomputes every layer's activations (a forward, a recomputed forward and a backward of two).
+# Qwen3-0.6B on one GPU (clusters/one-gpu.yaml; not a paper model): the dense models' lengths; its weights fit a
+# GPU with room, so a step's fixed time is the weight sync inside one GPU and vLLM's wake and sleep (no offload)
+# and a start-up loads 1.2 GB; a lone sequence decodes at about 400 tokens/s (the iteration's fixed 1.5 ms and
+# its 0.5 ms of weights), 200-550.
 ASSUMPTIONS: dict[str, Assumptions] = {
+    "qwen3-0.6b-base": Assumptions(Span(0.33, 0.2, 0.6), Span(1.0, 0.75, 1.0), tail_decode=Span(400, 550, 200),
+                                   startup_s=Span(300, 150, 600), write_gb_s=Span(2.0, 5.0, 0.5),
+                                   step_fixed_s=Span(10, 5, 20), rollout_rate=Span(1.0, 1.3, 0.5),
+                                   train_rate=Span(1.0, 1.3, 0.7)),
     "qwen3-4b-base": Assumptions(Span(0.33, 0.2, 0.6), step_fixed_s=Span(30, 15, 60), **_DENSE),
     "qwen3-8b-base": Assumptions(Span(0.33, 0.2, 0.6), step_fixed_s=Span(40, 20, 80), **_DENSE),
     "qwen3-30b-a3b-base": Assumptions(Span(0.23, 0.12, 0.5), Span(1.0, 0.75, 1.0), tail_decode=Span(150, 250, 80),

@@ -145,11 +145,12 @@ def use_v1_trainer() -> bool:
     return given == "v1"
 
 
-def gpus_per_node(preset: ModelPreset) -> int:
-    """H20 nodes have 8 GPUs (PDMCTL_GPUS_PER_NODE says otherwise); a CPU run is one logical GPU."""
+def gpus_per_node(preset: ModelPreset, environ: Mapping[str, str] | None = None) -> int:
+    """H20 nodes have 8 GPUs (PDMCTL_GPUS_PER_NODE says otherwise: in `environ`, the job's settings from the
+    profile, else in this process's environment); a CPU run is one logical GPU."""
     if preset.device != "cuda":
         return 1
-    given = os.environ.get(GPUS_ENV, "").strip()
+    given = str((environ or {}).get(GPUS_ENV) or os.environ.get(GPUS_ENV, "")).strip()
     if not given:
         return GPUS_PER_NODE
     if not given.isdigit() or int(given) < 1:
@@ -240,7 +241,7 @@ def verl_overrides(
         f"trainer.total_epochs={cfg['total_epochs']}",
         f"trainer.total_training_steps={cfg['total_training_steps'] or preset.total_training_steps or 'null'}",
         f"trainer.nnodes={nodes}",
-        f"trainer.n_gpus_per_node={gpus_per_node(preset)}",
+        f"trainer.n_gpus_per_node={gpus_per_node(preset, environ)}",
         "trainer.critic_warmup=0",
         f"trainer.max_actor_ckpt_to_keep={cfg['max_ckpt_to_keep']}",  # VeRL keeps every one unless told
     ]

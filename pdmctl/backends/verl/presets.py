@@ -96,6 +96,11 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
     "qwen3-30b-a3b-base": ModelPreset("Qwen/Qwen3-30B-A3B-Base", True, 16, 256, 32, 16384, 4, 4, 8,
                                       parameters=30_532_122_624, architecture="Qwen3MoeForCausalLM", strategy="megatron", expert_tensor_parallel=1,
                                       megatron_offload=True, recompute=True, router_fp32=True, stall_s=2400.0, **_GPU),  # fmt: skip
+    # Qwen3-0.6B on one GPU: a real LLM for the direction analysis (docs/ANALYSIS.md), at the paper's dense batch,
+    # group and lengths; not a model of the paper. FSDP2, the engine the analysis's snapshot reads; no offload (its
+    # weights, gradients and Adam state are 9.5 GB); VeRL's and vLLM's own defaults otherwise
+    "qwen3-0.6b-base": ModelPreset("Qwen/Qwen3-0.6B-Base", False, 8, 128, 32, 8192, 1, 1, 1, parameters=596_049_920,
+                                   architecture="Qwen3ForCausalLM", strategy="fsdp2", stall_s=1200.0, **_GPU),
     # tiny.py's 2-layer Qwen3 on CPU: 4 prompts x 4 samples per step in 4 mini-batches (each of two
     # micro-batches), at a learning rate high enough that the later mini-batches are off-policy: the
     # mask bites (a real train/rollout mismatch). A checkpoint every step: resume is tested on it.
