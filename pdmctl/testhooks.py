@@ -7,7 +7,9 @@ nothing logged or checkpointed when its job started (so a requeued or resumed at
 prints `pdmctl: held at step N …` every 10 s, with a progress report (`pdmctl-progress test_hold_s=…`: a
 VeRL job's stall watchdog ends a trainer that reports no progress, and a hold is a test's, not a hang), and
 lets go after `seconds_env` seconds (default 300). `fail_if_asked(step, fresh_run, env)`, under the same
-rule, makes a fresh run's job fail there instead, and `lose_node_if_asked` as if it had lost a node. Nothing sets these variables but the tests.
+rule, makes a fresh run's job fail there instead, and `lose_node_if_asked` as if it had lost a node;
+`breaks` names real failures by mask method (a module the environment lacks, an allocation the machine
+cannot hold, a planted checkpoint). Nothing sets these variables but the tests.
 
 **Test-only.** A hook left in a user's shell would stall or break real runs without a word, so submitting
 (`orchestrate.check_before_submit`: sweep, resume, tune) refuses any of `HOOKS` in one line unless pytest is
@@ -23,7 +25,7 @@ import time
 DEFAULT_HOLD_S = 300.0
 # every variable that is a test's hook: the holds (toy, VeRL) and the failure injections (toy, VeRL)
 HOOKS = ("PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_TOY_HOLD_S", "PDMCTL_TOY_FAIL_AT_STEP", "PDMCTL_TOY_LOSE_NODE_AT_STEP",
-         "PDMCTL_VERL_HOLD_AT_STEP", "PDMCTL_VERL_HOLD_S", "PDMCTL_VERL_FAIL")  # fmt: skip
+         "PDMCTL_TOY_BREAK", "PDMCTL_VERL_HOLD_AT_STEP", "PDMCTL_VERL_HOLD_S", "PDMCTL_VERL_FAIL")  # fmt: skip
 UNDER_TEST = "PYTEST_CURRENT_TEST"
 
 
@@ -68,6 +70,50 @@ def fail_if_asked(step: int, fresh_run: bool, env: str) -> None:
     the loss; a requeued or resumed attempt takes the run on from its checkpoint and does not fail."""
     if asked(step, fresh_run, env):
         raise InjectedFailure(f"failed at step {step} ({env}, a test's)")
+
+
+def breaks(env: str, method: str) -> dict[str, str]:
+    """The real failures `env` asks of a fresh run of this mask method: entries `KIND[:ARG]@METHOD`, space
+    separated (`oom@pdm import:transformer_engine@grpo plant@dppo`); {KIND: ARG}."""
+    asked_for = {}
+    for entry in os.environ.get(env, "").split():
+        what, _, who = entry.partition("@")
+        kind, _, arg = what.partition(":")
+        if who == method:
+            asked_for[kind] = arg
+    return asked_for
+
+
+def break_at_first_forward(kinds: dict[str, str]) -> None:
+    """What a setting that cannot run meets at its first forward, for real: a module the environment lacks
+    (`import:NAME`, Python's own import), an allocation the machine cannot hold (`oom`, torch's allocator)."""
+    if "import" in kinds:
+        import importlib
+
+        importlib.import_module(kinds["import"] or "transformer_engine")
+    if "oom" in kinds:
+        import torch
+
+        torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: the allocator's own out-of-memory error
+
+
+class Planted:
+    """A pickle that runs code where it is loaded: makes the directory `marker` (os.mkdir), as a planted
+    checkpoint would run anything."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def plant_checkpoint(path, marker) -> None:
+    """Write over the checkpoint at `path` a pickle that would make `marker` if it ran (`plant`): the next
+    attempt's resume meets a checkpoint its loader must refuse."""
+    import pickle
+
+    path.write_bytes(pickle.dumps({"state": Planted(str(marker))}))
 
 
 def lose_node_if_asked(step: int, fresh_run: bool, env: str) -> None:

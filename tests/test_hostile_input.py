@@ -691,8 +691,8 @@ def test_the_hooks_are_the_holds_and_the_failure_injection(monkeypatch: pytest.M
     from pdmctl.backends.toy import trainer
     from pdmctl.backends.verl import launch, resume
 
-    names = {trainer.HOLD_ENV, trainer.HOLD_S_ENV, trainer.FAIL_ENV, trainer.LOSE_NODE_ENV, resume.HOLD_ENV,
-             resume.HOLD_S_ENV, launch.HOLD_ENV, launch.HOLD_S_ENV, launch.FAIL_ENV}  # fmt: skip
+    names = {trainer.HOLD_ENV, trainer.HOLD_S_ENV, trainer.FAIL_ENV, trainer.LOSE_NODE_ENV, trainer.BREAK_ENV,
+             resume.HOLD_ENV, resume.HOLD_S_ENV, launch.HOLD_ENV, launch.HOLD_S_ENV, launch.FAIL_ENV}  # fmt: skip
     assert names == set(testhooks.HOOKS)
     monkeypatch.setenv(trainer.HOLD_ENV, "4")
     testhooks.check_environment()  # a test that sets a hook submits: pytest's PYTEST_CURRENT_TEST is set

@@ -169,16 +169,27 @@ def test_on_slurm_each_setting_reaches_a_step_requeues_itself_resumes_and_every_
 
 @pytest.mark.slurm
 @needs_slurm
-def test_a_setting_whose_job_fails_is_one_line_naming_its_error_and_exit_2(tmp_path: Path) -> None:
-    """A preflight job that fails at its first step (an injected failure, as an out-of-memory at the first
-    forward would) is its setting's one line naming the error, and the command exits 2."""
+def test_each_setting_that_cannot_run_is_one_line_naming_its_error_and_exit_2(tmp_path: Path) -> None:
+    """Three preflight jobs on the CI's SLURM, each meeting for real what most often stops a setting: an
+    allocation the machine cannot hold at the first forward (torch's allocator), a module its environment
+    lacks (Python's import), and, on its resume after the requeue, a checkpoint its loader refuses (a pickle
+    that would run code, written over step 1's). Each setting is one line naming the kind of failure and the
+    error; the command exits 2; the planted code never ran."""
     profile = _profile(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    result = _pdmctl("preflight", *TOY, "mask=pdm_agg", "--name", "pf", "--cluster", profile, "--tracking-uri", uri,
-                     "--wait", cwd=tmp_path, env={"PDMCTL_TOY_FAIL_AT_STEP": "1"})  # fmt: skip
+    broken = "oom@pdm import:transformer_engine@grpo plant@dppo"
+    result = _pdmctl("preflight", *TOY, "mask=pdm_agg,grpo_clip_higher,dppo_topk_kl", "--name", "pf", "--cluster",
+                     profile, "--tracking-uri", uri, "--wait", cwd=tmp_path, env={"PDMCTL_TOY_BREAK": broken})  # fmt: skip
     assert result.returncode == 2, result.stdout + result.stderr
-    (line,) = [line for line in result.stdout.splitlines() if line.startswith("  ")]
-    assert line.startswith("  FAIL  toy-small bf16 pdm_agg (") and "failed at step 1" in line, line
+    lines = {line.split()[3]: line for line in result.stdout.splitlines() if line.startswith("  FAIL  ")}
+    assert sorted(lines) == ["dppo_topk_kl", "grpo_clip_higher", "pdm_agg"], result.stdout
+    assert "): out of memory: RuntimeError: " in lines["pdm_agg"] and "allocate" in lines["pdm_agg"], lines
+    assert ("): a module the job's environment lacks: ModuleNotFoundError: No module named 'transformer_engine'"
+            in lines["grpo_clip_higher"]), lines  # fmt: skip
+    assert "): a checkpoint its loader refused: " in lines["dppo_topk_kl"], lines
+    assert "step_00000001.pt does not load" in lines["dppo_topk_kl"], lines
+    assert all(len(line.splitlines()) == 1 for line in lines.values())
+    assert not list(tmp_path.rglob("planted-code-ran")), "the planted checkpoint's code ran"
 
 
 def test_a_sweeps_dry_run_costs_the_settings_its_preflight_measured_from_those_measurements(tmp_path: Path) -> None:
@@ -217,3 +228,19 @@ def test_a_sweeps_dry_run_costs_the_settings_its_preflight_measured_from_those_m
     total = text[text.index("sweep cost:"):]
     measured = re.search(r"rests on measurements for (\d+) run\(s\) \(their settings' preflight runs", total)
     assert measured and 0 < int(measured.group(1)) < 48 and f"and for {48 - int(measured.group(1))} on the stated assumptions" in total, total
+
+
+@pytest.mark.parametrize(("error", "kind"), [
+    ("OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 95.00 GiB",
+     "out of memory"),
+    ("RuntimeError: CUDA error: out of memory", "out of memory"),
+    ("ModuleNotFoundError: No module named 'transformer_engine'", "a module the job's environment lacks"),
+    ("RefusedCheckpoint: pdmctl: /ckpt/global_step_1/actor/model.pt: refused: it names posix.system, which no "
+     "checkpoint the trainer writes holds", "a checkpoint its loader refused"),
+    ("ValueError: step 3: the loss is nan", None),
+])  # fmt: skip
+def test_the_kinds_of_failure_a_setting_meets_on_a_gpu_node_are_named(error: str, kind: str | None) -> None:
+    """CUDA's and VeRL's guard's words for what stops a setting, as the testbed's are (the SLURM test above)."""
+    from pdmctl.preflight.summary import kind_of
+
+    assert kind_of(error) == kind

@@ -3,6 +3,7 @@ verdict from the ledger (its measurements, or its first error in one line)."""
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -173,14 +174,31 @@ def verdicts(chosen: Sequence[RunSpec], ctx: Any, executor: Any) -> tuple[list[s
     return lines, failed, pending
 
 
+# what stops a setting most often, in the words of torch, CUDA, Python and the checkpoint loaders
+# (VeRL's guard, pdmctl.backends.verl.safeload; torch's weights-only reader), named before the error
+KINDS = (
+    ("out of memory", re.compile(r"out of memory|OutOfMemoryError|can't allocate memory|not enough memory", re.I)),
+    ("a module the job's environment lacks", re.compile(r"ModuleNotFoundError|No module named")),
+    ("a checkpoint its loader refused", re.compile(r": refused: it |Weights only load failed|no checkpoint loads")),
+)
+
+
+def kind_of(error: str) -> str | None:
+    """What kind of failure an error line is (KINDS), or None."""
+    return next((kind for kind, pattern in KINDS if pattern.search(error)), None)
+
+
 def first_error(record: Any, run_dir: Path) -> str:
-    """The job's own word on why it failed (its reason), else the last error line of its latest log."""
+    """The job's own word on why it failed (its reason), else the last error line of its latest log, after
+    its kind where it is one of KINDS."""
     from pdmctl.orchestrate import last_error_line
 
-    if record.reason:
-        return " ".join(str(record.reason).split())[:300]
+    found = " ".join(str(record.reason).split()) if record.reason else None
     for attempt in range(max(1, record.attempt), 0, -1):
-        found = last_error_line(run_dir / "logs" / f"attempt-{attempt}.log")
         if found:
-            return found[:300]
-    return f"{record.status} with no error logged (logs in {run_dir / 'logs'})"
+            break
+        found = last_error_line(run_dir / "logs" / f"attempt-{attempt}.log")
+    if not found:
+        return f"{record.status} with no error logged (logs in {run_dir / 'logs'})"
+    kind = kind_of(found)
+    return f"{kind}: {found[:300]}" if kind else found[:300]

@@ -33,6 +33,7 @@ CPU = torch.device("cpu")
 HOLD_ENV, HOLD_S_ENV = "PDMCTL_TOY_HOLD_AT_STEP", "PDMCTL_TOY_HOLD_S"  # tests only: hold at the end of this step
 FAIL_ENV = "PDMCTL_TOY_FAIL_AT_STEP"  # tests only: fail after this checkpoint
 LOSE_NODE_ENV = "PDMCTL_TOY_LOSE_NODE_AT_STEP"  # tests only: a lost node's failure after this checkpoint
+BREAK_ENV = "PDMCTL_TOY_BREAK"  # tests only: real failures of a fresh run by mask method (testhooks.breaks)
 KEEP_CHECKPOINTS = 2
 _UPDATE_METRICS = ("mask_frac", "out_of_region_frac", "mean_divergence", "ppo_kl")  # token-weighted means
 
@@ -241,8 +242,11 @@ def train(
     if start == 0:
         final.update(evaluate(learner, cfg, 0, tracker))
     timed = preflight.requeue_at(Path(workdir)) is not None  # a preflight run's times (never in a result)
+    broken = testhooks.breaks(BREAK_ENV, cfg.method) if start == 0 else {}
     for step in range(start + 1, cfg.steps + 1):
         began = time.monotonic()
+        if step == start + 1:
+            testhooks.break_at_first_forward(broken)
         metrics = train_step(learner, cfg)
         tracker.log_metrics(metrics, step)
         if timed:
@@ -252,6 +256,9 @@ def train(
             final.update(evaluate(learner, cfg, step, tracker))
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             save_checkpoint(checkpoints, learner.state_dict(step, cfg), step)
+            if "plant" in broken:  # every checkpoint this attempt wrote, planted: its resume must refuse them
+                for path in checkpoints.glob("step_*.pt"):
+                    testhooks.plant_checkpoint(path, Path(workdir) / "planted-code-ran")
             testhooks.fail_if_asked(step, start == 0, FAIL_ENV)
             testhooks.lose_node_if_asked(step, start == 0, LOSE_NODE_ENV)
             preflight.requeue_if_asked(step, start == 0, Path(workdir))  # a preflight run's requeue
