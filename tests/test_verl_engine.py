@@ -355,6 +355,24 @@ def test_loss_inside_verl_equals_masks_policy_loss(sweep: EngineSweep) -> None:
         torch.testing.assert_close(offline_sum, (weight * offline_lp).sum().double(), rtol=1e-5, atol=1e-6)
 
 
+def test_the_loss_never_reads_verls_old_log_probs_at_any_micro_batch_of_either_run(sweep: EngineSweep) -> None:
+    """The runs skip VeRL's old-log-prob recompute (`bypass_mode`: `old_log_probs` holds the rollout's); one that
+    recomputes them trains the same exactly when the loss never reads them. At every actor micro-batch of both
+    runs' three steps, VeRL's whole `ppo_loss` again with `old_log_probs` replaced (0.5 lower a token, a leaf
+    that asks for its gradient) gives the same loss, bit for bit, and the replacement never reaches it (no
+    gradient at all): the same loss and the same gradient with the recompute's values or any other."""
+    records = [json.loads(line) for path in sorted(sweep.dump_dir.glob("old-log-probs-*.jsonl"))
+               for line in path.read_text().splitlines()]  # fmt: skip
+    files = sorted(sweep.dump_dir.glob("old-log-probs-*.jsonl"))
+    assert len(files) == 2, "one actor process a run"
+    errors = [r["error"] for r in records if "error" in r]
+    assert not errors, errors[:3]
+    for path in files:  # 3 steps x 4 mini-batches x 2 micro-batches (the tiny preset's batch)
+        assert len(path.read_text().splitlines()) == 3 * 4 * 2, path.name
+    assert all(r["loss"] == r["replaced"] and not r["gradient"] and not r["reached"] for r in records), records[:5]
+    print(f"old log-probs never read: {len(records)} micro-batches, losses {records[0]['loss']:.4g}...")
+
+
 def test_analyze_engine_replays_the_snapshot_and_lands_on_verls_update(sweep: EngineSweep) -> None:
     """`pdmctl analyze --engine verl RUN_DIR --step 1` on the PDM run's snapshot: VeRL's own gradients through
     the replay's clip and AdamW land on VeRL's weights after the step within a few float32 ulps of the largest

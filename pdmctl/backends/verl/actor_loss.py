@@ -344,8 +344,37 @@ def pdm_ppo_loss(
 
     with diagnostics_scope(diagnostics_from_model_output(model_output, data)):
         result = ppo_loss(config, model_output, data, dp_group)
+        if os.environ.get(DUMP_ENV):  # the engine tests' check, beside the dumps
+            check_old_log_probs_unread(config, model_output, data, dp_group, result[0])
     progress.add("microbatches")  # the job's stall watchdog reads it (progress.py)
     return result
+
+
+def check_old_log_probs_unread(config: Any, model_output: Any, data: Any, dp_group: Any, loss: torch.Tensor) -> None:
+    """The engine tests' check that a run skipping VeRL's old-log-prob recompute trains as one that does not:
+    VeRL's whole `ppo_loss` (policy, entropy and KL terms) again, with `old_log_probs` replaced by other
+    values (the skip's rollout log-probs against a recompute's differ by the rollout/trainer gap; these by
+    0.5 a token, a leaf that asks for its gradient). Appended to `old-log-probs-<pid>.jsonl` in the dump
+    directory: both losses, and whether the loss reached the replacement at all (its gradient: None when
+    the loss never read it). Any error is recorded, never raised: training goes on."""
+    record: dict[str, Any] = {}
+    try:
+        replaced = (data["old_log_probs"].detach() - 0.5).requires_grad_(True)
+        other = data.copy()
+        other.set("old_log_probs", replaced)
+        from verl.workers.utils.losses import ppo_loss
+
+        again, _ = ppo_loss(config, model_output, other, dp_group)
+        (grad,) = torch.autograd.grad(again, replaced, retain_graph=True, allow_unused=True)
+        reached = grad is not None and bool((grad.values() if grad.is_nested else grad).abs().sum() > 0)
+        record = {"loss": float(loss.detach()), "replaced": float(again.detach()), "gradient": grad is not None,
+                  "reached": reached}  # fmt: skip
+    except Exception as exc:  # a check, not training: say what failed
+        record = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+    path = Path(os.environ[DUMP_ENV]) / f"old-log-probs-{os.getpid()}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as out:
+        out.write(json.dumps(record) + "\n")
 
 
 def _sequence_parallel_size() -> int:
