@@ -26,6 +26,16 @@ from test_report_synthetic import finish, make_sweep, write_points
 SWEEP = "paired"
 GRID = ["mask=pdm_agg,dppo_topk_kl", "seed=0,1,2", *FAST]
 GAINS = {0: (0.04, 0.10), 1: (0.08, 0.02), 2: (0.01, 0.07)}  # pdm_agg over the baseline: not yet resolved
+
+
+def scored(sweep, run_ids, sets=("eval/toy24", "eval/toy25"), step=6, base=(0.3, 0.4)) -> None:
+    """Each run's final scores on the two sets written: the baseline's `base`, pdm_agg's GAINS (by seed) above it."""
+    points = []
+    for run_id in run_ids:
+        spec = sweep.specs[run_id]
+        gain = GAINS[spec.seed] if spec.config["mask"]["name"] == "pdm_agg" else (0.0, 0.0)
+        points += [(run_id, name, step, b + g) for name, b, g in zip(sets, base, gain, strict=True)]
+    write_points(sweep.ledger, points)
 MAX_SEEDS = "5"  # two more seeds a row: four added runs
 ADDED = 4
 
@@ -78,11 +88,7 @@ def finished_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished synthetic sweep of two masks and three seeds (its store file only, copied per test)."""
     where = tmp_path_factory.mktemp("base")
     sweep = make_sweep(sqlite_uri(where), SWEEP, GRID)
-    points = []
-    for run_id, spec in sweep.specs.items():
-        gain = GAINS[spec.seed] if spec.config["mask"]["name"] == "pdm_agg" else (0.0, 0.0)
-        points += [(run_id, "eval/toy24", 6, 0.3 + gain[0]), (run_id, "eval/toy25", 6, 0.4 + gain[1])]
-    write_points(sweep.ledger, points)
+    scored(sweep, list(sweep.specs))
     finish(sweep.ledger, list(sweep.specs))
     sweep.ledger.engine.dispose()
     return where / "mlflow.db"

@@ -12,7 +12,6 @@ sends bf16's next seed to SLURM."""
 from __future__ import annotations
 
 import math
-import os
 import re
 import sqlite3
 import subprocess
@@ -28,12 +27,11 @@ from tests.conftest import FAST, pdmctl, sqlite_uri
 from tests.test_preflight import needs_slurm
 
 sys.path.insert(0, str(Path(__file__).parent))  # the synthetic-sweep helpers beside this file
-from test_report_synthetic import finish, make_sweep, write_points
-from test_seeds_interrupted import _run, _submissions
+from test_report_synthetic import finish, make_sweep
+from test_seeds_interrupted import _run, _submissions, scored
 
 SWEEP = "twosettings"
 GRID = ["mask=pdm_agg,dppo_topk_kl", "seed=0,1,2", "precision=bf16,fp8_rollout", *FAST]
-GAINS = {0: (0.04, 0.10), 1: (0.08, 0.02), 2: (0.01, 0.07)}  # pdm_agg over the baseline: not yet resolved
 
 
 def _store(workdir: Path, running: str | None = "fp8_rollout") -> dict[str, str]:
@@ -42,12 +40,7 @@ def _store(workdir: Path, running: str | None = "fp8_rollout") -> dict[str, str]
     sweep = make_sweep(sqlite_uri(workdir), SWEEP, GRID)
     precision = {run_id: spec.config["precision"]["name"] for run_id, spec in sweep.specs.items()}
     ended = [run_id for run_id, p in precision.items() if p != running or sweep.specs[run_id].seed < 2]
-    points = []
-    for run_id in ended:
-        spec = sweep.specs[run_id]
-        gain = GAINS[spec.seed] if spec.config["mask"]["name"] == "pdm_agg" else (0.0, 0.0)
-        points += [(run_id, "eval/toy24", 6, 0.3 + gain[0]), (run_id, "eval/toy25", 6, 0.4 + gain[1])]
-    write_points(sweep.ledger, points)
+    scored(sweep, ended)
     finish(sweep.ledger, ended)
     finish(sweep.ledger, [r for r in precision if r not in ended], "RUNNING")
     sweep.ledger.engine.dispose()
@@ -188,18 +181,11 @@ def test_a_verl_sweeps_added_seeds_are_priced_by_the_cost_model_without_slurm(tm
     profile = _staged_h20(tmp_path)
     uri = sqlite_uri(tmp_path)
     sweep = make_sweep(uri, "v4b", ["backend=verl", "model=qwen3-4b-base", "mask=pdm_agg,dppo_topk_kl", "seed=0,1,2"])
-    points = []
-    for run_id, spec in sweep.specs.items():
-        gain = GAINS[spec.seed] if spec.config["mask"]["name"] == "pdm_agg" else (0.0, 0.0)
-        points += [(run_id, "eval/aime24", 500, 0.3 + gain[0]), (run_id, "eval/aime25", 500, 0.2 + gain[1])]
-    write_points(sweep.ledger, points)
+    scored(sweep, list(sweep.specs), ("eval/aime24", "eval/aime25"), 500, (0.3, 0.2))
     finish(sweep.ledger, list(sweep.specs))
     sweep.ledger.engine.dispose()
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    env.update(COLUMNS="200", PATH=str(Path(sys.executable).parent))  # this Python, and no SLURM command
-    looked = subprocess.run([sys.executable, "-m", "pdmctl.cli", "seeds", "v4b", "--cluster", str(profile),
-                             "--tracking-uri", uri], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=300)  # fmt: skip
+    looked = pdmctl("seeds", "v4b", "--cluster", str(profile), "--tracking-uri", uri, cwd=tmp_path,
+                    env={"PATH": str(Path(sys.executable).parent)})  # this Python, and no SLURM command
     assert looked.returncode == 0, looked.stdout + looked.stderr
     text = " ".join(looked.stdout.split())
     proposes = re.search(r"look 1 proposes: (.*?); (\d+) run\(s\), about ([\d.,]+) GPU-hours \(the cost model\)", text)
