@@ -24,7 +24,6 @@ from pdmctl.grid import GridError, expand
 from pdmctl.ledger import open_ledger
 from tests.conftest import sqlite_uri
 
-
 WHOLE_BYTES = 64 << 20  # files up to this size are hashed whole
 
 

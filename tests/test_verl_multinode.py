@@ -1,22 +1,26 @@
-"""VeRL across the two SLURM nodes of .ci/slurm_multi_up.sh (n1, n2), for real on CPU.
+"""VeRL across the two SLURM nodes of .ci/slurm_multi_up.sh (n1, n2), for real on CPU, through the preflight.
 
-`pdmctl sweep backend=verl model=qwen3-tiny backend.nnodes=2 --cluster clusters/slurm-multi.yaml`: the
-job body starts Ray's head on n1 and a worker on n2 (srun), VeRL 0.9.1 trains the tiny Qwen3 with
-`trainer.nnodes=2`, one actor rank and one vLLM rollout server per node (gloo between the ranks), and
-the run's metrics reach the MLflow ledger on the shared directory.
+`pdmctl preflight backend=verl model=qwen3-tiny backend.nnodes=2 --steps 2 --cluster clusters/slurm-multi.yaml`:
+the preflight's one job (one setting, one mask method) starts Ray's head on n1 and a worker on n2 (srun),
+VeRL 0.9.1 trains the tiny Qwen3 with `trainer.nnodes=2`, one actor rank and one vLLM rollout server per
+node (gloo between the ranks), a checkpoint after every step, and the run's metrics reach the MLflow ledger
+on the shared directory.
 
-Then n2 is lost mid-training: once the run has checkpointed step 1 it is held still
-there (`PDMCTL_VERL_HOLD_AT_STEP=1`: whatever this machine's speed, the loss finds it training), n2's
-slurmd, PID 1 of its node's PID namespace, is SIGKILLed, and every process of the node goes with it,
-as in a crash. SLURM sees the node down after SlurmdTimeout and requeues the job (or it fails, and
-`pdmctl resume` brings it back). Where VeRL placed its driver (TaskRunner) on n2, the trainer fails at
-once and the job writes FAILED into its run before SLURM requeues it: the run is queued
-while SLURM holds its job, and the same sweep waits for it (`orchestrate.run_state`); n2 is started again, and the next attempt starts Ray on both nodes
-again and resumes from VeRL's checkpoint into the same MLflow run, every step logged once. An attempt
-that loses a node SLURM never saw fail requeues itself (`pdmctl.job.requeue_after_node_loss`): seen here
-when SLURM's delayed kill of the lost attempt's Ray step on n2 reached the next attempt's step of the same
-id once n2 was back; the run then finishes at a later attempt. One scenario (two engine starts, ~10 min
-here) serves every test of the module.
+The preflight's kill here is the harshest a run meets: n2 is lost once step 1 is checkpointed. The first
+attempt is held still there (`PDMCTL_VERL_HOLD_AT_STEP=1`, before the preflight's own USR2 requeue, which
+the one-node engine test proves: whatever this machine's speed, the loss finds it training), n2's slurmd,
+PID 1 of its node's PID namespace, is SIGKILLed, and every process of the node goes with it, as in a crash.
+SLURM sees the node down after SlurmdTimeout and requeues the job (or it fails, and `pdmctl resume` of the
+preflight's sweep brings it back). Where VeRL placed its driver (TaskRunner) on n2, the trainer fails at
+once and the job writes FAILED into its run before SLURM requeues it: the run is queued while SLURM holds
+its job, and the same preflight command waits for it (`orchestrate.run_state`); n2 is started again, and the
+next attempt starts Ray on both nodes again and resumes from VeRL's checkpoint (through the checkpoint
+guard) into the same MLflow run, every step logged once. An attempt that loses a node SLURM never saw fail
+requeues itself (`pdmctl.job.requeue_after_node_loss`): seen here when SLURM's delayed kill of the lost
+attempt's Ray step on n2 reached the next attempt's step of the same id once n2 was back; the run then
+finishes at a later attempt. The preflight's verdict names the setting ok with its measurements, and the
+sweep's dry run then costs the setting from them. One scenario (two engine starts, ~10 min here) serves
+every test of the module.
 
 Run with the engine environment's Python, on the running 2-node cluster (marked `multinode_engine`,
 left out of every other run): `bash scripts/ci-multinode.sh --engine ENV_DIR`.
@@ -56,7 +60,7 @@ from tests.test_slurm_multinode import (
 )
 
 ENGINE_ENV = importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("verl") is not None
-STEPS = 2  # training steps: enough for a weight sync after an update and a second rollout on both nodes
+STEPS = 2  # the preflight's steps: enough for a weight sync after an update and a second rollout on both nodes
 SWEEP_TIMEOUT_S = 900
 
 pytestmark = [
@@ -115,8 +119,9 @@ class TwoNodeRun:
     job_id: str
     outcome: str  # what SLURM made of the lost node: a requeue (PENDING/REQUEUED...) or NODE_FAIL/FAILED
     logs: dict[str, str]  # attempt-N.log -> text
-    first_sweep: subprocess.CompletedProcess
-    wait_sweep: subprocess.CompletedProcess
+    first_sweep: subprocess.CompletedProcess  # the preflight's submission
+    wait_sweep: subprocess.CompletedProcess  # the same command with --wait: its verdict
+    dry_run: subprocess.CompletedProcess  # the sweep's dry run once the preflight has ended
     left: dict[str, list[str]]  # the nodes' processes once the job ended
 
 
@@ -146,17 +151,19 @@ def two_node_run() -> Iterator[TwoNodeRun]:
                 # the first attempt stays at step 1 (checkpointed) until n2 is lost; the next never holds
                 "PDMCTL_VERL_HOLD_AT_STEP": "1", "PDMCTL_VERL_HOLD_S": "600"})  # fmt: skip
     os.environ["SLURM_CONF"] = SLURM_CONF  # this process's SLURM clients (sacct, orchestrate.status)
-    sweep = [sys.executable, "-m", "pdmctl.cli", "sweep", "backend=verl", "model=qwen3-tiny", "mask=pdm_agg", "k=5",
-             "backend.nnodes=2", f"backend.total_training_steps={STEPS}", "--name", name, "--cluster", PROFILE,
-             "--tracking-uri", uri]  # fmt: skip
+    setting = ["backend=verl", "model=qwen3-tiny", "mask=pdm_agg", "k=5", "backend.nnodes=2", "--name", name,
+               "--cluster", PROFILE, "--tracking-uri", uri]  # fmt: skip
+    pdmctl = [sys.executable, "-m", "pdmctl.cli"]
+    sweep = [*pdmctl, "preflight", *setting, "--steps", str(STEPS)]
     ctx = orchestrate.make_context(PROFILE, uri)
+    preflight_name = f"{name}.preflight"
     with _machine_engine_lock():
         memory = _PeakMemory()
         memory.start()
         started = time.monotonic()
         first = subprocess.run(sweep, capture_output=True, text=True, timeout=300, cwd=root, env=env)
         assert first.returncode == 0, first.stdout + first.stderr
-        (view,) = orchestrate.status(ctx, name)
+        (view,) = orchestrate.status(ctx, preflight_name)
         job_id, run_dir = view.record.job_id, Path(view.record.run_dir)
         attempt_1 = run_dir / "logs" / "attempt-1.log"
         log = _wait_for_log(attempt_1, "pdmctl: held at step 1", SWEEP_TIMEOUT_S)
@@ -176,7 +183,7 @@ def two_node_run() -> Iterator[TwoNodeRun]:
         print(f"\n2-node VeRL: held at step 1 after {held_after:.0f} s; n2 killed: job {job_id} {outcome} "
               f"{lost_after:.0f} s later, its processes on n1 gone after {ended_after:.0f} s")  # fmt: skip
         if outcome in ENDED_BY_A_LOST_NODE:
-            resumed = subprocess.run([*sweep[:3], "resume", name, "--cluster", PROFILE, "--tracking-uri", uri],
+            resumed = subprocess.run([*pdmctl, "resume", preflight_name, "--cluster", PROFILE, "--tracking-uri", uri],
                                      capture_output=True, text=True, timeout=300, cwd=root, env=env)  # fmt: skip
             assert resumed.returncode == 0, resumed.stdout + resumed.stderr
         restarted = time.monotonic()
@@ -184,7 +191,9 @@ def two_node_run() -> Iterator[TwoNodeRun]:
         waited = subprocess.run([*sweep, "--wait"], capture_output=True, text=True, timeout=SWEEP_TIMEOUT_S,
                                 cwd=root, env=env)  # fmt: skip
         memory.done.set()
-    (view,) = orchestrate.status(ctx, name)
+    (view,) = orchestrate.status(ctx, preflight_name)
+    dry_run = subprocess.run([*pdmctl, "sweep", *setting, "--dry-run"], capture_output=True, text=True, timeout=300,
+                             cwd=root, env=env)  # fmt: skip
     logs = {p.name: p.read_text(errors="replace") for p in (run_dir / "logs").glob("attempt-*.log")}
     print(f"2-node VeRL: the next attempt finished {time.monotonic() - restarted:.0f} s after n2 came back "
           f"({time.monotonic() - started:.0f} s in all), {view.state}; machine memory in use "
@@ -198,7 +207,7 @@ def two_node_run() -> Iterator[TwoNodeRun]:
         if time.monotonic() > deadline:
             break
         time.sleep(2)
-    yield TwoNodeRun(root, uri, view, job_id, outcome, logs, first, waited, left)
+    yield TwoNodeRun(root, uri, view, job_id, outcome, logs, first, waited, dry_run, left)
 
 
 def _what_happened(run: TwoNodeRun) -> str:
@@ -254,6 +263,8 @@ def test_losing_a_node_mid_training_requeues_and_the_next_attempt_resumes_from_t
     last = logs[f"attempt-{attempts}.log"]
     _assert_on_both_nodes(last)  # Ray on both nodes again, an actor rank and a rollout server on each
     assert re.search(r"global_step_\d", last), last[-6000:]  # VeRL resumed from a checkpoint
+    # through the checkpoint guard: VeRL's files read as weights only, nothing refused
+    assert "pdmctl: checkpoint files load as weights only (first: " in last and ": refused: " not in last, last[-6000:]
     assert all("held at step" not in logs[f"attempt-{n}.log"] for n in range(2, attempts + 1)), _what_happened(run)
     assert node_state("n2") in ("idle", "mix", "alloc", "comp"), node_state("n2")
 
@@ -268,7 +279,29 @@ def test_the_run_is_in_the_ledger_with_every_step_once(two_node_run: TwoNodeRun)
         steps = [m.step for m in client.get_metric_history(run.info.run_id, metric)]
         assert len(steps) == len(set(steps)), f"{metric}: steps {sorted(steps)}"
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/mask_frac")) == [1, 2]
-    assert {0, STEPS} <= {m.step for m in client.get_metric_history(run.info.run_id, "eval/aime24")}
+    # the preflight evaluates at its end only; each attempt's start-up to its first step is measured
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/aime24")] == [STEPS]
+    first_steps = [m.step for m in client.get_metric_history(run.info.run_id, "pdmctl/first_step_s")]
+    assert first_steps[0] == 1 and len(first_steps) >= 2, first_steps
+
+
+def test_the_preflights_verdict_is_ok_and_the_sweeps_dry_run_costs_the_setting_from_its_measurements(
+    two_node_run: TwoNodeRun,
+) -> None:
+    """The preflight's line for the 2-node setting: ok, both steps, resumed from step 1's checkpoint, with the
+    measured start-up and step time; the sweep's dry run of the same setting then rests on that preflight
+    (the profile states no throughput for the tiny model: without it there would be no cost at all)."""
+    out = two_node_run.wait_sweep.stdout
+    (verdict,) = [line for line in out.splitlines() if line.startswith("  ")] or [out]
+    assert verdict.startswith("  ok    qwen3-tiny "), _what_happened(two_node_run)
+    for said in (f"steps 1-{STEPS} in ", "requeued after step 1 and resumed from its checkpoint", "first step after ",
+                 "the resumed attempt's after ", "a step ", "a checkpoint "):  # fmt: skip
+        assert said in verdict, verdict
+    dry = two_node_run.dry_run
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    text = " ".join(dry.stdout.split())
+    assert "rests on preflight " in text and ".preflight's 1 run(s) of this setting" in text, dry.stdout[-3000:]
+    assert "measured a step of " in text, dry.stdout[-3000:]
 
 
 def test_nothing_of_the_job_is_left_on_either_node(two_node_run: TwoNodeRun) -> None:
