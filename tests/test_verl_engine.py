@@ -567,9 +567,11 @@ def test_a_preflight_on_slurm_trains_requeues_through_usr2_and_resumes_the_engin
 ) -> None:
     """`pdmctl preflight` of a VeRL setting on the CI's SLURM: the job body starts Ray's head in the
     allocation and the trainer joins it; after step 1's checkpoint the job asks SLURM for its time-limit
-    signal (USR2 to the batch step), submitit's handler requeues it, and the next attempt resumes from VeRL's
+    signal (USR2 to the batch step); with the profile's grace to save on the way out, the trainer answers that
+    step 1 is checkpointed, the job requeues on its answer, and the next attempt resumes from VeRL's
     checkpoint (read through the checkpoint guard) into the same MLflow run, every step logged once. The
-    verdict says so with the measured times and the checkpoint's size. With 2 checkpoints a run
+    verdict says so with the measured times and the checkpoint's size, and the sweep's dry run then costs the
+    setting from those measurements. With 2 checkpoints a run
     (`backend.max_ckpt_to_keep=2`) and one after every step, the run ends with global_step_2 and _3, never
     more than 2 on disk during the resumed attempt. It runs VeRL 0.9.1's default trainer (V1, PDMCTL_VERL_TRAINER=v1),
     which moves samples through TransferQueue, not a DataProto: the top-K travels as two per-sample fields
@@ -580,8 +582,10 @@ def test_a_preflight_on_slurm_trains_requeues_through_usr2_and_resumes_the_engin
 
     local = yaml.safe_load((Path(__file__).resolve().parents[1] / "clusters" / "slurm-local.yaml").read_text())
     profile = tmp_path / "slurm-verl.yaml"
+    # a grace to save on the way out, as the GPU profiles give (clusters/h20.yaml): the job's USR2 handler
+    # tells the trainer, in Ray's processes, through the run directory, and requeues on the trainer's answer
     profile.write_text(yaml.safe_dump({**local, "name": "slurm-verl", "time": 30, "signal_delay_s": 120,
-                                       "max_timeouts": 3}))  # fmt: skip
+                                       "save_grace_s": 90, "max_timeouts": 3}))  # fmt: skip
     dump_dir = tmp_path / "dump"
     env = {"PDMCTL_TINY_DIR": _tiny_dir(tmp_path), "PDMCTL_VERL_TRAINER": "v1", "PDMCTL_VERL_DUMP_DIR": str(dump_dir)}
     uri = sqlite_uri(tmp_path)
@@ -612,6 +616,11 @@ def test_a_preflight_on_slurm_trains_requeues_through_usr2_and_resumes_the_engin
     # forwarding is ended with the job) and requeued itself before any limit
     assert "Caught signal SIGUSR2" in first and "Requeued job" in first, first[-3000:]
     assert "DUE TO TIME LIMIT" not in first, first[-3000:]
+    # through the save on the way out: the handler flagged the run, the trainer answered that step 1's
+    # checkpoint was written, and the job requeued on that line, not at the grace's end
+    assert "pdmctl: SLURM's USR2: the step under way finishes and is checkpointed" in first, first[-3000:]
+    assert "pdmctl: checkpointed on the way out at step 1" in first, first[-3000:]
+    assert "no checkpoint within 90 s" not in first, first[-3000:]
     # the job body started Ray's head in the allocation, and the trainer joined that cluster
     for log in (first, second):
         assert "Ray runtime started" in log and "pdmctl: 1 Ray node(s) up" in log, log[-3000:]
@@ -638,6 +647,13 @@ def test_a_preflight_on_slurm_trains_requeues_through_usr2_and_resumes_the_engin
     assert 1 <= len(pairs) <= 2, "an actor micro-batch per attempt"
     _check_topk_from_vllm(pairs)
     _check_mask_applied(pairs)
+    # the sweep's dry run of the setting now costs it from the preflight's measurements (the profile states
+    # no throughput for the tiny model: without them it would have no cost)
+    dry = pdmctl("sweep", *args, "--dry-run", cwd=tmp_path, env=env, timeout=300)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    text = " ".join(dry.stdout.split())
+    assert "rests on preflight engine.preflight's 1 run(s) of this setting" in text, dry.stdout[-3000:]
+    assert "measured a step of " in text, dry.stdout[-3000:]
 
 
 @pytest.mark.engine_long
