@@ -1,15 +1,28 @@
-"""The regime beside the paper's §4.2: `pdmctl analyze` prints it and writes it, from the run's own tokens."""
+"""`pdmctl analyze` on the testbed, one run for the file: its tables, JSON and figures, and the regime beside the
+paper's §4.2, printed and written from the run's own tokens."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import statistics
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from pdmctl.analysis.regime import regime_of, regime_rows
 from pdmctl.analysis.results import AnalysisResult
-from tests.conftest import pdmctl
+from tests.conftest import Result, pdmctl
+
+
+@pytest.fixture(scope="module")
+def analysis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Result]]:
+    """`pdmctl analyze` of 2 seeds with every protocol, its JSON and its figures, in a folder of its own."""
+    workdir = tmp_path_factory.mktemp("analyze")
+    res = pdmctl("analyze", "--seeds", "2", "backend.prompts_per_step=32", "--json", "analysis.json", "--figures",
+                 "figs", "--jobs", "2", cwd=workdir)  # fmt: skip
+    yield workdir, res
 
 
 def _independent(data: dict) -> dict:
@@ -28,9 +41,8 @@ def _independent(data: dict) -> dict:
     return {"tokens": tokens, "out": out, "per_seed": per_seed, "rates": rates, "pooled": pooled}
 
 
-def test_analyze_prints_and_writes_the_regime_from_its_own_tokens(workdir: Path) -> None:
-    res = pdmctl("analyze", "--seeds", "3", "backend.prompts_per_step=16", "--protocols", "counterfactual,carried",
-                 "--json", "analysis.json", "--jobs", "1", cwd=workdir)  # fmt: skip
+def test_analyze_prints_and_writes_the_regime_from_its_own_tokens(analysis: tuple[Path, Result]) -> None:
+    workdir, res = analysis
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads((workdir / "analysis.json").read_text())
     regime, count = data["regime"], _independent(data)
@@ -61,3 +73,22 @@ def test_analyze_prints_and_writes_the_regime_from_its_own_tokens(workdir: Path)
         p: c for p, c in result.protocol_comparisons.items() if p != "carried"}))  # fmt: skip
     assert without.realized_protocol is None and without.unsafe_keep_predictive is None
     assert "not measured" in regime_rows(without, 3)[-1][1]
+
+
+def test_analyze_prints_table_and_json(analysis: tuple[Path, Result]) -> None:
+    workdir, res = analysis
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "unsafe" in res.stdout.lower()
+    assert "counterfactual (main)" in res.stdout and "fresh-adam" in res.stdout  # the protocols, side by side
+    data = json.loads((workdir / "analysis.json").read_text())
+    assert data["protocol"] == "counterfactual" and list(data["protocol_comparisons"]) == [
+        "counterfactual", "carried", "fresh-adam", "sgd", "own-adam", "own-grad"]  # fmt: skip
+    assert data["model"] == "toy-small" and len(data["counterfactual"]) == 24  # 3 estimators × 2 × 2 × 2
+    # the primary metric, named before the run, with both intervals; the Holm family
+    assert "PRIMARY METRIC toy-small" in res.stdout and "seed-cluster bootstrap" in res.stdout
+    assert "95% t-interval" in res.stdout and "p Holm" in res.stdout
+    assert data["decomposition"] and data["logit_assumption"]  # the decomposition, in the JSON too
+    assert "ΔD decomposed" in res.stdout and "e_k − π" in res.stdout
+    assert data["setting"] == "stale" and len(data["disagreement_tokens"]) == 3  # the figures' data
+    assert sorted(p.name for p in (workdir / "figs").iterdir()) == [
+        "delta_d_cdf.png", "disagreements.png", "positions.png", "seed_pairs.png"]  # fmt: skip

@@ -431,6 +431,7 @@ def _failing_sweep(tmp_path: Path, failure: str, timeout: int, **env: str) -> tu
     return elapsed, " ".join(v for k, v in run.data.tags.items() if "reason" in k)
 
 
+@pytest.mark.engine_long  # a third engine start beside the sweep's two: by scripts/ci-engine.sh --all
 def test_failure_in_the_rollout_fails_the_run_and_leaves_nothing(tmp_path: Path) -> None:
     shm_before = {p.name for p in SHM.iterdir()}
     marker = "PDMCTL_VERL_FAIL=rollout"
