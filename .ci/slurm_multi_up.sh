@@ -160,6 +160,10 @@ SchedulerParameters=sched_interval=2,bf_interval=2
 SlurmdTimeout=20
 ReturnToService=2
 KillWait=5
+# a job's processes may take more than SLURM's default 60 s to end on a machine this loaded (a job's
+# process ending beside an engine's teardown of ~10 GB): past it, slurmd drains the node ("Kill task failed")
+# and every later job of the one-node cluster waits
+UnkillableStepTimeout=300
 SlurmdParameters=config_overrides
 MinJobAge=86400
 # batch jobs are requeueable by default: a job that loses a node is requeued, not ended

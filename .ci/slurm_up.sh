@@ -104,6 +104,10 @@ SchedulerParameters=sched_interval=2,bf_interval=2
 ReturnToService=2
 # SIGTERM -> SIGKILL grace: pdmctl's SLURM jobs leave SIGTERM to the scheduler
 KillWait=5
+# a job's processes may take more than SLURM's default 60 s to end on a machine this loaded (a job's
+# process ending beside an engine's teardown of ~10 GB): past it, slurmd drains the node ("Kill task failed")
+# and every later job of the one-node cluster waits
+UnkillableStepTimeout=300
 # the node may advertise more than the hardware has (a fake 8-GPU node on 2 cores)
 SlurmdParameters=config_overrides
 MinJobAge=86400
