@@ -96,6 +96,12 @@ def _server_call(method):
                                   + (f"of {who} (a wrong MLFLOW_TRACKING_PASSWORD, or no permission)" if who else
                                      "(none given): set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD")
                                   + f" ({said[:200]})") from exc  # fmt: skip
+            if re.search(r"ReadTimeout|Read timed out", str(exc)):
+                waited = os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", f"{HTTP_TIMEOUT_S:g}")
+                raise LedgerError(f"tracking server {_redact(self.uri)}: {method.__name__.strip('_')} got no answer "
+                                  f"within {waited} s (a hung or overloaded server; a just-started one answers "
+                                  "each worker's first call slowly): MLFLOW_HTTP_REQUEST_TIMEOUT=SECONDS waits "
+                                  "longer") from exc  # fmt: skip
             raise LedgerError(f"tracking server {_redact(self.uri)}: {method.__name__.strip('_')} failed "
                               f"({said[:300]})") from exc  # fmt: skip
 
