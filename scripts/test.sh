@@ -18,6 +18,9 @@ cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=$PWD/.venv/bin/python; else PYTHON=$(command -v python || command -v python3); fi
 fi
+# Three processes on the cores: each with one intra-op thread, unless the caller says otherwise (the tests' torch
+# work is small ops; a process's second thread, waiting for a core, holds the first at each op's end)
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 BASE="not engine and not multinode and not multinode_engine"  # pyproject's addopts; -m below replaces it
 LOG="$(mktemp /tmp/pdmctl-tests-cluster.XXXXXX)"
 CLUSTER_PID=""
