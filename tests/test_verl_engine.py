@@ -374,10 +374,12 @@ def test_the_loss_never_reads_verls_old_log_probs_at_any_micro_batch_of_either_r
 
 
 def test_analyze_engine_replays_the_snapshot_and_lands_on_verls_update(sweep: EngineSweep) -> None:
-    """`pdmctl analyze --engine verl RUN_DIR --step 1` on the PDM run's snapshot: VeRL's own gradients through
-    the replay's clip and AdamW land on VeRL's weights after the step within a few float32 ulps of the largest
-    weight, on every update of the step; the counterfactual rerun in float64 gives every own effect above the
-    float32 floor the same sign; the primary metric, its channels and the regime table are printed."""
+    """`pdmctl analyze --engine verl RUN_DIR --step 1` on the PDM run's snapshot, on every update of the step:
+    VeRL's own gradients through the replay's clip and AdamW, and the replay's whole kept-everything update
+    (its own forward: VeRL's packed micro-batches in bf16, as the snapshot recorded them), land on VeRL's
+    weights after the step within a few float32 ulps of the largest weight, the replay's gradient VeRL's own
+    to float32 rounding; the counterfactual rerun in float64 gives every own effect above the float32 floor the same
+    sign; the primary metric, its channels and the regime table are printed."""
     (run,) = [r for r in _runs(sweep.uri, sweep.name) if r.data.params.get("mask.method") == "pdm"]
     run_dir = next((sweep.root / "pdmctl-runs").glob(f"{sweep.name}/*/{run.info.run_id}"))
     started = time.monotonic()
@@ -389,6 +391,10 @@ def test_analyze_engine_replays_the_snapshot_and_lands_on_verls_update(sweep: En
     assert checks, result.stdout
     for diff, _, bound in checks:
         assert float(diff) <= float(bound), (diff, bound)
+    packed = re.findall(r"the replay's own forward \(VeRL's (\d+) packed micro-batch forward\(s\) in bf16\): "
+                        r"gradient (\S+) from VeRL's", result.stdout)  # fmt: skip
+    assert packed and len(checks) == 2 * len(packed), result.stdout
+    assert all(float(rel) <= 1e-6 for _, rel in packed), packed  # float32 rounding (0 here: the same ops in order)
     (agree, above), = re.findall(r"signs of own effects agree on (\d+)/(\d+) above the floor", result.stdout)
     assert agree == above, result.stdout
     for said in ("PRIMARY METRIC engine", "CHANNELS engine step 1", "whole step:", "clip held:",

@@ -1,17 +1,23 @@
 """One of VeRL's actor updates replayed offline from its snapshot (pdmctl.backends.verl.snapshot).
 
 The model is the run's own Hugging Face causal LM (`AutoModelForCausalLM` from the run's model directory)
-with the snapshot's weights; each sample's forward runs on its own unpadded tokens (what VeRL's packed
-forward computes per sequence). The loss is the actor's: `masks.token_diagnostics` on the response tokens'
+with the snapshot's weights. The loss is the actor's: `masks.token_diagnostics` on the response tokens'
 logits divided by the temperature, `masks.token_loss`, summed and divided by the mini-batch's token count
 (VeRL's token-mean over the global batch). The update is VeRL's: `clip_grad_norm_` at its clip_grad, then
 the snapshot's optimizer (AdamW with its lr, betas, eps, weight decay) from its carried state.
 
-`Replay.update(keep)` takes that update with a given keep mask in a given precision: `bf16` computes the
-forward in bfloat16 on float32 weights (the actor's mixed precision), `float32` and `float64` everything in
-that type. `optimizer_check` applies the clip and AdamW to VeRL's own gradients (recorded in the snapshot):
-that it lands on VeRL's weights after the step to float32 rounding checks the optimizer replay; the
-gradients of the replay's own forward are compared with VeRL's beside it.
+Precisions: `float32` and `float64` compute everything in that type, each sequence on its own. `bf16` is
+the actor's mixed precision, computed as VeRL computes it where the snapshot recorded VeRL's packed
+micro-batches: each micro-batch one forward over its sequences end to end (positions restarting at 0) on
+the weights cast to bfloat16 for that forward (so the micro-batches' gradients meet in float32, as FSDP's
+do), the logits divided by the temperature in bfloat16, the log-probs by a log-softmax in bfloat16 (VeRL's
+`logprobs_from_logits` without flash-attn's cross-entropy; with it, in float32) and the loss in float32.
+On CPU that gives VeRL's own gradients bit for bit. Without that record, each sequence runs on its own in
+bfloat16, and the gradients agree with VeRL's to bf16 precision only.
+
+`check_replay` applies the clip and AdamW to VeRL's own gradients (recorded in the snapshot), which checks
+the optimizer replay, and the replay's whole update (its own forward, every token as the run's mask
+decides) beside it: both against VeRL's weights after the step, at float32 rounding's reach.
 """
 
 from __future__ import annotations
@@ -135,6 +141,12 @@ class Replay:
         if opt["class"] not in ("AdamW", "Adam") or len(opt["param_groups"]) != 1:
             raise SnapshotError(f"the replay takes one AdamW parameter group, the run has {opt['class']} "
                                 f"with {len(opt['param_groups'])}")  # fmt: skip
+        packed = snapshot.get("micro_batches")
+        if packed is not None and sorted(i for group in packed for i in group) != list(range(len(self.samples))):
+            raise SnapshotError(f"the snapshot's micro-batches {packed} do not hold its {len(self.samples)} samples once each")
+        self.micro_batches: list[list[int]] | None = packed
+        # VeRL's log-probs from bf16 logits: a log-softmax in bf16, or flash-attn's cross-entropy (float32 inside)
+        self.bf16_log_softmax = s.get("log_probs_from", "log_softmax") == "log_softmax"
         self.group = opt["param_groups"][0]
         self.clip = float(opt["clip_grad"])
         self.scale = float(s["dp_size"]) / float(s["batch_num_tokens"])
@@ -148,6 +160,8 @@ class Replay:
         from torch.func import functional_call
 
         dtype = PRECISIONS[precision]
+        if precision == "bf16" and self.micro_batches:
+            return self._packed_logits(params)
         used = {n: p.to(dtype) for n, p in params.items()}
         out_dtype = torch.float64 if precision == "float64" else torch.float32
         found = []
@@ -155,6 +169,25 @@ class Replay:
             z = functional_call(self.model, used, (x.input_ids[None],), {"use_cache": False}).logits[0, x.rows]
             found.append(z.to(out_dtype) / self.settings["temperature"])
         return found
+
+    def _packed_logits(self, params: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """VeRL's forwards (module doc): bf16 values, held in float32 (losslessly) for the diagnostics."""
+        from torch.func import functional_call
+
+        temperature = float(self.settings["temperature"])
+        found: dict[int, torch.Tensor] = {}
+        for group in self.micro_batches or []:
+            used = {n: p.to(torch.bfloat16) for n, p in params.items()}  # cast per forward, as FSDP2 does
+            ids = torch.cat([self.samples[i].input_ids for i in group])[None]
+            positions = torch.cat([torch.arange(len(self.samples[i].input_ids)) for i in group])[None]
+            z = functional_call(self.model, used, (ids,), {"position_ids": positions, "use_cache": False}).logits[0]
+            if temperature != 1.0:  # VeRL divides in the logits' precision, by the temperature in it
+                z = z / torch.tensor(temperature).clamp(min=1e-8).to(z.dtype)
+            start = 0
+            for i in group:
+                found[i] = z[start + self.samples[i].rows].float()
+                start += len(self.samples[i].input_ids)
+        return [found[i] for i in range(len(self.samples))]
 
     def diagnostics(self, logits: list[torch.Tensor], method: str | None = None,
                     estimator: str | None = None) -> list[masks.Diagnostics]:  # fmt: skip
@@ -167,12 +200,14 @@ class Replay:
                 eps_low=m["eps_low"], eps_high=m["eps_high"], ratio_cap=m["ratio_cap"],
             ) for z, x in zip(logits, self.samples, strict=True)]  # fmt: skip
 
-    def loss(self, logits: list[torch.Tensor], keep: list[torch.Tensor]) -> torch.Tensor:
+    def loss(self, logits: list[torch.Tensor], keep: list[torch.Tensor], precision: str = "float32") -> torch.Tensor:
         """The actor's loss with the keep masks `keep` (one bool [T] per sample)."""
         m = self.mask
         total = logits[0].new_zeros(())
+        as_verl = precision == "bf16" and bool(self.micro_batches) and self.bf16_log_softmax
         for z, x, k, d in zip(logits, self.samples, keep, self.diagnostics(logits), strict=True):
-            log_prob = torch.log_softmax(z, -1).gather(-1, x.sampled_ids[:, None])[:, 0]
+            lsm = torch.log_softmax(z.to(torch.bfloat16), -1).float() if as_verl else torch.log_softmax(z, -1)
+            log_prob = lsm.gather(-1, x.sampled_ids[:, None])[:, 0]
             token_loss = masks.token_loss(m["method"], log_prob, d.ratio.to(z.dtype), x.advantages.to(z.dtype), k,
                                           ratio_cap=m["ratio_cap"], eps_low=m["eps_low"], eps_high=m["eps_high"])  # fmt: skip
             total = total + token_loss.sum()
@@ -182,7 +217,7 @@ class Replay:
         """The raw gradient of the loss with `keep`, on the start weights (float32, or float64)."""
         dtype = torch.float64 if precision == "float64" else torch.float32
         params = {n: p.clone().requires_grad_(True) for n, p in self.weights("weights_before", dtype).items()}
-        grads = torch.autograd.grad(self.loss(self.logits(params, precision), keep), list(params.values()),
+        grads = torch.autograd.grad(self.loss(self.logits(params, precision), keep, precision), list(params.values()),
                                     allow_unused=True)  # fmt: skip
         return {n: (g if g is not None else torch.zeros_like(params[n])).detach() for n, g in zip(params, grads, strict=True)}
 
@@ -239,6 +274,7 @@ class ReplayCheck:
     grad_norm_verl: float
     grad_norm_replay: float
     flipped: int  # tokens whose keep a float32 forward decides otherwise than the actor's precision's
+    micro_batches: int = 0  # VeRL's packed forwards the replay ran as VeRL did (0: each sequence alone)
 
 
 def _max_abs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -270,4 +306,5 @@ def check_replay(replay: Replay, precision: str = "bf16") -> ReplayCheck:
         optimizer_diff=_max_abs(from_verl, after), bound=ULPS * FLOAT32_EPS * largest,
         grad_rel_diff=float(gdiff.norm() / gall.norm().clamp_min(1e-30)), full_diff=_max_abs(mine, after),
         step_size=_max_abs(before, after), grad_norm_verl=norm_verl, grad_norm_replay=norm_mine, flipped=flipped,
+        micro_batches=len(replay.micro_batches or []) if precision == "bf16" else 0,
     )  # fmt: skip

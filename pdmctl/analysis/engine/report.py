@@ -77,14 +77,17 @@ def replay_lines(analysis: EngineAnalysis) -> list[str]:
         if c is None:
             continue
         ok = "within" if c.optimizer_diff <= c.bound else "ABOVE"
+        whole = "within" if c.full_diff <= c.bound else "ABOVE"
+        forward = (f"VeRL's {c.micro_batches} packed micro-batch forward(s) in bf16" if c.micro_batches else
+                   "each sequence alone in bf16: the snapshot has no record of VeRL's packed micro-batches")  # fmt: skip
         lines += [
             f"  update {u.run}/{u.index}: the run's own update replayed (every token as the run's mask decides) — VeRL's "
             f"gradients through the replay's clip and AdamW: max |Δw| {_e(c.optimizer_diff)} from VeRL's weights "
             f"after, {ok} float32 rounding's {_e(c.bound)}",
-            f"    the replay's own forward (the actor's bf16): gradient {_e(c.grad_rel_diff)} from VeRL's (relative "
-            f"norm; grad norm {c.grad_norm_replay:.6g} against VeRL's {c.grad_norm_verl:.6g}), weights after max "
-            f"|Δw| {_e(c.full_diff)} (VeRL's step moved them up to {_e(c.step_size)}); a float32 forward keeps "
-            f"{c.flipped} token(s) otherwise",
+            f"    the replay's own forward ({forward}): gradient {_e(c.grad_rel_diff)} from VeRL's (relative "
+            f"norm; grad norm {c.grad_norm_replay:.6g} against VeRL's {c.grad_norm_verl:.6g}); its whole update: "
+            f"max |Δw| {_e(c.full_diff)} from VeRL's weights after, {whole} float32 rounding's {_e(c.bound)} (VeRL's "
+            f"step moved them up to {_e(c.step_size)}); a float32 forward keeps {c.flipped} token(s) otherwise",
         ]  # fmt: skip
     sample = sample_counts(analysis.updates)
     lines.append("OUT-OF-REGION SAMPLE (up to " + str(SAMPLE) + " tokens an update, not disagreement tokens; the "

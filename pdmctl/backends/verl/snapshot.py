@@ -13,7 +13,11 @@ micro-batch, clip, AdamW step) is written to `<run dir>/snapshots/step-N/minibat
     batch            the mini-batch: per sample the input ids, response ids and mask, rollout log-probs,
                      advantages, the carried top-K (ids and log-probs, [T, K]); batch_num_tokens, dp_size
     settings         the mask's settings (actor_loss.MaskSettings), the loss mode and aggregation,
-                     temperature, the model's path and the precision the actor computes in
+                     temperature, the model's path, the precision the actor computes in and how VeRL
+                     takes log-probs from its logits (flash-attn's cross-entropy, or a log-softmax in
+                     the logits' precision)
+    micro_batches    the samples of each micro-batch's packed forward, in order (None where VeRL did not
+                     run the update's forwards on packed rows), so that the replay runs the same forwards
 
 Every value is a tensor, number, string, bool, None, or a list / tuple / dict of them: the file loads
 with `torch.load(weights_only=True)`. The step is the trainer's global step: counted in this process
@@ -147,7 +151,43 @@ def _settings(worker: Any, data: Any) -> dict[str, Any]:
         "param_dtype": str(mixed.get("param_dtype", "bf16")) if hasattr(mixed, "get") else "bf16",
         "batch_num_tokens": int(tu.get(data, "batch_num_tokens")),
         "dp_size": int(tu.get(data, "dp_size", default=1)),
+        "log_probs_from": _log_probs_from(),
     }
+
+
+def _log_probs_from() -> str:
+    """How VeRL's `logprobs_from_logits` takes the log-probs here: flash-attn's cross-entropy (float32 inside),
+    or a log-softmax row by row in the logits' own precision (its path without flash-attn, as on CPU)."""
+    from verl.utils import torch_functional
+
+    flash = getattr(torch_functional, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False)  # VeRL's own spelling
+    return "flash_attn" if flash and os.environ.get("VERL_DISABLE_FLASH_ATTN_CE", "0") != "1" else "log_softmax"
+
+
+def micro_batches(forwards: list[tuple[torch.Tensor, torch.Tensor | None]],
+                  samples: list[torch.Tensor]) -> list[list[int]] | None:
+    """Which samples each of the update's forwards packed, in their order: VeRL's remove-padding forward takes a
+    micro-batch as one row, its sequences end to end with their positions restarting at 0. None where a forward
+    was not one packed row, a sequence matches no sample (padding, another layout) or a sample was in none."""
+    left = list(range(len(samples)))
+    found = []
+    for ids, position in forwards:
+        if ids.dim() != 2 or ids.shape[0] != 1 or position is None or position.shape[-1] != ids.shape[1]:
+            return None
+        starts = (position.reshape(-1, ids.shape[1])[0] == 0).nonzero().squeeze(1).tolist()  # mrope: 3-4 rows alike
+        if not starts or starts[0] != 0:
+            return None
+        group = []
+        for a, b in zip(starts, [*starts[1:], ids.shape[1]], strict=True):
+            piece = ids[0, a:b].long()
+            match = next((i for i in left if samples[i].shape == piece.shape and torch.equal(samples[i].long(), piece)),
+                         None)  # fmt: skip
+            if match is None:
+                return None
+            left.remove(match)
+            group.append(match)
+        found.append(group)
+    return found if found and not left else None
 
 
 def train_batch(worker: Any, data: Any, original: Any) -> Any:
@@ -170,9 +210,20 @@ def train_batch(worker: Any, data: Any, original: Any) -> Any:
         return original_step()
 
     engine.optimizer_step = optimizer_step
+    forwards: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def record(module: Any, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        position = kwargs.get("position_ids")
+        if isinstance(ids, torch.Tensor):
+            forwards.append((ids.detach().to("cpu", copy=True),
+                             position.detach().to("cpu", copy=True) if isinstance(position, torch.Tensor) else None))  # fmt: skip
+
+    hook = engine.module.register_forward_pre_hook(record, with_kwargs=True)
     try:
         result = original(worker, data)
     finally:
+        hook.remove()
         del engine.optimizer_step  # the class's method again
     after = _model_state(engine.module)
     index = _STATE["minibatch"]
@@ -185,6 +236,7 @@ def train_batch(worker: Any, data: Any, original: Any) -> Any:
         "optimizer": {**optimizer, "clip_grad": float(engine.optimizer_config.clip_grad)},
         "grads": captured.get("grads", {}), "batch": _batch(data), "settings": _settings(worker, data),
     }  # fmt: skip
+    record["micro_batches"] = micro_batches(forwards, record["batch"].get("input_ids") or [])
     path = directory / f"step-{step}" / f"minibatch-{index}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(record, path.with_suffix(".tmp"))
