@@ -160,7 +160,7 @@ class Replay:
         from torch.func import functional_call
 
         dtype = PRECISIONS[precision]
-        if precision == "bf16" and self.micro_batches:
+        if self.as_verl(precision):
             return self._packed_logits(params)
         used = {n: p.to(dtype) for n, p in params.items()}
         out_dtype = torch.float64 if precision == "float64" else torch.float32
@@ -169,6 +169,10 @@ class Replay:
             z = functional_call(self.model, used, (x.input_ids[None],), {"use_cache": False}).logits[0, x.rows]
             found.append(z.to(out_dtype) / self.settings["temperature"])
         return found
+
+    def as_verl(self, precision: str) -> bool:
+        """Whether `precision` runs VeRL's own forwards: bf16 on a snapshot that recorded its micro-batches."""
+        return precision == "bf16" and bool(self.micro_batches)
 
     def _packed_logits(self, params: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """VeRL's forwards (module doc): bf16 values, held in float32 (losslessly) for the diagnostics."""
@@ -204,7 +208,7 @@ class Replay:
         """The actor's loss with the keep masks `keep` (one bool [T] per sample)."""
         m = self.mask
         total = logits[0].new_zeros(())
-        as_verl = precision == "bf16" and bool(self.micro_batches) and self.bf16_log_softmax
+        as_verl = self.as_verl(precision) and self.bf16_log_softmax
         for z, x, k, d in zip(logits, self.samples, keep, self.diagnostics(logits), strict=True):
             lsm = torch.log_softmax(z.to(torch.bfloat16), -1).float() if as_verl else torch.log_softmax(z, -1)
             log_prob = lsm.gather(-1, x.sampled_ids[:, None])[:, 0]
@@ -306,5 +310,5 @@ def check_replay(replay: Replay, precision: str = "bf16") -> ReplayCheck:
         optimizer_diff=_max_abs(from_verl, after), bound=ULPS * FLOAT32_EPS * largest,
         grad_rel_diff=float(gdiff.norm() / gall.norm().clamp_min(1e-30)), full_diff=_max_abs(mine, after),
         step_size=_max_abs(before, after), grad_norm_verl=norm_verl, grad_norm_replay=norm_mine, flipped=flipped,
-        micro_batches=len(replay.micro_batches or []) if precision == "bf16" else 0,
+        micro_batches=len(replay.micro_batches or []) if replay.as_verl(precision) else 0,
     )  # fmt: skip

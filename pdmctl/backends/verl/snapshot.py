@@ -212,14 +212,14 @@ def train_batch(worker: Any, data: Any, original: Any) -> Any:
     engine.optimizer_step = optimizer_step
     forwards: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
-    def record(module: Any, args: tuple, kwargs: dict) -> None:
+    def note_forward(module: Any, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         position = kwargs.get("position_ids")
         if isinstance(ids, torch.Tensor):
             forwards.append((ids.detach().to("cpu", copy=True),
                              position.detach().to("cpu", copy=True) if isinstance(position, torch.Tensor) else None))  # fmt: skip
 
-    hook = engine.module.register_forward_pre_hook(record, with_kwargs=True)
+    hook = engine.module.register_forward_pre_hook(note_forward, with_kwargs=True)
     try:
         result = original(worker, data)
     finally:
